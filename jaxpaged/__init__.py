@@ -1,0 +1,8 @@
+"""jaxpaged: a small LLM inference engine on JAX (paged KV cache, continuous batching, Pallas kernels)."""
+from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from jaxpaged.sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
+           "CompletionOutput"]
+__version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""The one place that picks an attention implementation for the model.
+
+`reference`: plain JAX over the paged pool (the CPU path, and the oracle of the kernels).
+`pallas`: the Pallas kernels — the decode kernel for decode-only steps, the ragged kernel otherwise;
+on a machine without a GPU they run in interpret mode (slow; for tests).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+
+def resolve_backend(name: str) -> str:
+    """'auto' -> 'pallas' on GPU, 'reference' elsewhere."""
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if name not in ("reference", "pallas"):
+        raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {name!r}")
+    return name
+
+
+def make_attention(backend: str, decode_only: bool):
+    """attn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1])."""
+    if backend == "reference":
+        return ragged_paged_attention_reference
+    interpret = jax.default_backend() != "gpu"
+    from pallas_kernels import paged_attention, ragged_paged_attention
+    if not decode_only:
+        return functools.partial(ragged_paged_attention, interpret=interpret)
+
+    def decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
+        # decode-only: slot i's single query is row query_start_loc[i] (empty slots: seq_lens 0)
+        S, T = seq_lens.shape[0], q.shape[0]
+        rows = jnp.minimum(query_start_loc[:S], T - 1)
+        out = paged_attention(q[rows], k_pool, v_pool, block_tables, seq_lens, interpret=interpret)
+        slot_of_row = jnp.searchsorted(query_start_loc[1:], jnp.arange(T), side="right")
+        valid = jnp.arange(T) < query_start_loc[S]
+        return jnp.where(valid[:, None, None], out[jnp.minimum(slot_of_row, S - 1)], 0).astype(q.dtype)
+    return decode

@@ -1,0 +1,139 @@
+"""Host bookkeeping of the block pool: free blocks, ref counts, the prefix cache, LRU eviction.
+
+Block 0 is the null block and is never handed out. A full block may be registered in the prefix
+cache under the key (parent key's hash, its token ids): equal keys mean equal token prefixes, since
+dict lookup compares the token ids themselves. A cached block whose ref count drops to 0 stays cached
+and becomes evictable; evictable blocks are reused least recently freed first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from jaxpaged.request import Request
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(1, num_blocks))  # not cached, ref 0
+        self.evictable: OrderedDict[int, None] = OrderedDict()      # cached, ref 0, oldest first
+        self.cache: dict[tuple, int] = {}                            # key -> block id
+        self.block_key: dict[int, tuple] = {}                        # block id -> key
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    # -- counts ---------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks) + len(self.evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - 1 - self.num_free_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+    # -- keys -----------------------------------------------------------------------------
+    def _key(self, req: Request, i: int) -> tuple:
+        """Prefix-cache key of the request's i-th full block (computed once, kept on the request)."""
+        while len(req.block_keys) <= i:
+            j = len(req.block_keys)
+            parent = hash(req.block_keys[j - 1]) if j else None
+            bs = self.block_size
+            req.block_keys.append((parent, tuple(req.token_ids[j * bs:(j + 1) * bs])))
+        return req.block_keys[i]
+
+    # -- allocation -----------------------------------------------------------------------
+    def _take(self, block: int) -> None:
+        if self.ref_count[block] == 0 and block in self.evictable:
+            del self.evictable[block]
+        self.ref_count[block] += 1
+
+    def _new_block(self) -> int:
+        if self.free_blocks:
+            b = self.free_blocks.popleft()
+        else:
+            b, _ = self.evictable.popitem(last=False)
+            del self.cache[self.block_key.pop(b)]
+        self.ref_count[b] = 1
+        return b
+
+    def match_prefix(self, req: Request) -> int:
+        """On admission, take the longest cached prefix of full blocks; return the tokens it covers.
+
+        A hit never covers the request's last token (that token must be computed to sample from)."""
+        if req.block_ids:
+            raise RuntimeError(f"request {req.request_id} already holds blocks")
+        max_blocks = (len(req.token_ids) - 1) // self.block_size
+        if req.sibling is not None and req.sibling.num_computed_tokens >= req.num_prompt_tokens \
+                and req.sibling.block_ids:
+            # n > 1: share the sibling's full prompt blocks directly (works without the prefix cache)
+            shared = req.sibling.block_ids[:min(max_blocks, req.num_prompt_tokens // self.block_size)]
+            for b in shared:
+                self._take(b)
+            req.block_ids = list(shared)
+            return len(shared) * self.block_size
+        if not self.enable_prefix_caching:
+            return 0
+        self.queried_tokens += len(req.token_ids)
+        for i in range(max_blocks):
+            b = self.cache.get(self._key(req, i))
+            if b is None:
+                break
+            self._take(b)
+            req.block_ids.append(b)
+        n = len(req.block_ids) * self.block_size
+        self.hit_tokens += n
+        return n
+
+    def blocks_needed(self, req: Request, num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.num_free_blocks
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Give the request enough blocks to hold `num_tokens` tokens; False (nothing taken) if short."""
+        need = self.blocks_needed(req, num_tokens)
+        if need > self.num_free_blocks:
+            return False
+        req.block_ids.extend(self._new_block() for _ in range(need))
+        return True
+
+    def cache_blocks(self, req: Request) -> None:
+        """Register the request's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        for i in range(req.num_computed_tokens // self.block_size):
+            b = req.block_ids[i]
+            if b in self.block_key:
+                continue
+            key = self._key(req, i)
+            if key not in self.cache:  # an equal block cached by another request stays the cached one
+                self.cache[key] = b
+                self.block_key[b] = key
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references; blocks reaching 0 become free (tail first) or evictable."""
+        for b in reversed(req.block_ids):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] < 0:
+                raise RuntimeError(f"block {b} freed more often than taken")
+            if self.ref_count[b] == 0:
+                if b in self.block_key:
+                    self.evictable[b] = None
+                else:
+                    self.free_blocks.append(b)
+        req.block_ids = []
+
+    def reset_prefix_cache(self) -> None:
+        for b in list(self.evictable):
+            del self.cache[self.block_key.pop(b)]
+            self.free_blocks.append(b)
+        self.evictable.clear()

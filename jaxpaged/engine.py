@@ -1,0 +1,301 @@
+"""LLMEngine (add_request / step / abort_request) and LLM (offline generate).
+
+`step()` reads as three calls: the scheduler decides, the runner computes, the scheduler updates;
+then the engine applies stop conditions and builds outputs.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
+from jaxpaged.sampling import SamplingParams
+from jaxpaged.scheduler import Scheduler
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
+from jaxpaged.weights import count_tensors, load_params
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | None while running
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time
+
+
+@dataclass(eq=False)
+class _Group:
+    """One user request: its n samples and their detokenizers."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[Request]
+    detoks: list[IncrementalDetokenizer]
+    arrival: float
+    finished_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = cfg = config
+        model_dir = cfg.model
+        if model_dir is None:
+            from jaxpaged.default_model import default_model_dir
+            model_dir = default_model_dir()
+        if not os.path.isdir(model_dir):
+            raise ValueError(f"model directory {model_dir!r} does not exist")
+        self.model_dir = model_dir
+        self.model_config = mc = ModelConfig.from_dir(model_dir)
+        limit = mc.max_position_embeddings
+        self.max_model_len = cfg.max_model_len or min(limit, 4096)
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({limit})")
+        if mc.sliding_window is not None and mc.sliding_window < self.max_model_len:
+            raise ValueError(f"{model_dir}: sliding-window attention (window {mc.sliding_window}) is not "
+                             f"supported; pass max_model_len <= {mc.sliding_window}")
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        eos = set(mc.eos_token_ids) | generation_eos_ids(model_dir)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+
+        from tqdm.auto import tqdm
+        t0 = time.perf_counter()
+        with tqdm(total=count_tensors(mc), desc="loading weights", unit="tensor",
+                  disable=not cfg.show_progress) as bar:
+            params = load_params(model_dir, mc, cfg.dtype, progress=bar)
+        self.load_seconds = time.perf_counter() - t0
+
+        self.num_blocks = self._num_blocks()
+        self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len)
+        del params
+        if cfg.warmup:
+            self.runner.warmup(cfg.show_progress)
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.groups: dict[str, _Group] = {}
+        self._rng = np.random.default_rng(cfg.seed)
+        self._ids = itertools.count()
+
+    def _num_blocks(self) -> int:
+        cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype)
+        n = int(cfg.kv_cache_memory_gb * 2 ** 30) // per_block
+        if n < per_seq + 1:
+            raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {n} blocks, fewer than one "
+                             f"max_model_len ({self.max_model_len}) request needs ({per_seq}); raise it")
+        return min(n, cfg.max_num_seqs * per_seq + 1)
+
+    # -- requests -------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir} has no tokenizer files: give prompts as "
+                                 "{'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" not in prompt:
+                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
+            ids = prompt["prompt_token_ids"]
+        else:
+            ids = prompt
+        if not isinstance(ids, (list, tuple)) or not all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
+            raise ValueError(f"prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        return None, [int(t) for t in ids]
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id."""
+        params = params or SamplingParams()
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = self._prompt_ids(prompt)
+        V, L = self.model_config.vocab_size, self.max_model_len
+        if not ids:
+            raise ValueError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (vocab_size {V})")
+        if len(ids) >= L:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {L} (a prompt must leave "
+                             "room for at least one generated token)")
+        max_tokens = params.max_tokens if params.max_tokens is not None else L - len(ids)
+        if len(ids) + max_tokens > L:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"max_model_len ({L})")
+        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        if need > self.num_blocks - 1:
+            raise ValueError(f"request needs {need} KV blocks, the pool has {self.num_blocks - 1}")
+        if params.logprobs is not None and params.logprobs > self.runner.num_logprobs:
+            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.runner.num_logprobs})")
+        if params.min_tokens and len(self.eos_token_ids) + len(params.stop_token_ids) > NUM_BANNED:
+            raise ValueError(f"min_tokens with more than {NUM_BANNED} stop/EOS token ids is not supported")
+        if params.max_tokens is None:
+            params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
+        base_seed = int(self._rng.integers(2 ** 32)) if params.seed is None else params.seed
+        now = time.monotonic() if arrival_time is None else arrival_time
+        samples, detoks = [], []
+        for i in range(params.n):
+            req = Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id,
+                          index=i, prompt_token_ids=ids, params=params,
+                          seed=(base_seed + i * 0x9E3779B9) % 2 ** 32, eos_token_ids=self.eos_token_ids,
+                          arrival=now, sibling=samples[0] if samples else None)
+            samples.append(req)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens))
+        self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now)
+        for req in samples:
+            self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish the request now and free its blocks (a no-op for unknown or finished ids)."""
+        group = self.groups.pop(str(request_id), None)
+        if group is not None:
+            for req in group.samples:
+                self.scheduler.abort(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- one step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Advance every running request by one scheduled chunk; return outputs of those that changed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        got = self.scheduler.update_from_output(out, sampled)
+        now = time.monotonic()
+        touched: dict[str, _Group] = {}
+        for req in got:
+            group = self.groups[req.group_id]
+            touched[req.group_id] = group
+            if req.first_token_time is None:
+                req.first_token_time = now
+            reason = self._check_stop(req, group.detoks[req.index])
+            if reason:
+                self.scheduler.finish(req, reason)
+        outputs = []
+        for group in touched.values():
+            finished = all(r.is_finished for r in group.samples)
+            if finished:
+                group.finished_time = now
+                del self.groups[group.request_id]
+            outputs.append(self._output(group, finished))
+        return outputs
+
+    def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> str | None:
+        p, tok = req.params, req.token_ids[-1]
+        stop_string = detok.add(tok)
+        if req.num_output_tokens >= p.min_tokens:
+            if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or stop_string:
+                return "stop"
+        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, group: _Group, finished: bool) -> RequestOutput:
+        outs = [CompletionOutput(r.index, d.visible_text(r.is_finished), r.output_token_ids,
+                                 list(r.logprobs) if r.logprobs is not None else None, r.finish_reason)
+                for r, d in zip(group.samples, group.detoks)]
+        first = [r.first_token_time for r in group.samples if r.first_token_time is not None]
+        metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
+                       finished_time=group.finished_time)
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
+                             group.samples[0].num_cached_tokens, metrics)
+
+    def stats(self) -> dict:
+        bm, sch = self.block_manager, self.scheduler
+        total = self.num_blocks - 1
+        return dict(num_preemptions=sch.num_preemptions, num_compilations=self.runner.num_compilations,
+                    num_buckets=len(self.runner.variants()), compile_seconds=self.runner.compile_seconds,
+                    kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
+                    kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+                    num_running=len(sch.running), num_waiting=len(sch.waiting),
+                    load_seconds=self.load_seconds, attention_backend=self.runner.backend)
+
+
+class LLM:
+    """Offline generation: `LLM(model=DIR, ...).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments are EngineConfig fields (model, dtype, block_size, num_kv_blocks, max_num_seqs,
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend, ...). With no
+    model, the embedded default model (SmolLM2-135M-Instruct) is fetched and converted once.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (string, token-id list or {'prompt_token_ids': [...]}), in input order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                               and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        eng = self.engine
+        ids = [f"llm-{next(eng._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                eng.add_request(rid, prompt, p)
+        except ValueError:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        from tqdm.auto import tqdm
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req",
+                  disable=not (use_tqdm and eng.config.show_progress)) as bar:
+            while len(done) < len(ids) and eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def chat(self, messages_list, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of {'role', 'content'}) through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model directory has none")
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(m)} for m in messages_list]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        return self.engine.stats()

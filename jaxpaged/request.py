@@ -1,0 +1,59 @@
+"""Host state of one request (one sample of a user request; `n > 1` makes n of these, one group)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from jaxpaged.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str                       # unique per sample: "<group id>" or "<group id>#<index>"
+    group_id: str                         # the user's request id
+    index: int                            # which of the group's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                             # effective seed (the user's, or drawn by the engine)
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival: float = 0.0
+    token_ids: list[int] = field(default_factory=list)   # prompt + output
+    num_computed_tokens: int = 0          # tokens whose K/V are in the pool
+    block_ids: list[int] = field(default_factory=list)
+    block_keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of full blocks, in order
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    num_cached_tokens: int = 0            # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    finish_reason: str | None = None      # "stop" | "length" | "abort"
+    logprobs: list[dict[int, float]] | None = None
+    first_token_time: float | None = None
+    sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

@@ -1,0 +1,192 @@
+"""The jit boundary: params and the KV pool on device, scheduler output -> padded arrays -> one step.
+
+Every step has the same shapes except the token count T, padded up to a bucket (powers of two up to
+`max_num_batched_tokens`); each bucket (and, with the Pallas backend, a decode-only variant of the
+small ones) is compiled ahead of time at start-up, so a running engine never compiles.
+"""
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.attention import make_attention, resolve_backend
+from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.models.llama import forward
+from jaxpaged.sampling import sample
+from jaxpaged.scheduler import SchedulerOutput
+
+NUM_BANNED = 16  # ids suppressed while a request is below min_tokens (EOS + stop ids)
+
+
+def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
+    out, b = [], smallest
+    while b < max_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_tokens]
+
+
+def _step(params, k_pool, v_pool, batch, sp, *, cfg, attn_fn, num_logprobs):
+    logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
+    tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
+    return (tokens, tok_lp, top_lp, top_ids), k_pool, v_pool
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params: dict, num_blocks: int,
+                 max_model_len: int):
+        self.model_cfg, self.cfg = model_cfg, cfg
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.num_blocks, self.block_size = num_blocks, cfg.block_size
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
+        self.backend = resolve_backend(cfg.attention_backend)
+        if cfg.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+        self.params = jax.device_put(params)
+        L, Hkv, hd = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+        pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd]
+        self.k_pool = jnp.zeros(pool_shape, self.dtype)
+        self.v_pool = jnp.zeros(pool_shape, self.dtype)
+        self.buckets = token_buckets(cfg.max_num_batched_tokens)
+        self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
+        self._compiled: dict[tuple[int, bool], object] = {}
+        self.compile_seconds = 0.0
+        S = cfg.max_num_seqs
+        # host arrays reused every step
+        self._block_tables = np.zeros((S, self.max_blocks_per_seq), np.int32)
+        self._history = np.full((S, max_model_len), -1, np.int32)
+
+    # -- compilation ----------------------------------------------------------------------
+    def variants(self) -> list[tuple[int, bool]]:
+        v = [(t, False) for t in self.buckets]
+        if self.backend == "pallas":  # decode-only steps use the decode kernel
+            v += [(t, True) for t in self.buckets if t <= max(self.cfg.max_num_seqs, self.buckets[0])]
+        return v
+
+    @property
+    def num_compilations(self) -> int:
+        return len(self._compiled)
+
+    def _compile(self, T: int, decode_only: bool):
+        fn = functools.partial(_step, cfg=self.model_cfg, num_logprobs=self.num_logprobs,
+                               attn_fn=make_attention(self.backend, decode_only))
+        batch, sp = self._dummy(T)
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(
+            self.params, self.k_pool, self.v_pool, batch, sp).compile()
+        self.compile_seconds += time.perf_counter() - t0
+        self._compiled[(T, decode_only)] = compiled
+        return compiled
+
+    def warmup(self, show_progress: bool = True) -> None:
+        """Compile every step variant now (persistently cached on disk across starts)."""
+        todo = [v for v in self.variants() if v not in self._compiled]
+        from tqdm.auto import tqdm
+        for T, d in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
+            self._compile(T, d)
+
+    def _dummy(self, T: int):
+        S = self.cfg.max_num_seqs
+        z = np.zeros
+        batch = dict(input_ids=z(T, np.int32), positions=z(T, np.int32), slot_mapping=z(T, np.int32),
+                     block_tables=self._block_tables.copy(), seq_lens=z(S, np.int32),
+                     query_start_loc=z(S + 1, np.int32), logits_indices=z(S, np.int32))
+        return batch, self._sampling_arrays([], S)
+
+    # -- one step -------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens ({self.buckets[-1]})")
+
+    def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, dict | None]]:
+        """Run one step; return slot -> (sampled token, {token id: logprob} or None)."""
+        S, bs = self.cfg.max_num_seqs, self.block_size
+        T = self.bucket_for(out.num_tokens)
+        input_ids = np.zeros(T, np.int32)
+        positions = np.zeros(T, np.int32)
+        slot_mapping = np.zeros(T, np.int32)
+        seq_lens = np.zeros(S, np.int32)
+        qsl = np.zeros(S + 1, np.int32)
+        logits_idx = np.zeros(S, np.int32)
+        tables = self._block_tables
+        tables.fill(0)
+        counts = np.zeros(S, np.int32)
+        t = 0
+        for req, n in out.scheduled:
+            s, c = req.slot, req.num_computed_tokens
+            pos = np.arange(c, c + n, dtype=np.int32)
+            blocks = np.asarray(req.block_ids, np.int32)
+            input_ids[t:t + n] = req.token_ids[c:c + n]
+            positions[t:t + n] = pos
+            slot_mapping[t:t + n] = blocks[pos // bs] * bs + pos % bs
+            tables[s, :len(blocks)] = blocks
+            seq_lens[s] = c + n
+            counts[s] = n
+            logits_idx[s] = t + n - 1
+            t += n
+        qsl[1:] = np.cumsum(counts)
+        batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
+                     block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl, logits_indices=logits_idx)
+        sp = self._sampling_arrays(out.scheduled, S)
+        key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
+        fn = self._compiled.get(key) or self._compile(*key)
+        (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = fn(
+            self.params, self.k_pool, self.v_pool, batch, sp)
+        tokens = np.asarray(tokens)
+        want_lp = [r for r, _ in out.scheduled if r.params.logprobs is not None]
+        if want_lp:
+            tok_lp, top_lp, top_ids = np.asarray(tok_lp), np.asarray(top_lp), np.asarray(top_ids)
+        result = {}
+        for req, _ in out.scheduled:
+            s = req.slot
+            lp = None
+            if req.params.logprobs is not None:
+                k = req.params.logprobs
+                lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
+                lp[int(tokens[s])] = float(tok_lp[s])
+            result[s] = (int(tokens[s]), lp)
+        return result
+
+    def _sampling_arrays(self, scheduled, S: int) -> dict:
+        f32, i32 = np.float32, np.int32
+        sp = dict(temperature=np.zeros(S, f32), top_p=np.ones(S, f32), top_k=np.zeros(S, i32),
+                  min_p=np.zeros(S, f32), seed=np.zeros(S, np.uint32), gen_index=np.zeros(S, i32),
+                  banned=np.full((S, NUM_BANNED), -1, i32), prompt_len=np.zeros(S, i32),
+                  history_len=np.zeros(S, i32), presence_penalty=np.zeros(S, f32),
+                  frequency_penalty=np.zeros(S, f32), repetition_penalty=np.ones(S, f32))
+        any_pen = any_filter = False
+        all_greedy = True
+        for req, _ in scheduled:
+            s, p = req.slot, req.params
+            sp["temperature"][s] = p.temperature
+            sp["top_p"][s], sp["top_k"][s], sp["min_p"][s] = p.top_p, p.top_k, p.min_p
+            sp["seed"][s] = req.seed
+            sp["gen_index"][s] = req.num_output_tokens
+            all_greedy &= p.temperature == 0
+            any_filter |= p.top_p < 1 or p.top_k > 0 or p.min_p > 0
+            if req.num_output_tokens < p.min_tokens:
+                ban = ([] if p.ignore_eos else sorted(req.eos_token_ids)) + p.stop_token_ids
+                sp["banned"][s, :len(ban)] = ban[:NUM_BANNED]
+            if p.uses_penalties:
+                any_pen = True
+                h = len(req.token_ids)
+                self._history[s, :h] = req.token_ids
+                sp["prompt_len"][s], sp["history_len"][s] = req.num_prompt_tokens, h
+                sp["presence_penalty"][s] = p.presence_penalty
+                sp["frequency_penalty"][s] = p.frequency_penalty
+                sp["repetition_penalty"][s] = p.repetition_penalty
+        sp["history"] = self._history
+        sp["any_penalty"], sp["any_filter"] = np.bool_(any_pen), np.bool_(any_filter)
+        sp["all_greedy"] = np.bool_(all_greedy)
+        return sp

@@ -1,0 +1,152 @@
+"""SamplingParams (host, validated) and the pure batched sampler that runs inside the step.
+
+Every slot carries its own parameters. A slot's random key is `fold_in(key(seed), index of the token
+being generated)`, so a request's samples depend only on its own seed and tokens, never on the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the logits, before penalties,
+temperature and filtering), as in vLLM.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request. Names and meanings follow vLLM; values are checked on creation."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                 # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16    # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None    # top-N logprobs per generated token
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        def bad(name, want):
+            raise ValueError(f"SamplingParams.{name} {want}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            bad("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            bad("min_p", "must be in [0, 1]")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 32):
+            bad("seed", "must be an integer in [0, 2**32)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be an integer >= 1")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
+            bad("logprobs", "must be an integer >= 0")
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+
+def _penalize(logits, h):
+    """vLLM's penalties from the token history: repetition over prompt+output, the others output only."""
+    S, V = logits.shape
+    hist, plen, hlen = h["history"], h["prompt_len"], h["history_len"]  # [S, M], [S], [S]
+    pos = jnp.arange(hist.shape[1])[None, :]
+    ids = jnp.where((pos < hlen[:, None]) & (hist >= 0), hist, V)  # V = dropped
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
+    is_out = (pos >= plen[:, None]).astype(jnp.int32)
+    counts = jnp.zeros((S, V), jnp.int32).at[rows, ids].add(is_out, mode="drop")  # output counts
+    seen = jnp.zeros((S, V), jnp.bool_).at[rows, ids].set(True, mode="drop")  # prompt or output
+    rep = h["repetition_penalty"][:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - h["frequency_penalty"][:, None] * counts
+    return logits - h["presence_penalty"][:, None] * (counts > 0)
+
+
+def _filter(scaled, sp):
+    """Mask tokens outside top_k / top_p / min_p (per slot) to -inf. scaled: [S, V] logits/temperature."""
+    V = scaled.shape[1]
+    srt = -jnp.sort(-scaled, axis=-1)  # [S, V] descending
+    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)  # [S, 1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
+    keep_sorted = cum < sp["top_p"][:, None]
+    n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
+    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # p >= min_p * p_max
+    thresh = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sp["min_p"][:, None] > 0, mth, -jnp.inf))
+    return jnp.where(scaled >= thresh, scaled, _NEG_INF)
+
+
+def sample(logits, sp, num_logprobs: int):
+    """Sample one token per slot.
+
+    logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
+    min_p f32[S], seed u32[S], gen_index i32[S], banned i32[S, NB] (ids masked, -1 = none),
+    history i32[S, M], prompt_len/history_len i32[S], presence/frequency/repetition_penalty f32[S],
+    any_penalty bool[], any_filter bool[], all_greedy bool[].
+    Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K].
+    """
+    S, V = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+
+    logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
+    banned = sp["banned"]
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)
+    logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
+    greedy_tok = jnp.argmax(logits, axis=-1)
+
+    def sampled(logits):
+        temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
+        scaled = logits / temp[:, None]
+        scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, scaled, sp)
+
+        def one(seed, idx, row):
+            key = jax.random.fold_in(jax.random.key(seed), idx)
+            return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype))
+        drawn = jax.vmap(one)(sp["seed"], sp["gen_index"], scaled)
+        return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
+
+    tokens = jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits).astype(jnp.int32)
+    tok_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    return tokens, tok_lp, top_lp, top_ids.astype(jnp.int32)

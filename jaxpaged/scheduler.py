@@ -1,0 +1,142 @@
+"""Continuous batching: which requests advance by how many tokens this step, within the budgets.
+
+Prefill and decode are one thing: a request catches up `num_computed_tokens` to `len(token_ids)`.
+Running requests go first (oldest first), then waiting ones are admitted FCFS into free slots. When a
+running request cannot get a block, the newest running request is preempted (its blocks freed, back to
+the front of the waiting queue, recomputed later).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens), slot order
+    num_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last is the newest
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
+        self.num_preemptions = 0
+
+    # -- queue ----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """Finish a request wherever it is (running, waiting); frees its blocks and slot."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self._release(req)
+        else:
+            self.waiting.remove(req)
+            self.bm.free(req)
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
+
+    def _release(self, req: Request) -> None:
+        self.bm.free(req)
+        self.free_slots.append(req.slot)
+        req.slot = None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    # -- one step -------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        steps: dict[int, tuple[Request, int]] = {}
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            while not self.bm.allocate(req, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                steps.pop(victim.slot, None)
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                steps[req.slot] = (req, n)
+                budget -= n
+        budget = self.max_num_batched_tokens - sum(n for _, n in steps.values())
+        while self.waiting and self.free_slots and budget > 0 and not out.preempted:
+            req = self.waiting[0]
+            sib = req.sibling
+            if sib is not None and sib.status is RequestStatus.RUNNING \
+                    and sib.num_computed_tokens < sib.num_prompt_tokens:
+                break  # wait for sample 0's prompt, then share its blocks
+            cached = self.bm.match_prefix(req)
+            n = min(len(req.token_ids) - cached, budget)
+            if not self.bm.allocate(req, cached + n):
+                self.bm.free(req)
+                break
+            self.waiting.popleft()
+            if req.num_preemptions == 0 and req.num_output_tokens == 0:
+                req.num_cached_tokens = cached
+            req.num_computed_tokens = cached
+            req.status, req.slot = RequestStatus.RUNNING, self.free_slots.pop()
+            self.running.append(req)
+            steps[req.slot] = (req, n)
+            budget -= n
+        out.scheduled = [steps[s] for s in sorted(steps)]
+        out.num_tokens = sum(n for _, n in out.scheduled)
+        return out
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, tuple]) -> list[Request]:
+        """Advance computed counts; append each slot's sampled token when the request caught up.
+
+        sampled: slot -> (token id, logprobs dict or None). Returns the requests that got a token.
+        Stop conditions on tokens (EOS, stop ids, max tokens, max_model_len) are the engine's call.
+        """
+        got = []
+        for req, n in out.scheduled:
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            self.bm.cache_blocks(req)
+            if req.num_computed_tokens == len(req.token_ids):
+                tok, lp = sampled[req.slot]
+                req.token_ids.append(tok)
+                if req.logprobs is not None:
+                    req.logprobs.append(lp)
+                got.append(req)
+        return got
+
+    def abort(self, req: Request) -> None:
+        self.finish(req, "abort")
