@@ -1,0 +1,95 @@
+"""`jaxpaged generate | serve | convert | fetch-default`: the only layer that reads the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _generate(args) -> int:
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            top_p=args.top_p)
+    prompts = args.prompt
+    t0 = time.perf_counter()
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    for p, o in zip(prompts, outs):
+        print(f"[prompt] {p}", file=sys.stderr)
+        print(o.outputs[0].text)
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def _convert(args) -> int:
+    from jaxpaged.convert import convert
+    print(convert(args.src, args.dst, dtype=args.dtype, force=args.force))
+    return 0
+
+
+def _fetch_default(args) -> int:
+    from jaxpaged.default_model import fetch_default
+    fetch_default(verbose=True)
+    return 0
+
+
+def _serve(args) -> int:
+    from serve.app import run_server
+    return run_server(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="jaxpaged", description="A small LLM inference engine on JAX")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one or more prompts")
+    g.add_argument("--model", default=None, help="HF or converted model directory (default: SmolLM2-135M)")
+    g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.add_argument("--max-num-seqs", type=int, default=8)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.set_defaults(func=_generate)
+
+    c = sub.add_parser("convert", help="convert a HF directory or .gguf file to the engine's format")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    c.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    c.set_defaults(func=_convert)
+
+    f = sub.add_parser("fetch-default", help="install and convert the embedded default model")
+    f.set_defaults(func=_fetch_default)
+
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    try:
+        from serve.app import add_serve_args
+        add_serve_args(s)
+    except ImportError:
+        pass
+    s.set_defaults(func=_serve)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"jaxpaged: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
