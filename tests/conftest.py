@@ -1,0 +1,30 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from models import FAMILIES, make_tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """One persistent XLA cache for the session: engines of equal shapes compile once."""
+    import jax
+    d = str(tmp_path_factory.mktemp("xla_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    return d
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> directory of a tiny random model (float32, peaked logits)."""
+    root = tmp_path_factory.mktemp("models")
+    return {f: make_tiny_model(str(root / f), f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="session")
+def engine_kwargs(compile_cache):
+    return dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+                compilation_cache_dir=compile_cache, show_progress=False)

@@ -1,0 +1,271 @@
+"""Pallas paged-attention kernels against the plain-JAX reference (itself checked against dense softmax).
+
+CPU runs the kernels in interpret mode; ``TestKernelsGPU`` runs the same cases natively (marker ``gpu``)
+and skips without a GPU.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (paged_attention, paged_attention_reference, ragged_paged_attention,
+                            ragged_paged_attention_reference)
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+BS = 16
+TOL = {jnp.float32: dict(atol=1e-4, rtol=1e-4), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+# decode: context lengths 1, bs-1, bs, bs+1, several blocks, empty slot
+DECODE_LENS = [1, BS - 1, BS, BS + 1, 3 * BS + 5, 0, 5 * BS]
+# ragged: (context length, query tokens) per slot: full prefill, decode, empty, chunked prefills
+RAGGED = [(BS + 1, BS + 1), (3 * BS + 5, 1), (0, 0), (BS, BS - 1), (2 * BS + 3, 20), (1, 1), (BS - 1, 3)]
+PAD_ROWS = 5
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def make_case(seed, ctx_lens, *, kv_heads=2, group=2, head_dim=64, block_size=BS, dtype=jnp.float32,
+              num_tokens=None, stale=50.0):
+    """Random pools, randomly permuted block tables; unused positions hold `stale` * noise."""
+    rng = np.random.default_rng(seed)
+    need = [cdiv(n, block_size) for n in ctx_lens]
+    S, B = len(ctx_lens), max(need) + 1
+    N = 1 + sum(need) + 3
+    ids = rng.permutation(np.arange(1, N))
+    tables = np.zeros((S, B), np.int32)  # padding -> null block 0
+    used = np.zeros((N, block_size), bool)
+    at = 0
+    for i, n in enumerate(need):
+        tables[i, :n] = ids[at:at + n]
+        at += n
+        flat = np.arange(ctx_lens[i])
+        used[tables[i, flat // block_size], flat % block_size] = True
+    shape = (N, block_size, kv_heads, head_dim)
+    k, v = rng.standard_normal(shape), rng.standard_normal(shape)
+    k[~used], v[~used] = stale * rng.standard_normal(k[~used].shape), stale * rng.standard_normal(
+        v[~used].shape)
+    T = S if num_tokens is None else num_tokens
+    q = rng.standard_normal((T, kv_heads * group, head_dim))
+    cast = lambda x: jnp.asarray(x, dtype)
+    return dict(q=cast(q), k_pool=cast(k), v_pool=cast(v), block_tables=jnp.asarray(tables),
+                seq_lens=jnp.asarray(ctx_lens, jnp.int32)), used
+
+
+def ragged_case(seed, slots=RAGGED, pad_rows=PAD_ROWS, **kw):
+    qlens = [n for _, n in slots]
+    qsl = np.concatenate([[0], np.cumsum(qlens)]).astype(np.int32)
+    case, used = make_case(seed, [c for c, _ in slots], num_tokens=int(qsl[-1]) + pad_rows, **kw)
+    case["query_start_loc"] = jnp.asarray(qsl)
+    return case, used
+
+
+def dense_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
+    """Naive float64 softmax attention, slot by slot, causal, from the gathered dense K/V."""
+    q, k_pool, v_pool = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool))
+    tables, lens, qsl = (np.asarray(x) for x in (block_tables, seq_lens, query_start_loc))
+    T, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    out = np.zeros((T, Hq, D))
+    for i, L in enumerate(lens):
+        rows = np.arange(qsl[i], qsl[i + 1])
+        if not len(rows):
+            continue
+        k = np.repeat(k_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)  # [L, Hq, D]
+        v = np.repeat(v_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)
+        pos = L - (qsl[i + 1] - rows)  # [n]
+        s = np.einsum("nhd,lhd->nhl", q[rows], k) / np.sqrt(D)
+        s = np.where(np.arange(L)[None, None, :] <= pos[:, None, None], s, -np.inf)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        out[rows] = np.einsum("nhl,lhd->nhd", w / w.sum(-1, keepdims=True), v)
+    return out
+
+
+def assert_close(out, expect, dtype):
+    assert out.dtype == jnp.dtype(dtype)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(jnp.asarray(expect, jnp.float32)), **TOL[dtype])
+
+
+def reference(fn, *args):
+    with jax.default_matmul_precision("highest"):  # an exact oracle on GPU too (no TF32)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 128)])
+def test_reference_matches_dense_softmax(group, head_dim):
+    case, _ = ragged_case(0, group=group, head_dim=head_dim)
+    dense = dense_attention(**case)
+    np.testing.assert_allclose(reference(ragged_paged_attention_reference, *case.values()), dense,
+                               atol=1e-5, rtol=1e-5)
+    dec, _ = make_case(1, DECODE_LENS, group=group, head_dim=head_dim)
+    qsl = jnp.arange(len(DECODE_LENS) + 1, dtype=jnp.int32)
+    np.testing.assert_allclose(reference(paged_attention_reference, *dec.values()),
+                               dense_attention(**dec, query_start_loc=qsl), atol=1e-5, rtol=1e-5)
+
+
+FAST = {(1, 64, jnp.float32), (2, 128, jnp.bfloat16), (4, 64, jnp.bfloat16), (8, 128, jnp.float32)}
+SHAPES = [pytest.param(g, d, t, id=f"gqa{g}-d{d}-{jnp.dtype(t).name}",
+                       marks=() if (g, d, t) in FAST else pytest.mark.slow)
+          for g in (1, 2, 4, 8) for d in (64, 128) for t in (jnp.float32, jnp.bfloat16)]
+
+
+class TestKernels:
+    interpret = True
+
+    @pytest.mark.parametrize("group,head_dim,dtype", SHAPES)
+    def test_decode(self, group, head_dim, dtype):
+        case, _ = make_case(2, DECODE_LENS, group=group, head_dim=head_dim, dtype=dtype)
+        out = paged_attention(**case, interpret=self.interpret)
+        assert_close(out, reference(paged_attention_reference, *case.values()), dtype)
+        assert not np.asarray(out[DECODE_LENS.index(0)].astype(jnp.float32)).any()  # empty slot: zeros
+
+    @pytest.mark.parametrize("group,head_dim,dtype", SHAPES)
+    def test_ragged(self, group, head_dim, dtype):
+        case, _ = ragged_case(3, group=group, head_dim=head_dim, dtype=dtype)
+        out = ragged_paged_attention(**case, interpret=self.interpret)
+        assert_close(out, reference(ragged_paged_attention_reference, *case.values()), dtype)
+        assert not np.asarray(out[-PAD_ROWS:].astype(jnp.float32)).any()  # padding rows: zeros
+
+    @pytest.mark.parametrize("tuning", [dict(num_splits=1, blocks_per_iter=1), dict(num_splits=3),
+                                        dict(num_splits=7, blocks_per_iter=2)], ids=str)
+    def test_decode_tuning_and_odd_group(self, tuning):
+        case, _ = make_case(4, DECODE_LENS, kv_heads=2, group=3, block_size=8)
+        out = paged_attention(**case, interpret=self.interpret, **tuning)
+        assert_close(out, reference(paged_attention_reference, *case.values()), jnp.float32)
+
+    @pytest.mark.parametrize("tuning", [dict(block_q=16, blocks_per_iter=1), dict(block_q=32)], ids=str)
+    def test_ragged_tuning_and_odd_group(self, tuning):
+        case, _ = ragged_case(5, kv_heads=1, group=3, block_size=8)
+        out = ragged_paged_attention(**case, interpret=self.interpret, **tuning)
+        assert_close(out, reference(ragged_paged_attention_reference, *case.values()), jnp.float32)
+
+    def test_stale_nan_in_pool_is_ignored(self):
+        """Positions past a slot's length (and the null block) may hold anything, even NaN."""
+        case, used = ragged_case(6)
+        clean = reference(ragged_paged_attention_reference, *case.values())
+        dirty = dict(case, k_pool=case["k_pool"].at[~used].set(jnp.nan),
+                     v_pool=case["v_pool"].at[~used].set(jnp.nan))
+        assert_close(ragged_paged_attention(**dirty, interpret=self.interpret), clean, jnp.float32)
+        dec, used = make_case(7, DECODE_LENS)
+        clean = reference(paged_attention_reference, *dec.values())
+        dec.update(k_pool=dec["k_pool"].at[~used].set(jnp.nan), v_pool=dec["v_pool"].at[~used].set(jnp.nan))
+        assert_close(paged_attention(**dec, interpret=self.interpret, num_splits=2), clean, jnp.float32)
+
+    @pytest.mark.slow
+    def test_long_contexts(self):
+        lens = [40 * BS - 3, 17 * BS, 1, 0, 33 * BS + 9]
+        case, _ = make_case(8, lens, group=4, head_dim=128, dtype=jnp.bfloat16)
+        expect = reference(paged_attention_reference, *case.values())
+        for splits in (1, 4):
+            assert_close(paged_attention(**case, interpret=self.interpret, num_splits=splits), expect,
+                         jnp.bfloat16)
+        slots = [(40 * BS - 3, 70), (17 * BS, 1), (0, 0), (33 * BS + 9, 1)]
+        rcase, _ = ragged_case(9, slots, group=4, head_dim=128, dtype=jnp.bfloat16)
+        assert_close(ragged_paged_attention(**rcase, interpret=self.interpret),
+                     reference(ragged_paged_attention_reference, *rcase.values()), jnp.bfloat16)
+
+    def test_jit_scan_over_layers_with_flattened_pool(self):
+        """The engine's use: one [L*N, ...] pool, block tables offset per layer, kernels inside lax.scan."""
+        case, _ = ragged_case(10)
+        L, N = 3, case["k_pool"].shape[0]
+        rng = np.random.default_rng(11)
+        pools = [jnp.asarray(rng.standard_normal((L * N,) + case["k_pool"].shape[1:]), jnp.float32)
+                 for _ in range(2)]
+        qs = jnp.asarray(rng.standard_normal((L,) + case["q"].shape), jnp.float32)
+        qsl, lens, tables = case["query_start_loc"], case["seq_lens"], case["block_tables"]
+        dec_q = qs[:, :len(RAGGED)]
+
+        @jax.jit
+        def run(qs, dec_q, k, v, tables, lens, qsl):
+            def layer(_, x):
+                q, dq, l = x
+                t = tables + l * N
+                return None, (ragged_paged_attention(q, k, v, t, lens, qsl, interpret=self.interpret),
+                              paged_attention(dq, k, v, t, lens, interpret=self.interpret, num_splits=2))
+            return jax.lax.scan(layer, None, (qs, dec_q, jnp.arange(L)))[1]
+
+        ragged_out, dec_out = run(qs, dec_q, *pools, tables, lens, qsl)
+        for l in range(L):
+            k, v = (p[l * N:(l + 1) * N] for p in pools)
+            assert_close(ragged_out[l], reference(ragged_paged_attention_reference, qs[l], k, v, tables,
+                                                  lens, qsl), jnp.float32)
+            assert_close(dec_out[l], reference(paged_attention_reference, dec_q[l], k, v, tables, lens),
+                         jnp.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+class TestKernelsGPU(TestKernels):
+    """The same cases, compiled by Triton and run natively."""
+    interpret = False
+
+
+def test_validation_errors():
+    case, _ = make_case(12, [3, 20])
+    bad = [
+        (dict(q=case["q"][0]), "q must be"),
+        (dict(v_pool=case["v_pool"][:-1]), "k_pool and v_pool"),
+        (dict(q=case["q"][:, :3]), "multiple of num_kv_heads"),
+        (dict(q=jnp.zeros((2, 4, 32))), "head_dim of q"),
+        (dict(q=case["q"].astype(jnp.bfloat16)), "share one dtype"),
+        (dict(block_tables=case["block_tables"].astype(jnp.float32)), "block_tables"),
+        (dict(seq_lens=case["seq_lens"][:1]), "seq_lens"),
+        (dict(k_pool=jnp.zeros((4, 16, 2, 48)), v_pool=jnp.zeros((4, 16, 2, 48)), q=jnp.zeros((2, 4, 48))),
+         "power of two"),
+        (dict(k_pool=jnp.zeros((4, 12, 2, 64)), v_pool=jnp.zeros((4, 12, 2, 64))), "block_size"),
+    ]
+    for change, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            paged_attention(**dict(case, **change), interpret=True)
+    with pytest.raises(ValueError, match="slots"):
+        paged_attention(**dict(case, q=case["q"][:1]), interpret=True)
+    with pytest.raises(ValueError, match="unknown tuning"):
+        paged_attention(**case, interpret=True, block_h=16)
+    with pytest.raises(ValueError, match="blocks_per_iter"):
+        paged_attention(**case, interpret=True, blocks_per_iter=3)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        ragged_paged_attention(**case, query_start_loc=jnp.zeros((2,), jnp.int32), interpret=True)
+    with pytest.raises(ValueError, match="block_q"):
+        ragged_paged_attention(**case, query_start_loc=jnp.zeros((3,), jnp.int32), interpret=True, block_q=2)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "ragged"])
+def test_lowers_to_triton_for_cuda(kernel):
+    """Cross-lower for CUDA on any machine: every op in the kernels has a Triton lowering."""
+    f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+    pool = f32(1000, 16, 8, 128)
+    if kernel == "decode":
+        fn, args = jax.jit(lambda *a: paged_attention(*a, num_splits=4)), (f32(8, 32, 128), pool, pool,
+                                                                           i32(8, 64), i32(8))
+    else:
+        fn, args = jax.jit(ragged_paged_attention), (f32(96, 32, 128), pool, pool, i32(8, 64), i32(8), i32(9))
+    try:
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    except Exception as e:  # noqa: BLE001
+        if "triton" in str(e).lower() and "lowering" not in str(e).lower():  # compiler absent here
+            pytest.skip(f"this jaxlib cannot cross-compile Triton: {e}")
+        raise
+    assert "triton" in text
+
+
+def test_bench_smoke(tmp_path):
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--cpu-smoke", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert not res["errors"] or res["errors"] == ["jax.experimental.pallas.ops.gpu.paged_attention not importable"]
+    assert res["decode"] and res["ragged"]
+    for rec in res["decode"] + res["ragged"]:
+        assert rec["max_abs_err_vs_ref"] < 2e-2 and rec["ours_s"] > 0
+    assert "| batch |" in (tmp_path / "results.md").read_text()
