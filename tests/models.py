@@ -36,3 +36,27 @@ def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, 
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True, **kw)
     return path
+
+
+_CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! Paged attention stores keys and "
+           "values in blocks. Ünïcödé façade naïve café — 東京 日本語 😀 emoji. ") * 20
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def add_tiny_tokenizer(path: str, vocab_size: int = 300) -> None:
+    """Train a byte-level BPE on a small multilingual corpus and save it (with a chat template) to `path`.
+
+    Multi-byte characters span several tokens, so incremental detokenization is exercised."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_CORPUS], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)

@@ -75,7 +75,7 @@ def dense_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
     out = np.zeros((T, Hq, D))
     for i, L in enumerate(lens):
         rows = np.arange(qsl[i], qsl[i + 1])
-        if not len(rows):
+        if not len(rows) or not L:  # no query, or nothing to see (zeros)
             continue
         k = np.repeat(k_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)  # [L, Hq, D]
         v = np.repeat(v_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)

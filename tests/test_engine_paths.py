@@ -1,0 +1,82 @@
+"""Forced engine paths (preemption, chunked prefill, prefix cache hits, caching off) never change outputs."""
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from oracle import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _workload():
+    rng = np.random.default_rng(11)
+    shared = [int(t) for t in rng.integers(3, 256, size=40)]
+    prompts = [[int(t) for t in rng.integers(3, 256, size=n)] for n in (1, 5, 15, 16, 17, 31, 70)]
+    prompts += [shared + [int(t) for t in rng.integers(3, 256, size=n)] for n in (1, 9, 20)]
+    prompts += [list(shared)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_models, engine_kwargs):
+    path = tiny_models["llama"]
+    llm = LLM(model=path, **engine_kwargs)
+    outs = llm.generate(_workload(), GREEDY, use_tqdm=False)
+    toks = [o.outputs[0].token_ids for o in outs]
+    for p, t in list(zip(_workload(), toks))[::4]:  # the baseline itself agrees with HF
+        assert t == hf_greedy(path, p["prompt_token_ids"], 24)
+    return toks
+
+
+def _run(path, kwargs, **over):
+    llm = LLM(model=path, **{**kwargs, **over})
+    outs = llm.generate(_workload(), GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def test_preemption_keeps_outputs(tiny_models, engine_kwargs, baseline):
+    toks, llm = _run(tiny_models["llama"], engine_kwargs, num_kv_blocks=14)
+    assert llm.stats()["num_preemptions"] > 0
+    assert toks == baseline
+    assert llm.stats()["kv_blocks_free"] == llm.stats()["kv_blocks_total"]  # cached blocks are evictable
+
+
+def test_chunked_prefill_keeps_outputs(tiny_models, engine_kwargs, baseline):
+    toks, llm = _run(tiny_models["llama"], engine_kwargs, max_num_batched_tokens=16)
+    assert llm.engine.runner.buckets == [8, 16]  # every prompt over 16 tokens was chunked
+    assert toks == baseline
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_models, engine_kwargs, baseline):
+    llm = LLM(model=tiny_models["llama"], **engine_kwargs, enable_prefix_caching=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(_workload(), GREEDY, use_tqdm=False)]
+    again = llm.generate(_workload(), GREEDY, use_tqdm=False)
+    assert llm.stats()["prefix_cache_hit_rate"] > 0.3
+    assert sum(o.num_cached_tokens for o in again) >= 4 * 32
+    assert first == baseline and [o.outputs[0].token_ids for o in again] == baseline
+
+
+def test_prefix_caching_off_keeps_outputs(tiny_models, engine_kwargs, baseline):
+    toks, llm = _run(tiny_models["llama"], engine_kwargs, enable_prefix_caching=False)
+    assert llm.stats()["prefix_cache_hit_rate"] == 0
+    assert toks == baseline
+
+
+def test_everything_forced_at_once(tiny_models, engine_kwargs, baseline):
+    toks, llm = _run(tiny_models["llama"], engine_kwargs, num_kv_blocks=9, max_num_batched_tokens=16,
+                     max_num_seqs=3)
+    assert llm.stats()["num_preemptions"] > 0
+    assert toks == baseline
+
+
+def test_compilations_bounded_by_buckets(tiny_models, engine_kwargs):
+    llm = LLM(model=tiny_models["llama"], **engine_kwargs)
+    n0 = llm.stats()["num_compilations"]
+    assert n0 == llm.stats()["num_buckets"] == len(llm.engine.runner.buckets)
+    rng = np.random.default_rng(5)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=int(n))]}
+               for n in rng.integers(1, 120, size=40)]
+    params = [SamplingParams(max_tokens=int(m), temperature=float(t), top_p=0.9, seed=i, ignore_eos=True)
+              for i, (m, t) in enumerate(zip(rng.integers(1, 40, size=40), rng.uniform(0, 1.5, size=40)))]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["num_compilations"] == n0
