@@ -1,0 +1,201 @@
+"""Sampling, stop conditions, logprobs, detokenization, bad input."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.sampling import _filter, _penalize
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
+from models import add_tiny_tokenizer, make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tok_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tok_model"))
+    make_tiny_model(path, "llama", vocab_size=320, seed=3, initializer_range=0.3)
+    add_tiny_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tok_model, engine_kwargs):
+    return LLM(model=tok_model, **engine_kwargs)
+
+
+def _gen(llm, prompts, **kw):
+    return llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    p = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    kw = dict(max_tokens=20, temperature=1.0, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    alone = _gen(llm, [p], **kw)[0].outputs[0].token_ids
+    again = _gen(llm, [p], **kw)[0].outputs[0].token_ids
+    others = [{"prompt_token_ids": list(range(10, 10 + n))} for n in (3, 40, 17)]
+    params = [SamplingParams(max_tokens=25, temperature=0.7, seed=i, ignore_eos=True) for i in range(3)]
+    mixed = llm.generate(others[:2] + [p] + others[2:], params[:2] + [SamplingParams(**kw)] + params[2:],
+                         use_tqdm=False)
+    assert alone == again == mixed[2].outputs[0].token_ids
+    other_seed = _gen(llm, [p], **{**kw, "seed": 99})[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    p = {"prompt_token_ids": list(range(3, 3 + 40))}
+    out = _gen(llm, [p], n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True)[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1
+    greedy = _gen(llm, [p], n=2, max_tokens=8, temperature=0, ignore_eos=True)[0]
+    single = _gen(llm, [p], max_tokens=8, temperature=0, ignore_eos=True)[0]
+    assert greedy.outputs[0].token_ids == greedy.outputs[1].token_ids == single.outputs[0].token_ids
+    # sample 1 admitted after sample 0's prompt: it holds sample 0's two full blocks
+    eng = llm.engine
+    eng.add_request("share", p, SamplingParams(n=2, max_tokens=4, temperature=0, ignore_eos=True))
+    while not all(r.status.value == "running" for r in eng.groups["share"].samples):
+        eng.step()
+    a, b = eng.groups["share"].samples
+    assert a.block_ids[:2] == b.block_ids[:2]
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def test_stop_strings_stop_ids_min_max_tokens(llm):
+    p = "The quick brown"
+    base = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True)[0].outputs[0]
+    text, ids = base.text, base.token_ids
+    assert len(text) > 6
+    stop = text[3:6]
+    o = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True, stop=[stop, "\x00never"])[0].outputs[0]
+    assert o.text == text[:text.index(stop)] and o.finish_reason == "stop"
+    k = 4
+    sid = ids[k]
+    o = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[sid])[0].outputs[0]
+    assert o.token_ids == ids[:ids.index(sid) + 1] and o.finish_reason == "stop"
+    o = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True, stop_token_ids=[sid],
+             min_tokens=12)[0].outputs[0]
+    assert len(o.token_ids) >= 12 and sid not in o.token_ids[:12]
+    o = _gen(llm, [p], max_tokens=7, temperature=0, ignore_eos=True)[0].outputs[0]
+    assert len(o.token_ids) == 7 and o.finish_reason == "length"
+
+
+def test_eos_stops_unless_ignored(llm):
+    eos = llm.tokenizer.eos_token_id
+    rng = np.random.default_rng(0)
+    for _ in range(40):  # find a prompt whose greedy continuation reaches EOS
+        p = {"prompt_token_ids": [int(t) for t in rng.integers(3, 300, size=8)]}
+        ids = _gen(llm, [p], max_tokens=40, temperature=0, ignore_eos=True)[0].outputs[0].token_ids
+        if eos in ids:
+            break
+    else:
+        pytest.skip("no EOS in 40 random prompts")
+    o = _gen(llm, [p], max_tokens=40, temperature=0)[0].outputs[0]
+    assert o.token_ids == ids[:ids.index(eos) + 1] and o.finish_reason == "stop"
+
+
+def test_logprobs_are_consistent(llm):
+    o = _gen(llm, ["Hello"], max_tokens=5, temperature=0.8, seed=3, logprobs=4, ignore_eos=True)[0].outputs[0]
+    assert len(o.logprobs) == 5
+    for tok, lp in zip(o.token_ids, o.logprobs):
+        assert tok in lp and len(lp) in (4, 5)
+        vals = sorted(lp.values(), reverse=True)
+        assert all(v <= 0 for v in vals) and np.exp(vals).sum() <= 1 + 1e-5
+
+
+def test_penalties_against_hand_computation():
+    V = 6
+    logits = jnp.array([[1.0, -2.0, 0.5, 3.0, 0.0, -1.0]])
+    h = dict(history=jnp.array([[0, 3, 3, 1, -1]]), prompt_len=jnp.array([1]), history_len=jnp.array([4]),
+             repetition_penalty=jnp.array([2.0]), frequency_penalty=jnp.array([0.5]),
+             presence_penalty=jnp.array([0.25]))
+    got = np.asarray(_penalize(logits, h))[0]
+    # prompt token 0, outputs 3, 3, 1. repetition on {0,1,3}; frequency/presence on outputs only
+    want = np.array([1.0 / 2, -2.0 * 2 - 0.5 - 0.25, 0.5, 3.0 / 2 - 1.0 - 0.25, 0.0, -1.0])
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.shape == (V,)
+
+
+def test_top_k_top_p_min_p_filter():
+    logits = jnp.log(jnp.array([[0.5, 0.25, 0.15, 0.1], [0.5, 0.25, 0.15, 0.1], [0.5, 0.25, 0.15, 0.1]]))
+    sp = dict(top_k=jnp.array([2, 0, 0]), top_p=jnp.array([1.0, 0.7, 1.0]), min_p=jnp.array([0.0, 0.0, 0.4]))
+    kept = np.isfinite(np.asarray(_filter(logits, sp)))
+    assert kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_incremental_detokenizer_multibyte(tok_model):
+    tok = Tokenizer.from_dir(tok_model)
+    text = "café 東京 😀 naïve"
+    ids = tok.encode(text)
+    d = IncrementalDetokenizer(tok, [], [])
+    seen = []
+    for t in ids:
+        d.add(t)
+        seen.append(d.text)
+        assert "\ufffd" not in d.text and text.startswith(d.text)
+    assert d.text == text
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(min_p=2), "min_p"),
+    (dict(presence_penalty=3), "presence_penalty"), (dict(repetition_penalty=0), "repetition_penalty"),
+    (dict(stop=[""]), "stop"), (dict(logprobs=-1), "logprobs"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+])
+def test_invalid_sampling_params(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kw)
+
+
+def test_bad_prompts_raise_and_engine_keeps_serving(llm):
+    eng = llm.engine
+    eng.add_request("ok", "Hello", SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    for prompt, match in [("", "empty"), ({"prompt_token_ids": []}, "empty"),
+                          ({"prompt_token_ids": [1, 400]}, "out of vocabulary"),
+                          ({"prompt_token_ids": [5] * 300}, "max_model_len"), (3.5, "prompt must be"),
+                          ({"text": "x"}, "prompt_token_ids")]:
+        with pytest.raises(ValueError, match=match):
+            eng.add_request(None, prompt, SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request(None, [5] * 200, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("ok", "Hi")
+    with pytest.raises(ValueError, match="logprobs"):
+        eng.add_request(None, "Hi", SamplingParams(logprobs=1000))
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 6
+    with pytest.raises(ValueError, match="prompt_token_ids"):  # generate validates all before running any
+        llm.generate(["fine", {"bad": 1}], SamplingParams(max_tokens=2))
+    assert not eng.has_unfinished_requests()
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    eng.add_request("a", list(range(3, 60)), SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.block_manager.num_used_blocks > 0
+    eng.abort_request("a")
+    assert eng.block_manager.num_used_blocks == 0 and not eng.has_unfinished_requests()
+
+
+def test_bad_model_dirs(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(model=str(tmp_path / "nope"))
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(model=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="unsupported architecture.*LlamaForCausalLM"):
+        LLM(model=str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read config"):
+        LLM(model=str(tmp_path))
+
+
+def test_mistral_sliding_window_rejected(tmp_path):
+    import json
+    path = make_tiny_model(str(tmp_path / "m"), "mistral")
+    cfg = json.load(open(f"{path}/config.json"))
+    cfg["sliding_window"] = 64
+    json.dump(cfg, open(f"{path}/config.json", "w"))
+    with pytest.raises(ValueError, match="sliding-window"):
+        LLM(model=path, max_model_len=256, warmup=False)
