@@ -1,0 +1,116 @@
+"""Property-based tests of the host side: block manager and scheduler under random operations."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxpaged.block_manager import BlockManager
+from jaxpaged.request import Request, RequestStatus
+from jaxpaged.sampling import SamplingParams
+from jaxpaged.scheduler import Scheduler
+
+
+def _check_invariants(bm: BlockManager, live: list[Request]):
+    owners = {}
+    for r in live:
+        assert len(set(r.block_ids)) == len(r.block_ids), "a request holds a block twice"
+        for b in r.block_ids:
+            assert b != 0, "null block handed out"
+            owners[b] = owners.get(b, 0) + 1
+    for b in range(1, bm.num_blocks):
+        assert bm.ref_count[b] == owners.get(b, 0), f"block {b}: ref count {bm.ref_count[b]} != owners"
+    free = set(bm.free_blocks) | set(bm.evictable)
+    assert len(free) == len(bm.free_blocks) + len(bm.evictable), "a block is free twice"
+    assert not free & set(owners), "a block is both free and owned"
+    assert free | set(owners) == set(range(1, bm.num_blocks)), "a block leaked"
+    for key, b in bm.cache.items():
+        assert bm.block_key[b] == key
+
+
+def _req(i, tokens, max_tokens=8, n_index=0, sibling=None):
+    return Request(request_id=f"r{i}", group_id=f"g{i}", index=n_index, prompt_token_ids=tokens,
+                   params=SamplingParams(max_tokens=max_tokens), seed=i, sibling=sibling)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_scheduler_random_workload_no_leaks(data):
+    num_blocks = data.draw(st.integers(8, 40))
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]))
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans()))
+    sched = Scheduler(bm, max_num_seqs=data.draw(st.integers(1, 6)),
+                      max_num_batched_tokens=data.draw(st.integers(1, 40)))
+    rnd = random.Random(data.draw(st.integers(0, 2 ** 16)))
+    vocab = data.draw(st.integers(2, 6))  # small vocab: many equal prefixes, many cache hits
+    live, next_id = [], 0
+    for _ in range(data.draw(st.integers(1, 60))):
+        op = rnd.random()
+        if op < 0.3:
+            max_len = (num_blocks - 1) * bs  # every request fits the pool alone
+            plen = rnd.randint(1, max(1, max_len // 2))
+            r = _req(next_id, [rnd.randrange(vocab) for _ in range(plen)], rnd.randint(1, max_len - plen))
+            next_id += 1
+            sched.add(r)
+            live.append(r)
+        elif op < 0.4 and live:
+            r = rnd.choice(live)
+            sched.abort(r)
+            live.remove(r)
+        else:
+            out = sched.schedule()
+            assert out.num_tokens <= sched.max_num_batched_tokens
+            slots = [r.slot for r, _ in out.scheduled]
+            assert len(set(slots)) == len(slots) and slots == sorted(slots)
+            for r, n in out.scheduled:
+                assert r.status is RequestStatus.RUNNING and n >= 1
+                assert len(r.block_ids) * bs >= r.num_computed_tokens + n
+            sampled = {r.slot: (rnd.randrange(vocab), None) for r, _ in out.scheduled}
+            for r in sched.update_from_output(out, sampled):
+                if r.num_output_tokens >= r.params.max_tokens:
+                    sched.finish(r, "length")
+                    live.remove(r)
+        _check_invariants(bm, [r for r in live if r.status is RequestStatus.RUNNING])
+        assert len(sched.running) <= sched.max_num_seqs
+    for r in list(live):
+        sched.abort(r)
+    _check_invariants(bm, [])
+    assert bm.num_free_blocks == num_blocks - 1
+    assert sorted(sched.free_slots) == list(range(sched.max_num_seqs))
+
+
+def test_progress_without_deadlock():
+    """Every request finishes even when the pool holds only one request at a time."""
+    bm = BlockManager(5, 4)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    reqs = [_req(i, list(range(i, i + 6)), max_tokens=10) for i in range(6)]
+    for r in reqs:
+        sched.add(r)
+    for _ in range(500):
+        if not sched.has_unfinished():
+            break
+        out = sched.schedule()
+        assert not out.is_empty
+        for r in sched.update_from_output(out, {r.slot: (1, None) for r, _ in out.scheduled}):
+            if r.num_output_tokens >= 10:
+                sched.finish(r, "length")
+    assert not sched.has_unfinished() and sched.num_preemptions > 0
+    assert bm.num_free_blocks == 4
+
+
+def test_prefix_cache_lru_and_never_last_token():
+    bm = BlockManager(6, 2)
+    a = _req(0, [1, 2, 3, 4, 5])
+    assert bm.match_prefix(a) == 0 and bm.allocate(a, 5)
+    a.num_computed_tokens = 5
+    bm.cache_blocks(a)
+    assert len(bm.cache) == 2  # two full blocks; the partial third is not cached
+    bm.free(a)
+    b = _req(1, [1, 2, 3, 4])  # full match would cover the last token: only one block may hit
+    assert bm.match_prefix(b) == 2
+    c = _req(2, [1, 2, 3, 4, 9])
+    assert bm.match_prefix(c) == 4
+    assert bm.prefix_cache_hit_rate > 0
+    bm.free(b), bm.free(c)
+    # filling the pool evicts the cached blocks, least recently freed first
+    d = _req(3, [7] * 10)
+    assert bm.allocate(d, 10) and not bm.cache
