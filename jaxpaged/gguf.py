@@ -1,0 +1,159 @@
+"""GGUF files -> a Hugging Face config dict, (HF name, array) pairs, and a HF tokenizer.
+
+Everything here follows what transformers' own GGUF loader produces, using its tables and its
+tokenizer conversion, but without torch:
+- the config comes from transformers' `GGUF_CONFIG_MAPPING` (llama.cpp key -> HF key), completed by
+  the HF config class, with `architectures` set;
+- tensors are dequantized by the `gguf` package (`gguf.quants.dequantize`), renamed through gguf's
+  own `TensorNameMap`, and for the llama architecture the row permutation llama.cpp applies to the
+  Q and K projections (for its interleaved RoPE) is undone, as transformers' `LlamaTensorProcessor` does;
+- the tokenizer is built by transformers' `convert_gguf_tokenizer` from the GGUF metadata.
+
+Errors are ValueErrors that name the file.
+"""
+from __future__ import annotations
+
+import os
+from typing import Iterator
+
+import numpy as np
+
+# GGUF `general.architecture` -> HF architecture the engine runs (llama.cpp writes Mistral as llama).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+                   "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+
+
+class GGUFModel:
+    """One GGUF file, opened and checked (architecture, tensor types, file length) up front."""
+
+    def __init__(self, path: str):
+        import gguf
+        self.path = path
+        if not os.path.isfile(path):
+            raise ValueError(f"{path}: no such file")
+        try:
+            reader = gguf.GGUFReader(path)
+        except ValueError as e:
+            if "GGMLQuantizationType" in str(e):
+                raise ValueError(f"{path}: unsupported GGUF tensor type ({e})") from None
+            raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
+        except Exception as e:  # a damaged header fails in many ways inside the reader
+            raise ValueError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                             f"({type(e).__name__}: {e})") from None
+        self.reader = reader
+        self.metadata = {k: f.contents() for k, f in reader.fields.items()}
+        self.arch = self.metadata.get("general.architecture")
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise ValueError(f"{path}: unsupported GGUF architecture {self.arch!r}; "
+                             f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+        size = os.path.getsize(path)
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise ValueError(f"{path}: truncated: tensor {t.name!r} ends at byte "
+                                 f"{t.data_offset + t.n_bytes}, file has {size}")
+        self._check_types()
+        self.config = self._config_dict()
+        self._names = self._hf_names()
+
+    def _check_types(self) -> None:
+        """Refuse, before any work, a tensor type the gguf package cannot dequantize."""
+        from gguf import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+        seen = set()
+        for t in self.reader.tensors:
+            if t.tensor_type in seen:
+                continue
+            seen.add(t.tensor_type)
+            try:
+                dequantize(np.zeros((1, GGML_QUANT_SIZES[t.tensor_type][1]), np.uint8), t.tensor_type)
+            except NotImplementedError:
+                raise ValueError(f"{self.path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
+                                 f"which is not supported (the gguf package cannot dequantize it)") from None
+
+    def _config_dict(self) -> dict:
+        """The HF config dict, as transformers' GGUF loader builds it, plus `architectures`."""
+        from transformers import AutoConfig
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+        meta, arch = self.metadata, self.arch
+        tensor_names = {t.name for t in self.reader.tensors}
+        d = {"model_type": arch, "architectures": [GGUF_ARCHITECTURES[arch]],
+             # llama.cpp writes the output projection only when it is not the embedding matrix
+             "tie_word_embeddings": "output.weight" not in tensor_names}
+        for prefix in (arch, "tokenizer"):
+            for key, hf_key in GGUF_CONFIG_MAPPING[prefix].items():
+                if hf_key is not None and f"{prefix}.{key}" in meta:
+                    d[hf_key] = meta[f"{prefix}.{key}"]
+        if f"{arch}.attention.key_length" in meta:  # Qwen3: head_dim is not hidden / heads
+            d["head_dim"] = meta[f"{arch}.attention.key_length"]
+        if "vocab_size" not in d and "tokenizer.ggml.tokens" in meta:
+            d["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
+        try:
+            return AutoConfig.for_model(**d).to_dict()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{self.path}: cannot build a config from the GGUF metadata ({e})") from None
+
+    def _hf_names(self) -> dict[str, str]:
+        """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
+        import gguf
+        from jaxpaged.weights import _LAYER_MAP, _TOP_MAP
+        arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
+        n_layers = self.config["num_hidden_layers"]
+        name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
+        hf_names = list(_TOP_MAP) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in _LAYER_MAP]
+        out = {}
+        for hf in hf_names:
+            base, suffix = hf.rsplit(".", 1)
+            g = name_map.get_name(base)
+            if g is not None:
+                out[f"{g}.{suffix}"] = hf
+        return out
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.reader.tensors)
+
+    def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """(HF name, float32 array in HF [out, in] layout), dequantized one tensor at a time."""
+        from gguf.quants import dequantize
+        heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
+        for t in self.reader.tensors:
+            hf = self._names.get(t.name)
+            if hf is None:
+                raise ValueError(f"{self.path}: tensor {t.name!r} has no counterpart in a "
+                                 f"{GGUF_ARCHITECTURES[self.arch]} model")
+            w = dequantize(t.data, t.tensor_type)
+            if self.arch == "llama" and ".attn_q." in t.name:
+                w = _unpermute(w, heads)
+            elif self.arch == "llama" and ".attn_k." in t.name:
+                w = _unpermute(w, kv_heads)
+            yield hf, w
+
+    def tokenizer(self):
+        """The HF fast tokenizer transformers builds from this file's metadata (chat template included)."""
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+        meta = self.metadata
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ValueError(f"{self.path}: no tokenizer in the GGUF metadata")
+        tok_dict, tok_config = ({name: meta[f"tokenizer.{key}"] for key, name in renames.items()
+                                 if f"tokenizer.{key}" in meta}
+                                for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"],
+                                                GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+        if tok_dict.get("tokenizer_type") == "llama":
+            tok_config.setdefault("add_bos_token", True)  # llama.cpp's default for sentencepiece vocabularies
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = meta.get(f"tokenizer.ggml.{key}")
+            tok_config[name] = tok_dict["tokens"][token_id] if token_id is not None else None
+        try:
+            backend, extra = convert_gguf_tokenizer(self.arch, tok_dict)
+        except (ValueError, KeyError) as e:
+            raise ValueError(f"{self.path}: cannot build the tokenizer ({e})") from None
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config, **extra)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: rows (head, pair, 2) -> (head, 2, pair)."""
+    pair = w.shape[0] // n_head // 2
+    return w.reshape(n_head, pair, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,335 @@
+"""Conversion: HF directory or GGUF file -> engine format; round trips and every bad input."""
+import errno
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxpaged import ModelConfig
+from jaxpaged.convert import TOKENIZER_FILES, convert
+from jaxpaged.weights import load_params
+from models import add_tiny_tokenizer, make_tiny_model
+
+VOCAB = 300  # the tiny tokenizer's size
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _flat(tree):
+    return {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _assert_trees_equal(got, want):
+    got, want = _flat(got), _flat(want)
+    assert got.keys() == want.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _hf_dir(path, family="llama", **kw):
+    make_tiny_model(str(path), family, vocab_size=VOCAB, **kw)
+    add_tiny_tokenizer(str(path), VOCAB)
+    return str(path)
+
+
+def _params(d, dtype="float32"):
+    return load_params(d, ModelConfig.from_dir(d), dtype)
+
+
+def _leftovers(parent, name):
+    return [f for f in os.listdir(parent) if f.startswith(f".{name}.")]
+
+
+def write_gguf(hf_dir, path, qtype="F32", arch=None, zeros_as=None):
+    """A GGUF of the HF model as llama.cpp writes one: its names, Q/K rows permuted for llama,
+    2-D tensors in `qtype`, 1-D ones in F32, the tokenizer and chat template as metadata.
+    zeros_as: {gguf name: type name}, tensors written as zero bytes of that type instead."""
+    import gguf
+    from safetensors.numpy import load_file
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    arch = arch or c["model_type"]
+    n_layers, heads, kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(c["max_position_embeddings"])
+    w.add_embedding_length(c["hidden_size"])
+    w.add_feed_forward_length(c["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
+        tj = json.load(f)
+    vocab = tj["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in tj["added_tokens"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_bos_token_id(vocab["<s>"])
+    w.add_eos_token_id(vocab["</s>"])
+    w.add_pad_token_id(vocab["<pad>"])
+    w.add_add_bos_token(False)
+    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+        template = json.load(f).get("chat_template")
+    if template is None:
+        with open(os.path.join(hf_dir, "chat_template.jinja")) as f:
+            template = f.read()
+    w.add_chat_template(template)
+    arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[c["model_type"]]
+    name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
+    qt = gguf.GGMLQuantizationType[qtype]
+    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    for name, a in sd.items():
+        base, suffix = name.rsplit(".", 1)
+        a = a.astype(np.float32)
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            n = heads if ".q_proj." in name else kv
+            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        gname = f"{name_map.get_name(base)}.{suffix}"
+        if gname in (zeros_as or {}):
+            t = gguf.GGMLQuantizationType[zeros_as[gname]]
+            block, size = gguf.GGML_QUANT_SIZES[t]
+            w.add_tensor(gname, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), raw_dtype=t)
+        elif a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
+            w.add_tensor(gname, a)
+        else:
+            w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return _hf_dir(tmp_path_factory.mktemp("hf") / "llama", "llama")
+
+
+# -- HF directory round trips ------------------------------------------------------------------
+@pytest.mark.parametrize("family,kw", [("llama", {}), ("llama", {"tie": True}), ("mistral", {}),
+                                       ("qwen2", {}), ("qwen3", {}),
+                                       ("qwen2", {"max_shard_size": "40KB"}),
+                                       ("llama", {"dtype": "bfloat16"})])
+def test_hf_roundtrip_float32_bit_identical(tmp_path, family, kw):
+    src = _hf_dir(tmp_path / "src", family, **kw)
+    if "max_shard_size" in kw:
+        assert os.path.isfile(os.path.join(src, "model.safetensors.index.json"))
+    dst = convert(src, str(tmp_path / "dst"), dtype="float32", progress=False)
+    copied = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(src, f))]
+    assert "tokenizer.json" in copied and sorted(os.listdir(dst)) == sorted(["config.json", "params"] + copied)
+    for f in copied:
+        assert open(os.path.join(src, f), "rb").read() == open(os.path.join(dst, f), "rb").read(), f
+    with open(os.path.join(src, "config.json")) as a, open(os.path.join(dst, "config.json")) as b:
+        assert json.load(a) == json.load(b)
+    _assert_trees_equal(_params(dst), _params(src))
+    assert _leftovers(tmp_path, "dst") == []
+
+
+def test_hf_roundtrip_bfloat16_within_rounding(tmp_path, llama_dir):
+    dst = convert(llama_dir, str(tmp_path / "dst"), progress=False)  # default dtype: bfloat16
+    got, ref = _flat(_params(dst, "bfloat16")), _flat(_params(llama_dir))
+    for k, want in ref.items():
+        assert got[k].dtype == ml_dtypes.bfloat16, k
+        np.testing.assert_array_equal(got[k], want.astype(ml_dtypes.bfloat16), err_msg=k)  # round to nearest
+        np.testing.assert_allclose(got[k].astype(np.float32), want, rtol=2.0 ** -8, atol=0, err_msg=k)
+
+
+def test_converted_dir_generates_like_hf(tmp_path, llama_dir, engine_kwargs):
+    from jaxpaged import LLM, SamplingParams
+    from oracle import hf_greedy
+    dst = convert(llama_dir, str(tmp_path / "dst"), dtype="float32", progress=False)
+    llm = LLM(model=dst, **{**engine_kwargs, "warmup": False})
+    prompts = [llm.tokenizer.encode(p) for p in ("The quick brown fox", "Hello world!")]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(llama_dir, p, 8) for p in prompts]
+
+
+def test_convert_script(tmp_path, llama_dir):
+    import subprocess
+    import sys
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "convert_hf.py")
+    r = subprocess.run([sys.executable, script, llama_dir, str(tmp_path / "dst"), "--dtype", "float32",
+                        "--no-progress"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(tmp_path / "dst")
+    r = subprocess.run([sys.executable, script, llama_dir, str(tmp_path / "dst")], capture_output=True, text=True)
+    assert r.returncode == 1 and "not empty" in r.stderr and "--force" in r.stderr
+
+
+# -- GGUF --------------------------------------------------------------------------------------
+def _hf_gguf_state(gguf_path):
+    """transformers' own GGUF loader (the oracle): name -> float32 numpy."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    m = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                             dtype=torch.float32)
+    return {k: v.numpy() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("family,qtype", [("llama", "F32"), ("llama", "F16"), ("llama", "BF16"),
+                                          ("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
+                                          ("qwen2", "Q8_0"), ("qwen3", "F32")])
+def test_gguf_tensors_match_transformers(tmp_path, family, qtype):
+    from jaxpaged.gguf import GGUFModel
+    src = _hf_dir(tmp_path / "hf", family)
+    os.makedirs(tmp_path / "gguf")
+    path = write_gguf(src, str(tmp_path / "gguf" / "m.gguf"), qtype)
+    g = GGUFModel(path)
+    ours = dict(g.tensors())
+    want = _hf_gguf_state(path)
+    assert set(ours) == set(want) - ({"lm_head.weight"} if g.config["tie_word_embeddings"] else set())
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    dst = convert(path, str(tmp_path / "dst"), dtype="float32", progress=False)
+    got, want = ModelConfig.from_dir(dst), ModelConfig.from_dir(src)
+    for field in ("family", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                  "num_kv_heads", "head_dim", "rope_theta", "tie_word_embeddings", "attention_bias", "qk_norm"):
+        assert getattr(got, field) == getattr(want, field), field
+    if qtype == "F32":  # lossless: the permutation is undone exactly, every tensor as in the HF model
+        _assert_trees_equal(_params(dst), _params(src))
+
+
+def test_gguf_tokenizer_matches_transformers(tmp_path, llama_dir):
+    from transformers import AutoTokenizer
+
+    from jaxpaged.tokenizer import Tokenizer
+    os.makedirs(tmp_path / "g")
+    path = write_gguf(llama_dir, str(tmp_path / "g" / "m.gguf"), "Q8_0")
+    dst = convert(path, str(tmp_path / "dst"), progress=False)
+    with open(os.path.join(dst, "tokenizer_config.json")) as f:
+        assert "chat_template" in json.load(f)
+    ours = Tokenizer.from_dir(dst).hf
+    ref = AutoTokenizer.from_pretrained(str(tmp_path / "g"), gguf_file="m.gguf")
+    assert ours.backend_tokenizer.to_str() == ref.backend_tokenizer.to_str()
+    for text in ["The quick brown fox", " Hello  world!\n", "Ünïcödé 東京 😀", "</s><s>x"]:
+        assert ours.encode(text) == ref.encode(text)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    assert (ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            == ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False))
+    assert (ours.bos_token, ours.eos_token, ours.pad_token) == (ref.bos_token, ref.eos_token, ref.pad_token)
+
+
+# -- bad input ----------------------------------------------------------------------------------
+def test_src_missing(tmp_path):
+    with pytest.raises(ValueError, match="nope.*no such file"):
+        convert(str(tmp_path / "nope"), str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst")
+
+
+def test_src_not_a_model(tmp_path):
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ValueError, match="empty: not a model"):
+        convert(str(tmp_path / "empty"), str(tmp_path / "dst"), progress=False)
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match="notes.txt: not a model"):
+        convert(str(tmp_path / "notes.txt"), str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
+
+
+@pytest.mark.parametrize("damage", ["truncated", "header"])
+def test_bad_safetensors(tmp_path, llama_dir, damage):
+    src = str(tmp_path / "src")
+    shutil.copytree(llama_dir, src)
+    st = os.path.join(src, "model.safetensors")
+    data = open(st, "rb").read()
+    with open(st, "wb") as f:
+        f.write(data[: len(data) // 2] if damage == "truncated" else b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    with pytest.raises(ValueError, match="model.safetensors"):
+        convert(src, str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
+
+
+def test_unsupported_architecture(tmp_path, llama_dir):
+    src = str(tmp_path / "src")
+    shutil.copytree(llama_dir, src)
+    cfg = json.load(open(os.path.join(src, "config.json")))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(os.path.join(src, "config.json"), "w"))
+    with pytest.raises(ValueError, match="config.json: unsupported architecture 'GPT2LMHeadModel'"):
+        convert(src, str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst")
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory, llama_dir):
+    d = tmp_path_factory.mktemp("gguf")
+    return write_gguf(llama_dir, str(d / "m.gguf"), "Q4_1")
+
+
+@pytest.mark.parametrize("cut", [10, 2000, -100])
+def test_truncated_gguf(tmp_path, gguf_file, cut):
+    data = open(gguf_file, "rb").read()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data[:cut])
+    with pytest.raises(ValueError, match="bad.gguf: .*(truncated|corrupt)"):
+        convert(str(bad), str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
+
+
+def test_corrupt_gguf(tmp_path, gguf_file):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUX" + open(gguf_file, "rb").read()[4:])
+    with pytest.raises(ValueError, match="bad.gguf: not a readable GGUF file"):
+        convert(str(bad), str(tmp_path / "dst"), progress=False)
+
+
+def test_unsupported_gguf_tensor_type(tmp_path, llama_dir):
+    # Q8_1 is a type the gguf package does not dequantize
+    path = write_gguf(llama_dir, str(tmp_path / "q81.gguf"), "Q8_0", zeros_as={"blk.1.ffn_up.weight": "Q8_1"})
+    with pytest.raises(ValueError, match="q81.gguf: tensor 'blk.1.ffn_up.weight' has GGUF type Q8_1.*not supported"):
+        convert(path, str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
+
+
+def test_unsupported_gguf_architecture(tmp_path, llama_dir):
+    src = str(tmp_path / "src")
+    shutil.copytree(llama_dir, src)
+    path = write_gguf(src, str(tmp_path / "m.gguf"), "F32", arch="gpt2")
+    with pytest.raises(ValueError, match="m.gguf: unsupported GGUF architecture 'gpt2'"):
+        convert(path, str(tmp_path / "dst"), progress=False)
+
+
+def test_dst_not_empty_refused_then_forced(tmp_path, llama_dir):
+    dst = tmp_path / "dst"
+    os.makedirs(dst)
+    (dst / "keep.txt").write_text("precious")
+    with pytest.raises(ValueError, match="dst: exists and is not empty.*force"):
+        convert(llama_dir, str(dst), progress=False)
+    assert (dst / "keep.txt").read_text() == "precious"
+    # a failing forced conversion leaves the old DST as it was
+    with pytest.raises(ValueError):
+        convert(str(tmp_path / "missing"), str(dst), force=True, progress=False)
+    assert (dst / "keep.txt").read_text() == "precious"
+    convert(llama_dir, str(dst), dtype="float32", force=True, progress=False)
+    assert not (dst / "keep.txt").exists()
+    _assert_trees_equal(_params(str(dst)), _params(llama_dir))
+    assert _leftovers(tmp_path, "dst") == []
+    # an existing empty directory is fine without force
+    os.makedirs(tmp_path / "empty")
+    convert(llama_dir, str(tmp_path / "empty"), progress=False)
+
+
+def test_disk_full(tmp_path, llama_dir, monkeypatch):
+    import jaxpaged.convert as conv
+
+    def full(params, out):
+        with open(os.path.join(out, "partial"), "wb") as f:
+            f.write(b"x" * 100)
+        raise RuntimeError("orbax save failed") from OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(conv, "save_orbax_params", full)
+    with pytest.raises(ValueError, match="dst: disk full"):
+        convert(llama_dir, str(tmp_path / "dst"), progress=False)
+    assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
