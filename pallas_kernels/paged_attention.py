@@ -1,0 +1,228 @@
+"""Paged decode attention: one query per slot, keys read through the block table.
+
+Pool layout (every kernel shares it): ``k_pool``, ``v_pool``: ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. A program handles one (slot, KV head, key split): the slot's query heads of that KV head
+(GQA group, padded to 16 rows for the tensor cores) against ``blocks_per_iter`` blocks per step, with an
+online softmax. Key splits (flash-decoding) divide each slot's *actual* context, not the table width, so
+short contexts in a wide table stay balanced; their partial results are merged in plain JAX.
+
+Backend: the Pallas Triton lowering (``interpret=True`` runs it on CPU). The public entry takes no
+backend-specific argument besides the tuning knobs, so another implementation (Mosaic GPU) can slot in
+behind the same signature.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+try:
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
+    plgpu = None
+
+from pallas_kernels.reference import paged_attention_reference
+
+_NEG = -1e30
+_LOG2E = math.log2(math.e)
+_TARGET_PROGRAMS = 512  # enough (slot, head, split) programs to fill ~130 SMs a few times over
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton compiler parameters (the class was renamed across JAX releases)."""
+    if plgpu is None:
+        raise NotImplementedError("this JAX has no Pallas Triton backend; use the reference attention")
+    cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
+    return cls(num_warps=num_warps, num_stages=num_stages)
+
+
+def validate(q, k_pool, v_pool, block_tables, seq_lens):
+    """Check shapes and dtypes shared by both kernels; return (block_tables, seq_lens) as int32."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got shape {q.shape}")
+    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError("k_pool and v_pool must both be [num_blocks, block_size, num_kv_heads, head_dim]"
+                         f", got {k_pool.shape} and {v_pool.shape}")
+    _, bs, hkv, d = k_pool.shape
+    if q.shape[2] != d:
+        raise ValueError(f"head_dim of q ({q.shape[2]}) differs from the pools' ({d})")
+    if q.shape[1] % hkv:
+        raise ValueError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({hkv})")
+    if d != _pow2(d) or not 16 <= d <= 256:
+        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
+    if bs != _pow2(bs):
+        raise ValueError(f"block_size must be a power of two, got {bs}")
+    if jnp.dtype(q.dtype) not in _DTYPES or q.dtype != k_pool.dtype or q.dtype != v_pool.dtype:
+        raise ValueError("q, k_pool and v_pool must share one dtype among float32, bfloat16, float16; "
+                         f"got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
+        raise ValueError(f"block_tables must be an integer [num_slots, max_blocks] array, got "
+                         f"{block_tables.dtype}{list(block_tables.shape)}")
+    if seq_lens.shape != block_tables.shape[:1] or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
+        raise ValueError(f"seq_lens must be integer [{block_tables.shape[0]}] (one per block-table row), "
+                         f"got {seq_lens.dtype}{list(seq_lens.shape)}")
+    return block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32)
+
+
+def check_pow2(name: str, value: int, minimum: int = 1):
+    if value != _pow2(value) or value < minimum:
+        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
+
+
+def pad_table(block_tables, blocks_per_iter):
+    """Pad the columns to a multiple of blocks_per_iter with the null block."""
+    pad = -block_tables.shape[1] % blocks_per_iter
+    return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
+
+
+def online_softmax_step(q, k, v, visible, carry, scale):
+    """One block of keys into the running (m, l, acc); logits in base 2.
+
+    q: [M, D]; k, v: [K, D]; visible: bool broadcastable to [M, K]; carry: m [M], l [M], acc [M, D] (f32).
+    """
+    m, l, acc = carry
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, K]
+    s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, K]
+    alpha = jnp.exp2(m - m_new)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)  # [M, D]
+    return m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + pv
+
+
+def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
+                   scale, blocks_per_iter, num_splits):
+    # lens_ref: i32[S]; tables_ref: i32[S, B] (B a multiple of blocks_per_iter)
+    # q_ref: [M, D] queries of this slot and KV head (rows past the GQA group are padding)
+    # k_ref, v_ref: [N, bs, Hkv, D] whole pools
+    # o_ref: [M, D]; stat_refs (only when num_splits > 1): m_ref [M], l_ref [M]
+    s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    M, D = q_ref.shape
+    bs = k_ref.shape[1]
+    nb = blocks_per_iter
+    kb = nb * bs
+    length = lens_ref[s]
+    n_iter = jnp.minimum(pl.cdiv(length, kb), tables_ref.shape[1] // nb)
+    per_split = pl.cdiv(n_iter, num_splits)
+    start = j * per_split
+    stop = jnp.minimum(start + per_split, n_iter)
+    q = q_ref[...]
+
+    def body(i, carry):
+        ids = tables_ref[s, pl.ds(i * nb, nb)]  # [nb]
+        k = k_ref[ids, :, h, :].reshape(kb, D)  # [kb, D]
+        v = v_ref[ids, :, h, :].reshape(kb, D)
+        k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
+        v = jnp.where(k_pos < length, v, 0)  # stale pool contents must not reach the output
+        visible = (k_pos < length).reshape(1, kb)
+        return online_softmax_step(q, k, v, visible, carry, scale)
+
+    init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),
+            jnp.zeros((M, D), jnp.float32))
+    m, l, acc = lax.fori_loop(start, stop, body, init)
+    o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)  # empty: zeros
+    if stat_refs:
+        m_ref, l_ref = stat_refs
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
+    """Tuning defaults: ~128 keys per step (64 at head_dim 256), splits to fill the GPU."""
+    keys = 128 if head_dim <= 128 else 64
+    nb = max(keys // block_size, pl.cdiv(16, block_size), 1)
+    nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
+    iters = pl.cdiv(max_blocks, nb)
+    splits = max(1, min(_TARGET_PROGRAMS // (num_slots * num_kv_heads), iters, 32))
+    return dict(blocks_per_iter=nb, num_splits=splits, num_warps=4, num_stages=2)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "interpret", "blocks_per_iter", "num_splits", "num_warps", "num_stages"))
+def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, interpret,
+                     blocks_per_iter, num_splits, num_warps, num_stages):
+    S, Hq, D = q.shape
+    Hkv = k_pool.shape[2]
+    G = Hq // Hkv
+    M = max(16, _pow2(G))
+    qg = q.reshape(S, Hkv, G, D)
+    if M != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - G), (0, 0)))  # [S, Hkv, M, D]
+    tables = pad_table(block_tables, blocks_per_iter)
+    split = num_splits > 1
+    whole = pl.no_block_spec
+    row = lambda s, h, j: (s, h, 0, 0)
+    if split:
+        out_shape = [jax.ShapeDtypeStruct((num_splits, S, Hkv, M, D), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, S, Hkv, M), jnp.float32),
+                     jax.ShapeDtypeStruct((num_splits, S, Hkv, M), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, M, D), lambda s, h, j: (j, s, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, M), lambda s, h, j: (j, s, h, 0)),
+                     pl.BlockSpec((None, None, None, M), lambda s, h, j: (j, s, h, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((S, Hkv, M, D), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, M, D), row)]
+    kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_iter=blocks_per_iter,
+                               num_splits=num_splits)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(S, Hkv, num_splits),
+        in_specs=[whole, whole, pl.BlockSpec((None, None, M, D), row), whole, whole],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="paged_attention_decode",
+    )(seq_lens, tables, qg, k_pool, v_pool)
+    if split:  # merge the key splits: weights l * 2^(m - max m)
+        o, m, l = outs  # [J, S, Hkv, M, D], [J, S, Hkv, M], [J, S, Hkv, M]
+        w = l * jnp.exp2(m - m.max(axis=0))
+        out = (w[..., None] * o).sum(axis=0) / jnp.maximum(w.sum(axis=0), 1e-30)[..., None]
+    else:
+        out = outs[0]
+    return out[:, :, :G].reshape(S, Hq, D).astype(q.dtype)
+
+
+def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, interpret=False,
+                    **tuning):
+    """Decode attention over a paged KV pool: q [S, Hq, D] -> [S, Hq, D].
+
+    Args:
+      q: [num_slots, num_q_heads, head_dim], one query per slot (the slot's last token).
+      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks.
+      block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
+      seq_lens: i32[num_slots] keys visible to each slot's query; 0 = empty slot (returns zeros).
+      scale: logit scale, default head_dim ** -0.5.
+      interpret: run the kernel in Pallas interpret mode (CPU).
+      **tuning: keyword-only knobs, defaults from ``decode_defaults``: ``blocks_per_iter`` (blocks
+        per inner step, power of two), ``num_splits`` (key splits per slot), ``num_warps``,
+        ``num_stages``.
+    """
+    block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens)
+    if q.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"q has {q.shape[0]} slots but block_tables has {block_tables.shape[0]} rows")
+    knobs = decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1],
+                            block_tables.shape[1])
+    unknown = set(tuning) - set(knobs)
+    if unknown:
+        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(knobs)}")
+    knobs.update(tuning)
+    check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
+    if knobs["num_splits"] < 1:
+        raise ValueError(f"num_splits must be >= 1, got {knobs['num_splits']}")
+    scale = q.shape[2] ** -0.5 if scale is None else float(scale)
+    return _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, scale=scale,
+                            interpret=bool(interpret), **knobs)
+
+
+__all__ = ["paged_attention", "paged_attention_reference", "decode_defaults"]

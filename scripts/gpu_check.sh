@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU check for the Pallas kernels: native kernel tests, then the kernel benchmark.
+# No installs, no network. Usage (from anywhere): scripts/gpu_check.sh [OUT_DIR]
+# OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
+#   env.txt, pytest.txt, pytest.xml   the GPU test run (pytest -m gpu tests/test_kernels.py)
+#   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
+#   summary.md                        test outcome + benchmark tables
+# Each part is guarded: a failing or missing part is recorded and the next one still runs.
+# Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300).
+set -u
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-gpu_check_out}}"
+mkdir -p "$OUT_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the benchmark sizes its own pool
+
+{
+  date -u
+  "$PY" --version
+  "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>/dev/null
+} >"$OUT_DIR/env.txt" 2>&1
+cat "$OUT_DIR/env.txt"
+
+test_status="not run"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider \
+    --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.txt" 2>&1
+  rc=$?
+  test_status="exit $rc: $(tail -n 1 "$OUT_DIR/pytest.txt")"
+else
+  test_status="pytest not installed: skipped (the benchmark still checks every shape against the reference)"
+fi
+echo "tests: $test_status"
+
+timeout $(( ${BENCH_BUDGET:-300} + 240 )) "$PY" scripts/bench_kernels.py --out "$OUT_DIR" \
+  --time-budget "${BENCH_BUDGET:-300}" >"$OUT_DIR/bench.log" 2>&1
+bench_rc=$?
+echo "bench: exit $bench_rc"
+
+{
+  echo "# GPU check"
+  echo
+  echo '```'
+  cat "$OUT_DIR/env.txt"
+  echo '```'
+  echo
+  echo "Tests (pytest -m gpu tests/test_kernels.py): $test_status"
+  echo
+  echo "Benchmark: exit $bench_rc"
+  echo
+  if [ -f "$OUT_DIR/results.md" ]; then cat "$OUT_DIR/results.md"; else tail -n 40 "$OUT_DIR/bench.log"; fi
+} >"$OUT_DIR/summary.md"
+cat "$OUT_DIR/summary.md"
