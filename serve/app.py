@@ -1,0 +1,160 @@
+"""The Starlette app (`create_app`) and `jaxpaged serve` (`add_serve_args`, `run_server`).
+
+    engine = AsyncEngine(LLMEngine(EngineConfig(model=DIR)), max_waiting=512)
+    app = create_app(engine, served_model_name="my-model", api_key=None)
+    uvicorn.run(app)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import threading
+import time
+from dataclasses import dataclass
+
+import uvicorn
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+
+from jaxpaged.async_engine import AsyncEngine
+from serve import routes
+from serve.errors import APIError
+from serve.metrics import Metrics
+from serve.protocol import openapi_schema
+
+log = logging.getLogger("jaxpaged.serve")
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
+DEFAULT_MAX_WAITING = 512
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    model_name: str
+    api_key: str | None
+    max_body_bytes: int
+    metrics: Metrics
+    openapi: dict
+    created: int
+
+
+def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True) -> Starlette:
+    """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`."""
+    from jaxpaged import __version__
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        if shutdown_engine:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = Starlette(routes=[
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics, methods=["GET"]),
+        Route("/openapi.json", routes.openapi, methods=["GET"]),
+    ], exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+        lifespan=lifespan)
+    app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
+                                   Metrics(engine, served_model_name), openapi_schema(__version__),
+                                   int(time.time()))
+    return app
+
+
+async def _api_error(request: Request, exc: APIError):
+    level = logging.INFO if exc.status < 500 else logging.WARNING
+    log.log(level, "%s %s %d %s: %s", request.method, request.url.path, exc.status, exc.code or exc.type,
+            exc.message)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return await _api_error(request, APIError(exc.status_code, message, code=code, headers=exc.headers))
+
+
+async def _server_error(request: Request, exc: Exception):
+    log.exception("%s %s 500", request.method, request.url.path)
+    return APIError(500, f"internal server error ({type(exc).__name__})").response()
+
+
+# -- `jaxpaged serve` -------------------------------------------------------------------------
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the flags of `jaxpaged serve` to `parser`."""
+    parser.add_argument("--model", default=None, help="model directory (HF or converted); default: the "
+                        "embedded default model")
+    parser.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
+                        "(default: --model as given, or the default model's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="batch slots (default 64)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step "
+                        "(default 512)")
+    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: "
+                        "the model's, capped at 4096)")
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                        help="weights and KV cache (default bfloat16)")
+    parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
+                        "batch slot before new ones get 503 + Retry-After (default %(default)s)")
+    return parser
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but SIGTERM/SIGINT end `run()` normally (exit 0) instead of being re-raised."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in original.items():
+                signal.signal(s, handler)
+
+
+def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_kwargs: dict | None = None) -> None:
+    """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get `grace_period` seconds
+    to finish, then are aborted. Returns normally (exit status 0)."""
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.engine import LLMEngine
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
+                                                     "max_model_len", "block_size")}
+    cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
+                       **(engine_kwargs or {}))
+    log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    s = engine.stats()
+    log.info("engine ready in %.1fs: %d step shapes compiled in %.1fs, %d KV blocks of %d tokens, "
+             "max_model_len %d, attention %s", time.perf_counter() - t0, s["num_compilations"],
+             s["compile_seconds"], s["kv_blocks_total"], cfg.block_size, engine.max_model_len,
+             s["attention_backend"])
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
+    app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=grace_period, log_level="info")
+    log.info("serving %r on http://%s:%d", name, args.host, args.port)
+    _Server(config).run()
+    async_engine.shutdown()
+    log.info("stopped")

@@ -1,0 +1,75 @@
+"""Prometheus metrics, vLLM's names under the `jaxpaged:` prefix, in a registry of the app's own.
+
+Gauges and the preemption counter are read from the engine's stats at scrape time; token counters and
+latency histograms are updated by the routes when a request ends.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                120.0, 240.0)
+
+
+class _EngineCollector:
+    """Gauges (and the preemption counter) straight from `engine.stats()` at scrape time."""
+
+    def __init__(self, engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+
+    def collect(self):
+        s, labels = self.engine.stats(), [self.model_name]
+        for name, doc, value in (
+                ("num_requests_running", "Requests (samples) holding a batch slot.", s["num_running"]),
+                ("num_requests_waiting", "Requests (samples) waiting for a batch slot.", s["num_waiting"]),
+                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s["kv_cache_usage"]),
+                ("prefix_cache_hit_rate", "Fraction of looked-up prompt blocks found in the prefix cache.",
+                 s["prefix_cache_hit_rate"])):
+            g = GaugeMetricFamily(f"jaxpaged:{name}", doc, labels=["model_name"])
+            g.add_metric(labels, float(value))
+            yield g
+        c = CounterMetricFamily("jaxpaged:num_preemptions", "Requests preempted (blocks freed, recomputed "
+                                "later) since start.", labels=["model_name"])
+        c.add_metric(labels, float(s["num_preemptions"]))
+        yield c
+
+
+class Metrics:
+    def __init__(self, engine, model_name: str):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        lbl = ["model_name"]
+        self.prompt_tokens = Counter("jaxpaged:prompt_tokens", "Prompt tokens processed.", lbl,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("jaxpaged:generation_tokens", "Tokens generated.", lbl,
+                                         registry=r).labels(model_name)
+        self.requests = Counter("jaxpaged:request_success", "Requests ended, by finish reason.",
+                                lbl + ["finished_reason"], registry=r)
+        self.ttft = Histogram("jaxpaged:time_to_first_token_seconds", "Time to first token.", lbl,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("jaxpaged:time_per_output_token_seconds", "Mean time per output token after "
+                              "the first, per request.", lbl, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("jaxpaged:e2e_request_latency_seconds", "Arrival to last token.", lbl,
+                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        r.register(_EngineCollector(engine, model_name))
+
+    def observe(self, prompt_tokens: int, output_tokens: int, finish_reason: str, ttft: float | None,
+                tpot: float | None, e2e: float) -> None:
+        """Record one ended engine request (finish_reason 'stop' | 'length' | 'abort')."""
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(output_tokens)
+        self.requests.labels(self.model_name, finish_reason).inc()
+        if finish_reason == "abort":
+            return
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        self.e2e.observe(e2e)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,95 @@
+"""Engine outputs -> OpenAI objects: logprobs in both formats, usage, and per-choice stream deltas.
+
+The engine's outputs are cumulative (all text and tokens so far); `Delta` remembers what a choice has
+already sent, so a stream carries each piece of text and each token's logprobs exactly once.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxpaged.engine import CompletionOutput, RequestOutput
+from serve.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails,
+                            TopLogprob, Usage)
+
+
+class TokenText:
+    """Token id -> the text it stands for (cached); `token_id:N` without a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        s = self.cache.get(token_id)
+        if s is None:
+            if self.tok is None:
+                s = f"token_id:{token_id}"
+            else:
+                s = self.tok.decode([token_id], skip_special_tokens=False)
+            if len(self.cache) < 200_000:
+                self.cache[token_id] = s
+        return s
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        if self.tok is None:
+            return ""
+        return self.tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+
+def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: int) -> CompletionLogprobs:
+    """Legacy completions format; offset is where the first token's text starts in the choice's text."""
+    out = CompletionLogprobs()
+    for tid, lp in zip(token_ids, logprobs or []):
+        s = text(tid)
+        out.tokens.append(s)
+        out.token_logprobs.append(lp.get(tid))
+        out.top_logprobs.append({text(t): v for t, v in _top(lp, k)} if k else None)
+        out.text_offset.append(offset)
+        offset += len(s)
+    return out
+
+
+def chat_logprobs(text: TokenText, token_ids, logprobs, k: int) -> ChatLogprobs:
+    content = []
+    for tid, lp in zip(token_ids, logprobs or []):
+        s = text(tid)
+        top = [TopLogprob(token=text(t), logprob=v, bytes=list(text(t).encode())) for t, v in _top(lp, k)]
+        content.append(ChatTokenLogprob(token=s, logprob=lp.get(tid, float("-inf")), bytes=list(s.encode()),
+                                        top_logprobs=top))
+    return ChatLogprobs(content=content)
+
+
+def usage(outs: list[RequestOutput | None]) -> Usage:
+    done = [o for o in outs if o is not None]
+    prompt = sum(len(o.prompt_token_ids) for o in done)
+    completion = sum(len(c.token_ids) for o in done for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in done)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+@dataclass
+class Delta:
+    """What one choice has sent so far in a stream."""
+    text_len: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+    def advance(self, c: CompletionOutput) -> tuple[str, list[int], list | None, str | None] | None:
+        """New (text, token ids, logprobs, finish_reason) since the last call; None if nothing to send."""
+        if self.done:
+            return None
+        text = c.text[self.text_len:] if len(c.text) >= self.text_len else ""
+        ids = c.token_ids[self.num_tokens:]
+        lps = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
+        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), len(c.token_ids)
+        self.done = c.finish_reason is not None
+        if not text and not self.done and not (lps and ids):
+            return None
+        return text, ids, lps, c.finish_reason

@@ -1,0 +1,409 @@
+"""The routes: /v1/completions, /v1/chat/completions (plain and streamed), /v1/models, /health, /metrics.
+
+One HTTP request is one `Job`: one engine request per prompt, their outputs merged, aborted (blocks
+freed) if the client goes away, and recorded in the metrics and one log line when it ends.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from pydantic import ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.async_engine import EngineDeadError, QueueFullError
+from jaxpaged.engine import RequestOutput
+from jaxpaged.sampling import SamplingParams
+from serve import outputs as fmt
+from serve.errors import APIError, from_validation_error, from_value_error
+from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
+                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
+                            CompletionRequest, CompletionResponse, ErrorInfo, ModelCard, ModelList)
+
+log = logging.getLogger("jaxpaged.serve")
+
+
+# -- request plumbing ---------------------------------------------------------------------------
+async def parse(request: Request, model_cls):
+    """Auth, size limit, JSON, schema and model name; any failure is an APIError."""
+    st = request.app.state.server
+    check_auth(request)
+    limit = st.max_body_bytes
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+    if req.model is not None and req.model != st.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {st.model_name!r}",
+                       param="model", code="model_not_found")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    return req
+
+
+def check_auth(request: Request) -> None:
+    key = request.app.state.server.api_key
+    if key is None:
+        return
+    got = request.headers.get("authorization", "")
+    scheme, _, token = got.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
+              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if getattr(req, name) is not None:
+            kw[name] = getattr(req, name)
+    if req.seed is not None:
+        kw["seed"] = req.seed % 2 ** 32
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        raise from_value_error(e) from None
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Job:
+    """The engine requests of one HTTP request (one per prompt), merged, recorded when they end."""
+
+    def __init__(self, request: Request, prefix: str, prompt_param: str):
+        self.request, self.st = request, request.app.state.server
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.created, self.arrival = int(time.time()), time.monotonic()
+        self.prompt_param = prompt_param
+        self.ids: list[str] = []
+        self.streams: list = []
+        self.lasts: list[RequestOutput | None] = []
+        self.status = "ok"
+        self.closed = False
+
+    async def start(self, prompts: list, params: SamplingParams) -> None:
+        engine = self.st.engine
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
+                self.streams.append(await engine.add_request(rid, prompt, params, self.arrival))
+                self.ids.append(rid)
+                self.lasts.append(None)
+        except ValueError as e:
+            self.abort()
+            raise from_value_error(e, self.prompt_param) from None
+        except QueueFullError as e:
+            self.abort()
+            raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            self.abort()
+            raise APIError(503, str(e), code="engine_unavailable") from None
+
+    def abort(self) -> None:
+        for rid, last in zip(self.ids, self.lasts):
+            if last is None or not last.finished:
+                self.st.engine.abort(rid)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they come, from every prompt's stream."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 -- EngineDeadError mostly; re-raised below
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    self.lasts[i] = item
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort()
+
+    async def collect(self) -> bool:
+        """Run to the end; False if the client disconnected first (everything is aborted then)."""
+        async def drain():
+            async for _ in self.outputs():
+                pass
+        work, watch = asyncio.create_task(drain()), asyncio.create_task(_disconnected(self.request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, watch):
+                t.cancel()
+        if not work.done() or work.cancelled():
+            self.status = "disconnected"
+            return False
+        try:
+            work.result()
+        except EngineDeadError as e:
+            self.status = "engine-error"
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return True
+
+    def close(self, http_status: int) -> None:
+        """Abort what is unfinished, record it all (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort()
+        if self.status == "ok" and any(o is None or not o.finished for o in self.lasts):
+            self.status = "disconnected"
+        self.finish(http_status)
+
+    def finish(self, http_status: int) -> None:
+        """Metrics for every engine request and one log line for the HTTP request."""
+        now, m = time.monotonic(), self.st.metrics
+        ttfts, reasons, n_out = [], set(), 0
+        for last in self.lasts:
+            if last is None:
+                m.observe(0, 0, "abort", None, None, now - self.arrival)
+                reasons.add("abort")
+                continue
+            first = last.metrics.get("first_token_time")
+            end = last.metrics.get("finished_time") or now
+            n = len(last.outputs[0].token_ids)
+            reason = (last.outputs[0].finish_reason or "abort") if last.finished else "abort"
+            ttft = None if first is None else first - self.arrival
+            tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
+            out_tokens = sum(len(c.token_ids) for c in last.outputs)
+            m.observe(len(last.prompt_token_ids), out_tokens, reason, ttft, tpot, end - self.arrival)
+            n_out += out_tokens
+            reasons.add(reason)
+            if ttft is not None:
+                ttfts.append(ttft)
+        p_tok = sum(len(o.prompt_token_ids) for o in self.lasts if o is not None)
+        ttft = f"{min(ttfts):.3f}s" if ttfts else "-"
+        log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s", self.id,
+                 http_status, self.status, p_tok, n_out, ttft, now - self.arrival, ",".join(sorted(reasons)))
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+async def _stream(job: Job, events) -> AsyncIterator[str]:
+    """Server-sent events from `events` (an async iterator of strings), ending in [DONE]."""
+    try:
+        async for event in events:
+            yield event
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as e:
+        job.status = "engine-error"
+        err = ErrorInfo(message=str(e), type="server_error", code="engine_unavailable")
+        yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+
+
+class JobStream(StreamingResponse):
+    """A streamed response that closes its job however the response ends (even before it starts)."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(_stream(job, events), media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close(200)
+
+
+async def run_to_end(job: Job) -> bool:
+    """Non-streamed: wait for every output; False (and the job closed) if the client went away."""
+    try:
+        ok = await job.collect()
+    except APIError as e:
+        job.close(e.status)
+        raise
+    except BaseException:
+        job.close(500)
+        raise
+    if not ok:
+        job.close(499)
+    return ok
+
+
+# -- completions ------------------------------------------------------------------------------
+async def completions(request: Request) -> Response:
+    req: CompletionRequest = await parse(request, CompletionRequest)
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of other than n is not supported", param="best_of")
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    params = sampling_params(req, req.max_tokens, req.logprobs)
+    p = req.prompt
+    prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    job = Job(request, "cmpl", "prompt")
+    await job.start(prompts, params)
+    text = fmt.TokenText(request.app.state.server.engine.tokenizer)
+    st, n, k = job.st, req.n, req.logprobs
+
+    def choice(i, c, text_piece, ids, lps, offset):
+        lp = fmt.completion_logprobs(text, ids, lps, k, offset) if k is not None else None
+        return CompletionChoice(index=i * n + c.index, text=text_piece, logprobs=lp, finish_reason=c.finish_reason)
+
+    if not req.stream:
+        if not await run_to_end(job):
+            return Response(status_code=499)
+        choices = []
+        for i, out in enumerate(job.lasts):
+            prefix = text.prompt_text(out) if req.echo else ""
+            choices += [choice(i, c, prefix + c.text, c.token_ids, c.logprobs, len(prefix)) for c in out.outputs]
+        job.close(200)
+        return JSONResponse(CompletionResponse(id=job.id, created=job.created, model=st.model_name,
+                                               choices=choices, usage=fmt.usage(job.lasts)).model_dump())
+
+    async def events():
+        deltas = [[fmt.Delta() for _ in range(n)] for _ in prompts]
+        echoed = [[not req.echo] * n for _ in prompts]
+        async for i, out in job.outputs():
+            for c in out.outputs:
+                d = deltas[i][c.index]
+                offset = d.text_len
+                got = d.advance(c)
+                if got is None:
+                    continue
+                piece, ids, lps, _ = got
+                if not echoed[i][c.index]:
+                    echoed[i][c.index] = True
+                    piece = text.prompt_text(out) + piece
+                ch = choice(i, c, piece, ids, lps, offset)
+                yield _sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[ch]))
+        if req.stream_options and req.stream_options.include_usage:
+            yield _sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[],
+                                          usage=fmt.usage(job.lasts)))
+
+    return JobStream(job, events())
+
+
+# -- chat -------------------------------------------------------------------------------------
+def chat_prompt(engine, messages) -> list[int]:
+    tok = engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
+                            "with token ids", param="messages")
+    msgs = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "\n".join(p.text for p in m.content)
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    try:
+        return tok.apply_chat_template(msgs)
+    except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+
+
+async def chat_completions(request: Request) -> Response:
+    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(400, "response_format other than text is not supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    st = request.app.state.server
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    params = sampling_params(req, max_tokens, k)
+    prompt = chat_prompt(st.engine, req.messages)
+    job = Job(request, "chatcmpl", "messages")
+    await job.start([prompt], params)
+    text = fmt.TokenText(st.engine.tokenizer)
+
+    def lp(ids, lps):
+        return fmt.chat_logprobs(text, ids, lps, k) if k is not None else None
+
+    if not req.stream:
+        if not await run_to_end(job):
+            return Response(status_code=499)
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=lp(c.token_ids, c.logprobs), finish_reason=c.finish_reason)
+                   for c in job.lasts[0].outputs]
+        job.close(200)
+        return JSONResponse(ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name,
+                                                   choices=choices, usage=fmt.usage(job.lasts)).model_dump())
+
+    def chunk(choices, usage=None):
+        return _sse(ChatCompletionChunk(id=job.id, created=job.created, model=st.model_name, choices=choices,
+                                        usage=usage))
+
+    async def events():
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                     for i in range(req.n)])
+        deltas = [fmt.Delta() for _ in range(req.n)]
+        async for _, out in job.outputs():
+            for c in out.outputs:
+                got = deltas[c.index].advance(c)
+                if got is not None:
+                    piece, ids, lps, reason = got
+                    yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(content=piece or None),
+                                                 logprobs=lp(ids, lps), finish_reason=reason)])
+        if req.stream_options and req.stream_options.include_usage:
+            yield chunk([], fmt.usage(job.lasts))
+
+    return JobStream(job, events())
+
+
+# -- the rest ---------------------------------------------------------------------------------
+async def models(request: Request) -> Response:
+    check_auth(request)
+    st = request.app.state.server
+    card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len)
+    return JSONResponse(ModelList(data=[card]).model_dump())
+
+
+async def health(request: Request) -> Response:
+    if request.app.state.server.engine.is_alive():
+        return Response(status_code=200)
+    raise APIError(503, "the engine loop is not running", code="engine_unavailable")
+
+
+async def metrics(request: Request) -> Response:
+    body, content_type = request.app.state.server.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def openapi(request: Request) -> Response:
+    return JSONResponse(request.app.state.server.openapi)

@@ -1,0 +1,430 @@
+"""The OpenAI-compatible server, end to end: a real uvicorn process on 127.0.0.1 over a tiny random model
+with a small word-level tokenizer, driven by the real `openai` client (and httpx for raw HTTP)."""
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from models import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "test-key"
+MAX_NUM_SEQS, MAX_WAITING, MAX_BODY = 8, 32, 64 * 1024
+SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+
+
+def make_tokenizer(path: str, vocab_size: int = 256):
+    """A word-level tokenizer of exactly vocab_size tokens (ids 0-4 special, </s> = 2 = the model's EOS)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "hello", "world", "user",
+             "assistant", "system", "hi", "a", "b", "c", "d"]
+    cons, vows = "bdfgklmnprstvz", "aeiou"
+    words += [x + v + y for x in cons for v in vows for y in cons if x + v + y not in words]
+    vocab = {w: i for i, w in enumerate((SPECIALS + words)[:vocab_size])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.normalizer = normalizers.Lowercase()
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                 additional_special_tokens=SPECIALS[3:])
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(path)
+    return hf
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`run_server` in a subprocess (so SIGTERM and exit codes are real); logs go to a file."""
+
+    def __init__(self, model_dir, cache_dir, log_path, *, grace=30.0, extra=()):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        code = ("import argparse, sys, jax; jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+                "from serve.app import add_serve_args, run_server\n"
+                "args = add_serve_args(argparse.ArgumentParser()).parse_args(sys.argv[1:])\n"
+                f"run_server(args, grace_period={grace}, max_body_bytes={MAX_BODY}, "
+                f"engine_kwargs=dict(compilation_cache_dir={cache_dir!r}, show_progress=False))\n")
+        argv = ["--model", model_dir, "--served-model-name", "tiny", "--port", str(self.port), "--dtype", "float32",
+                "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "64", "--max-model-len", "256",
+                "--max-waiting", str(MAX_WAITING), *extra]
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=ROOT, stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"server did not start:\n{self.output()}")
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("server_model"))
+    make_tiny_model(d, "llama", vocab_size=256)
+    make_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, compile_cache, tmp_path_factory):
+    srv = Server(model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "server.log"),
+                 extra=("--api-key", API_KEY))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def metrics(server) -> dict:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith("jaxpaged:"):
+            name, value = line.rsplit(" ", 1)
+            out[name.split("{")[0] + ("{" + name.split("{", 1)[1] if "finished_reason" in name else "")] = float(value)
+    return out
+
+
+def wait_idle(server, timeout=10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metrics(server)
+        if m["jaxpaged:num_requests_running"] == 0 and m["jaxpaged:num_requests_waiting"] == 0 \
+                and m["jaxpaged:kv_cache_usage_perc"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"engine not idle: {m}"
+        time.sleep(0.05)
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+LONG = " ".join(["the quick brown fox jumps over the lazy dog"] * 5)  # 45 tokens: full blocks to cache
+
+
+# -- the happy paths ---------------------------------------------------------------------------
+def test_models_health_openapi(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").status_code == 200
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(spec["paths"])
+    assert "CompletionRequest" in spec["components"]["schemas"]
+
+
+def test_completion_usage_and_echo(client, tokenizer):
+    prompt = "the quick brown fox"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, **GREEDY)
+    (c,) = r.choices
+    assert c.finish_reason == "length" and c.text
+    assert r.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    e = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, echo=True, **GREEDY)
+    assert e.choices[0].text == prompt + c.text
+    ids = tokenizer.encode(prompt)  # token ids give the same greedy text
+    t = client.completions.create(model="tiny", prompt=ids, max_tokens=12, **GREEDY)
+    assert t.choices[0].text == c.text
+
+
+def test_streamed_equals_plain(client):
+    kw = dict(model="tiny", prompt="hello world", max_tokens=40, **GREEDY)
+    plain = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == plain.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+
+    msgs = [{"role": "system", "content": "a b"}, {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "the dog"}]
+    ckw = dict(model="tiny", messages=msgs, max_completion_tokens=30, **GREEDY)
+    chat = client.chat.completions.create(**ckw)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 30
+    parts = list(client.chat.completions.create(stream=True, **ckw))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert parts[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_usage_counts_template(client, tokenizer):
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "the lazy dog"}]}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, **GREEDY)
+    want = tokenizer.apply_chat_template([{"role": "user", "content": "the lazy dog"}], add_generation_prompt=True)
+    want = want["input_ids"] if hasattr(want, "keys") else want
+    assert r.usage.prompt_tokens == len(want) and r.usage.completion_tokens == 5
+
+
+def test_n_and_multiple_prompts(client):
+    r = client.completions.create(model="tiny", prompt=["the quick", "lazy dog"], n=3, max_tokens=6,
+                                  temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == list(range(6))
+    assert r.usage.completion_tokens == 36
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=1.0, seed=5, stream=True,
+                                          extra_body={"ignore_eos": True})
+    text = {0: "", 1: ""}
+    for ch in chat:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+    assert all(text.values())
+
+
+def test_stop_strings_and_seed(client):
+    kw = dict(model="tiny", prompt=LONG, max_tokens=24, **GREEDY)
+    full = client.completions.create(**kw).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    cut = client.completions.create(stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[:full.find(stop)]
+    streamed = client.completions.create(stop=stop, stream=True, **kw)
+    assert "".join(ch.choices[0].text for ch in streamed) == cut.text
+
+    sample = dict(model="tiny", prompt=LONG, max_tokens=16, temperature=1.0, extra_body={"ignore_eos": True})
+    a = client.completions.create(seed=1234, **sample).choices[0].text
+    b = client.completions.create(seed=1234, **sample).choices[0].text
+    assert a == b
+    others = {client.completions.create(seed=s, **sample).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1
+
+
+def test_logprobs(client):
+    r = client.completions.create(model="tiny", prompt="the quick", max_tokens=5, logprobs=3, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens).replace(" ", "") == r.choices[0].text.replace(" ", "")
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and 1 <= len(top) <= 3 and max(top.values()) == pytest.approx(v)  # greedy: the top one
+    c = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       logprobs=True, top_logprobs=2, **GREEDY)
+    content = c.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+# -- errors ------------------------------------------------------------------------------------
+def raw(server, body, path="/v1/completions", key=API_KEY, timeout=30):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers=headers, timeout=timeout)
+
+
+def assert_error(resp, status, param=None, code=None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+@pytest.mark.parametrize("body,param", [
+    ("{not json", None),
+    ("[1, 2]", None),
+    ({"prompt": "a", "temperature": "hot"}, "temperature"),
+    ({"prompt": "a", "temperature": -1}, "temperature"),
+    ({"prompt": "a", "top_p": 1.5}, "top_p"),
+    ({"prompt": "a", "n": 0}, "n"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "a", "logprobs": 99}, "logprobs"),
+    ({"prompt": "a", "min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": {"x": 1}}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 99999]}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_bad_requests_400(server, body, param):
+    assert_error(raw(server, body), 400, param)
+
+
+def test_bad_chat_400(server):
+    assert_error(raw(server, {"messages": []}, "/v1/chat/completions"), 400, "messages")
+    assert_error(raw(server, {"messages": [{"role": "wizard", "content": "x"}]}, "/v1/chat/completions"), 400)
+    assert_error(raw(server, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+                     "/v1/chat/completions"), 400, "top_logprobs")
+
+
+def test_context_length_400(server, client):
+    err = assert_error(raw(server, {"prompt": "the quick", "max_tokens": 300}), 400, "max_tokens",
+                       "context_length_exceeded")
+    assert "max_tokens" in err["message"] and "max_model_len" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt=" ".join(["dog"] * 300), max_tokens=4)
+    assert e.value.status_code == 400 and "max_model_len" in e.value.message
+
+
+def test_auth_model_route_size_errors(server):
+    assert_error(raw(server, {"prompt": "a"}, key=None), 401, code="invalid_api_key")
+    assert_error(raw(server, {"prompt": "a"}, key="wrong"), 401, code="invalid_api_key")
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert_error(raw(server, {"prompt": "a", "model": "gpt-4"}), 404, "model", "model_not_found")
+    assert_error(httpx.get(server.url + "/v2/nothing"), 404)
+    assert_error(httpx.get(server.url + "/v1/completions"), 405)
+    assert_error(raw(server, {"prompt": "dog " * (MAX_BODY // 2)}), 413)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_queue_full_503_while_the_rest_complete(server):
+    async def burst():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i):
+            try:
+                r = await ac.completions.create(model="tiny", prompt=f"the dog {i}", max_tokens=48,
+                                                extra_body={"ignore_eos": True})
+                return r.usage.completion_tokens
+            except openai.APIStatusError as e:
+                return e
+        return await asyncio.gather(*[one(i) for i in range(3 * (MAX_NUM_SEQS + MAX_WAITING))])
+    results = asyncio.run(burst())
+    ok = [r for r in results if r == 48]
+    rejected = [r for r in results if isinstance(r, openai.APIStatusError)]
+    assert len(ok) + len(rejected) == len(results), results
+    assert len(ok) >= MAX_NUM_SEQS + MAX_WAITING // 2 and rejected
+    for e in rejected:
+        assert e.status_code == 503 and e.response.headers["retry-after"]
+        assert e.response.json()["error"]["code"] == "queue_full"
+    wait_idle(server)
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# -- disconnects, metrics, idle -----------------------------------------------------------------
+def test_disconnects_abort_and_free_blocks(server):
+    before = metrics(server).get('jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}', 0)
+
+    async def clients():
+        ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+        async def one(i):
+            if i % 2:
+                s = await ac.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"hi {i}"}],
+                                                     max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+            else:
+                s = await ac.completions.create(model="tiny", prompt=f"the fox {i}", max_tokens=200, stream=True,
+                                                extra_body={"ignore_eos": True})
+            k = 0
+            async for _ in s:
+                k += 1
+                if k == 2:
+                    break
+            await s.close()
+        await asyncio.gather(*[one(i) for i in range(20)])
+    asyncio.run(clients())
+    # a non-streamed request whose client gives up
+    with pytest.raises(httpx.ReadTimeout):
+        raw(server, {"prompt": "the lazy dog", "max_tokens": 240, "ignore_eos": True}, timeout=0.05)
+    m = wait_idle(server)
+    after = m['jaxpaged:request_success_total{finished_reason="abort",model_name="tiny"}']
+    assert after - before == 21
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_names(server):
+    m = metrics(server)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
+                 "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
+                 "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "e2e_request_latency_seconds_count"):
+        assert f"jaxpaged:{name}" in m, name
+    assert m["jaxpaged:generation_tokens_total"] > 0 and m["jaxpaged:time_to_first_token_seconds_count"] > 0
+    assert 0 < m["jaxpaged:prefix_cache_hit_rate"] <= 1  # the repeated prompts above hit the cache
+
+
+def test_idle_server_uses_no_cpu(server):
+    wait_idle(server)
+
+    def cpu():
+        with open(f"/proc/{server.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    c0, t0 = cpu(), time.monotonic()
+    time.sleep(2.0)
+    assert (cpu() - c0) / (time.monotonic() - t0) < 0.05
+
+
+def test_one_log_line_per_request(server, client):
+    r = client.completions.create(model="tiny", prompt="a b c", max_tokens=3, **GREEDY)
+    time.sleep(0.2)
+    lines = [line for line in server.output().splitlines() if r.id in line]
+    assert len(lines) == 1 and "prompt_tokens=3 output_tokens=3" in lines[0] and "ttft=" in lines[0]
+
+
+# -- SIGTERM -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_sigterm_drains_then_exits_0(model_dir, compile_cache, tmp_path):
+    srv = Server(model_dir, compile_cache, str(tmp_path / "term.log"), grace=2.0)
+    results, started = [], threading.Semaphore(0)
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    def run(i):
+        try:
+            s = c.completions.create(model="tiny", prompt=f"the dog {i}", max_tokens=200, stream=True,
+                                     extra_body={"ignore_eos": True})
+            chunks = []
+            for ch in s:
+                if not chunks:
+                    started.release()
+                chunks.append(ch)
+            results.append(chunks[-1].choices[0].finish_reason)
+        except (openai.APIError, httpx.HTTPError) as e:
+            started.release()
+            results.append(type(e).__name__)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    assert started.acquire(timeout=60)
+    t0 = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0, srv.output()
+    assert time.monotonic() - t0 < 15
+    for t in threads:
+        t.join(30)
+    assert len(results) == 40 and "length" in results, results
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(srv.url + "/health")
+    srv.stop()
