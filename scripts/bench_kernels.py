@@ -30,8 +30,8 @@ GPU = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="b
            batches=[1, 8, 32, 64, 128, 256], contexts=[512, 4096, 32768], max_tokens=1 << 21,
            copy_bytes=1 << 30, ragged=dict(decodes=64, decode_ctx=4096, prefills=[(512, 1024), (512, 4096)]),
            sweep_shape=(64, 4096),
-           sweep=[dict(blocks_per_iter=4), dict(blocks_per_iter=16), dict(num_warps=8),
-                  dict(num_stages=3), dict(blocks_per_iter=4, num_stages=3), dict(num_splits=2)])
+           sweep=[dict(blocks_per_iter=2), dict(blocks_per_iter=8), dict(blocks_per_iter=8, num_warps=8),
+                  dict(num_warps=8), dict(num_stages=3), dict(num_splits=2)])
 SMOKE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16",
              batches=[2], contexts=[48], max_tokens=1 << 10, copy_bytes=1 << 20,
              ragged=dict(decodes=2, decode_ctx=48, prefills=[(16, 40)]),

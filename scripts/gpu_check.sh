@@ -6,11 +6,13 @@
 #   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
 #   summary.md                        test outcome + benchmark tables
 # Each part is guarded: a failing or missing part is recorded and the next one still runs.
+# pytest runs with --noconftest: the kernel tests need nothing from tests/conftest.py (which imports the
+# engine and its model-test dependencies, perhaps absent on the GPU machine).
 # Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300).
 set -u
-cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
-mkdir -p "$OUT_DIR"
+mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the benchmark sizes its own pool
@@ -25,7 +27,7 @@ cat "$OUT_DIR/env.txt"
 
 test_status="not run"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider --noconftest \
     --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.txt" 2>&1
   rc=$?
   test_status="exit $rc: $(tail -n 1 "$OUT_DIR/pytest.txt")"
