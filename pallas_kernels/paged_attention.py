@@ -61,9 +61,9 @@ def validate(q, k_pool, v_pool, block_tables, seq_lens):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
     if bs != _pow2(bs):
         raise ValueError(f"block_size must be a power of two, got {bs}")
-    if jnp.dtype(q.dtype) not in _DTYPES or q.dtype != k_pool.dtype or q.dtype != v_pool.dtype:
-        raise ValueError("q, k_pool and v_pool must share one dtype among float32, bfloat16, float16; "
-                         f"got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_pool.dtype) not in _DTYPES or k_pool.dtype != v_pool.dtype:
+        raise ValueError("q must be float32, bfloat16 or float16, and k_pool and v_pool one of them too, "
+                         f"the same; got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be an integer [num_slots, max_blocks] array, got "
                          f"{block_tables.dtype}{list(block_tables.shape)}")
@@ -159,7 +159,7 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, interp
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     M = max(16, _pow2(G))
-    qg = q.reshape(S, Hkv, G, D)
+    qg = q.astype(k_pool.dtype).reshape(S, Hkv, G, D)  # the dots run in the pool's dtype
     if M != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - G), (0, 0)))  # [S, Hkv, M, D]
     tables = pad_table(block_tables, blocks_per_iter)
@@ -202,7 +202,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, in
     """Decode attention over a paged KV pool: q [S, Hq, D] -> [S, Hq, D].
 
     Args:
-      q: [num_slots, num_q_heads, head_dim], one query per slot (the slot's last token).
+      q: [num_slots, num_q_heads, head_dim], one query per slot (the slot's last token); cast to the
+        pools' dtype for the dots, the output has q's dtype.
       k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks.
       block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
       seq_lens: i32[num_slots] keys visible to each slot's query; 0 = empty slot (returns zeros).

@@ -96,7 +96,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     Gp = _pow2(G)
-    qg = jnp.pad(q.reshape(T, Hkv, G, D), ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
+    qg = jnp.pad(q.astype(k_pool.dtype).reshape(T, Hkv, G, D), ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
     tiles = tile_layout(query_start_loc, seq_lens, T, block_q)  # [4, P]
     whole = pl.no_block_spec
     kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q,
@@ -113,7 +113,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
     )(tiles, pad_table(block_tables, blocks_per_iter), qg, k_pool, v_pool)
     valid = jnp.arange(T) < query_start_loc[-1]  # rows no tile wrote hold garbage: zero them
     out = jnp.where(valid[:, None, None, None], out[:T, :, :G], 0)
-    return out.reshape(T, Hq, D)
+    return out.reshape(T, Hq, D).astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,
@@ -121,7 +121,8 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
     """Mixed prefill/decode attention over a paged KV pool: q [T, Hq, D] -> [T, Hq, D].
 
     Args:
-      q: [num_tokens, num_q_heads, head_dim], queries of all slots packed by ``query_start_loc``.
+      q: [num_tokens, num_q_heads, head_dim], queries of all slots packed by ``query_start_loc``; cast to
+        the pools' dtype for the dots, the output has q's dtype.
       k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks.
       block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
       seq_lens: i32[num_slots] context length of each slot, its queries included.

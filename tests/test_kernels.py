@@ -152,6 +152,19 @@ class TestKernels:
         out = ragged_paged_attention(**case, interpret=self.interpret, **tuning)
         assert_close(out, reference(ragged_paged_attention_reference, *case.values()), jnp.float32)
 
+    def test_q_dtype_differs_from_pools(self):
+        """q is cast to the pools' dtype for the dots; the output keeps q's dtype."""
+        case, _ = make_case(13, DECODE_LENS, dtype=jnp.bfloat16)
+        case["q"] = case["q"].astype(jnp.float32)
+        out = paged_attention(**case, interpret=self.interpret)
+        assert out.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(out), reference(paged_attention_reference, *case.values()),
+                                   **TOL[jnp.bfloat16])  # q rounded to bf16
+        rcase, _ = ragged_case(14)
+        rcase["q"] = rcase["q"].astype(jnp.bfloat16)
+        assert_close(ragged_paged_attention(**rcase, interpret=self.interpret),
+                     reference(ragged_paged_attention_reference, *rcase.values()), jnp.bfloat16)
+
     def test_stale_nan_in_pool_is_ignored(self):
         """Positions past a slot's length (and the null block) may hold anything, even NaN."""
         case, used = ragged_case(6)
@@ -220,7 +233,8 @@ def test_validation_errors():
         (dict(v_pool=case["v_pool"][:-1]), "k_pool and v_pool"),
         (dict(q=case["q"][:, :3]), "multiple of num_kv_heads"),
         (dict(q=jnp.zeros((2, 4, 32))), "head_dim of q"),
-        (dict(q=case["q"].astype(jnp.bfloat16)), "share one dtype"),
+        (dict(v_pool=case["v_pool"].astype(jnp.bfloat16)), "float32, bfloat16 or float16"),
+        (dict(q=case["q"].astype(jnp.int32)), "float32, bfloat16 or float16"),
         (dict(block_tables=case["block_tables"].astype(jnp.float32)), "block_tables"),
         (dict(seq_lens=case["seq_lens"][:1]), "seq_lens"),
         (dict(k_pool=jnp.zeros((4, 16, 2, 48)), v_pool=jnp.zeros((4, 16, 2, 48)), q=jnp.zeros((2, 4, 48))),
