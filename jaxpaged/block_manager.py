@@ -110,7 +110,8 @@ class BlockManager:
         """Register the request's full, computed blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        for i in range(req.num_computed_tokens // self.block_size):
+        full = req.num_computed_tokens // self.block_size
+        for i in range(req.num_registered_blocks, full):
             b = req.block_ids[i]
             if b in self.block_key:
                 continue
@@ -118,6 +119,7 @@ class BlockManager:
             if key not in self.cache:  # an equal block cached by another request stays the cached one
                 self.cache[key] = b
                 self.block_key[b] = key
+        req.num_registered_blocks = max(req.num_registered_blocks, full)
 
     def free(self, req: Request) -> None:
         """Drop the request's references; blocks reaching 0 become free (tail first) or evictable."""
@@ -131,6 +133,8 @@ class BlockManager:
                 else:
                     self.free_blocks.append(b)
         req.block_ids = []
+        req.blocks_epoch += 1
+        req.num_registered_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for b in list(self.evictable):

@@ -63,7 +63,10 @@ class ModelRunner:
         S = cfg.max_num_seqs
         # host arrays reused every step
         self._block_tables = np.zeros((S, self.max_blocks_per_seq), np.int32)
+        self._row_owner: list = [None] * S          # (request, blocks_epoch) whose blocks row s holds
+        self._row_len = [0] * S
         self._history = np.full((S, max_model_len), -1, np.int32)
+        self._no_history = jnp.asarray(self._history)  # stays on device while no slot uses penalties
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -120,17 +123,19 @@ class ModelRunner:
         qsl = np.zeros(S + 1, np.int32)
         logits_idx = np.zeros(S, np.int32)
         tables = self._block_tables
-        tables.fill(0)
         counts = np.zeros(S, np.int32)
         t = 0
         for req, n in out.scheduled:
-            s, c = req.slot, req.num_computed_tokens
-            pos = np.arange(c, c + n, dtype=np.int32)
-            blocks = np.asarray(req.block_ids, np.int32)
-            input_ids[t:t + n] = req.token_ids[c:c + n]
-            positions[t:t + n] = pos
-            slot_mapping[t:t + n] = blocks[pos // bs] * bs + pos % bs
-            tables[s, :len(blocks)] = blocks
+            s, c, blocks = req.slot, req.num_computed_tokens, req.block_ids
+            self._sync_table_row(s, req)
+            if n == 1:  # decode: scalars are cheaper than small arrays
+                input_ids[t], positions[t] = req.token_ids[c], c
+                slot_mapping[t] = blocks[c // bs] * bs + c % bs
+            else:
+                pos = np.arange(c, c + n, dtype=np.int32)
+                input_ids[t:t + n] = req.token_ids[c:c + n]
+                positions[t:t + n] = pos
+                slot_mapping[t:t + n] = np.asarray(blocks, np.int32)[pos // bs] * bs + pos % bs
             seq_lens[s] = c + n
             counts[s] = n
             logits_idx[s] = t + n - 1
@@ -143,7 +148,7 @@ class ModelRunner:
         fn = self._compiled.get(key) or self._compile(*key)
         (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = fn(
             self.params, self.k_pool, self.v_pool, batch, sp)
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(tokens).tolist()
         want_lp = [r for r, _ in out.scheduled if r.params.logprobs is not None]
         if want_lp:
             tok_lp, top_lp, top_ids = np.asarray(tok_lp), np.asarray(top_lp), np.asarray(top_ids)
@@ -154,9 +159,20 @@ class ModelRunner:
             if req.params.logprobs is not None:
                 k = req.params.logprobs
                 lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
-                lp[int(tokens[s])] = float(tok_lp[s])
-            result[s] = (int(tokens[s]), lp)
+                lp[tokens[s]] = float(tok_lp[s])
+            result[s] = (tokens[s], lp)
         return result
+
+    def _sync_table_row(self, s: int, req) -> None:
+        """Keep the persistent block-table row of slot s equal to the request's blocks, by difference."""
+        owner = (req, req.blocks_epoch)
+        n_old, n_new = self._row_len[s], len(req.block_ids)
+        if self._row_owner[s] != owner:
+            self._block_tables[s, :n_old] = 0
+            self._row_owner[s], n_old = owner, 0
+        if n_new > n_old:
+            self._block_tables[s, n_old:n_new] = req.block_ids[n_old:]
+        self._row_len[s] = n_new
 
     def _sampling_arrays(self, scheduled, S: int) -> dict:
         f32, i32 = np.float32, np.int32
@@ -186,7 +202,7 @@ class ModelRunner:
                 sp["presence_penalty"][s] = p.presence_penalty
                 sp["frequency_penalty"][s] = p.frequency_penalty
                 sp["repetition_penalty"][s] = p.repetition_penalty
-        sp["history"] = self._history
+        sp["history"] = self._history if any_pen else self._no_history
         sp["any_penalty"], sp["any_filter"] = np.bool_(any_pen), np.bool_(any_filter)
         sp["all_greedy"] = np.bool_(all_greedy)
         return sp
