@@ -14,12 +14,20 @@ import jax.numpy as jnp
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 
-def resolve_backend(name: str) -> str:
-    """'auto' -> 'pallas' on GPU, 'reference' elsewhere."""
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def resolve_backend(name: str, head_dim: int, block_size: int) -> str:
+    """'auto' -> 'pallas' on GPU when the kernels support the shapes, 'reference' otherwise."""
+    fits = _pow2(block_size) and _pow2(head_dim) and 16 <= head_dim <= 256
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" and fits else "reference"
     if name not in ("reference", "pallas"):
         raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {name!r}")
+    if name == "pallas" and not fits:
+        raise ValueError(f"attention_backend='pallas' needs a power-of-two block_size and head_dim in "
+                         f"16..256 (got block_size {block_size}, head_dim {head_dim})")
     return name
 
 

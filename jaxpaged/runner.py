@@ -48,7 +48,7 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
-        self.backend = resolve_backend(cfg.attention_backend)
+        self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
         self.params = jax.device_put(params)

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 
 _NEG = -1e30
+_HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
 
 
-def _attend_chunks(q, q_pos, q_slot, k_pool, v_pool, block_tables, seq_lens, scale, chunk_blocks):
+def _attend_chunks(q, q_pos, q_slot, k_pool, v_pool, block_tables, scale, chunk_blocks):
     """Online-softmax attention of packed queries over their slot's paged keys.
 
     q: [T, Hq, D]; q_pos: i32[T] position of each query (keys at positions <= q_pos are visible);
@@ -42,7 +43,7 @@ def _attend_chunks(q, q_pos, q_slot, k_pool, v_pool, block_tables, seq_lens, sca
         k = k_pool[ids].reshape(T, cb * bs, Hkv, D).astype(jnp.float32)  # [T, K, Hkv, D]
         v = v_pool[ids].reshape(T, cb * bs, Hkv, D).astype(jnp.float32)
         k_pos = c * cb * bs + jnp.arange(cb * bs)  # [K]
-        s = jnp.einsum("thgd,tkhd->thgk", qf, k)  # [T, Hkv, G, K]
+        s = jnp.einsum("thgd,tkhd->thgk", qf, k, precision=_HIGHEST)  # [T, Hkv, G, K]
         visible = k_pos[None, :] <= q_pos[:, None]  # [T, K]
         s = jnp.where(visible[:, None, None, :], s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
@@ -50,7 +51,7 @@ def _attend_chunks(q, q_pos, q_slot, k_pool, v_pool, block_tables, seq_lens, sca
         p = jnp.where(visible[:, None, None, :], p, 0.0)
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha + p.sum(-1)
-        acc_new = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, v)
+        acc_new = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, v, precision=_HIGHEST)
         return m_new, l_new, acc_new
 
     init = (
@@ -79,7 +80,7 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scal
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_pos = seq_lens.astype(jnp.int32) - 1  # [S]
     out = _attend_chunks(q, q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
-                         block_tables, seq_lens, scale, chunk_blocks)
+                         block_tables, scale, chunk_blocks)
     return out.astype(q.dtype)
 
 
@@ -107,5 +108,5 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     T = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     slot, pos = query_layout(query_start_loc, seq_lens, T)
-    out = _attend_chunks(q, pos, slot, k_pool, v_pool, block_tables, seq_lens, scale, chunk_blocks)
+    out = _attend_chunks(q, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
     return out.astype(q.dtype)

@@ -80,3 +80,20 @@ def test_compilations_bounded_by_buckets(tiny_models, engine_kwargs):
               for i, (m, t) in enumerate(zip(rng.integers(1, 40, size=40), rng.uniform(0, 1.5, size=40)))]
     llm.generate(prompts, params, use_tqdm=False)
     assert llm.stats()["num_compilations"] == n0
+
+
+@pytest.mark.slow
+def test_pallas_backend_matches_reference(tiny_models, engine_kwargs):
+    """The engine on the Pallas kernels (interpret mode on CPU) gives the reference backend's tokens,
+    through prefill chunks mixed with decodes and decode-only steps."""
+    path = tiny_models["qwen3"]
+    prompts = [{"prompt_token_ids": [int(t) for t in np.random.default_rng(i).integers(3, 256, size=n)]}
+               for i, n in enumerate((3, 20, 37))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    kw = {**engine_kwargs, "max_num_seqs": 4, "max_num_batched_tokens": 16}
+    want = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=path, **kw, attention_backend="pallas")
+    assert llm.stats()["attention_backend"] == "pallas"
+    assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants()) > len(llm.engine.runner.buckets)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
