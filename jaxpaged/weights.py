@@ -218,5 +218,8 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str) -> dict:
 def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None) -> dict:
     """Numpy parameter pytree from an orbax (converted) or Hugging Face directory."""
     if is_orbax_dir(model_dir):
-        return load_orbax_params(model_dir, cfg, dtype)
+        params = load_orbax_params(model_dir, cfg, dtype)
+        if progress is not None:
+            progress.update(count_tensors(cfg))
+        return params
     return load_hf_params(model_dir, cfg, dtype, progress=progress)
