@@ -1,0 +1,346 @@
+"""What the benchmark scripts share: arguments, models, seeded workloads, engine drivers, output.
+
+Every script times only generation: the model is loaded and every step shape compiled before the
+clock starts, and a short warm-up run goes through the engine first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+TIMING_NOTE = "only generation is timed (model load, compilation and a warm-up run come before the clock)"
+
+# Random-weight models with the shapes of real ones: `--model random:<preset>`.
+PRESETS = {
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
+                         max_position_embeddings=8192, rope_theta=100000.0),
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                 max_position_embeddings=2048, rope_theta=10000.0),
+}
+
+_WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be has "
+          "had one first new after also who their two its time year people city world school music film "
+          "river house water light game team group story night war history book line power form church "
+          "system state village country family field north south record song century series language "
+          "market island station road garden company season study paper model engine memory block page "
+          "number small large early late local public small great little long old young").split()
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+# -- arguments ------------------------------------------------------------------------------
+def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=None,
+                    num_kv_blocks=None):
+    g = ap.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="model directory, or random:smollm2-135m / random:tiny (random weights, real shapes); "
+                        "default: the embedded default model, SmolLM2-135M-Instruct")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
+    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
+    g.add_argument("--max-model-len", type=int, default=max_model_len,
+                   help="default: the longest request the workload can draw")
+    g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="default: the engine's choice")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--compilation-cache-dir", default=None, help="default: the engine's (~/.cache/jaxpaged/xla)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", metavar="PATH", help="write the results here as JSON")
+
+
+def add_workload_args(ap, *, num_prompts, prompt_len, output_len):
+    g = ap.add_argument_group("workload (seeded; EOS is ignored, so output lengths are as drawn)")
+    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--dist", default="uniform", choices=["uniform", "sharegpt"],
+                   help="length distribution; sharegpt: long-tailed log-normal like chat traffic")
+    g.add_argument("--prompt-len", type=int, nargs=2, default=list(prompt_len), metavar=("MIN", "MAX"))
+    g.add_argument("--output-len", type=int, nargs=2, default=list(output_len), metavar=("MIN", "MAX"))
+    g.add_argument("--random-tokens", action="store_true",
+                   help="random token ids instead of tokenized text (always so for a model without tokenizer)")
+
+
+# -- models ---------------------------------------------------------------------------------
+def resolve_model(spec: str | None) -> str:
+    """A model directory: the default model (fetched and converted once), a random preset, or a path."""
+    if spec is None:
+        from jaxpaged.default_model import default_model_dir
+        return default_model_dir(verbose=True)
+    if spec.startswith("random:"):
+        return make_random_model(spec.split(":", 1)[1])
+    if not os.path.isdir(spec):
+        raise SystemExit(f"--model {spec}: no such directory")
+    return spec
+
+
+def make_random_model(preset: str, root: str | None = None) -> str:
+    """Save (once) a random Llama model of a preset's shapes, without tokenizer; return its directory."""
+    if preset not in PRESETS:
+        raise SystemExit(f"unknown random preset {preset!r}; choose from {', '.join(PRESETS)}")
+    from jaxpaged.config import default_cache_dir
+    path = os.path.join(root or os.path.join(default_cache_dir(), "bench-models"), f"random-{preset}")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import tempfile
+
+    import torch
+    import transformers as tf
+    say(f"creating random model {preset} in {path}")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(**PRESETS[preset], rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    model = tf.LlamaForCausalLM(cfg)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(path))
+    model.save_pretrained(tmp, safe_serialization=True)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # made concurrently by another run
+        pass
+    return path
+
+
+def load_hf_model(model_dir: str, dtype: str):
+    """The same weights as a transformers model (HF directories directly; converted ones by name map)."""
+    import torch
+    import transformers as tf
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.weights import _LAYER_MAP, _TOP_MAP, is_orbax_dir, load_params
+    tdtype = getattr(torch, dtype)
+    if not is_orbax_dir(model_dir):
+        return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+    mc = ModelConfig.from_dir(model_dir)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    params = load_params(model_dir, mc, "float32")
+
+    def tensor(a, transpose):
+        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
+    state = {hf: tensor(params[ours], t) for hf, (ours, t) in _TOP_MAP.items() if ours in params}
+    for rest, (ours, t) in _LAYER_MAP.items():
+        if ours in params["layers"]:
+            for i in range(mc.num_layers):
+                state[f"model.layers.{i}.{rest}"] = tensor(params["layers"][ours][i], t)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"{model_dir}: weights do not map onto transformers' model "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(tdtype).eval()
+
+
+def engine_kwargs(args, **over) -> dict:
+    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+              attention_backend=args.attention_backend, seed=args.seed, show_progress=False)
+    if args.compilation_cache_dir:
+        kw["compilation_cache_dir"] = args.compilation_cache_dir
+    kw.update(over)
+    return kw
+
+
+def build_llm(model_dir: str, args, **over):
+    from jaxpaged import LLM
+    kw = engine_kwargs(args, **over)
+    say(f"building engine: {', '.join(f'{k}={v}' for k, v in kw.items() if k != 'show_progress')}")
+    t0 = time.perf_counter()
+    llm = LLM(model=model_dir, **kw)
+    say(f"engine ready in {time.perf_counter() - t0:.1f} s ({llm.engine.runner.num_compilations} step shapes)")
+    return llm
+
+
+# -- workloads ------------------------------------------------------------------------------
+@dataclass
+class Req:
+    prompt_ids: list[int]
+    output_len: int
+    n: int = 1
+
+
+@dataclass
+class Workload:
+    requests: list[Req]
+    info: dict = field(default_factory=dict)
+
+    @property
+    def max_len(self) -> int:
+        return max(len(r.prompt_ids) + r.output_len for r in self.requests)
+
+
+def draw_lengths(rng: np.random.Generator, n: int, dist: str, lo: int, hi: int) -> np.ndarray:
+    """uniform: integers in [lo, hi]. sharegpt: log-normal, median at 30% of the log-range, 2 sigma
+    spanning it, clipped to [lo, hi] (most requests short, a tail of long ones)."""
+    if not 1 <= lo <= hi:
+        raise SystemExit(f"bad length range [{lo}, {hi}]")
+    if dist == "uniform":
+        return rng.integers(lo, hi + 1, n)
+    span = np.log(hi / lo)
+    x = rng.lognormal(np.log(lo) + 0.3 * span, max(span / 3, 1e-6), n)
+    return np.clip(np.rint(x), lo, hi).astype(int)
+
+
+def text_ids(tokenizer, rng: np.random.Generator, n_tokens: int) -> list[int]:
+    """n_tokens token ids of random English-like text (every prompt drawn independently)."""
+    ids: list[int] = []
+    words = max(8, n_tokens)
+    while len(ids) < n_tokens:
+        text = " ".join(rng.choice(_WORDS, words)).capitalize() + "."
+        ids = tokenizer.encode(text)
+        words *= 2
+    return ids[:n_tokens]
+
+
+def prompt_ids(rng: np.random.Generator, n_tokens: int, tokenizer, vocab_size: int) -> list[int]:
+    if tokenizer is None:
+        return [int(t) for t in rng.integers(3, vocab_size, n_tokens)]  # clear of pad/bos/eos ids
+    return text_ids(tokenizer, rng, n_tokens)
+
+
+def model_vocab_and_tokenizer(model_dir: str, random_tokens: bool = False):
+    """(vocab size, tokenizer or None) of a model directory, without building an engine."""
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.tokenizer import Tokenizer
+    return ModelConfig.from_dir(model_dir).vocab_size, None if random_tokens else Tokenizer.from_dir(model_dir)
+
+
+def make_workload(args, model_dir: str, *, num_prompts=None, prefix_len=0, n=1, seed_offset=0) -> Workload:
+    """The seeded workload of args (num_prompts, dist, prompt_len, output_len, random_tokens); with
+    prefix_len > 0 every prompt starts with the same prefix_len tokens (a shared system prompt)."""
+    vocab, tok = model_vocab_and_tokenizer(model_dir, args.random_tokens)
+    rng = np.random.default_rng(args.seed + seed_offset)
+    num = args.num_prompts if num_prompts is None else num_prompts
+    plens = draw_lengths(rng, num, args.dist, *args.prompt_len)
+    olens = draw_lengths(rng, num, args.dist, *args.output_len)
+    prefix = prompt_ids(rng, prefix_len, tok, vocab) if prefix_len else []
+    reqs = [Req(prefix + prompt_ids(rng, int(p), tok, vocab), int(o), n) for p, o in zip(plens, olens)]
+    info = dict(num_prompts=num, dist=args.dist, prompt_len=list(args.prompt_len), output_len=list(args.output_len),
+                tokens="random ids" if tok is None else "tokenized text", seed=args.seed + seed_offset,
+                shared_prefix_len=prefix_len, n=n, mean_prompt_len=float(np.mean([len(r.prompt_ids) for r in reqs])),
+                mean_output_len=float(np.mean(olens)), ignore_eos=True, temperature=0.0)
+    return Workload(reqs, info)
+
+
+def workload_max_len(args, prefix_len: int = 0) -> int:
+    """The longest request the workload arguments can draw (the default max_model_len)."""
+    return prefix_len + args.prompt_len[1] + args.output_len[1]
+
+
+# -- driving the engine ---------------------------------------------------------------------
+@dataclass
+class RunRecord:
+    elapsed_s: float
+    num_steps: int
+    prompt_tokens: list[int]
+    output_tokens: list[int]   # per request, all n samples together
+    ttft_s: list[float]
+    latency_s: list[float]
+
+
+def sampling_params(req: Req):
+    from jaxpaged import SamplingParams
+    return SamplingParams(n=req.n, max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+
+
+_run_ids = iter(range(10 ** 9))
+
+
+def drive(engine, reqs: list[Req], *, batch_size: int | None = None, arrivals=None, on_step=None) -> RunRecord:
+    """Run reqs to completion; time from the first submission to the last finish.
+
+    batch_size None: continuous batching (each request queued at its arrival offset, all at 0 by
+    default). batch_size k: static batching, the next k requests are queued only once the engine is
+    empty. on_step(engine) is called after every step (not timed separately; keep it cheap)."""
+    tag = f"b{next(_run_ids)}"
+    pending = deque(range(len(reqs)))
+    index: dict[str, int] = {}
+    done = {}
+    t0 = time.monotonic()
+    steps = 0
+
+    def add(i):
+        rid = f"{tag}-{i}"
+        at = t0 + (arrivals[i] if arrivals is not None else 0.0)
+        engine.add_request(rid, {"prompt_token_ids": reqs[i].prompt_ids}, sampling_params(reqs[i]), arrival_time=at)
+        index[rid] = i
+
+    while pending or engine.has_unfinished_requests():
+        now = time.monotonic()
+        if batch_size is None:
+            while pending and (arrivals is None or t0 + arrivals[pending[0]] <= now):
+                add(pending.popleft())
+        elif not engine.has_unfinished_requests():
+            for _ in range(min(batch_size, len(pending))):
+                add(pending.popleft())
+        if not engine.has_unfinished_requests():  # idle until the next arrival
+            time.sleep(max(0.0, t0 + arrivals[pending[0]] - time.monotonic()))
+            continue
+        for o in engine.step():
+            if o.finished:
+                done[index[o.request_id]] = o
+        steps += 1
+        if on_step is not None:
+            on_step(engine)
+    elapsed = time.monotonic() - t0
+    outs = [done[i] for i in range(len(reqs))]
+    return RunRecord(elapsed, steps, [len(r.prompt_ids) for r in reqs],
+                     [sum(len(c.token_ids) for c in o.outputs) for o in outs],
+                     [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs],
+                     [o.metrics["finished_time"] - o.metrics["arrival_time"] for o in outs])
+
+
+def warm_up(engine, vocab_size: int) -> None:
+    """A few short requests through every phase (prefill, decode, finish); then forget their prefixes."""
+    rng = np.random.default_rng(12345)
+    lens = [min(L, engine.max_model_len - 4) for L in (5, 40, 100)]
+    reqs = [Req([int(t) for t in rng.integers(3, vocab_size, L)], 4) for L in lens]
+    drive(engine, reqs)
+    engine.block_manager.reset_prefix_cache()
+
+
+# -- results --------------------------------------------------------------------------------
+def dist_stats(xs) -> dict:
+    xs = np.asarray([x for x in xs if x is not None], float)
+    if not len(xs):
+        return {}
+    return dict(mean=float(xs.mean()), p50=float(np.percentile(xs, 50)), p90=float(np.percentile(xs, 90)),
+                p99=float(np.percentile(xs, 99)), max=float(xs.max()))
+
+
+def summarize(rec: RunRecord) -> dict:
+    n, p, o, t = len(rec.output_tokens), sum(rec.prompt_tokens), sum(rec.output_tokens), rec.elapsed_s
+    return dict(requests_per_s=n / t, output_tokens_per_s=o / t, total_tokens_per_s=(p + o) / t, elapsed_s=t,
+                num_requests=n, prompt_tokens=p, output_tokens=o, num_steps=rec.num_steps,
+                ttft_s=dist_stats(rec.ttft_s), latency_s=dist_stats(rec.latency_s),
+                per_request=dict(ttft_s=list(rec.ttft_s), latency_s=list(rec.latency_s),
+                                 output_tokens=list(rec.output_tokens)))
+
+
+def machine_info() -> dict:
+    import jax
+    return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(), python=platform.python_version(), jax=jax.__version__,
+                jax_backend=jax.default_backend(), devices=[str(d) for d in jax.devices()])
+
+
+def write_json(path: str | None, obj: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(obj, f, indent=1)
+        say(f"wrote {path}")
+
+
+def table(rows: list[list], headers: list[str]) -> str:
+    cells = [[h for h in headers]] + [[f"{c:.3g}" if isinstance(c, float) and abs(c) < 1000 else
+                                       f"{c:.0f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
+    return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])

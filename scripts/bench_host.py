@@ -1,0 +1,212 @@
+"""Host overhead per decode step, and decode efficiency against a plain matmul microbenchmark.
+
+    python scripts/bench_host.py --running 8 64 128 256 --json results/host.json
+
+For each count N of running requests, an engine with max_num_seqs = N is filled with N requests
+(distinct random prompts of --context tokens) until all of them decode; then --steps decode steps are
+timed one by one, with the engine's own calls wrapped by timers:
+  schedule      Scheduler.schedule
+  execute       ModelRunner.execute: input arrays + device step + reading the results back
+  update        Scheduler.update_from_output
+  engine        the rest of LLMEngine.step (stop checks, detokenization, outputs)
+The device time of the same step is measured on its own afterwards: the step's compiled function is
+replayed on the step's inputs, already on the device, until ready. Host overhead = step wall time -
+device time (the host time not hidden behind the device), as a share of the step wall time.
+
+Decode efficiency = model FLOPs of the step (2 x matmul parameters per token, logits included, plus
+4 x layers x heads x head_dim x context for attention) / step wall time, divided by the FLOP rate of a
+plain jitted chain of jnp.dot at the same shapes ([N, hidden] through every layer's projections and
+the logits), same dtype, measured in the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import numpy as np
+
+import bench_common as bc
+
+
+class Timed:
+    """Wraps a bound method (set on the instance, so the engine's own calls go through it)."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name, self.fn, self.times = obj, name, getattr(obj, name), []
+        setattr(obj, name, self)
+
+    def __call__(self, *a, **kw):
+        t = time.perf_counter()
+        try:
+            return self.fn(*a, **kw)
+        finally:
+            self.times.append(time.perf_counter() - t)
+
+    def remove(self):
+        delattr(self.obj, self.name)
+
+
+def capture_next_step(runner) -> tuple[dict, dict]:
+    """Make the runner's compiled steps record their function and inputs; return (record, originals)."""
+    captured = {}
+
+    class Capture:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __call__(self, params, k, v, batch, sp):
+            captured.update(fn=self.fn, batch={n: np.array(a) for n, a in batch.items()},
+                            sp={n: np.array(a) for n, a in sp.items()})
+            return self.fn(params, k, v, batch, sp)
+
+    saved = dict(runner._compiled)
+    runner._compiled.update({key: Capture(fn) for key, fn in saved.items()})
+    return captured, saved
+
+
+def replay(runner, captured: dict, reps: int) -> float:
+    """Median seconds of the captured step replayed on its inputs, already on the device (device only)."""
+    import jax
+    fn = captured["fn"]
+    batch, sp = jax.device_put(captured["batch"]), jax.device_put(captured["sp"])
+    times = []
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        out, runner.k_pool, runner.v_pool = fn(runner.params, runner.k_pool, runner.v_pool, batch, sp)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[1:])  # the same K/V are written again: the engine's state is unchanged
+
+
+def matmul_rate(mc, rows: int, dtype: str, reps: int) -> tuple[float, float]:
+    """(seconds, FLOP/s) of the model's projections and logits as plain jnp.dot calls on [rows, hidden]."""
+    import jax
+    import jax.numpy as jnp
+    D, F, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    shapes = dict(wq=(D, q), wk=(D, kv), wv=(D, kv), wo=(q, D), w_gate=(D, F), w_up=(D, F), w_down=(F, D))
+    keys = iter(jax.random.split(jax.random.key(0), 8 * mc.num_layers + 2))
+    layers = [{n: 0.02 * jax.random.normal(next(keys), s, dtype) for n, s in shapes.items()}
+              for _ in range(mc.num_layers)]
+    head = 0.02 * jax.random.normal(next(keys), (D, V), dtype)
+    x = jax.random.normal(next(keys), (rows, D), dtype)
+
+    @jax.jit
+    def chain(x, layers, head):
+        for p in layers:
+            a = jnp.dot(x, p["wq"])
+            k, v = jnp.dot(x, p["wk"]), jnp.dot(x, p["wv"])
+            g = jnp.dot(x, p["w_gate"]) * jnp.dot(x, p["w_up"])
+            x = x + jnp.dot(a, p["wo"]) + jnp.dot(g, p["w_down"]) + (k.sum() + v.sum()).astype(x.dtype)
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+
+    jax.block_until_ready(chain(x, layers, head))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(chain(x, layers, head))
+        times.append(time.perf_counter() - t)
+    sec = statistics.median(times)
+    return sec, 2 * rows * matmul_params(mc) / sec
+
+
+def matmul_params(mc) -> int:
+    D, F, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return mc.num_layers * (2 * D * q + 2 * D * kv + 3 * D * F) + D * V
+
+
+def measure(model_dir: str, args, N: int) -> dict:
+    budget = max(N, args.max_num_batched_tokens)
+    fill_steps = -(-N * args.context // budget) + 2  # early requests decode while later ones prefill
+    max_len = args.max_model_len or args.context + fill_steps + args.warmup_steps + args.steps + 8
+    per_seq = -(-max_len // args.block_size)
+    llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
+                       num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False)
+    eng = llm.engine
+    mc = eng.model_config
+    rng = np.random.default_rng(args.seed)
+    from jaxpaged import SamplingParams
+    sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True)
+    for i in range(N):
+        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, mc.vocab_size, args.context)], sp)
+    sch = eng.scheduler
+    bc.say(f"N={N}: prefilling {N} x {args.context} tokens")
+    while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
+        eng.step()
+    for _ in range(args.warmup_steps):
+        eng.step()
+    if len(sch.running) != N:
+        raise SystemExit(f"N={N}: {N - len(sch.running)} requests finished before the timed steps; "
+                         "raise --max-model-len")
+    timers = {n: Timed(o, n) for o, n in ((sch, "schedule"), (eng.runner, "execute"), (sch, "update_from_output"))}
+    walls, ctx = [], []
+    for _ in range(args.steps):
+        ctx.append(np.mean([len(r.token_ids) for r in sch.running]))
+        t = time.perf_counter()
+        eng.step()
+        walls.append(time.perf_counter() - t)
+    for tm in timers.values():
+        tm.remove()
+    if len(sch.running) != N:
+        raise SystemExit(f"N={N}: requests finished during the timed steps; raise --max-model-len")
+    captured, saved = capture_next_step(eng.runner)
+    eng.step()  # captured, not timed
+    eng.runner._compiled.update(saved)
+    dev = replay(eng.runner, captured, args.replays)
+
+    med = {n: statistics.median(tm.times) for n, tm in timers.items()}
+    wall = statistics.median(walls)
+    mm_s, mm_rate = matmul_rate(mc, N, args.dtype, args.replays)
+    context = float(np.mean(ctx))
+    flops_token = 2 * matmul_params(mc) + 4 * mc.num_layers * mc.num_heads * mc.head_dim * context
+    res = dict(running=N, context_mean=context, step_wall_s=wall, device_s=dev,
+               host_overhead_s=wall - dev, host_overhead_pct=100 * (wall - dev) / wall,
+               schedule_s=med["schedule"], execute_s=med["execute"], prepare_and_readback_s=med["execute"] - dev,
+               update_s=med["update_from_output"],
+               engine_rest_s=wall - med["schedule"] - med["execute"] - med["update_from_output"],
+               tokens_per_s=N / wall, model_flops_per_token=flops_token, matmul_bench_s=mm_s,
+               matmul_bench_flops_per_s=mm_rate, achieved_flops_per_s=N * flops_token / wall,
+               decode_efficiency_pct=100 * N * flops_token / wall / mm_rate,
+               matmul_time_share_pct=100 * mm_s / wall, step_wall_all_s=walls)
+    bc.say(f"N={N}: step {1e3 * wall:.1f} ms, device {1e3 * dev:.1f} ms, host overhead "
+           f"{res['host_overhead_pct']:.1f}%, efficiency {res['decode_efficiency_pct']:.0f}%")
+    return res
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--running", type=int, nargs="+", default=[8, 64, 128, 256], help="running requests")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per N")
+    ap.add_argument("--warmup-steps", type=int, default=3)
+    ap.add_argument("--replays", type=int, default=5, help="device-only replays and matmul repetitions")
+    bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
+    args = ap.parse_args(argv)
+    model_dir = bc.resolve_model(args.model)
+    rows = []
+    for N in args.running:
+        rows.append(measure(model_dir, args, N))
+        gc.collect()  # the previous engine's pool and weights go before the next is built
+    out = dict(results=rows, model=model_dir, dtype=args.dtype, machine=bc.machine_info(),
+               engine={k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"},
+               note="decode-only steps; host overhead = step wall time - device-only replay of the same step")
+    print(report(out))
+    bc.write_json(args.json, out)
+    return out
+
+
+def report(out: dict) -> str:
+    ms = 1e3
+    rows = [[r["running"], ms * r["step_wall_s"], ms * r["device_s"], ms * r["schedule_s"],
+             ms * r["prepare_and_readback_s"], ms * r["update_s"], ms * r["engine_rest_s"], r["host_overhead_pct"],
+             r["tokens_per_s"], r["decode_efficiency_pct"]] for r in out["results"]]
+    return f"note: {out['note']}\n" + bc.table(rows, [
+        "running", "step ms", "device ms", "schedule ms", "prep+readback ms", "update ms", "engine rest ms",
+        "host overhead %", "tok/s", "decode eff. %"])
+
+
+if __name__ == "__main__":
+    main()

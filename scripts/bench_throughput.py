@@ -1,0 +1,139 @@
+"""Offline throughput of one seeded workload on several backends, side by side in one run.
+
+    python scripts/bench_throughput.py --num-prompts 128 --backend jaxpaged --backend static \
+        --backend hf --hf-batch-size 32 --json results/throughput.json
+
+Backends:
+  jaxpaged  continuous batching: a finished request's slot is refilled at the next step.
+  static    the same engine (same instance, same compiled steps) with static batching: a batch of up to
+            --max-num-seqs requests is queued, runs until its longest request finishes, then the next.
+  hf        transformers `generate` on left-padded batches of --hf-batch-size, same weights and dtype,
+            greedy, EOS suppressed (min_new_tokens = max_new_tokens). Each batch runs to its longest
+            drawn output length; only each request's own drawn length is counted as output tokens
+            (and only real prompt tokens, not padding, as prompt tokens).
+All requests arrive at time 0; a request's latency is its finish time, TTFT its first token time
+(hf: the batch's first token). Only generation is timed.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import bench_common as bc
+
+BACKENDS = ("jaxpaged", "static", "hf")
+
+
+def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
+    eng = llm.engine
+    bc.warm_up(eng, eng.model_config.vocab_size)
+    preempt0 = eng.scheduler.num_preemptions
+    rec = bc.drive(eng, wl.requests, batch_size=eng.config.max_num_seqs if static else None)
+    eng.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
+    res = bc.summarize(rec)
+    res["num_preemptions"] = eng.scheduler.num_preemptions - preempt0
+    return res
+
+
+def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    if args.hf_threads:
+        torch.set_num_threads(args.hf_threads)
+    bc.say("loading the transformers model")
+    model = bc.load_hf_model(model_dir, args.dtype)
+    pad = model.config.pad_token_id
+    pad = pad if pad is not None else 0
+
+    class StepClock(StoppingCriteria):
+        """Records the time each new token lands (called once per generated token); never stops."""
+        def __init__(self):
+            self.times = []
+
+        def __call__(self, input_ids, scores, **kw):
+            self.times.append(time.monotonic())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[float]:
+        L = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+        clock = StepClock()
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, pad_token_id=pad, stopping_criteria=StoppingCriteriaList([clock]))
+        return clock.times
+
+    generate([[5, 6, 7], [8, 9]], 4)  # warm-up
+    reqs, B = wl.requests, args.hf_batch_size
+    ttft, lat = [], []
+    t0 = time.monotonic()
+    for i in range(0, len(reqs), B):
+        batch = reqs[i:i + B]
+        times = generate([r.prompt_ids for r in batch], max(r.output_len for r in batch))
+        ttft += [times[0] - t0] * len(batch)
+        lat += [times[r.output_len - 1] - t0 for r in batch]
+    elapsed = time.monotonic() - t0
+    rec = bc.RunRecord(elapsed, 0, [len(r.prompt_ids) for r in reqs], [r.output_len for r in reqs], ttft, lat)
+    res = bc.summarize(rec)
+    res.update(hf_batch_size=B, torch_threads=torch.get_num_threads(),
+               note="batches run to their longest request; output tokens counted are each request's drawn length")
+    del model
+    return res
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", action="append", choices=BACKENDS,
+                    help="repeatable; default: all of jaxpaged, static, hf")
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
+    bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
+    bc.add_engine_args(ap)
+    args = ap.parse_args(argv)
+    backends = list(dict.fromkeys(args.backend or BACKENDS))
+
+    model_dir = bc.resolve_model(args.model)
+    wl = bc.make_workload(args, model_dir)
+    engine_info = {k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"}
+    llm = None
+    if set(backends) & {"jaxpaged", "static"}:
+        llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args))
+        eng = llm.engine
+        engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
+                           attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
+    results = {}
+    for b in backends:
+        bc.say(f"running {b} on {len(wl.requests)} requests")
+        if b == "hf":
+            results[b] = run_hf(model_dir, wl, args)
+        else:
+            results[b] = run_engine(llm, wl, static=b == "static")
+        r = results[b]
+        bc.say(f"{b}: {r['output_tokens_per_s']:.1f} output tok/s in {r['elapsed_s']:.1f} s")
+    out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,
+               machine=bc.machine_info(), note=bc.TIMING_NOTE)
+    print(report(out))
+    bc.write_json(args.json, out)
+    return out
+
+
+def report(out: dict) -> str:
+    """The results as a table, with each backend's output tok/s as a ratio to every other's."""
+    res, wl = out["results"], out["workload"]
+    names = list(res)
+    rows = [[b, r["requests_per_s"], r["output_tokens_per_s"], r["total_tokens_per_s"], r["elapsed_s"],
+             r["ttft_s"].get("mean", float("nan")), r["latency_s"].get("p50", float("nan"))]
+            + ["-" if o == b else f"{r['output_tokens_per_s'] / res[o]['output_tokens_per_s']:.2f}x" for o in names]
+            for b, r in res.items()]
+    hdr = ["backend", "req/s", "out tok/s", "total tok/s", "elapsed s", "mean TTFT s", "p50 latency s"]
+    hdr += [f"out vs {o}" for o in names]
+    head = (f"workload: {wl['num_prompts']} prompts, {wl['dist']}, prompt {wl['prompt_len']} and output "
+            f"{wl['output_len']} tokens, {wl['tokens']}; max_num_seqs {out['engine']['max_num_seqs']}\n"
+            f"note: {out['note']}")
+    return head + "\n" + bc.table(rows, hdr)
+
+
+if __name__ == "__main__":
+    main()

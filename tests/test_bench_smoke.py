@@ -1,0 +1,195 @@
+"""Smoke tests of the benchmark scripts: each runs on a tiny model with a handful of requests.
+
+They check that the scripts run and that their JSON has the documented keys and sane values; the
+figures themselves are never asserted (speed is measured by the scripts, not by tests).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_common as bc  # noqa: E402
+
+# The same engine shapes for every in-process script, so the step compiles once (persistent cache).
+ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128", "--num-kv-blocks", "24"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from models import add_tiny_tokenizer, make_tiny_model
+    path = make_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny"), "llama", vocab_size=320)
+    add_tiny_tokenizer(path, vocab_size=300)
+    return path
+
+
+@pytest.fixture(scope="module")
+def out_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench_out")
+
+
+@pytest.fixture(scope="module")
+def common(model, compile_cache):
+    return ["--model", model, "--compilation-cache-dir", compile_cache, *ENGINE]
+
+
+@pytest.fixture(scope="module")
+def throughput(common, out_dir):
+    import bench_throughput
+    path = str(out_dir / "throughput.json")
+    out = bench_throughput.main([*common, "--num-prompts", "6", "--prompt-len", "4", "30", "--output-len", "2", "12",
+                                 "--hf-batch-size", "4", "--json", path])
+    return out, path
+
+
+@pytest.fixture(scope="module")
+def memory(common, out_dir):
+    import bench_memory
+    path = str(out_dir / "memory.json")
+    out = bench_memory.main([*common, "--num-prompts", "8", "--prompt-len", "20", "40",
+                             "--output-len", "2", "12", "--n", "3", "--n-prompts", "2", "--system-len", "48",
+                             "--system-prompts", "4", "--question-len", "2", "6", "--json", path])
+    return out, path
+
+
+@pytest.fixture(scope="module")
+def prefix(common, out_dir):
+    import bench_prefix
+    path = str(out_dir / "prefix.json")
+    out = bench_prefix.main([*common, "--system-len", "64", "--num-prompts", "4", "--prompt-len", "2", "6",
+                             "--output-len", "2", "4", "--json", path])
+    return out, path
+
+
+@pytest.fixture(scope="module")
+def host(common, out_dir):
+    import bench_host
+    path = str(out_dir / "host.json")
+    out = bench_host.main([*common, "--running", "4", "--context", "12", "--steps", "3", "--warmup-steps", "1",
+                           "--replays", "2", "--json", path])
+    return out, path
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_throughput(throughput):
+    import bench_throughput
+    out, path = throughput
+    assert _json(path)["results"].keys() == {"jaxpaged", "static", "hf"}
+    wl = out["workload"]
+    assert wl["num_prompts"] == 6 and wl["tokens"] == "tokenized text"
+    drawn = None
+    for name, r in out["results"].items():
+        for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s"):
+            assert r[key] > 0, (name, key)
+        assert r["num_requests"] == 6
+        assert r["total_tokens_per_s"] > r["output_tokens_per_s"]
+        assert r["requests_per_s"] == pytest.approx(6 / r["elapsed_s"])
+        assert all(0 < t <= lat for t, lat in zip(r["per_request"]["ttft_s"], r["per_request"]["latency_s"]))
+        drawn = drawn or r["per_request"]["output_tokens"]
+        assert r["per_request"]["output_tokens"] == drawn  # every backend generates the drawn lengths
+    assert all(2 <= n <= 12 for n in drawn)
+    text = bench_throughput.report(out)
+    assert "only generation is timed" in text and "out vs hf" in text and "x" in text
+
+
+def test_memory(memory):
+    out, path = memory
+    assert _json(path)["paged"] == out["paged"]
+    p, c, o = out["paged"], out["contiguous_max_model_len"], out["contiguous_oracle"]
+    assert out["budget"]["num_kv_blocks"] == 23 and out["budget"]["tokens"] == 23 * 16
+    assert 0 <= p["waste_pct_at_peak"] < 100 and p["peak_used_blocks"] <= 23
+    assert p["tokens_held_at_peak"] <= p["peak_used_tokens"]
+    assert c["waste_pct_at_peak"] > p["waste_pct_at_peak"]
+    assert c["peak_running"] == 2 and p["peak_running"] == 4  # 368 positions / 128 per request; 4 slots
+    assert o["peak_reserved_tokens"] <= out["budget"]["tokens"]
+    for name in ("n", "system_prompt"):
+        s = out["sharing"][name]
+        assert s["peak_used_blocks"] < s["peak_unshared_blocks"], name
+        assert 0 < s["saved_pct_at_peak"] < 100, name
+    assert len(out["series"]["paged"]["used_tokens"]) == p["steps"]
+
+
+def test_contiguous_simulation():
+    import bench_memory
+    reqs = [bc.Req([1] * 10, 5), bc.Req([1] * 20, 1, n=2)]
+    res, series = bench_memory.simulate_contiguous(reqs, budget_tokens=100, max_num_seqs=8, reserve=lambda r: 40)
+    # two fit at once: the first request (5 steps) and one sample of the second (1 step), then the other
+    assert series["running"] == [2, 2, 1, 1, 1]
+    assert series["held_tokens"] == [30, 31, 12, 13, 14]
+    assert res["peak_reserved_tokens"] == 80 and res["waste_pct_at_peak"] == pytest.approx(100 * (1 - 30 / 80))
+
+
+def test_length_distributions():
+    rng = np.random.default_rng(0)
+    for dist in ("uniform", "sharegpt"):
+        xs = bc.draw_lengths(rng, 2000, dist, 16, 256)
+        assert xs.min() >= 16 and xs.max() <= 256
+    sg = bc.draw_lengths(rng, 2000, "sharegpt", 16, 256)
+    assert np.median(sg) < np.mean(sg) < 136  # long-tailed: most requests short
+
+
+def test_prefix(prefix):
+    out, path = prefix
+    on, off = out["results"]["prefix_caching_on"], out["results"]["prefix_caching_off"]
+    assert on["prefix_cache_hit_rate"] > 0.5 and off["prefix_cache_hit_rate"] == 0
+    for r in (on, off):
+        assert r["ttft_s"]["mean"] > 0 and r["output_tokens_per_s"] > 0
+    assert out["ratios"]["mean_ttft_off_over_on"] > 0
+    assert _json(path)["workload"]["shared_prefix_len"] == 64
+
+
+def test_host(host):
+    out, path = host
+    rows = out["results"]
+    assert [r["running"] for r in rows] == [4]
+    for r in rows:
+        assert 0 < r["device_s"] and 0 < r["step_wall_s"]
+        assert r["schedule_s"] > 0 and r["update_s"] > 0 and r["execute_s"] > 0
+        assert r["matmul_bench_flops_per_s"] > 0 and r["decode_efficiency_pct"] > 0
+        assert r["context_mean"] >= 13
+    assert _json(path)["results"][0]["running"] == 4
+
+
+def test_startup(tmp_path):
+    import bench_startup
+    from models import make_tiny_model
+    model = make_tiny_model(str(tmp_path / "bare"), "llama")  # no tokenizer: the children skip transformers
+    path = str(tmp_path / "startup.json")
+    out = bench_startup.main(["--model", model, "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
+                              "--max-model-len", "64", "--warm-runs", "1", "--cache-root", str(tmp_path / "cache"),
+                              "--json", path])
+    assert out["cold"]["time_to_first_token_s"] > out["cold"]["engine_s"] > 0
+    assert len(out["warm"]) == 1 and out["warm_median_time_to_first_token_s"] > 0
+    assert out["cold"]["num_compilations"] >= 1 and os.path.isdir(out["cache_dir"])
+    assert _json(path)["cold"] == out["cold"]
+
+
+def test_hf_model_from_converted_dir(model, tmp_path):
+    """The hf backend loads the engine's converted format onto transformers' model: same logits."""
+    import torch
+    from jaxpaged.convert import convert
+    dst = convert(model, str(tmp_path / "converted"), dtype="float32", progress=False)
+    ids = torch.tensor([[5, 17, 33, 2, 90]])
+    with torch.no_grad():
+        want = bc.load_hf_model(model, "float32")(ids).logits
+        got = bc.load_hf_model(dst, "float32")(ids).logits
+    torch.testing.assert_close(got, want)
+
+
+def test_plots(throughput, memory, prefix, host, tmp_path):
+    import plot_benchmarks
+    paths = plot_benchmarks.main(["--throughput", throughput[1], "--memory", memory[1], "--prefix", prefix[1],
+                                  "--host", host[1], "--out-dir", str(tmp_path)])
+    names = sorted(os.path.basename(p) for p in paths)
+    assert names == ["host.png", "latency.png", "memory.png", "prefix.png", "throughput.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
