@@ -115,8 +115,10 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
         seen.add(tag)
         if progress is not None:
             progress.update(1)
-    missing = [k for k in shapes if k != "layers" and (k, None) not in seen]
-    missing += [f"model.layers.{i}.{k}" for k in shapes["layers"] for i in range(cfg.num_layers)
+    hf_top = {v[0]: k for k, v in _TOP_MAP.items()}
+    hf_layer = {v[0]: k for k, v in _LAYER_MAP.items()}
+    missing = [hf_top[k] for k in shapes if k != "layers" and (k, None) not in seen]
+    missing += [f"model.layers.{i}.{hf_layer[k]}" for k in shapes["layers"] for i in range(cfg.num_layers)
                 if (k, i) not in seen]
     if missing:
         raise ValueError(f"{source}: missing tensors: {', '.join(missing[:5])}"
