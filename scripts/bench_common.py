@@ -32,7 +32,7 @@ _WORDS = ("the of and to in is was for on that with as by at from his her an wer
           "river house water light game team group story night war history book line power form church "
           "system state village country family field north south record song century series language "
           "market island station road garden company season study paper model engine memory block page "
-          "number small large early late local public small great little long old young").split()
+          "number small large early late local public great little long old young").split()
 
 
 def say(msg: str) -> None:
@@ -50,7 +50,7 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=max_model_len,
-                   help="default: the longest request the workload can draw")
+                   help=f"default: {max_model_len or 'the longest request the workload can draw'}")
     g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="default: the engine's choice")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
@@ -109,34 +109,6 @@ def make_random_model(preset: str, root: str | None = None) -> str:
     return path
 
 
-def load_hf_model(model_dir: str, dtype: str):
-    """The same weights as a transformers model (HF directories directly; converted ones by name map)."""
-    import torch
-    import transformers as tf
-    from jaxpaged.config import ModelConfig
-    from jaxpaged.weights import _LAYER_MAP, _TOP_MAP, is_orbax_dir, load_params
-    tdtype = getattr(torch, dtype)
-    if not is_orbax_dir(model_dir):
-        return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
-    mc = ModelConfig.from_dir(model_dir)
-    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    params = load_params(model_dir, mc, "float32")
-
-    def tensor(a, transpose):
-        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
-    state = {hf: tensor(params[ours], t) for hf, (ours, t) in _TOP_MAP.items() if ours in params}
-    for rest, (ours, t) in _LAYER_MAP.items():
-        if ours in params["layers"]:
-            for i in range(mc.num_layers):
-                state[f"model.layers.{i}.{rest}"] = tensor(params["layers"][ours][i], t)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"{model_dir}: weights do not map onto transformers' model "
-                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return model.to(tdtype).eval()
-
-
 def engine_kwargs(args, **over) -> dict:
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
@@ -169,10 +141,6 @@ class Req:
 class Workload:
     requests: list[Req]
     info: dict = field(default_factory=dict)
-
-    @property
-    def max_len(self) -> int:
-        return max(len(r.prompt_ids) + r.output_len for r in self.requests)
 
 
 def draw_lengths(rng: np.random.Generator, n: int, dist: str, lo: int, hi: int) -> np.ndarray:

@@ -2,8 +2,9 @@
 
     python scripts/bench_host.py --running 8 64 128 256 --json results/host.json
 
-For each count N of running requests, an engine with max_num_seqs = N is filled with N requests
-(distinct random prompts of --context tokens) until all of them decode; then --steps decode steps are
+For each count N of running requests, an engine with max_num_seqs = N (and a token budget of at least
+2N) is filled with N requests (distinct random prompts of --context tokens; early ones decode while
+later ones prefill) until all of them decode; then --steps decode steps are
 timed one by one, with the engine's own calls wrapped by timers:
   schedule      Scheduler.schedule
   execute       ModelRunner.execute: input arrays + device step + reading the results back
@@ -66,8 +67,8 @@ def capture_next_step(runner) -> tuple[dict, dict]:
     return captured, saved
 
 
-def replay(runner, captured: dict, reps: int) -> float:
-    """Median seconds of the captured step replayed on its inputs, already on the device (device only)."""
+def replay(runner, captured: dict, reps: int) -> list[float]:
+    """Seconds of each replay of the captured step on its inputs, already on the device (device only)."""
     import jax
     fn = captured["fn"]
     batch, sp = jax.device_put(captured["batch"]), jax.device_put(captured["sp"])
@@ -77,11 +78,11 @@ def replay(runner, captured: dict, reps: int) -> float:
         out, runner.k_pool, runner.v_pool = fn(runner.params, runner.k_pool, runner.v_pool, batch, sp)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t)
-    return statistics.median(times[1:])  # the same K/V are written again: the engine's state is unchanged
+    return times[1:]  # the same K/V are written again: the engine's state is unchanged
 
 
-def matmul_rate(mc, rows: int, dtype: str, reps: int) -> tuple[float, float]:
-    """(seconds, FLOP/s) of the model's projections and logits as plain jnp.dot calls on [rows, hidden]."""
+def matmul_times(mc, rows: int, dtype: str, reps: int) -> list[float]:
+    """Seconds of each run of the model's projections and logits as plain jnp.dot calls on [rows, hidden]."""
     import jax
     import jax.numpy as jnp
     D, F, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
@@ -108,8 +109,7 @@ def matmul_rate(mc, rows: int, dtype: str, reps: int) -> tuple[float, float]:
         t = time.perf_counter()
         jax.block_until_ready(chain(x, layers, head))
         times.append(time.perf_counter() - t)
-    sec = statistics.median(times)
-    return sec, 2 * rows * matmul_params(mc) / sec
+    return times
 
 
 def matmul_params(mc) -> int:
@@ -119,8 +119,8 @@ def matmul_params(mc) -> int:
 
 
 def measure(model_dir: str, args, N: int) -> dict:
-    budget = max(N, args.max_num_batched_tokens)
-    fill_steps = -(-N * args.context // budget) + 2  # early requests decode while later ones prefill
+    budget = max(2 * N, args.max_num_batched_tokens)
+    fill_steps = -(-N * args.context // (budget - N)) + 2  # early requests decode while later ones prefill
     max_len = args.max_model_len or args.context + fill_steps + args.warmup_steps + args.steps + 8
     per_seq = -(-max_len // args.block_size)
     llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
@@ -155,11 +155,14 @@ def measure(model_dir: str, args, N: int) -> dict:
     captured, saved = capture_next_step(eng.runner)
     eng.step()  # captured, not timed
     eng.runner._compiled.update(saved)
-    dev = replay(eng.runner, captured, args.replays)
+    dev_all = replay(eng.runner, captured, args.replays)
+    dev = statistics.median(dev_all)
 
     med = {n: statistics.median(tm.times) for n, tm in timers.items()}
     wall = statistics.median(walls)
-    mm_s, mm_rate = matmul_rate(mc, N, args.dtype, args.replays)
+    mm_all = matmul_times(mc, N, args.dtype, args.replays)
+    mm_s = statistics.median(mm_all)
+    mm_rate = 2 * N * matmul_params(mc) / mm_s
     context = float(np.mean(ctx))
     flops_token = 2 * matmul_params(mc) + 4 * mc.num_layers * mc.num_heads * mc.head_dim * context
     res = dict(running=N, context_mean=context, step_wall_s=wall, device_s=dev,
@@ -170,7 +173,8 @@ def measure(model_dir: str, args, N: int) -> dict:
                tokens_per_s=N / wall, model_flops_per_token=flops_token, matmul_bench_s=mm_s,
                matmul_bench_flops_per_s=mm_rate, achieved_flops_per_s=N * flops_token / wall,
                decode_efficiency_pct=100 * N * flops_token / wall / mm_rate,
-               matmul_time_share_pct=100 * mm_s / wall, step_wall_all_s=walls)
+               matmul_time_share_pct=100 * mm_s / wall,
+               all_s=dict(step_wall=walls, device=dev_all, matmul_bench=mm_all))  # medians above; noise check
     bc.say(f"N={N}: step {1e3 * wall:.1f} ms, device {1e3 * dev:.1f} ms, host overhead "
            f"{res['host_overhead_pct']:.1f}%, efficiency {res['decode_efficiency_pct']:.0f}%")
     return res
@@ -182,7 +186,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per N")
     ap.add_argument("--warmup-steps", type=int, default=3)
-    ap.add_argument("--replays", type=int, default=5, help="device-only replays and matmul repetitions")
+    ap.add_argument("--replays", type=int, default=8, help="device-only replays and matmul repetitions")
     bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)

@@ -4,8 +4,8 @@
 
 The engine runs each workload to completion with a pool of --num-kv-blocks blocks; after every step the
 block manager's counters are sampled (no timing). Reported:
-  - paged: blocks in use vs tokens whose K/V they hold, at the step of peak use (waste % = unfilled
-    positions in used blocks) and averaged over steps; the peak number of running requests; preemptions.
+  - paged: blocks in use vs tokens whose K/V they hold, at the step of peak use (of several equal
+    ones, the fullest; waste % = unfilled positions in used blocks) and averaged over steps; the peak number of running requests; preemptions.
   - contiguous: the same workload replayed through a contiguous allocator with the same budget, which
     must reserve max_model_len positions per request when it admits it (a non-paged engine that does
     not know output lengths), and an oracle variant that reserves exactly prompt + max_tokens. It
@@ -48,7 +48,7 @@ class Sampler:
 
     def summary(self, block_size: int) -> dict:
         used, held = np.asarray(self.used), np.asarray(self.held)
-        peak = int(np.argmax(used))
+        peak = _peak(used, held)
         busy = used > 0
         return dict(steps=len(used), peak_used_blocks=int(used[peak]), peak_used_tokens=int(used[peak] * block_size),
                     tokens_held_at_peak=int(held[peak]),
@@ -61,6 +61,11 @@ class Sampler:
 
     def series(self, block_size: int) -> dict:
         return dict(used_tokens=[u * block_size for u in self.used], held_tokens=self.held, running=self.running)
+
+
+def _peak(allocated: np.ndarray, held: np.ndarray) -> int:
+    """The step of peak allocation; among equal ones, the one holding the most tokens (least waste)."""
+    return int(np.lexsort((held, allocated))[-1])
 
 
 def simulate_contiguous(reqs: list[bc.Req], budget_tokens: int, max_num_seqs: int, reserve) -> tuple[dict, dict]:
@@ -82,7 +87,7 @@ def simulate_contiguous(reqs: list[bc.Req], budget_tokens: int, max_num_seqs: in
         series["running"].append(len(running))
         running = [r for r in running if r[3] - r[0] + 1 < r[1]]  # the last output token is never computed
     res, held = np.asarray(series["reserved_tokens"]), np.asarray(series["held_tokens"])
-    peak = int(np.argmax(res))
+    peak = _peak(res, held)
     return dict(steps=len(res), peak_reserved_tokens=int(res[peak]), tokens_held_at_peak=int(held[peak]),
                 waste_pct_at_peak=100 * (1 - held[peak] / res[peak]),
                 mean_waste_pct=float(100 * np.mean(1 - held / res)),
