@@ -32,7 +32,7 @@ def load_hf_model(model_dir: str, dtype: str):
     import transformers as tf
 
     from jaxpaged.config import ModelConfig
-    from jaxpaged.weights import _LAYER_MAP, _TOP_MAP, is_orbax_dir, load_params
+    from jaxpaged.weights import HF_LAYER_NAMES, HF_TOP_NAMES, is_orbax_dir, load_params
     tdtype = getattr(torch, dtype)
     if not is_orbax_dir(model_dir):
         return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
@@ -42,8 +42,8 @@ def load_hf_model(model_dir: str, dtype: str):
 
     def tensor(a, transpose):
         return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
-    state = {hf: tensor(params[ours], t) for hf, (ours, t) in _TOP_MAP.items() if ours in params}
-    for rest, (ours, t) in _LAYER_MAP.items():
+    state = {hf: tensor(params[ours], t) for hf, (ours, t) in HF_TOP_NAMES.items() if ours in params}
+    for rest, (ours, t) in HF_LAYER_NAMES.items():
         if ours in params["layers"]:
             for i in range(mc.num_layers):
                 state[f"model.layers.{i}.{rest}"] = tensor(params["layers"][ours][i], t)
