@@ -4,43 +4,104 @@ from __future__ import annotations
 import json
 import os
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+_SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
 class Tokenizer:
-    """A Hugging Face tokenizer from a model directory, or None-like when the directory has none."""
+    """A model directory's `tokenizer.json` (through the `tokenizers` library) and its chat template.
 
-    def __init__(self, hf_tokenizer):
-        self.hf = hf_tokenizer
-        self.eos_token_id = hf_tokenizer.eos_token_id
+    Behaves like transformers' fast tokenizer for what the engine needs — encode with special tokens,
+    decode, the chat template rendered the way transformers renders it — without importing
+    transformers (and torch) at start-up, which costs seconds.
+    """
+
+    def __init__(self, backend, config: dict, source: str):
+        self.backend, self.source = backend, source
+        self.special = {}
+        for name in _SPECIAL:
+            v = config.get(name)
+            self.special[name] = v.get("content") if isinstance(v, dict) else v
+        eos = self.special["eos_token"]
+        self.eos_token_id = backend.token_to_id(eos) if eos else None
+        self.chat_template = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default")
+        self.cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+        self._template = None
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer | None":
-        if not any(os.path.isfile(os.path.join(model_dir, f)) for f in _TOKENIZER_FILES):
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
             return None
-        from transformers import AutoTokenizer
+        from tokenizers import Tokenizer as Backend
         try:
-            return cls(AutoTokenizer.from_pretrained(model_dir))
-        except Exception as e:  # transformers raises many kinds; name the directory
+            backend = Backend.from_file(path)
+            cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+            config = {}
+            if os.path.isfile(cfg_path):
+                with open(cfg_path) as f:
+                    config = json.load(f)
+            tpl = os.path.join(model_dir, "chat_template.jinja")
+            if os.path.isfile(tpl):
+                with open(tpl) as f:
+                    config["chat_template"] = f.read()
+        except Exception as e:  # tokenizers raises plain Exceptions; name the file
             raise ValueError(f"{model_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from None
+        return cls(backend, config, model_dir)
 
-    def encode(self, text: str) -> list[int]:
-        return list(self.hf.encode(text, add_special_tokens=True))
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        if not getattr(self.hf, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template")
-        ids = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                          tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return _clean_up(text) if self.cleanup else text
 
     def convert_ids_to_tokens(self, ids):
-        return self.hf.convert_ids_to_tokens(ids)
+        return [self.backend.id_to_token(i) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Render the conversation with the chat template and tokenize it (no extra special tokens)."""
+        if not self.chat_template:
+            raise ValueError(f"{self.source}: the tokenizer has no chat template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     **self.special)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _compile_template(source: str):
+    """Jinja as transformers configures it for chat templates (sandboxed, trimmed blocks)."""
+    import datetime
+
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _clean_up(text: str) -> str:
+    for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+                 (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+        text = text.replace(a, b)
+    return text
 
 
 def generation_eos_ids(model_dir: str) -> set[int]:
