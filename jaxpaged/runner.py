@@ -51,6 +51,7 @@ class ModelRunner:
         self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = jax.device_put(params)
         L, Hkv, hd = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
         pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd]
