@@ -428,3 +428,18 @@ def test_sigterm_drains_then_exits_0(model_dir, compile_cache, tmp_path):
     with pytest.raises(httpx.ConnectError):
         httpx.get(srv.url + "/health")
     srv.stop()
+
+
+def test_bench_serving_smoke(server, tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", server.url,
+                           "--api-key", API_KEY, "--num-prompts", "12", "--input-len", "10", "--output-len", "8",
+                           "--request-rate", "inf", "--max-concurrency", "4", "--result-json", str(out),
+                           "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout and "P99 TTFT (ms)" in proc.stdout
+    s = json.loads(out.read_text())
+    assert s["completed"] == 12 and s["failed"] == 0 and s["total_output_tokens"] == 96
+    for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
+                "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms"):
+        assert s[key] > 0, key
