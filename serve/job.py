@@ -1,0 +1,195 @@
+"""One HTTP generation request as a `Job`: an engine request per prompt, their outputs merged; aborted
+(blocks freed) if the client goes away; recorded in the metrics and one log line when it ends."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from jaxpaged.async_engine import EngineDeadError, QueueFullError
+from jaxpaged.engine import RequestOutput
+from jaxpaged.sampling import SamplingParams
+from serve.errors import APIError, from_value_error
+from serve.protocol import ErrorInfo
+
+log = logging.getLogger("jaxpaged.serve")
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Job:
+    """The engine requests of one HTTP request (one per prompt), merged, recorded when they end."""
+
+    def __init__(self, request: Request, prefix: str, prompt_param: str):
+        self.request, self.st = request, request.app.state.server
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.created, self.arrival = int(time.time()), time.monotonic()
+        self.prompt_param = prompt_param
+        self.ids: list[str] = []
+        self.streams: list = []
+        self.lasts: list[RequestOutput | None] = []
+        self.status = "ok"
+        self.closed = False
+
+    async def start(self, prompts: list, params: SamplingParams) -> None:
+        engine = self.st.engine
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
+                self.streams.append(await engine.add_request(rid, prompt, params, self.arrival))
+                self.ids.append(rid)
+                self.lasts.append(None)
+        except ValueError as e:
+            self.abort()
+            raise from_value_error(e, self.prompt_param) from None
+        except QueueFullError as e:
+            self.abort()
+            raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+        except EngineDeadError as e:
+            self.abort()
+            raise APIError(503, str(e), code="engine_unavailable") from None
+
+    def abort(self) -> None:
+        for rid, last in zip(self.ids, self.lasts):
+            if last is None or not last.finished:
+                self.st.engine.abort(rid)
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, cumulative output) as they come, from every prompt's stream."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, stream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            except Exception as e:  # noqa: BLE001 -- EngineDeadError mostly; re-raised below
+                queue.put_nowait((i, e))
+            queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    self.lasts[i] = item
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            self.abort()
+
+    async def collect(self) -> bool:
+        """Run to the end; False if the client disconnected first (everything is aborted then)."""
+        async def drain():
+            async for _ in self.outputs():
+                pass
+        work, watch = asyncio.create_task(drain()), asyncio.create_task(_disconnected(self.request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, watch):
+                t.cancel()
+        if not work.done() or work.cancelled():
+            self.status = "disconnected"
+            return False
+        try:
+            work.result()
+        except EngineDeadError as e:
+            self.status = "engine-error"
+            raise APIError(503, str(e), code="engine_unavailable") from None
+        return True
+
+    def close(self, http_status: int) -> None:
+        """Abort what is unfinished, record it all (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.abort()
+        if self.status == "ok" and any(o is None or not o.finished for o in self.lasts):
+            self.status = "disconnected"
+        self.finish(http_status)
+
+    def finish(self, http_status: int) -> None:
+        """Metrics for every engine request and one log line for the HTTP request."""
+        now, m = time.monotonic(), self.st.metrics
+        ttfts, reasons, n_out = [], set(), 0
+        for last in self.lasts:
+            if last is None:
+                m.observe(0, 0, "abort", None, None, now - self.arrival)
+                reasons.add("abort")
+                continue
+            first = last.metrics.get("first_token_time")
+            end = last.metrics.get("finished_time") or now
+            n = len(last.outputs[0].token_ids)
+            reason = (last.outputs[0].finish_reason or "abort") if last.finished else "abort"
+            ttft = None if first is None else first - self.arrival
+            tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
+            out_tokens = sum(len(c.token_ids) for c in last.outputs)
+            m.observe(len(last.prompt_token_ids), out_tokens, reason, ttft, tpot, end - self.arrival)
+            n_out += out_tokens
+            reasons.add(reason)
+            if ttft is not None:
+                ttfts.append(ttft)
+        p_tok = sum(len(o.prompt_token_ids) for o in self.lasts if o is not None)
+        ttft = f"{min(ttfts):.3f}s" if ttfts else "-"
+        log.info("%s %d %s prompt_tokens=%d output_tokens=%d ttft=%s total=%.3fs finish=%s", self.id,
+                 http_status, self.status, p_tok, n_out, ttft, now - self.arrival, ",".join(sorted(reasons)))
+
+
+def sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+async def _stream(job: Job, events) -> AsyncIterator[str]:
+    """Server-sent events from `events` (an async iterator of strings), ending in [DONE]."""
+    try:
+        async for event in events:
+            yield event
+        yield "data: [DONE]\n\n"
+    except EngineDeadError as e:
+        job.status = "engine-error"
+        err = ErrorInfo(message=str(e), type="server_error", code="engine_unavailable")
+        yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+
+
+class JobStream(StreamingResponse):
+    """A streamed response that closes its job however the response ends (even before it starts)."""
+
+    def __init__(self, job: Job, events):
+        super().__init__(_stream(job, events), media_type="text/event-stream")
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close(200)
+
+
+async def run_to_end(job: Job) -> bool:
+    """Non-streamed: wait for every output; False (and the job closed) if the client went away."""
+    try:
+        ok = await job.collect()
+    except APIError as e:
+        job.close(e.status)
+        raise
+    except BaseException:
+        job.close(500)
+        raise
+    if not ok:
+        job.close(499)
+    return ok
