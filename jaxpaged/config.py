@@ -123,7 +123,7 @@ class EngineConfig:
     """How to run a model. Every field is checked in __post_init__; errors name the field."""
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (XLA's bf16 CPU dots are slow)
     block_size: int = 16
     num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows
     kv_cache_memory_gb: float = 2.0
@@ -145,8 +145,11 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
             positive(name)
+        if self.dtype == "auto":
+            import jax
+            self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
             if self.num_kv_blocks < 2:

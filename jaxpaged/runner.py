@@ -182,7 +182,7 @@ class ModelRunner:
                   banned=np.full((S, NUM_BANNED), -1, i32), prompt_len=np.zeros(S, i32),
                   history_len=np.zeros(S, i32), presence_penalty=np.zeros(S, f32),
                   frequency_penalty=np.zeros(S, f32), repetition_penalty=np.ones(S, f32))
-        any_pen = any_filter = False
+        any_pen = any_filter = any_lp = False
         all_greedy = True
         for req, _ in scheduled:
             s, p = req.slot, req.params
@@ -191,6 +191,7 @@ class ModelRunner:
             sp["seed"][s] = req.seed
             sp["gen_index"][s] = req.num_output_tokens
             all_greedy &= p.temperature == 0
+            any_lp |= p.logprobs is not None
             any_filter |= p.top_p < 1 or p.top_k > 0 or p.min_p > 0
             if req.num_output_tokens < p.min_tokens:
                 ban = ([] if p.ignore_eos else sorted(req.eos_token_ids)) + p.stop_token_ids
@@ -205,5 +206,5 @@ class ModelRunner:
                 sp["repetition_penalty"][s] = p.repetition_penalty
         sp["history"] = self._history if any_pen else self._no_history
         sp["any_penalty"], sp["any_filter"] = np.bool_(any_pen), np.bool_(any_filter)
-        sp["all_greedy"] = np.bool_(all_greedy)
+        sp["all_greedy"], sp["any_logprobs"] = np.bool_(all_greedy), np.bool_(any_lp)
         return sp

@@ -123,12 +123,15 @@ def sample(logits, sp, num_logprobs: int):
     logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
     min_p f32[S], seed u32[S], gen_index i32[S], banned i32[S, NB] (ids masked, -1 = none),
     history i32[S, M], prompt_len/history_len i32[S], presence/frequency/repetition_penalty f32[S],
-    any_penalty bool[], any_filter bool[], all_greedy bool[].
+    any_penalty, any_filter, all_greedy, any_logprobs: bool[].
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K].
     """
     S, V = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, num_logprobs)
+    top_lp, top_ids = jax.lax.cond(  # top-k over [S, V] is costly on CPU: only when someone asks
+        sp["any_logprobs"], lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
+        lambda x: (jnp.zeros((S, num_logprobs), x.dtype), jnp.zeros((S, num_logprobs), jnp.int32)),
+        raw_logprobs)
 
     logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
     banned = sp["banned"]

@@ -80,6 +80,7 @@ def _compile_template(source: str):
     import datetime
 
     import jinja2
+    import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):

@@ -106,7 +106,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: "
                         "the model's, capped at 4096)")
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (default: bfloat16 on GPU, float32 on CPU, where "
                         "bfloat16 matmuls are slow)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
@@ -140,9 +140,6 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_model_len", "block_size")}
-    if overrides["dtype"] is None:
-        import jax
-        overrides["dtype"] = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **(engine_kwargs or {}))
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
