@@ -15,8 +15,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/jaxpaged fetch-default
 	$(BIN)/jaxpaged generate --prompt "The three primary colors are" --max-tokens 48
-	$(BIN)/jaxpaged generate --chat --prompt "Write a haiku about the sea." --max-tokens 64
-	$(BIN)/jaxpaged generate --chat --prompt "What is the capital of France?" --max-tokens 48
+	$(BIN)/jaxpaged generate --chat --prompt "Write a haiku about the sea." \
+		--prompt "What is the capital of France?" --max-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

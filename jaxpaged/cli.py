@@ -9,7 +9,8 @@ import time
 def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, attention_backend=args.attention_backend)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              attention_backend=args.attention_backend)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p)
     prompts = args.prompt
@@ -59,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=8)
+    g.add_argument("--max-num-batched-tokens", type=int, default=256)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
     g.set_defaults(func=_generate)
 
