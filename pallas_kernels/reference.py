@@ -17,54 +17,52 @@ _NEG = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
 
 
-def _attend_chunks(q, q_pos, q_slot, k_pool, v_pool, block_tables, scale, chunk_blocks):
-    """Online-softmax attention of packed queries over their slot's paged keys.
+def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chunk_blocks):
+    """Online-softmax attention of query tiles over their slot's paged keys.
 
-    q: [T, Hq, D]; q_pos: i32[T] position of each query (keys at positions <= q_pos are visible);
-    q_slot: i32[T] slot of each query (rows with q_pos < 0 see nothing).
-    Returns [T, Hq, D] in float32.
+    q: [N, Q, Hq, D] — N tiles of Q query rows, all rows of a tile from one slot (tile_slot i32[N]);
+    q_pos: i32[N, Q] position of each row (keys at positions <= q_pos are visible; -1 sees nothing).
+    A tile's keys are gathered once for its Q rows. Returns [N, Q, Hq, D] in float32.
     """
-    T, Hq, D = q.shape
+    N, Q, Hq, D = q.shape
     _, bs, Hkv, _ = k_pool.shape
     G = Hq // Hkv
     max_blocks = block_tables.shape[1]
-    cb = min(chunk_blocks, max_blocks)
+    cb = min(chunk_blocks or max(1, 64 // bs), max_blocks)  # ~64 keys a chunk: best for CPU caches
     # pad the table so a dynamic slice of cb columns is always in bounds
     pad = (-max_blocks) % cb
     tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # [S, B']
-    qf = (q.astype(jnp.float32) * scale).reshape(T, Hkv, G, D)  # [T, Hkv, G, D]
+    qf = (q.astype(jnp.float32) * scale).reshape(N, Q, Hkv, G, D)
     k_rows = k_pool.reshape(k_pool.shape[0], -1)  # [num_blocks, bs * Hkv * D]
     v_rows = v_pool.reshape(v_pool.shape[0], -1)
-    longest = jnp.max(jnp.where(q_pos >= 0, q_pos + 1, 0))
+    longest = jnp.max(q_pos) + 1
     n_chunks = (longest + cb * bs - 1) // (cb * bs)
 
     def body(c, carry):
-        m, l, acc = carry  # [T, Hkv, G], [T, Hkv, G], [T, Hkv, G, D]
-        ids = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)  # [S, cb]
-        ids = ids[q_slot]  # [T, cb]
+        m, l, acc = carry  # [N, Hkv, G, Q], [N, Hkv, G, Q], [N, Hkv, G, Q, D]
+        ids = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)[tile_slot]  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
-        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(T, cb * bs, Hkv, D).astype(jnp.float32)
-        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(T, cb * bs, Hkv, D).astype(jnp.float32)
+        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
+        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
         k_pos = c * cb * bs + jnp.arange(cb * bs)  # [K]
-        s = jnp.einsum("thgd,tkhd->thgk", qf, k, precision=_HIGHEST)  # [T, Hkv, G, K]
-        visible = k_pos[None, :] <= q_pos[:, None]  # [T, K]
-        s = jnp.where(visible[:, None, None, :], s, _NEG)
+        s = jnp.einsum("nqhgd,nkhd->nhgqk", qf, k, precision=_HIGHEST)  # [N, Hkv, G, Q, K]
+        visible = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, None]  # [N, 1, 1, Q, K]
+        s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[..., None])
-        p = jnp.where(visible[:, None, None, :], p, 0.0)
+        p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha + p.sum(-1)
-        acc_new = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, v, precision=_HIGHEST)
+        acc_new = acc * alpha[..., None] + jnp.einsum("nhgqk,nkhd->nhgqd", p, v, precision=_HIGHEST)
         return m_new, l_new, acc_new
 
     init = (
-        jnp.full((T, Hkv, G), _NEG, jnp.float32),
-        jnp.zeros((T, Hkv, G), jnp.float32),
-        jnp.zeros((T, Hkv, G, D), jnp.float32),
+        jnp.full((N, Hkv, G, Q), _NEG, jnp.float32),
+        jnp.zeros((N, Hkv, G, Q), jnp.float32),
+        jnp.zeros((N, Hkv, G, Q, D), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows that saw nothing stay 0
-    return out.reshape(T, Hq, D)
+    return out.transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
 
 
 def _check_heads(q, k_pool):
@@ -73,7 +71,7 @@ def _check_heads(q, k_pool):
             f"num_q_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({k_pool.shape[2]})")
 
 
-def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, chunk_blocks=16):
+def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, chunk_blocks=None):
     """Decode attention, one query per slot: q [S, Hq, D] -> [S, Hq, D].
 
     The query of slot i sees keys 0..seq_lens[i]-1; a slot with seq_lens 0 returns zeros.
@@ -81,10 +79,10 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scal
     _check_heads(q, k_pool)
     S = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q_pos = seq_lens.astype(jnp.int32) - 1  # [S]
-    out = _attend_chunks(q, q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
+    q_pos = seq_lens.astype(jnp.int32)[:, None] - 1  # [S, 1]
+    out = _attend_chunks(q[:, None], q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
                          block_tables, scale, chunk_blocks)
-    return out.astype(q.dtype)
+    return out[:, 0].astype(q.dtype)
 
 
 def query_layout(query_start_loc, seq_lens, num_tokens):
@@ -101,15 +99,45 @@ def query_layout(query_start_loc, seq_lens, num_tokens):
     return slot, jnp.where(valid, pos, -1).astype(jnp.int32)
 
 
+def query_tiles(query_start_loc, seq_lens, num_tokens, tile):
+    """Cut each slot's rows into tiles of `tile` rows that never cross a slot boundary.
+
+    Returns (rows i32[N, tile] (num_tokens where a tile runs past its slot), slot i32[N],
+    position i32[N, tile] (-1 for rows that are not queries)), N = num_tokens // tile + S (a bound).
+    """
+    S = seq_lens.shape[0]
+    n_rows = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+    tile_start = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum((n_rows + tile - 1) // tile)])
+    N = num_tokens // tile + S
+    j = jnp.arange(N, dtype=jnp.int32)
+    slot = jnp.minimum(jnp.searchsorted(tile_start[1:], j, side="right"), S - 1).astype(jnp.int32)
+    rows = query_start_loc[slot][:, None] + (j - tile_start[slot])[:, None] * tile + jnp.arange(tile)
+    valid = (rows < query_start_loc[slot + 1][:, None]) & (j < tile_start[S])[:, None]
+    pos = seq_lens[slot][:, None] - (query_start_loc[slot + 1][:, None] - rows)
+    return jnp.where(valid, rows, num_tokens), slot, jnp.where(valid, pos, -1).astype(jnp.int32)
+
+
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *,
-                                     scale=None, chunk_blocks=16):
+                                     scale=None, chunk_blocks=None, query_tile=None):
     """Mixed prefill/decode attention over packed queries: q [T, Hq, D] -> [T, Hq, D].
 
     Causal within each request; rows past query_start_loc[S] are padding and return zeros.
+    Rows are attended in tiles of `query_tile` rows of one slot, each tile gathering its keys once
+    (default: 1 when T <= S, i.e. mostly decodes, else 8 — prefill rows then share their gathers).
+    Measured on CPU (SmolLM2 heads, a 512-token step of 2 prefill chunks and 62 decodes): 4.2x faster
+    per layer than one row per tile with 256-key chunks.
     """
     _check_heads(q, k_pool)
-    T = q.shape[0]
+    T, S = q.shape[0], seq_lens.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    slot, pos = query_layout(query_start_loc, seq_lens, T)
-    out = _attend_chunks(q, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
+    tile = query_tile or (1 if T <= S else 8)
+    if tile == 1:
+        slot, pos = query_layout(query_start_loc, seq_lens, T)
+        out = _attend_chunks(q[:, None], pos[:, None], slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
+        return out[:, 0].astype(q.dtype)
+    rows, slot, pos = query_tiles(query_start_loc, seq_lens, T, tile)
+    q_tiles = jnp.take(q, rows, axis=0, mode="clip")  # [N, tile, Hq, D]
+    out = _attend_chunks(q_tiles, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
+    out = jnp.zeros(q.shape, jnp.float32).at[rows.reshape(-1)].set(
+        out.reshape(-1, *q.shape[1:]), mode="drop")  # rows == T (not queries) are dropped
     return out.astype(q.dtype)
