@@ -199,3 +199,13 @@ def test_mistral_sliding_window_rejected(tmp_path):
     json.dump(cfg, open(f"{path}/config.json", "w"))
     with pytest.raises(ValueError, match="sliding-window"):
         LLM(model=path, max_model_len=256, warmup=False)
+
+
+def test_penalties_through_the_engine_without_recompiling(llm):
+    n0 = llm.stats()["num_compilations"]
+    p = {"prompt_token_ids": [5, 6, 7, 5, 6, 7]}
+    plain = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True)[0].outputs[0].token_ids
+    pen = _gen(llm, [p], max_tokens=30, temperature=0, ignore_eos=True, repetition_penalty=1.8,
+               frequency_penalty=1.5)[0].outputs[0].token_ids
+    assert pen != plain and len(set(pen)) >= len(set(plain))
+    assert llm.stats()["num_compilations"] == n0
