@@ -95,9 +95,6 @@ class BlockManager:
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= self.num_free_blocks
-
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Give the request enough blocks to hold `num_tokens` tokens; False (nothing taken) if short."""
         need = self.blocks_needed(req, num_tokens)
