@@ -17,7 +17,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 TPS = (1, 2, 4)
-MODELS = {"llama_8q4kv": ("llama", 8, 4), "qwen3_8q2kv": ("qwen3", 8, 2)}  # TP=4 replicates qwen3's KV heads
+# name -> (family, query heads, KV heads, tied embeddings); TP=4 replicates qwen3's KV heads
+MODELS = {"llama_8q4kv": ("llama", 8, 4, False), "qwen3_8q2kv": ("qwen3", 8, 2, True)}
 
 
 def workload():
@@ -62,14 +63,19 @@ def hlo_facts(runner) -> dict:
 
 
 def engine_checks(path: str, out: dict) -> None:
+    import jax
     from jaxpaged import LLM, SamplingParams
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.engine import LLMEngine
     from jaxpaged.runner import kv_bytes_per_block
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
                              ignore_eos=True) for i in range(len(workload()))]
     for tp in TPS:
-        llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp))
-        eng = llm.engine
+        # TP=2 on the last two devices, through LLMEngine(config, devices)
+        devices = jax.devices()[-2:] if tp == 2 else None
+        llm = LLM.__new__(LLM)  # LLM.generate around an engine built on chosen devices
+        llm.engine = eng = LLMEngine(EngineConfig(model=path, **engine_kwargs(tensor_parallel_size=tp)), devices)
         r = dict(greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)])
         outs = llm.generate(workload(), seeded, use_tqdm=False)
         r["seeded"] = [o.outputs[0].token_ids for o in outs]
@@ -81,6 +87,8 @@ def engine_checks(path: str, out: dict) -> None:
                                     "tensor_parallel_size")})
         r["kv_bytes_formula"] = eng.num_blocks * kv_bytes_per_block(eng.model_config, 8, "float32", tp)
         r["pool_shape"] = list(eng.runner.k_pool.shape)
+        r["devices"] = sorted({d.id for a in [eng.runner.k_pool, *jax.tree.leaves(eng.runner.params)]
+                               for d in a.sharding.device_set})
         r["hlo"] = hlo_facts(eng.runner)
         out[f"tp{tp}"] = r
 
@@ -154,11 +162,11 @@ def main() -> None:
     import jax
     from models import make_tiny_model
     out = {"num_devices": len(jax.devices())}
-    for name, (family, hq, hkv) in MODELS.items():
+    for name, (family, hq, hkv, tie) in MODELS.items():
         if only and name not in only:
             continue
         path = make_tiny_model(os.path.join(workdir, name), family, num_heads=hq, num_kv_heads=hkv, head_dim=8,
-                               seed=hkv)
+                               tie=tie, seed=hkv)
         out[name] = {}
         engine_checks(path, out[name])
         out[name]["logits_rel_diff"] = logits_checks(path)

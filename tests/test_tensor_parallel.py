@@ -46,6 +46,8 @@ def test_tokens_equal_tp1_through_engine_paths(facts, model):
         np.testing.assert_allclose(np.concatenate(f[f"tp{tp}"]["seeded_logprobs"]),
                                    np.concatenate(f["tp1"]["seeded_logprobs"]), atol=1e-4)
         assert f[f"tp{tp}"]["num_compilations"] == f[f"tp{tp}"]["num_buckets"]  # one per bucket, no more
+    assert f["tp1"]["devices"] == [0] and f["tp4"]["devices"] == [0, 1, 2, 3]
+    assert f["tp2"]["devices"] == [6, 7]  # LLMEngine(config, devices=jax.devices()[-2:])
 
 
 @pytest.mark.slow
@@ -162,3 +164,14 @@ def test_config_and_mesh_validation():
     mesh = make_mesh(1)
     assert mesh.axis_names == ("data", "model") and mesh.devices.shape == (1, 1)
     assert device_groups(1, 1) == [[jax.devices()[0]]]
+
+
+def test_cli_flags_reach_the_engine(tiny_models, capsys):
+    """--tensor-parallel-size of `generate` and `serve` reaches EngineConfig: asking for more devices than
+    this process has fails with the engine's message, before any weights load."""
+    import jax
+    from jaxpaged.cli import main
+    n = len(jax.devices()) + 1
+    for cmd in (["generate", "--prompt", "hi"], ["serve"]):
+        assert main([*cmd, "--model", tiny_models["llama"], "--tensor-parallel-size", str(n)]) == 2
+        assert f"tensor_parallel_size={n} needs {n} devices" in capsys.readouterr().err
