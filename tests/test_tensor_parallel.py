@@ -98,6 +98,12 @@ def test_pallas_under_shard_map_matches_reference(facts):
 
 
 @pytest.mark.slow
+def test_kv_cache_memory_is_per_device(facts):
+    # 8 query / 4 KV heads: a block takes 1/N of its TP=1 bytes on each device, so N times the blocks fit
+    assert facts["num_blocks_from_memory"] == {"tp1": 12, "tp2": 24, "tp4": 33}  # 33: max_num_seqs' worth
+
+
+@pytest.mark.slow
 def test_bad_sizes_name_the_numbers(facts):
     e = facts["errors"]
     assert e["tp3"] and "tensor_parallel_size (3)" in e["tp3"] and "num_heads (8)" in e["tp3"]
