@@ -77,6 +77,8 @@ def test_bytes_per_device_shrink(facts, model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_hlo_pool_donated_never_moved(facts, model):
+    h1 = facts[model]["tp1"]["hlo"]
+    assert h1["pool_aliased"] == [True, True] and h1["pool_moves"] == [] and h1["collectives"] == []
     for tp in TPS[1:]:
         h = facts[model][f"tp{tp}"]["hlo"]
         assert h["pool_aliased"] == [True, True]
