@@ -32,12 +32,14 @@ def from_validation_error(e: ValidationError) -> APIError:
     errs = e.errors(include_url=False)
     field = str(errs[0]["loc"][0]) if errs and errs[0]["loc"] else None
     mine = [x for x in errs if x["loc"] and str(x["loc"][0]) == field] or errs
-    first = next((x for x in mine if x["type"] == "string_unicode"), mine[0])
+    first = next((x for x in mine if x["type"] == "string_unicode" or _float_int(x)), mine[0])
     # pydantic names union members in the location (e.g. "list[constrained-int]"): keep fields and indices
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
         "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
-    msg = first["msg"]
-    if first["type"] == "missing":
+    msg, code = first["msg"], None
+    if _float_int(first):
+        msg, code = "must be written as a JSON integer (2, not 2.0)", "integer_required"
+    elif first["type"] == "missing":
         msg = "field required"
     elif first["type"] == "string_unicode":
         msg = "must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
@@ -45,7 +47,11 @@ def from_validation_error(e: ValidationError) -> APIError:
         msg = ("must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
                "token ids (integers) or a non-empty list of such lists")
         loc = "prompt"
-    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field)
+    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field, code=code)
+
+
+def _float_int(err: dict) -> bool:
+    return err["type"] == "int_type" and isinstance(err.get("input"), float)
 
 
 def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:

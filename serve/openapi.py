@@ -15,6 +15,8 @@ from serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatComp
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [
+    {"code": "integer_required", "rule": "integers (token ids, counts) are written as JSON integers: 2, "
+     "not 2.0 (which JSON Schema also calls an integer)"},
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
      "max_model_len) must not exceed max_model_len"},
     {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
@@ -98,6 +100,13 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     if not api_key:
         del errors["401"]
 
+    def events(chunk):  # one server-sent event: its data is a JSON chunk, an error body, or [DONE]
+        return {"type": "object", "required": ["data"], "properties": {"data": {
+            "description": f"a {chunk} object, an ErrorResponse object (the stream failed), or [DONE]",
+            "anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
+
     def generate(summary, request, response, chunk, rules):
         return {"post": {
             "summary": summary, **security, "x-request-rules": rules,
@@ -107,7 +116,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
             "responses": {"200": {"description": "the result; with stream=true, server-sent events of "
                                                  f"{chunk} objects ending in `data: [DONE]`",
                                   "content": {**body(response),
-                                              "text/event-stream": {"schema": ref(chunk)}}},
+                                              "text/event-stream": {"schema": events(chunk)}}},
                           **errors}}}
 
     doc = {
