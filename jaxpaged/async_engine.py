@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.sampling import InvalidParam, SamplingParams
+from jaxpaged.sampling import SamplingParams
+from jaxpaged.validation import InvalidParam
 
 log = logging.getLogger("jaxpaged.async_engine")
 

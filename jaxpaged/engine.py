@@ -19,9 +19,10 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
-from jaxpaged.sampling import InvalidParam, SamplingParams, check_text
+from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
+from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
 
 log = logging.getLogger("jaxpaged.engine")
@@ -117,74 +118,18 @@ class LLMEngine:
         return min(n, cfg.max_num_seqs * per_seq + 1)
 
     # -- requests -------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidParam("prompt", f"{self.model_dir} has no tokenizer files: give prompts as "
-                                   "{'prompt_token_ids': [...]}")
-            check_text("prompt", prompt)
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise InvalidParam("prompt", "a dict prompt needs the key 'prompt_token_ids'")
-            ids = prompt["prompt_token_ids"]
-        else:
-            ids = prompt
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise InvalidParam("prompt", "prompt must be a string, a list of token ids (integers) or "
-                               f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-        return None, [int(t) for t in ids]
-
     def request_limits(self) -> dict:
         """The model-dependent bounds `add_request` enforces (the server states them in its schema)."""
         return dict(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
                     max_logprobs=self.runner.num_logprobs, max_banned_ids=NUM_BANNED,
                     num_eos_ids=len(self.eos_token_ids))
 
-    def _check(self, ids: list[int], params: SamplingParams) -> int:
-        """Validate a tokenized request against the model; return its effective max_tokens."""
-        V, L = self.model_config.vocab_size, self.max_model_len
-        if not ids:
-            raise InvalidParam("prompt", "prompt is empty (it has no tokens)", code="empty_prompt")
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise InvalidParam("prompt", f"prompt token id {bad[0]} is out of vocabulary (vocab_size {V})")
-        if len(ids) >= L:
-            raise InvalidParam("prompt", f"prompt has {len(ids)} tokens; max_model_len is {L} (a prompt must "
-                               "leave room for at least one generated token)", code="context_length_exceeded")
-        max_tokens = params.max_tokens if params.max_tokens is not None else L - len(ids)
-        if len(ids) + max_tokens > L:
-            raise InvalidParam("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                               f"max_model_len ({L})", code="context_length_exceeded")
-        need = -(-(len(ids) + max_tokens) // self.config.block_size)
-        if need > self.num_blocks - 1:
-            raise InvalidParam("max_tokens", f"request needs {need} KV blocks, the pool has "
-                               f"{self.num_blocks - 1}", code="context_length_exceeded")
-        if params.min_tokens > max_tokens:
-            raise InvalidParam("min_tokens", f"min_tokens ({params.min_tokens}) exceeds max_tokens "
-                               f"({max_tokens})", code="invalid_combination")
-        if params.top_k > V:
-            raise InvalidParam("top_k", f"top_k ({params.top_k}) exceeds the vocabulary size ({V})")
-        bad = [t for t in params.stop_token_ids if t >= V]
-        if bad:
-            raise InvalidParam("stop_token_ids", f"stop token id {bad[0]} is out of vocabulary (vocab_size {V})")
-        if params.logprobs is not None and params.logprobs > self.runner.num_logprobs:
-            raise InvalidParam("logprobs", f"logprobs ({params.logprobs}) exceeds max_logprobs "
-                               f"({self.runner.num_logprobs})")
-        banned = (0 if params.ignore_eos else len(self.eos_token_ids)) + len(params.stop_token_ids)
-        if params.min_tokens and banned > NUM_BANNED:
-            raise InvalidParam("stop_token_ids", f"min_tokens bans the EOS and stop token ids until it is "
-                               f"reached: at most {NUM_BANNED} together ({len(self.eos_token_ids)} EOS ids "
-                               f"unless ignore_eos), got {banned}")
-        return max_tokens
-
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
         """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id.
 
-        Everything the step will use is checked here (see SamplingParams and `_check`), so a request
-        that is accepted cannot make a step fail."""
+        Everything the step will use is checked here (SamplingParams, then `validation.check_request`
+        against the model), so a request that is accepted cannot make a step fail."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -192,8 +137,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        max_tokens = self._check(ids, params)
+        text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
+        max_tokens = check_request(ids, params, self.request_limits(), self.config.block_size,
+                                   self.num_blocks - 1)
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         base_seed = int(self._rng.integers(2 ** 32)) if params.seed is None else params.seed % 2 ** 32

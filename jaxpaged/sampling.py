@@ -14,28 +14,13 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.validation import InvalidParam, check_text
+
 _NEG_INF = -jnp.inf
 
 
 INT32_MAX = 2 ** 31 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # floats reach the step as float32: larger ones would become inf
-
-
-class InvalidParam(ValueError):
-    """A ValueError about one request parameter; `param` names it (the server answers 400 with it)."""
-
-    def __init__(self, param: str, message: str, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def check_text(name: str, text: str) -> None:
-    """Raise InvalidParam unless `text` is valid Unicode (no lone UTF-16 surrogates)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidParam(name, f"{name} is not valid Unicode: lone surrogate {text[e.start]!r} at "
-                                 f"character {e.start}") from None
 
 
 def _is_int(v) -> bool:

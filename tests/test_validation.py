@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from jaxpaged import SamplingParams
 from jaxpaged.engine import EngineConfig, LLMEngine
 from jaxpaged.runner import NUM_BANNED
-from jaxpaged.sampling import InvalidParam
+from jaxpaged.validation import InvalidParam
 from models import add_tiny_tokenizer, make_tiny_model
 
 V, L, MAX_TOKENS = 320, 256, 5
