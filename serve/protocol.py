@@ -20,13 +20,12 @@ MAX_LOGPROBS = 20
 
 def limit(kind: str) -> dict:
     """A bound that depends on the served model: `serve.openapi` writes its value into the schema as
-    `maximum` (or `maxItems`); the engine enforces it (LLMEngine.add_request)."""
+    `maximum`; the engine enforces it (`jaxpaged.validation.check_request`)."""
     return {"json_schema_extra": {"x-limit": kind}}
 
 
 # Strings must be valid Unicode: JSON can carry lone surrogates as escapes ("\ud800"); pydantic refuses
-# them (error type string_unicode).
-Text = str
+# them in every str field (error type string_unicode).
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
 Float = Annotated[float, Field(le=FLOAT32_MAX)]
@@ -47,7 +46,7 @@ class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    model: Text | None = Field(None, description="the served model name; may be omitted")
+    model: str | None = Field(None, description="the served model name; may be omitted")
     temperature: Float | None = Field(None, ge=0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
@@ -57,7 +56,7 @@ class _SamplingRequest(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
-    user: Text | None = None
+    user: str | None = None
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported: "
                                                   "null or empty")
     # vLLM's extras
@@ -90,15 +89,15 @@ class CompletionRequest(_SamplingRequest):
 class TextPart(BaseModel):
     model_config = _STRICT
     type: Literal["text"]
-    text: Text
+    text: str
 
 
 class ChatMessage(BaseModel):
     """One message; every role needs `content` (tool calls are not supported)."""
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: Text | list[TextPart]
-    name: Text | None = None
+    content: str | list[TextPart]
+    name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
