@@ -233,8 +233,10 @@ class LLMEngine:
         for name in ("k_pool", "v_pool"):
             old = getattr(self.runner, name)
             try:
-                lost_this = old.is_deleted() or old.block_until_ready() is None
-            except Exception:  # noqa: BLE001 -- an array whose computation failed raises here
+                lost_this = old.is_deleted()
+                if not lost_this:
+                    old.block_until_ready()  # raises if the computation that made it failed
+            except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
                 lost_this = True
             if lost_this:
                 setattr(self.runner, name, jnp.zeros(old.shape, old.dtype, device=old.sharding))
