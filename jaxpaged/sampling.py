@@ -63,8 +63,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check (and normalize) every field; raise InvalidParam (a ValueError) naming the first bad one."""
-        def bad(name, want):
-            raise InvalidParam(name, f"SamplingParams.{name} {want}, got {getattr(self, name)!r}")
+        def bad(name, want, code=None):
+            raise InvalidParam(name, f"SamplingParams.{name} {want}, got {getattr(self, name)!r}", code)
 
         def integer(name, lo, hi=INT32_MAX, optional=False):
             v = getattr(self, name)
@@ -95,7 +95,7 @@ class SamplingParams:
         integer("max_tokens", 1, optional=True)
         integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})", "invalid_combination")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):

@@ -316,6 +316,7 @@ def test_context_length_400(server, client):
     ({"prompt": "a", "min_tokens": 1, "max_tokens": 4, "stop_token_ids": list(range(3, 19))}, "stop_token_ids",
      None),                                                              # + 1 EOS id > 16 banned ids
     ({"prompt": "a", "best_of": 3}, "best_of", "invalid_combination"),
+    ({"prompt": "a", "min_tokens": 3, "max_tokens": 2}, "min_tokens", "invalid_combination"),
     ({"prompt": "a", "suffix": "x"}, "suffix", None),
     ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias", None),
     ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", None),
