@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from jaxpaged.engine import LLMEngine, RequestOutput
 from jaxpaged.sampling import SamplingParams
+from jaxpaged.validation import InvalidParam
 
 log = logging.getLogger("jaxpaged.async_engine")
 
@@ -40,6 +41,10 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped (shut down, or failed with an error)."""
 
 
+class RequestFailedError(RuntimeError):
+    """A step running this request failed; the request was ended (its message carries the error id)."""
+
+
 @dataclass(eq=False)
 class _Stream:
     request_id: str
@@ -52,13 +57,16 @@ class _Stream:
 class AsyncEngine:
     """Runs `engine` on a background thread; `max_waiting` bounds requests queued for a slot."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None):
+    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, max_step_failures: int = 3):
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting!r}")
+        if not isinstance(max_step_failures, int) or max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be an integer >= 1, got {max_step_failures!r}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_step_failures = max_step_failures  # consecutive failed steps that stop the loop
         self._cv = threading.Condition()
-        self._inbox: list[tuple] = []           # ("add", stream, prompt, params, arrival, future) | ("abort", id)
+        self._inbox: list[tuple] = []           # ("add", streams, prompts, params, arrival, future) | ("abort", id)
         self._pending = 0                       # samples in the inbox not yet added (guarded by _cv)
         self._stopping = False
         self._error: BaseException | None = None
@@ -80,8 +88,15 @@ class AsyncEngine:
     def model_config(self):
         return self.engine.model_config
 
+    def request_limits(self) -> dict:
+        """The model-dependent bounds every request is checked against (see LLMEngine.request_limits)."""
+        return self.engine.request_limits()
+
     def is_alive(self) -> bool:
-        """True while the loop thread runs and has neither failed nor been shut down."""
+        """True while the loop thread runs and has neither failed nor been shut down.
+
+        A failed step fails only its own requests; the loop stops after `max_step_failures` failed
+        steps in a row (or an error outside the step), and then this is False."""
         return self._thread.is_alive() and self._error is None and not self._stopping
 
     def stats(self) -> dict:
@@ -97,9 +112,19 @@ class AsyncEngine:
         """Queue a request and return the async iterator of its outputs.
 
         Raises ValueError (invalid request, nothing queued), QueueFullError, EngineDeadError."""
-        stream = _Stream(str(request_id), params.n, asyncio.get_running_loop())
+        streams = await self.add_requests([(request_id, prompt)], params, arrival_time)
+        return streams[0]
+
+    async def add_requests(self, requests: list[tuple[str, object]], params: SamplingParams,
+                           arrival_time: float | None = None) -> list[AsyncIterator[RequestOutput]]:
+        """Queue several (request id, prompt) with the same params, all or none: if one is invalid,
+        raise its ValueError and queue nothing. Returns one output iterator per request, in order."""
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(str(rid), params.n, loop) for rid, _ in requests]
+        prompts = [p for _, p in requests]
         fut: concurrent.futures.Future = concurrent.futures.Future()
         arrival = time.monotonic() if arrival_time is None else arrival_time
+        samples = params.n * len(streams)
         with self._cv:
             if not self.is_alive():
                 raise EngineDeadError("the engine is not running")
@@ -107,15 +132,16 @@ class AsyncEngine:
                 free_slots = max(0, self.engine.config.max_num_seqs - self._stats["num_running"])
                 if self._pending + self._stats["num_waiting"] >= self.max_waiting + free_slots:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-            self._pending += params.n
-            self._inbox.append(("add", stream, prompt, params, arrival, fut))
+            self._pending += samples
+            self._inbox.append(("add", streams, prompts, params, arrival, fut))
             self._cv.notify()
         try:
             await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            self.abort(stream.request_id)  # queued after the add: the engine drops it at once
+            for stream in streams:
+                self.abort(stream.request_id)  # queued after the add: the engine drops them at once
             raise
-        return self._iterate(stream)
+        return [self._iterate(stream) for stream in streams]
 
     async def generate(self, prompt, params: SamplingParams, request_id: str,
                        arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
@@ -168,12 +194,14 @@ class AsyncEngine:
                         self._cv.wait()
                     commands, self._inbox = self._inbox, []
                     stopping = self._stopping
-                added = self._apply(commands)
-                with self._cv:
-                    self._pending -= added
+                self._apply(commands)
                 if stopping:
                     break
                 outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                failures = self.engine.num_consecutive_step_failures
+                if failures >= self.max_step_failures:
+                    self._publish(outputs)
+                    raise EngineDeadError(f"{failures} steps in a row failed")
                 stats = self.engine.stats()
                 with self._cv:
                     self._stats = stats  # before publishing: a client that sees its end sees its blocks freed
@@ -189,8 +217,7 @@ class AsyncEngine:
         with self._cv:
             self._stats = self.engine.stats()
 
-    def _apply(self, commands: list[tuple]) -> int:
-        added = 0
+    def _apply(self, commands: list[tuple]) -> None:
         for cmd in commands:
             if cmd[0] == "abort":
                 stream = self._streams.pop(cmd[1], None)
@@ -198,16 +225,33 @@ class AsyncEngine:
                     self.engine.abort_request(cmd[1])
                     _post(stream.loop, stream.queue.put_nowait, _END)
                 continue
-            _, stream, prompt, params, arrival, fut = cmd
-            added += stream.num_samples
+            _, streams, prompts, params, arrival, fut = cmd
+            samples = params.n * len(streams)
+            done = []
             try:
-                self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival)
+                for i, (stream, prompt) in enumerate(zip(streams, prompts)):
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival)
+                    done.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 -- ValueError for bad input; anything else also goes back
+                for request_id in done:  # all or nothing: no step ran since they were added
+                    self.engine.abort_request(request_id)
+                if len(streams) > 1 and isinstance(e, InvalidParam) and e.param == "prompt":
+                    e = InvalidParam("prompt", f"prompt {i}: {e}", e.code)
+                self._settle(samples, queued=False)
                 _resolve(fut, e)
                 continue
-            self._streams[stream.request_id] = stream
-            _resolve(fut)  # if the caller was cancelled meanwhile, its abort is already in the inbox
-        return added
+            for stream in streams:
+                self._streams[stream.request_id] = stream
+            self._settle(samples, queued=True)
+            _resolve(fut)  # if the caller was cancelled meanwhile, its aborts are already in the inbox
+
+    def _settle(self, samples: int, queued: bool) -> None:
+        """Move `samples` out of the inbox count before the caller learns the outcome, so stats() never
+        counts a refused request, nor misses an accepted one, until the next step refreshes them."""
+        with self._cv:
+            self._pending -= samples
+            if queued:
+                self._stats = {**self._stats, "num_waiting": self._stats["num_waiting"] + samples}
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
@@ -217,7 +261,8 @@ class AsyncEngine:
                 continue
             if out.finished:
                 del self._streams[out.request_id]
-            by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+            item = out if out.error is None else RequestFailedError(out.error)
+            by_loop.setdefault(stream.loop, []).append((stream.queue, item))
         for loop, items in by_loop.items():
             _post(loop, _deliver, items)
 

@@ -6,10 +6,13 @@ then the engine applies stop conditions and builds outputs.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 
+import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.block_manager import BlockManager
@@ -20,7 +23,10 @@ from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
+from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
+
+log = logging.getLogger("jaxpaged.engine")
 
 
 @dataclass
@@ -29,7 +35,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
-    finish_reason: str | None = None      # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" | None while running
 
 
 @dataclass
@@ -41,6 +47,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time
+    error: str | None = None  # set when a failed step ended the request (finish_reason "error")
 
 
 @dataclass(eq=False)
@@ -101,6 +108,8 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
+        self.num_step_failures = 0              # since start
+        self.num_consecutive_step_failures = 0  # since the last step that succeeded
 
     def _num_blocks(self) -> int:
         cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
@@ -114,55 +123,31 @@ class LLMEngine:
         return min(n, cfg.max_num_seqs * per_seq + 1)
 
     # -- requests -------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{self.model_dir} has no tokenizer files: give prompts as "
-                                 "{'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError("a dict prompt needs the key 'prompt_token_ids'")
-            ids = prompt["prompt_token_ids"]
-        else:
-            ids = prompt
-        if not isinstance(ids, (list, tuple)) or not all(
-                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
-            raise ValueError(f"prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
-        return None, [int(t) for t in ids]
+    def request_limits(self) -> dict:
+        """The model-dependent bounds `add_request` enforces (the server states them in its schema)."""
+        return dict(vocab_size=self.model_config.vocab_size, max_model_len=self.max_model_len,
+                    max_logprobs=self.runner.num_logprobs, max_banned_ids=NUM_BANNED,
+                    num_eos_ids=len(self.eos_token_ids))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
-        """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id."""
-        params = params or SamplingParams()
+        """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id.
+
+        Everything the step will use is checked here (SamplingParams, then `validation.check_request`
+        against the model), so a request that is accepted cannot make a step fail."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params.validate()  # again: fields may have been changed since creation
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = self._prompt_ids(prompt)
-        V, L = self.model_config.vocab_size, self.max_model_len
-        if not ids:
-            raise ValueError("prompt is empty")
-        bad = [t for t in ids if not 0 <= t < V]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of vocabulary (vocab_size {V})")
-        if len(ids) >= L:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {L} (a prompt must leave "
-                             "room for at least one generated token)")
-        max_tokens = params.max_tokens if params.max_tokens is not None else L - len(ids)
-        if len(ids) + max_tokens > L:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
-                             f"max_model_len ({L})")
-        need = -(-(len(ids) + max_tokens) // self.config.block_size)
-        if need > self.num_blocks - 1:
-            raise ValueError(f"request needs {need} KV blocks, the pool has {self.num_blocks - 1}")
-        if params.logprobs is not None and params.logprobs > self.runner.num_logprobs:
-            raise ValueError(f"logprobs ({params.logprobs}) exceeds max_logprobs ({self.runner.num_logprobs})")
-        if params.min_tokens and len(self.eos_token_ids) + len(params.stop_token_ids) > NUM_BANNED:
-            raise ValueError(f"min_tokens with more than {NUM_BANNED} stop/EOS token ids is not supported")
+        text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
+        max_tokens = check_request(ids, params, self.request_limits(), self.config.block_size,
+                                   self.num_blocks - 1)
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
-        base_seed = int(self._rng.integers(2 ** 32)) if params.seed is None else params.seed
+        base_seed = int(self._rng.integers(2 ** 32)) if params.seed is None else params.seed % 2 ** 32
         now = time.monotonic() if arrival_time is None else arrival_time
         samples, detoks = [], []
         for i in range(params.n):
@@ -193,7 +178,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as e:  # noqa: BLE001 -- the step's requests fail; the engine carries on
+            return self._step_failed(out, e)
+        self.num_consecutive_step_failures = 0
         got = self.scheduler.update_from_output(out, sampled)
         now = time.monotonic()
         touched: dict[str, _Group] = {}
@@ -214,6 +203,51 @@ class LLMEngine:
             outputs.append(self._output(group, finished))
         return outputs
 
+    def _step_failed(self, out, error: Exception) -> list[RequestOutput]:
+        """The runner raised: the step's requests (whole groups) finish with "error", the rest go on.
+
+        A failed device call may have consumed the donated KV pool; it is then rebuilt (zeros), every
+        running request is recomputed from scratch (as after preemption) and the prefix cache dropped."""
+        error_id = uuid.uuid4().hex[:12]
+        self.num_step_failures += 1
+        self.num_consecutive_step_failures += 1
+        groups = {req.group_id: self.groups[req.group_id] for req, _ in out.scheduled}
+        log.error("step failed (error id %s; requests %s): %s: %s", error_id, ", ".join(sorted(groups)),
+                  type(error).__name__, error, exc_info=error)
+        message = f"the step running this request failed (error id {error_id}): {type(error).__name__}"
+        for group in groups.values():
+            for req in group.samples:
+                self.scheduler.finish(req, "error")
+        if self._rebuild_kv_pool():
+            log.warning("the KV pool was lost with the failed step (error id %s): %d running requests "
+                        "will be recomputed", error_id, len(self.scheduler.running))
+            self.scheduler.recompute_all()
+            self.block_manager.reset_prefix_cache()
+        now = time.monotonic()
+        outputs = []
+        for group in groups.values():
+            group.finished_time = now
+            del self.groups[group.request_id]
+            outputs.append(self._output(group, True, message))
+        return outputs
+
+    def _rebuild_kv_pool(self) -> bool:
+        """Replace pool arrays that a failed donated call deleted or poisoned by zeros of the same shape,
+        dtype and sharding. Returns whether the pool's contents were lost."""
+        lost = False
+        for name in ("k_pool", "v_pool"):
+            old = getattr(self.runner, name)
+            try:
+                lost_this = old.is_deleted()
+                if not lost_this:
+                    old.block_until_ready()  # raises if the computation that made it failed
+            except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
+                lost_this = True
+            if lost_this:
+                setattr(self.runner, name, jnp.zeros(old.shape, old.dtype, device=old.sharding))
+                lost = True
+        return lost
+
     def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> str | None:
         p, tok = req.params, req.token_ids[-1]
         stop_string = detok.add(tok)
@@ -224,7 +258,7 @@ class LLMEngine:
             return "length"
         return None
 
-    def _output(self, group: _Group, finished: bool) -> RequestOutput:
+    def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
         outs = [CompletionOutput(r.index, d.visible_text(r.is_finished), r.output_token_ids,
                                  list(r.logprobs) if r.logprobs is not None else None, r.finish_reason)
                 for r, d in zip(group.samples, group.detoks)]
@@ -232,7 +266,7 @@ class LLMEngine:
         metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
                        finished_time=group.finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             group.samples[0].num_cached_tokens, metrics)
+                             group.samples[0].num_cached_tokens, metrics, error)
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
@@ -242,6 +276,7 @@ class LLMEngine:
                     kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
+                    num_step_failures=self.num_step_failures,
                     load_seconds=self.load_seconds, attention_backend=self.runner.backend,
                     tensor_parallel_size=self.runner.tp, **self.runner.memory_per_device())
 

@@ -7,17 +7,39 @@ temperature and filtering), as in vLLM.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.validation import InvalidParam, check_text
+
 _NEG_INF = -jnp.inf
+
+
+INT32_MAX = 2 ** 31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # floats reach the step as float32: larger ones would become inf
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
 class SamplingParams:
-    """How to sample one request. Names and meanings follow vLLM; values are checked on creation."""
+    """How to sample one request. Names and meanings follow vLLM; values are checked on creation (and
+    again by `LLMEngine.add_request`, which also checks them against the model: vocabulary, lengths).
+
+    Limits beyond vLLM's: integers stored by the step (top_k, token ids) fit int32; floats are finite
+    and at most float32's largest value (3.4e38). `seed` takes any integer; the engine uses
+    `seed % 2**32` (deterministic: equal seeds, equal samples).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -37,46 +59,60 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        def bad(name, want):
-            raise ValueError(f"SamplingParams.{name} {want}, got {getattr(self, name)!r}")
+        self.validate()
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            bad("temperature", "must be >= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            bad("top_p", "must be in (0, 1]")
-        if not is_int(self.top_k) or self.top_k < -1:
-            bad("top_k", "must be an integer >= -1 (0 or -1 disable it)")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
-            bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2 ** 32):
-            bad("seed", "must be an integer in [0, 2**32)")
-        for name in ("presence_penalty", "frequency_penalty"):
+    def validate(self) -> None:
+        """Check (and normalize) every field; raise InvalidParam (a ValueError) naming the first bad one."""
+        def bad(name, want, code=None):
+            raise InvalidParam(name, f"SamplingParams.{name} {want}, got {getattr(self, name)!r}", code)
+
+        def integer(name, lo, hi=INT32_MAX, optional=False):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not -2 <= v <= 2:
-                bad(name, "must be in [-2, 2]")
-        if not isinstance(self.repetition_penalty, (int, float)) or self.repetition_penalty <= 0:
-            bad("repetition_penalty", "must be > 0")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not is_int(self.min_tokens) or self.min_tokens < 0:
-            bad("min_tokens", "must be an integer >= 0")
+            if v is None and optional:
+                return
+            if not _is_int(v) or not lo <= v <= hi:
+                bad(name, f"must be an integer in [{lo}, {hi}]")
+            setattr(self, name, int(v))
+
+        def real(name, lo, hi, lo_open=False, what=None):
+            v = getattr(self, name)
+            if not _is_real(v) or not (lo < v if lo_open else lo <= v) or v > hi:
+                bad(name, what or f"must be a finite number in {'(' if lo_open else '['}{lo}, {hi}]")
+            setattr(self, name, float(v))
+
+        integer("n", 1)
+        real("temperature", 0, FLOAT32_MAX, what="must be a finite number >= 0 (0 is greedy)")
+        real("top_p", 0, 1, lo_open=True)
+        integer("top_k", -1)
+        real("min_p", 0, 1)
+        if self.seed is not None:
+            if not _is_int(self.seed):
+                bad("seed", "must be an integer or None")
+            self.seed = int(self.seed)
+        for name in ("presence_penalty", "frequency_penalty"):
+            real(name, -2, 2)
+        real("repetition_penalty", 0, FLOAT32_MAX, lo_open=True, what="must be a finite number > 0")
+        integer("max_tokens", 1, optional=True)
+        integer("min_tokens", 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
+            bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})", "invalid_combination")
         if self.stop is None:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) and s for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be a list of non-negative integers")
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0):
-            bad("logprobs", "must be an integer >= 0")
+        self.stop = list(self.stop)
+        for s in self.stop:
+            check_text("stop", s)
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            bad("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
+        self.stop_token_ids = [int(t) for t in ids]
+        integer("logprobs", 0, optional=True)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
         if self.top_k == -1:
             self.top_k = 0
 

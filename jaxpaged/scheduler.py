@@ -74,6 +74,12 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
+    def recompute_all(self) -> None:
+        """Send every running request back to waiting, to be recomputed from scratch (its K/V is lost)."""
+        out = SchedulerOutput()
+        for req in reversed(list(self.running)):  # newest first: the oldest ends at the queue's front
+            self._preempt(req, out)
+
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

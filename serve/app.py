@@ -26,7 +26,7 @@ from jaxpaged.async_engine import AsyncEngine
 from serve import routes
 from serve.errors import APIError
 from serve.metrics import Metrics
-from serve.protocol import openapi_schema
+from serve.openapi import openapi_schema
 
 log = logging.getLogger("jaxpaged.serve")
 
@@ -66,9 +66,10 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/openapi.json", routes.openapi, methods=["GET"]),
     ], exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
+    schema = openapi_schema(__version__, limits=engine.request_limits(), model_name=served_model_name,
+                            api_key=bool(api_key))
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
-                                   Metrics(engine, served_model_name), openapi_schema(__version__),
-                                   int(time.time()))
+                                   Metrics(engine, served_model_name), schema, int(time.time()))
     return app
 
 
@@ -113,6 +114,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "over (heads, MLP columns, vocabulary; default 1)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
+    parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
+                        "the engine stops and /health answers 503; a failed step fails only its own "
+                        "requests (500) (default %(default)s)")
     return parser
 
 
@@ -153,7 +157,8 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
              "max_model_len %d, attention %s", time.perf_counter() - t0, s["num_compilations"],
              s["compile_seconds"], s["kv_blocks_total"], cfg.block_size, engine.max_model_len,
              s["attention_backend"])
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting)
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting,
+                               max_step_failures=getattr(args, "max_step_failures", 3))
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on",

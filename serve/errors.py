@@ -2,8 +2,6 @@
 exceptions (pydantic's ValidationError, the engine's ValueError) onto them."""
 from __future__ import annotations
 
-import re
-
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -33,31 +31,34 @@ class APIError(Exception):
 def from_validation_error(e: ValidationError) -> APIError:
     errs = e.errors(include_url=False)
     field = str(errs[0]["loc"][0]) if errs and errs[0]["loc"] else None
-    if field == "prompt" and len(errs) > 1:  # one error per member of the union: say it once
-        return APIError(400, "prompt must be a string, a list of strings, a list of token ids or a list "
-                             "of token-id lists", param="prompt")
-    first = errs[0]
-    loc = ".".join(str(p) for p in first["loc"])
-    msg = first["msg"]
-    if first["type"] == "missing":
+    mine = [x for x in errs if x["loc"] and str(x["loc"][0]) == field] or errs
+    first = next((x for x in mine if x["type"] == "string_unicode" or _float_int(x)), mine[0])
+    # pydantic names union members in the location (e.g. "list[constrained-int]"): keep fields and indices
+    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
+        "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
+    msg, code = first["msg"], None
+    if _float_int(first):
+        msg, code = "must be written as a JSON integer (2, not 2.0)", "integer_required"
+    elif first["type"] == "missing":
         msg = "field required"
-    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field)
+    elif first["type"] == "string_unicode":
+        msg = "must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
+    elif field == "prompt" and len(mine) > 1:  # one error per member of the union: say it once
+        msg = ("must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
+               "token ids (integers) or a non-empty list of such lists")
+        loc = "prompt"
+    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field, code=code)
 
 
-_FIELD = re.compile(r"SamplingParams\.(\w+) ")
+def _float_int(err: dict) -> bool:
+    return err["type"] == "int_type" and isinstance(err.get("input"), float)
 
 
-def from_value_error(e: ValueError, prompt_param: str = "prompt") -> APIError:
-    """The engine's and SamplingParams' ValueErrors name what is wrong; keep the message, find the param."""
-    msg = str(e)
-    m = _FIELD.match(msg)
-    if m:
-        return APIError(400, msg.replace("SamplingParams.", "", 1), param=m.group(1))
-    if "max_model_len" in msg:
-        param = "max_tokens" if "max_tokens" in msg else prompt_param
-        return APIError(400, msg, param=param, code="context_length_exceeded")
-    if "logprobs" in msg:
-        return APIError(400, msg, param="logprobs")
-    if "prompt" in msg:
-        return APIError(400, msg, param=prompt_param)
-    return APIError(400, msg)
+def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:
+    """The engine's and SamplingParams' ValueErrors name what is wrong (InvalidParam: which param; `rename`
+    maps engine names to the request's, e.g. prompt -> messages); keep the message."""
+    param, code = getattr(e, "param", None), getattr(e, "code", None)
+    msg = str(e).replace("SamplingParams.", "", 1)
+    if param is not None and rename:
+        param = rename.get(param, param)
+    return APIError(400, msg, param=param, code=code)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from jaxpaged.async_engine import EngineDeadError, QueueFullError
+from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from jaxpaged.engine import RequestOutput
 from jaxpaged.sampling import SamplingParams
 from serve.errors import APIError, from_value_error
@@ -29,34 +29,30 @@ async def _disconnected(request: Request) -> None:
 class Job:
     """The engine requests of one HTTP request (one per prompt), merged, recorded when they end."""
 
-    def __init__(self, request: Request, prefix: str, prompt_param: str):
+    def __init__(self, request: Request, prefix: str, rename: dict[str, str]):
         self.request, self.st = request, request.app.state.server
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.created, self.arrival = int(time.time()), time.monotonic()
-        self.prompt_param = prompt_param
+        self.rename = rename  # engine param names -> this request's (prompt -> messages, ...)
         self.ids: list[str] = []
         self.streams: list = []
         self.lasts: list[RequestOutput | None] = []
+        self.failed: set[int] = set()  # prompts whose engine request a failed step ended
         self.status = "ok"
         self.closed = False
 
     async def start(self, prompts: list, params: SamplingParams) -> None:
-        engine = self.st.engine
+        """Queue every prompt, or none (a bad one is a 400 and nothing runs)."""
+        ids = [self.id if len(prompts) == 1 else f"{self.id}-{i}" for i in range(len(prompts))]
         try:
-            for i, prompt in enumerate(prompts):
-                rid = self.id if len(prompts) == 1 else f"{self.id}-{i}"
-                self.streams.append(await engine.add_request(rid, prompt, params, self.arrival))
-                self.ids.append(rid)
-                self.lasts.append(None)
+            self.streams = await self.st.engine.add_requests(list(zip(ids, prompts)), params, self.arrival)
         except ValueError as e:
-            self.abort()
-            raise from_value_error(e, self.prompt_param) from None
+            raise from_value_error(e, self.rename) from None
         except QueueFullError as e:
-            self.abort()
             raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
-            self.abort()
             raise APIError(503, str(e), code="engine_unavailable") from None
+        self.ids, self.lasts = ids, [None] * len(ids)
 
     def abort(self) -> None:
         for rid, last in zip(self.ids, self.lasts):
@@ -71,7 +67,9 @@ class Job:
             try:
                 async for out in stream:
                     queue.put_nowait((i, out))
-            except Exception as e:  # noqa: BLE001 -- EngineDeadError mostly; re-raised below
+            except Exception as e:  # noqa: BLE001 -- EngineDeadError, RequestFailedError; re-raised below
+                if isinstance(e, RequestFailedError):
+                    self.failed.add(i)
                 queue.put_nowait((i, e))
             queue.put_nowait((i, None))
 
@@ -111,6 +109,9 @@ class Job:
         except EngineDeadError as e:
             self.status = "engine-error"
             raise APIError(503, str(e), code="engine_unavailable") from None
+        except RequestFailedError as e:
+            self.status = "step-error"
+            raise APIError(500, str(e), code="step_failed") from None
         return True
 
     def close(self, http_status: int) -> None:
@@ -127,15 +128,17 @@ class Job:
         """Metrics for every engine request and one log line for the HTTP request."""
         now, m = time.monotonic(), self.st.metrics
         ttfts, reasons, n_out = [], set(), 0
-        for last in self.lasts:
+        for i, last in enumerate(self.lasts):
             if last is None:
-                m.observe(0, 0, "abort", None, None, now - self.arrival)
-                reasons.add("abort")
+                reason = "error" if i in self.failed else "abort"
+                m.observe(0, 0, reason, None, None, now - self.arrival)
+                reasons.add(reason)
                 continue
             first = last.metrics.get("first_token_time")
             end = last.metrics.get("finished_time") or now
             n = len(last.outputs[0].token_ids)
             reason = (last.outputs[0].finish_reason or "abort") if last.finished else "abort"
+            reason = "error" if i in self.failed else reason
             ttft = None if first is None else first - self.arrival
             tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
             out_tokens = sum(len(c.token_ids) for c in last.outputs)
@@ -160,9 +163,10 @@ async def _stream(job: Job, events) -> AsyncIterator[str]:
         async for event in events:
             yield event
         yield "data: [DONE]\n\n"
-    except EngineDeadError as e:
-        job.status = "engine-error"
-        err = ErrorInfo(message=str(e), type="server_error", code="engine_unavailable")
+    except (EngineDeadError, RequestFailedError) as e:
+        dead = isinstance(e, EngineDeadError)
+        job.status = "engine-error" if dead else "step-error"
+        err = ErrorInfo(message=str(e), type="server_error", code="engine_unavailable" if dead else "step_failed")
         yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
 
 

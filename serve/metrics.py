@@ -36,6 +36,10 @@ class _EngineCollector:
                                 "later) since start.", labels=["model_name"])
         c.add_metric(labels, float(s["num_preemptions"]))
         yield c
+        c = CounterMetricFamily("jaxpaged:num_step_failures", "Steps that failed (their requests ended with "
+                                "a 500) since start.", labels=["model_name"])
+        c.add_metric(labels, float(s["num_step_failures"]))
+        yield c
 
 
 class Metrics:
@@ -59,11 +63,11 @@ class Metrics:
 
     def observe(self, prompt_tokens: int, output_tokens: int, finish_reason: str, ttft: float | None,
                 tpot: float | None, e2e: float) -> None:
-        """Record one ended engine request (finish_reason 'stop' | 'length' | 'abort')."""
+        """Record one ended engine request (finish_reason 'stop' | 'length' | 'abort' | 'error')."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.requests.labels(self.model_name, finish_reason).inc()
-        if finish_reason == "abort":
+        if finish_reason in ("abort", "error"):
             return
         if ttft is not None:
             self.ttft.observe(ttft)

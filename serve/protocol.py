@@ -1,88 +1,116 @@
 """The OpenAI HTTP protocol as pydantic models: requests (validated), responses, stream chunks, errors.
 
 Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p,
-repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Unknown fields are
-ignored, as OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias, tools,
-response_format) are rejected by the routes when set.
+repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
+strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
+(`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
+OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias, tools, a non-text
+response_format) only accept null or empty.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-from pydantic.json_schema import models_json_schema
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxpaged.sampling import FLOAT32_MAX
 
 MAX_LOGPROBS = 20
 
-NonNegInt = Annotated[int, Field(ge=0)]
+
+def limit(kind: str) -> dict:
+    """A bound that depends on the served model: `serve.openapi` writes its value into the schema as
+    `maximum`; the engine enforces it (`jaxpaged.validation.check_request`)."""
+    return {"json_schema_extra": {"x-limit": kind}}
+
+
+# Strings must be valid Unicode: JSON can carry lone surrogates as escapes ("\ud800"); pydantic refuses
+# them in every str field (error type string_unicode).
+NonEmptyText = Annotated[str, Field(min_length=1)]
+TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
+Float = Annotated[float, Field(le=FLOAT32_MAX)]
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no bool/float/str as int
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
     include_usage: bool = False
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"] = Field(description="only plain text is supported")
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
     model: str | None = Field(None, description="the served model name; may be omitted")
-    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1")
+    temperature: Float | None = Field(None, ge=0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    seed: int | None = Field(None, description="any integer; the engine uses seed mod 2**32")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported: "
+                                                  "null or empty")
     # vLLM's extras
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, description="0 or -1: off; at most the vocabulary size",
+                              **limit("top_k"))
     min_p: float | None = Field(None, ge=0, le=1)
-    repetition_penalty: float | None = Field(None, gt=0)
+    repetition_penalty: Float | None = Field(None, gt=0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[NonNegInt] | None = None
+    min_tokens: int = Field(0, ge=0, description="at most max_tokens", **limit("max_tokens"))
+    stop_token_ids: list[TokenId] | None = Field(None, description="with min_tokens > 0, EOS ids (unless "
+                                                 "ignore_eos) and these together are at most a fixed number")
     skip_special_tokens: bool = True
 
 
-class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token")
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = Field(None, ge=1)
+PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
+PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
-    @field_validator("prompt")
-    @classmethod
-    def _not_empty(cls, v):
-        if isinstance(v, list) and not v:
-            raise ValueError("prompt must not be an empty list")
-        return v
+
+class CompletionRequest(_SamplingRequest):
+    prompt: NonEmptyText | PromptText | PromptIds | Annotated[list[PromptIds], Field(min_length=1)] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    max_tokens: int | None = Field(16, ge=1, description="null: up to max_model_len", **limit("max_tokens"))
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token",
+                                 **limit("logprobs"))
+    echo: bool = Field(False, description="not with logprobs")
+    suffix: None = Field(None, description="not supported")
+    best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
 
 
 class TextPart(BaseModel):
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
+    """One message; every role needs `content` (tool calls are not supported)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart]
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens",
+                                   **limit("max_tokens"))
+    max_completion_tokens: int | None = Field(None, ge=1, description="null: up to max_model_len",
+                                              **limit("max_tokens"))
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true",
+                                     **limit("logprobs"))
+    tools: list[Any] | None = Field(None, max_length=0, description="not supported: null or empty")
+    response_format: ResponseFormat | None = None
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -202,53 +230,3 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
-
-
-# -- OpenAPI -----------------------------------------------------------------------------------
-def openapi_schema(version: str) -> dict:
-    """The OpenAPI 3.1 document of the server, built from the models above."""
-    models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-              ChatCompletionChunk, ModelList, ErrorResponse]
-    _, defs = models_json_schema([(m, "validation") for m in models],
-                                 ref_template="#/components/schemas/{model}")
-
-    def ref(name):
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    def body(name):
-        return {"application/json": {"schema": ref(name)}}
-
-    errors = {str(c): {"description": d, "content": body("ErrorResponse")} for c, d in (
-        (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
-        (413, "request body too large"), (503, "waiting queue full (see Retry-After) or engine down"))}
-
-    def generate(summary, request, response, chunk):
-        return {"post": {
-            "summary": summary, "security": [{"bearer": []}],
-            "requestBody": {"required": True, "content": body(request)},
-            "responses": {"200": {"description": "the result; with stream=true, server-sent events of "
-                                                 f"{chunk} objects ending in `data: [DONE]`",
-                                  "content": {**body(response),
-                                              "text/event-stream": {"schema": ref(chunk)}}},
-                          **errors}}}
-
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "jaxpaged OpenAI-compatible server", "version": version},
-        "paths": {
-            "/v1/completions": generate("text completion", "CompletionRequest", "CompletionResponse",
-                                        "CompletionResponse"),
-            "/v1/chat/completions": generate("chat completion (the model's chat template)",
-                                             "ChatCompletionRequest", "ChatCompletionResponse",
-                                             "ChatCompletionChunk"),
-            "/v1/models": {"get": {"summary": "the served model", "security": [{"bearer": []}], "responses": {
-                "200": {"description": "model list", "content": body("ModelList")}}}},
-            "/health": {"get": {"summary": "200 while the engine loop runs, 503 otherwise",
-                                "responses": {"200": {"description": "healthy"},
-                                              "503": {"description": "engine down"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-                "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
-        },
-        "components": {"schemas": defs["$defs"],
-                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-    }

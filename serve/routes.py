@@ -33,7 +33,7 @@ async def parse(request: Request, model_cls):
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
     try:
-        data = json.loads(body)
+        data = json.loads(body, parse_constant=_no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
     if not isinstance(data, dict):
@@ -47,9 +47,11 @@ async def parse(request: Request, model_cls):
                        param="model", code="model_not_found")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    if req.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
     return req
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
 def check_auth(request: Request) -> None:
@@ -63,7 +65,7 @@ def check_auth(request: Request) -> None:
                        code="invalid_api_key")
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict) -> SamplingParams:
     kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -71,26 +73,25 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
         if getattr(req, name) is not None:
             kw[name] = getattr(req, name)
     if req.seed is not None:
-        kw["seed"] = req.seed % 2 ** 32
+        kw["seed"] = req.seed
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        raise from_value_error(e) from None
+        raise from_value_error(e, rename) from None
 
 
 # -- completions ------------------------------------------------------------------------------
 async def completions(request: Request) -> Response:
     req: CompletionRequest = await parse(request, CompletionRequest)
-    if req.suffix:
-        raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError(400, "best_of other than n is not supported", param="best_of")
+        raise APIError(400, f"best_of ({req.best_of}) must equal n ({req.n}): best-of-n selection is not "
+                            "supported", param="best_of", code="invalid_combination")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    params = sampling_params(req, req.max_tokens, req.logprobs, {})
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    job = Job(request, "cmpl", "prompt")
+    job = Job(request, "cmpl", {})
     await job.start(prompts, params)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
     st, n, k = job.st, req.n, req.logprobs
@@ -141,29 +142,27 @@ def chat_prompt(engine, messages) -> list[int]:
                             "with token ids", param="messages")
     msgs = []
     for m in messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else \
-            "\n".join(p.text for p in m.content)
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content})
     try:
         return tok.apply_chat_template(msgs)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
-        raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from None
+        raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
+                       code="chat_template_error") from None
 
 
 async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(400, "response_format other than text is not supported", param="response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     st = request.app.state.server
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, k)
+    rename = {"prompt": "messages", "logprobs": "top_logprobs",
+              "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+    params = sampling_params(req, max_tokens, k, rename)
     prompt = chat_prompt(st.engine, req.messages)
-    job = Job(request, "chatcmpl", "messages")
+    job = Job(request, "chatcmpl", rename)
     await job.start([prompt], params)
     text = fmt.TokenText(st.engine.tokenizer)
 

@@ -296,6 +296,88 @@ def test_context_length_400(server, client):
     assert e.value.status_code == 400 and "max_model_len" in e.value.message
 
 
+@pytest.mark.parametrize("body,param,code", [
+    ('{"prompt": "a", "temperature": NaN}', None, None),
+    ('{"prompt": "a", "top_p": Infinity}', None, None),
+    ('{"prompt": "a", "temperature": 1e400}', "temperature", None),
+    ({"prompt": "a", "temperature": 1e39}, "temperature", None),          # beyond float32
+    ({"prompt": [1, True]}, "prompt", None),
+    ({"prompt": [1, 2.0]}, "prompt", "integer_required"),
+    ({"prompt": "a", "max_tokens": 2.0}, "max_tokens", "integer_required"),
+    ({"prompt": "a", "n": True}, "n", None),
+    ({"prompt": "\ud800abc"}, "prompt", None),
+    ({"prompt": "a", "stop": ["ok", "\udc00"]}, "stop", None),
+    ({"prompt": ""}, "prompt", None),
+    ({"prompt": [[]]}, "prompt", None),
+    ({"prompt": "a", "top_k": 2 ** 31}, "top_k", None),                  # once an int32 overflow in the step
+    ({"prompt": "a", "top_k": 257}, "top_k", None),                      # vocab_size 256
+    ({"prompt": "a", "min_tokens": 1, "stop_token_ids": [2 ** 31]}, "stop_token_ids", None),
+    ({"prompt": "a", "stop_token_ids": [256]}, "stop_token_ids", None),
+    ({"prompt": "a", "min_tokens": 1, "max_tokens": 4, "stop_token_ids": list(range(3, 19))}, "stop_token_ids",
+     None),                                                              # + 1 EOS id > 16 banned ids
+    ({"prompt": "a", "best_of": 3}, "best_of", "invalid_combination"),
+    ({"prompt": "a", "min_tokens": 3, "max_tokens": 2}, "min_tokens", "invalid_combination"),
+    ({"prompt": "a", "suffix": "x"}, "suffix", None),
+    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias", None),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", None),
+    ({"prompt": "the quick", "max_tokens": 256}, "max_tokens", None),
+])
+def test_validation_400s(server, body, param, code):
+    assert_error(raw(server, body), 400, param, code)
+
+
+@pytest.mark.parametrize("messages,param", [
+    ([{"role": "user"}], "messages"),
+    ([{"role": "user", "content": None}], "messages"),
+    ([{"role": "assistant"}], "messages"),
+    ([{"role": "user", "content": "hi \ud800"}], "messages"),
+    ([{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}], "messages"),
+    ([{"role": "tool", "content": "x"}], "messages"),
+])
+def test_chat_messages_need_their_content(server, messages, param):
+    assert_error(raw(server, {"messages": messages, "max_tokens": 2}, "/v1/chat/completions"), 400, param)
+    for extra, p in (({"tools": [{"type": "function"}]}, "tools"), ({"response_format": {"type": "json_object"}},
+                                                                     "response_format")):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
+        assert_error(raw(server, body, "/v1/chat/completions"), 400, p)
+
+
+def test_several_prompts_all_or_nothing(server):
+    """One bad prompt of several: a 400 naming it, and nothing of the others ran or is counted."""
+    before = metrics(server)
+    for prompts, code in ((["the quick brown fox", "\ud800abc"], None), (["the quick brown fox", "  "], "empty_prompt"),
+                          ([[5, 6, 7], [5] * 300], "context_length_exceeded")):
+        err = assert_error(raw(server, {"prompt": prompts, "max_tokens": 200, "ignore_eos": True}), 400,
+                           "prompt", code)
+        assert "1" in err["message"] or "Unicode" in err["message"]
+    after = wait_idle(server)
+    for name in ("jaxpaged:prompt_tokens_total", "jaxpaged:generation_tokens_total"):
+        assert after[name] == before[name], name
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_any_integer_seed_reduced_mod_2_32(client):
+    sample = dict(model="tiny", prompt="the quick", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    texts = [client.completions.create(seed=s, **sample).choices[0].text for s in (-1, 2 ** 32 - 1, 2 ** 64 + 2 ** 32 - 1)]
+    assert texts[0] == texts[1] == texts[2]
+
+
+def test_schema_states_the_limits_and_security(server):
+    from serve.openapi import openapi_schema
+    doc = httpx.get(server.url + "/openapi.json").json()
+    assert doc["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    req = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert req["top_k"]["maximum"] == 256 and req["max_tokens"]["maximum"] == 255
+    assert req["prompt"]["anyOf"][0] == {"minLength": 1, "type": "string"}
+    assert req["stop_token_ids"]["anyOf"][0]["items"]["maximum"] == 255
+    assert {r["code"] for r in doc["paths"]["/v1/completions"]["post"]["x-request-rules"]} >= {
+        "context_length_exceeded", "empty_prompt", "invalid_combination"}
+    open_doc = openapi_schema("0", limits=dict(vocab_size=10, max_model_len=8, max_logprobs=5, max_banned_ids=16,
+                                               num_eos_ids=1), model_name="m", api_key=False)
+    assert "securitySchemes" not in open_doc["components"]
+    assert all("security" not in op for path in open_doc["paths"].values() for op in path.values())
+
+
 def test_auth_model_route_size_errors(server):
     assert_error(raw(server, {"prompt": "a"}, key=None), 401, code="invalid_api_key")
     assert_error(raw(server, {"prompt": "a"}, key="wrong"), 401, code="invalid_api_key")

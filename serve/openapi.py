@@ -1,0 +1,146 @@
+"""The OpenAPI 3.1 document: the contract of the server.
+
+Built from the pydantic models of `serve/protocol.py`, then completed with what depends on the served
+model and the server: the bounds marked with `limit` (vocabulary, max_model_len, max_logprobs), the
+model name, the rules that tie fields together (`if`/`then`), and the bearer scheme only when an API key
+is set. The few rules JSON Schema cannot state (they depend on tokenization or compare two fields) are
+listed per operation under `x-request-rules`, each with the `code` of its 400.
+"""
+from __future__ import annotations
+
+from pydantic.json_schema import models_json_schema
+
+from serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+                            CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
+
+# 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
+_COMMON_RULES = [
+    {"code": "integer_required", "rule": "integers (token ids, counts) are written as JSON integers: 2, "
+     "not 2.0 (which JSON Schema also calls an integer)"},
+    {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
+     "max_model_len) must not exceed max_model_len"},
+    {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
+]
+COMPLETION_RULES = _COMMON_RULES + [
+    {"code": "empty_prompt", "rule": "every prompt must have at least one token once tokenized "
+     "(a string of only whitespace may have none)"},
+    {"code": "invalid_combination", "rule": "best_of must equal n"},
+]
+CHAT_RULES = _COMMON_RULES + [
+    {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
+     "(its message says why)"},
+]
+
+
+def _if_then(if_props: dict, then_props: dict, required: list[str], then_required=()) -> dict:
+    then = {"properties": then_props}
+    if then_required:
+        then["required"] = list(then_required)
+    return {"if": {"properties": if_props, "required": required}, "then": then}
+
+
+def _sampling_rules(limits: dict) -> list[dict]:
+    """min_tokens > 0 bans EOS (unless ignore_eos) and stop_token_ids; the step holds a fixed number."""
+    nb, eos = limits["max_banned_ids"], limits["num_eos_ids"]
+
+    def at_most(k):
+        return {"stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": max(k, 0)}]}}
+    return [_if_then({"min_tokens": {"minimum": 1}}, at_most(nb), ["min_tokens"]),
+            _if_then({"min_tokens": {"minimum": 1}, "ignore_eos": {"const": False}}, at_most(nb - eos),
+                     ["min_tokens"]),
+            _if_then({"stream_options": {"type": "object"}}, {"stream": {"const": True}}, ["stream_options"],
+                     ["stream"])]
+
+
+def _fill_limits(node, values: dict) -> None:
+    """Replace each `x-limit` marker by the bound it names."""
+    if isinstance(node, dict):
+        kind = node.pop("x-limit", None)
+        if kind is not None:
+            node["maximum"] = min(values[kind], node.get("maximum", values[kind]))
+        for v in node.values():
+            _fill_limits(v, values)
+    elif isinstance(node, list):
+        for v in node:
+            _fill_limits(v, values)
+
+
+def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool) -> dict:
+    """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits())."""
+    models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
+              ChatCompletionChunk, ModelList, ErrorResponse]
+    _, defs = models_json_schema([(m, "validation") for m in models],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = defs["$defs"]
+    L = limits["max_model_len"]
+    _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
+                           "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
+                                                "default": None, "description": "the served model name"}
+        schemas[name]["allOf"] = _sampling_rules(limits)
+    schemas["CompletionRequest"]["allOf"].append(
+        _if_then({"echo": {"const": True}}, {"logprobs": {"type": "null"}}, ["echo"]))
+    schemas["ChatCompletionRequest"]["allOf"].append(
+        _if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}}, ["top_logprobs"],
+                 ["logprobs"]))
+    security = {"security": [{"bearer": []}]} if api_key else {}
+
+    def ref(name):
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def body(name):
+        return {"application/json": {"schema": ref(name)}}
+
+    errors = {str(c): {"description": d, "content": body("ErrorResponse")} for c, d in (
+        (400, "invalid request (`param` names the field)"), (401, "missing or wrong API key"),
+        (404, "unknown model"), (413, "request body too large"),
+        (500, "the step running the request failed (the message has an error id, also logged)"),
+        (503, "waiting queue full (see Retry-After) or engine down"))}
+    if not api_key:
+        del errors["401"]
+
+    def events(chunk):  # one server-sent event: its data is a JSON chunk, an error body, or [DONE]
+        return {"type": "object", "required": ["data"], "properties": {"data": {
+            "description": f"a {chunk} object, an ErrorResponse object (the stream failed), or [DONE]",
+            "anyOf": [{"const": "[DONE]"}, {
+                "type": "string", "contentMediaType": "application/json",
+                "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
+
+    def generate(summary, request, response, chunk, rules):
+        return {"post": {
+            "summary": summary, **security, "x-request-rules": rules,
+            "description": "Beyond the schema, a request is refused (400, with `code`) when: " + "; ".join(
+                f"{r['rule']} (`{r['code']}`)" for r in rules) + ".",
+            "requestBody": {"required": True, "content": body(request)},
+            "responses": {"200": {"description": "the result; with stream=true, server-sent events of "
+                                                 f"{chunk} objects ending in `data: [DONE]`",
+                                  "content": {**body(response),
+                                              "text/event-stream": {"schema": events(chunk)}}},
+                          **errors}}}
+
+    doc = {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxpaged OpenAI-compatible server", "version": version},
+        "paths": {
+            "/v1/completions": generate("text completion", "CompletionRequest", "CompletionResponse",
+                                        "CompletionResponse", COMPLETION_RULES),
+            "/v1/chat/completions": generate("chat completion (the model's chat template)",
+                                             "ChatCompletionRequest", "ChatCompletionResponse",
+                                             "ChatCompletionChunk", CHAT_RULES),
+            "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
+                "200": {"description": "model list", "content": body("ModelList")},
+                **({"401": errors["401"]} if api_key else {})}}},
+            "/health": {"get": {"summary": "200 while the engine serves; 503 once its loop stopped (shut "
+                                "down, or too many failed steps in a row)",
+                                "responses": {"200": {"description": "healthy"},
+                                              "503": {"description": "engine down",
+                                                      "content": body("ErrorResponse")}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
+                "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
+        },
+        "components": {"schemas": schemas},
+    }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return doc
