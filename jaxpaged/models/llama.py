@@ -93,9 +93,9 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this step's K/V into the layer's blocks, in place (the pool is the scan carry)
         flat = batch["slot_mapping"] + l * blocks_per_layer * bs  # [T]
-        shape = k_pool.shape
-        k_pool = k_pool.reshape(-1, Hkv, hd).at[flat].set(k.astype(k_pool.dtype)).reshape(shape)
-        v_pool = v_pool.reshape(-1, Hkv, hd).at[flat].set(v.astype(v_pool.dtype)).reshape(shape)
+        blk, off = flat // bs, flat % bs
+        k_pool = k_pool.at[blk, off].set(k.astype(k_pool.dtype))
+        v_pool = v_pool.at[blk, off].set(v.astype(v_pool.dtype))
         tables = batch["block_tables"] + l * blocks_per_layer  # [S, B]
         o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"])  # [T, Hq, hd]
         x = x + o.reshape(T, Hq * hd).astype(x.dtype) @ p["wo"]
