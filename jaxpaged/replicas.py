@@ -24,6 +24,7 @@ AFFINITY_SLACK_STEPS = 4     # affinity yields when the cached replica is this m
 AFFINITY_MAP_SIZE = 1 << 16  # first blocks remembered by the router (least recently routed dropped first)
 
 _RATIOS = ("kv_cache_usage", "prefix_cache_hit_rate")
+_SAME = ("tensor_parallel_size", "num_buckets")  # equal on every replica: reported once, not summed
 
 
 class Replicas:
@@ -114,7 +115,7 @@ class Replicas:
         total = {}
         for k, v in per[0].items():
             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in _RATIOS \
-                    and not k.endswith("_per_device") and k != "tensor_parallel_size":
+                    and not k.endswith("_per_device") and k not in _SAME:
                 total[k] = sum(s[k] for s in per)
             else:
                 total[k] = v
