@@ -32,6 +32,8 @@ log = logging.getLogger("jaxpaged.multihost")
 STEP_KEY = "jaxpaged/step/"
 CONFIG_KEY = "jaxpaged/config/"
 HEARTBEAT_SECONDS = 10   # the coordination service marks a silent process dead after this long
+READY_TIMEOUT_S = 1800   # start-up: every process has loaded and compiled (compiling a big model is slow)
+STOP_TIMEOUT_S = 10      # shutdown: the leader waits this long for the followers to leave
 _LOCAL_ONLY = ("model", "process_id", "coordinator_address", "compilation_cache_dir", "show_progress",
                "warmup", "distributed_timeout")
 
@@ -52,6 +54,15 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int) ->
         log.warning("this jax has no jax_enable_recoverability: a dead follower also ends the leader")
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                heartbeat_timeout_seconds=HEARTBEAT_SECONDS)
+
+
+def _leave() -> None:
+    """Disconnect from the coordination service (after the stop barrier, so no process sees it vanish)."""
+    import jax
+    try:
+        jax.distributed.shutdown()
+    except Exception as e:  # noqa: BLE001 -- already gone: nothing to leave
+        log.warning("jax.distributed.shutdown: %s", e)
 
 
 def _client():
@@ -116,6 +127,23 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], 
     return (header["key"][0], header["key"][1]), batch, sp
 
 
+def global_inputs(runner: ModelRunner, batch: dict, sp: dict) -> tuple[dict, dict]:
+    """Host step inputs -> arrays replicated over the global mesh. Each process places its own copy:
+    `jax.device_put` would first all-gather every array across processes to check they are equal."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from jaxpaged.mesh import REPLICATED
+    rep = NamedSharding(runner.mesh, REPLICATED)
+
+    def put(a):
+        if isinstance(a, jax.Array):  # already on the mesh (the runner's empty penalty history)
+            return a
+        a = np.asarray(a)
+        return jax.make_array_from_callback(a.shape, rep, lambda idx: a[idx])
+    return jax.tree.map(put, (batch, sp))
+
+
 class StepChannel:
     """Step messages through the coordination service's key-value store, numbered 1, 2, ..."""
 
@@ -137,11 +165,6 @@ class StepChannel:
                 if "DEADLINE_EXCEEDED" not in str(e):
                     raise RuntimeError(f"lost the leader (process 0): {e}") from None
 
-    def live_processes(self, num_processes: int) -> set[int] | None:
-        if not hasattr(self.client, "get_live_nodes"):
-            return None
-        return set(self.client.get_live_nodes(list(range(num_processes))))
-
 
 # -- the leader ------------------------------------------------------------------------------------
 class LeaderRunner(ModelRunner):
@@ -156,7 +179,7 @@ class LeaderRunner(ModelRunner):
 
     def _device_inputs(self, batch: dict, sp: dict):
         self._host_inputs = (batch, sp)
-        return super()._device_inputs(batch, sp)
+        return global_inputs(self, batch, sp)
 
     def compiled_step(self, key):
         host, self._host_inputs = self._host_inputs, None
@@ -178,14 +201,7 @@ class LeaderRunner(ModelRunner):
 
         worker = threading.Thread(target=run, name="jaxpaged-multihost-step", daemon=True)
         worker.start()
-        waited = 0.0
-        while worker.is_alive() and waited < self.timeout_s:
-            worker.join(0.25)
-            waited += 0.25
-            live = self.channel.live_processes(self.num_processes)
-            if worker.is_alive() and live is not None and len(live) < self.num_processes:
-                self._fail(f"process(es) {sorted(set(range(self.num_processes)) - live)} of the multi-host "
-                           "job stopped")
+        worker.join(self.timeout_s)
         if worker.is_alive():
             self._fail(f"a multi-host step did not finish within distributed_timeout="
                        f"{self.timeout_s:g} s (a follower is stuck or unreachable)")
@@ -200,13 +216,15 @@ class LeaderRunner(ModelRunner):
         raise FollowerLostError(reason)
 
     def close(self) -> None:
-        """Tell the followers to exit (once; also at interpreter exit)."""
+        """Tell the followers to stop and wait (STOP_TIMEOUT_S at most) until they leave; once, also at exit."""
         if not self._closed:
             self._closed = True
             try:
                 self.channel.send(b"")
-            except Exception as e:  # noqa: BLE001 -- the coordination service may be gone already
-                log.warning("could not tell the followers to stop: %s", e)
+                self.channel.client.wait_at_barrier("jaxpaged/stop", int(STOP_TIMEOUT_S * 1000))
+            except Exception as e:  # noqa: BLE001 -- a follower may be dead already
+                log.warning("the followers did not all stop cleanly: %s", e)
+            _leave()
 
 
 # -- the followers ---------------------------------------------------------------------------------
@@ -217,7 +235,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
     while message := channel.recv():
         key, batch, sp = decode_step(message, runner)
         outs, runner.k_pool, runner.v_pool = runner.compiled_step(key)(
-            runner.params, runner.k_pool, runner.v_pool, *runner._device_inputs(batch, sp))
+            runner.params, runner.k_pool, runner.v_pool, *global_inputs(runner, batch, sp))
         jax.block_until_ready(outs)
         steps += 1
     return steps
@@ -242,6 +260,7 @@ def build_engine(config: EngineConfig):
                          f"devices of all {config.num_processes} processes ({len(devices)})")
     engine = LLMEngine(config, devices=devices)
     channel = StepChannel()
+    channel.client.wait_at_barrier("jaxpaged/ready", READY_TIMEOUT_S * 1000)  # all loaded and compiled
     if config.process_id == 0:
         engine.runner = LeaderRunner(engine.runner, channel, config.num_processes, config.distributed_timeout)
         atexit.register(engine.runner.close)
@@ -249,4 +268,6 @@ def build_engine(config: EngineConfig):
     log.info("process %d follows process 0", config.process_id)
     steps = follow(engine.runner, channel)
     log.info("process %d: the leader stopped after %d steps", config.process_id, steps)
+    channel.client.wait_at_barrier("jaxpaged/stop", STOP_TIMEOUT_S * 1000)
+    _leave()
     return None
