@@ -2,7 +2,8 @@
 
 A `jaxpaged serve` leader (process 0) and one follower give the openai client the same completions as a
 single-process server; a killed follower makes the leader answer with an OpenAI error body within the
-timeout; SIGTERM to the leader stops both; differing flags stop both with an error naming them."""
+timeout (a stuck one: within --distributed-timeout); SIGTERM to the leader stops both; differing flags stop
+both with an error naming them."""
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from test_server import Server, free_port, make_tokenizer
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT = 20  # --distributed-timeout
+TIMEOUT = 8  # --distributed-timeout
 PROMPTS = ["the quick brown fox", "hello world " * 6, "a b c d the lazy dog jumps over"]
 FLAGS = ["--served-model-name", "tiny", "--dtype", "float32", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--max-model-len", "128"]
@@ -103,28 +104,43 @@ def reference(model_dir, compile_cache, tmp_path_factory):
         srv.stop()
 
 
-def test_same_completions_then_follower_dies(model_dir, compile_cache, reference, tmp_path):
+def fails_fast(url, within: float) -> dict:
+    """A completion fails with 503 and an OpenAI error body within `within` seconds; returns the error."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=3 * TIMEOUT)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIStatusError) as err:
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=0)
+    assert time.monotonic() - t0 < within
+    assert err.value.status_code == 503
+    body = err.value.response.json()["error"]
+    assert body["code"] == "engine_unavailable" and "multi-host" in body["message"], body
+    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    return body
+
+
+def test_same_completions_then_stuck_follower_times_out(model_dir, compile_cache, reference, tmp_path):
     job = Job(model_dir, compile_cache, tmp_path)
     try:
         job.wait_ready()
         got = completions(job.url)
         assert got == reference and any(got)
         assert "follows process 0" in job.output(1)
+        job.procs[1].send_signal(signal.SIGSTOP)  # alive but silent: the step's collective never completes
+        body = fails_fast(job.url, within=TIMEOUT + 10)
+        assert "did not finish within distributed_timeout" in body["message"]
+    finally:
+        job.kill()
+
+
+def test_dead_follower_fails_requests_then_sigterm_stops_leader(model_dir, compile_cache, tmp_path):
+    job = Job(model_dir, compile_cache, tmp_path)
+    try:
+        job.wait_ready()
         job.procs[1].kill()
         job.procs[1].wait()
-        client = openai.OpenAI(base_url=job.url + "/v1", api_key="x", max_retries=0, timeout=3 * TIMEOUT)
-        t0 = time.monotonic()
-        with pytest.raises(openai.APIStatusError) as err:
-            client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=0)
-        elapsed = time.monotonic() - t0
-        assert elapsed < TIMEOUT + 10, elapsed
-        assert err.value.status_code == 503
-        body = err.value.response.json()["error"]
-        assert body["code"] == "engine_unavailable" and "multi-host" in body["message"], body
-        health = httpx.get(job.url + "/health", timeout=5)
-        assert health.status_code == 503
+        fails_fast(job.url, within=TIMEOUT + 10)
         job.procs[0].send_signal(signal.SIGTERM)
-        assert job.wait_exit(60)[0] is not None, job.output(0)
+        assert job.wait_exit(60)[0] == 0, job.output(0)
     finally:
         job.kill()
 
