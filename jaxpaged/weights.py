@@ -60,22 +60,6 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> dict:
-    """PartitionSpecs for tensor parallelism over mesh axis `axis`: heads and MLP columns split."""
-    from jax.sharding import PartitionSpec as P
-    col, row, rep = P(None, None, axis), P(None, axis, None), P()
-    layers = {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": rep,
-              "w_gate": col, "w_up": col, "w_down": row}
-    if cfg.attention_bias:
-        layers.update(bq=P(None, axis), bk=P(None, axis), bv=P(None, axis))
-    if cfg.qk_norm:
-        layers.update(q_norm=rep, k_norm=rep)
-    specs = {"embed": rep, "final_norm": rep, "layers": layers}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = P(None, axis)
-    return specs
-
-
 def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
                               source: str = "checkpoint", progress=None) -> dict:
     """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time."""

@@ -11,7 +11,7 @@ Hq/Hkv = heads, hd = head_dim, V = vocab):
             bq [L, Hq*hd], bk, bv [L, Hkv*hd] (attention_bias); q_norm, k_norm [L, hd] (qk_norm)
             mlp_norm [L, D]; w_gate, w_up [L, D, F]; w_down [L, F, D]
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes (see partition specs in
-`jaxpaged/weights.py`) without the layers knowing.
+`jaxpaged/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the
