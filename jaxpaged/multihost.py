@@ -127,23 +127,6 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], 
     return (header["key"][0], header["key"][1]), batch, sp
 
 
-def global_inputs(runner: ModelRunner, batch: dict, sp: dict) -> tuple[dict, dict]:
-    """Host step inputs -> arrays replicated over the global mesh. Each process places its own copy:
-    `jax.device_put` would first all-gather every array across processes to check they are equal."""
-    import jax
-    from jax.sharding import NamedSharding
-
-    from jaxpaged.mesh import REPLICATED
-    rep = NamedSharding(runner.mesh, REPLICATED)
-
-    def put(a):
-        if isinstance(a, jax.Array):  # already on the mesh (the runner's empty penalty history)
-            return a
-        a = np.asarray(a)
-        return jax.make_array_from_callback(a.shape, rep, lambda idx: a[idx])
-    return jax.tree.map(put, (batch, sp))
-
-
 class StepChannel:
     """Step messages through the coordination service's key-value store, numbered 1, 2, ..."""
 
@@ -179,7 +162,7 @@ class LeaderRunner(ModelRunner):
 
     def _device_inputs(self, batch: dict, sp: dict):
         self._host_inputs = (batch, sp)
-        return global_inputs(self, batch, sp)
+        return super()._device_inputs(batch, sp)
 
     def compiled_step(self, key):
         host, self._host_inputs = self._host_inputs, None
@@ -235,7 +218,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
     while message := channel.recv():
         key, batch, sp = decode_step(message, runner)
         outs, runner.k_pool, runner.v_pool = runner.compiled_step(key)(
-            runner.params, runner.k_pool, runner.v_pool, *global_inputs(runner, batch, sp))
+            runner.params, runner.k_pool, runner.v_pool, *runner._device_inputs(batch, sp))
         jax.block_until_ready(outs)
         steps += 1
     return steps
