@@ -1,6 +1,6 @@
 """Data parallelism: DP in {1, 2} and TP x DP = 2 x 2 give the same greedy tokens (through preemption,
 chunked prefill and prefix hits); routing keeps a shared first block on one replica until that replica is
-overloaded; stats per replica and their sum.
+overloaded; stats per replica and their sum, and /metrics per replica.
 
 The engines run in a subprocess (this file run as a script), since the simulated device count must be
 set before JAX starts."""
@@ -12,6 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
 CONFIGS = [(1, 1), (2, 1), (2, 2)]  # (data_parallel_size, tensor_parallel_size)
 BLOCK, BUDGET = 16, 32
 
@@ -25,6 +26,7 @@ def prompts() -> list[list[int]]:
 def worker(model_dir: str, cache: str) -> dict:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.replicas import AFFINITY_SLACK_STEPS
+    from serve.metrics import Metrics
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=128,
               block_size=BLOCK, num_kv_blocks=9, compilation_cache_dir=cache, show_progress=False)
     sp = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
@@ -33,6 +35,7 @@ def worker(model_dir: str, cache: str) -> dict:
         llm = LLM(model_dir, data_parallel_size=dp, tensor_parallel_size=tp, **kw)
         out["tokens"][f"{dp}x{tp}"] = [o.outputs[0].token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)]
         out["stats"][f"{dp}x{tp}"] = llm.stats()
+        out["metrics"] = Metrics(llm.engine, "tiny").render()[0].decode()
     # routing on the last (2 x 2) engine, idle now
     eng, p = llm.engine, prompts()[4]
     big = SamplingParams(max_tokens=60, temperature=0)
@@ -97,6 +100,14 @@ def test_stats_per_replica_and_sum(result):
         assert all(r["num_running"] == r["num_waiting"] == 0 for r in reps)
         assert min(r["prefix_cache_hit_rate"] for r in reps) < s["prefix_cache_hit_rate"] \
             <= max(r["prefix_cache_hit_rate"] for r in reps)  # both replicas served (one got the prefix pair)
+
+
+def test_metrics_carry_a_replica_label(result):
+    """/metrics of the 2 x 2 engine: one preemption sample per replica, each that replica's count."""
+    lines = [ln for ln in result["metrics"].splitlines() if ln.startswith("jaxpaged:num_preemptions_total")]
+    reps = result["stats"]["2x2"]["replicas"]
+    assert sorted(lines) == sorted(f'jaxpaged:num_preemptions_total{{model_name="tiny",replica="{i}"}} '
+                                   f'{float(r["num_preemptions"])}' for i, r in enumerate(reps))
 
 
 def test_routing(result):
