@@ -76,13 +76,17 @@ def _client():
 def fingerprint(config: EngineConfig, model_dir: str) -> dict:
     """The settings every process must share: engine fields (not the local ones) and a model digest."""
     fp = {k: v for k, v in vars(config).items() if k not in _LOCAL_ONLY}
+    key = "model (config.json and weight files)"
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        fp[key] = f"{model_dir}: no model here"  # still published: the others fail at once, not on a timeout
+        return fp
     h = hashlib.sha256()
     with open(os.path.join(model_dir, "config.json"), "rb") as f:
         h.update(f.read())
     for name in sorted(os.listdir(model_dir)):
         if name.endswith((".safetensors", ".npy", ".gguf")):
             h.update(f"{name}:{os.path.getsize(os.path.join(model_dir, name))}".encode())
-    fp["model (config.json and weight files)"] = h.hexdigest()[:16]
+    fp[key] = h.hexdigest()[:16]
     return fp
 
 
@@ -153,9 +157,9 @@ class StepChannel:
 class LeaderRunner(ModelRunner):
     """Process 0's runner: sends each step's inputs to the followers, and runs the step under a watchdog."""
 
-    def __init__(self, runner: ModelRunner, channel: StepChannel, num_processes: int, timeout_s: float):
+    def __init__(self, runner: ModelRunner, channel: StepChannel, timeout_s: float):
         self.__dict__.update(runner.__dict__)  # takes over the built runner: params, pools, compiled steps
-        self.channel, self.num_processes, self.timeout_s = channel, num_processes, timeout_s
+        self.channel, self.timeout_s = channel, timeout_s
         self._host_inputs = None
         self._failure: str | None = None
         self._closed = False
@@ -166,10 +170,9 @@ class LeaderRunner(ModelRunner):
 
     def compiled_step(self, key):
         host, self._host_inputs = self._host_inputs, None
-        fn = super().compiled_step(key)
         if host is not None:  # execute() asks for the step it is about to run: the followers run it too
             self.channel.send(encode_step(key, *host))
-        return fn
+        return super().compiled_step(key)
 
     def execute(self, out):
         if self._failure:
@@ -234,8 +237,6 @@ def build_engine(config: EngineConfig):
     if model_dir is None:
         from jaxpaged.default_model import default_model_dir
         model_dir = default_model_dir()
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise ValueError(f"{model_dir}: not a model directory (no config.json)")
     check_same_config(config, model_dir)
     devices = jax.devices()
     if config.tensor_parallel_size != len(devices):
@@ -245,7 +246,7 @@ def build_engine(config: EngineConfig):
     channel = StepChannel()
     channel.client.wait_at_barrier("jaxpaged/ready", READY_TIMEOUT_S * 1000)  # all loaded and compiled
     if config.process_id == 0:
-        engine.runner = LeaderRunner(engine.runner, channel, config.num_processes, config.distributed_timeout)
+        engine.runner = LeaderRunner(engine.runner, channel, config.distributed_timeout)
         atexit.register(engine.runner.close)
         return engine
     log.info("process %d follows process 0", config.process_id)
