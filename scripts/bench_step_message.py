@@ -54,7 +54,8 @@ def main(argv=None) -> dict:
     bc.drive(llm.engine, wl.requests)
     a = np.array(rows)
     out = {}
-    for name, sel in (("full-budget steps", a[:, 0] == runner.buckets[-1]), ("decode steps", a[:, 0] <= args.max_num_seqs)):
+    small = max(args.max_num_seqs, runner.buckets[0])  # buckets a decode step (one token per request) fits
+    for name, sel in (("full-budget steps", a[:, 0] == runner.buckets[-1]), ("decode steps", a[:, 0] <= small)):
         x = a[sel]
         if len(x):
             out[name] = dict(steps=len(x), raw_bytes=float(x[:, 1].mean()), message_bytes=float(x[:, 2].mean()),
