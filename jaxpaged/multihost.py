@@ -208,9 +208,22 @@ class LeaderRunner(ModelRunner):
             try:
                 self.channel.send(b"")
                 self.channel.client.wait_at_barrier("jaxpaged/stop", int(STOP_TIMEOUT_S * 1000))
+                self._wait_followers_left()
             except Exception as e:  # noqa: BLE001 -- a follower may be dead already
                 log.warning("the followers did not all stop cleanly: %s", e)
             _leave()
+
+    def _wait_followers_left(self) -> None:
+        """Keep the coordination service up until the followers have disconnected from it (a follower
+        that finds it gone while disconnecting aborts). `get_live_nodes` returns once every live process
+        called it, i.e. here once the followers have left; a daemon thread bounds the wait."""
+        import jax
+        client = self.channel.client
+        if hasattr(client, "get_live_nodes"):
+            n = jax.process_count()
+            waiter = threading.Thread(target=client.get_live_nodes, args=(list(range(n)),), daemon=True)
+            waiter.start()
+            waiter.join(STOP_TIMEOUT_S)
 
 
 # -- the followers ---------------------------------------------------------------------------------
