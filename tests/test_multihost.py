@@ -3,7 +3,7 @@
 A `jaxpaged serve` leader (process 0) and one follower give the openai client the same completions as a
 single-process server; a killed follower makes the leader answer with an OpenAI error body within the
 timeout (a stuck one: within --distributed-timeout); SIGTERM to the leader stops both; differing flags stop
-both with an error naming them."""
+both with an error naming them; `jaxpaged generate` on two processes prints the same completions."""
 import os
 import signal
 import subprocess
@@ -168,3 +168,23 @@ def test_differing_flags_stop_both_with_a_clear_error(model_dir, compile_cache, 
                 and "block_size" in out, out
     finally:
         job.kill()
+
+
+def test_generate_on_two_processes(model_dir, reference, tmp_path):
+    """`jaxpaged generate` with the multi-host flags: the leader prints the single-process completions,
+    the follower prints nothing, both exit 0."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
+    argv = [sys.executable, "-m", "jaxpaged.cli", "generate", "--model", model_dir, "--dtype", "float32",
+            "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+            "--max-tokens", "10", "--tensor-parallel-size", "4", "--coordinator-address",
+            f"127.0.0.1:{free_port()}", "--num-processes", "2", *sum((["--prompt", p] for p in PROMPTS[:2]), [])]
+    procs = [subprocess.Popen([*argv, "--process-id", str(i)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=open(tmp_path / f"process{i}.log", "w"), text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], (tmp_path / "process1.log").read_text()[-3000:]
+    printed = [[ln for ln in out.splitlines() if not ln.startswith("[Gloo]")] for out in outs]  # gloo's own
+    assert printed == [reference[:2], []]
