@@ -14,6 +14,7 @@ as the copies of their KV head.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax
 import numpy as np
@@ -123,8 +124,12 @@ def place_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
 
 def shard_map(f, mesh: Mesh, in_specs, out_specs):
-    """`jax.shard_map` (jax >= 0.7) or the experimental one, without replication checks."""
+    """`jax.shard_map` (or the older experimental one), without replication checks (named check_vma or
+    check_rep, depending on the version): the kernels are opaque to them."""
     if hasattr(jax, "shard_map"):
-        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    from jax.experimental.shard_map import shard_map as sm
-    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+        sm = jax.shard_map
+    else:
+        from jax.experimental.shard_map import shard_map as sm
+    params = inspect.signature(sm).parameters
+    check = {name: False for name in ("check_vma", "check_rep") if name in params}
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **check)

@@ -15,7 +15,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
@@ -205,9 +204,11 @@ class ModelRunner:
         return batch, sp
 
     def memory_per_device(self) -> dict:
-        """Bytes of parameters and of the KV pools held by the first device (read from the shards)."""
+        """Bytes of parameters and of the KV pools held by this process's first device of the mesh (read
+        from the arrays' shards)."""
+        dev = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
         def on_first(arrays):
-            dev = self.mesh.devices.flat[0]
             return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
         return dict(param_bytes_per_device=on_first(jax.tree.leaves(self.params)),
                     kv_bytes_per_device=on_first([self.k_pool, self.v_pool]))

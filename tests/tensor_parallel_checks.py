@@ -144,6 +144,18 @@ def pallas_checks(workdir: str) -> dict:
                 decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
 
 
+def sizing_checks(path: str) -> dict:
+    """Blocks the engine sizes from kv_cache_memory_gb (per device) at each TP; no step is compiled."""
+    from jaxpaged.config import EngineConfig, ModelConfig
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.runner import kv_bytes_per_block
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(path), 8, "float32")
+    gb = 12 * per_block / 2 ** 30  # 12 blocks at TP=1
+    return {f"tp{tp}": LLMEngine(EngineConfig(model=path, **engine_kwargs(
+        num_kv_blocks=None, kv_cache_memory_gb=gb, warmup=False, tensor_parallel_size=tp))).num_blocks
+        for tp in TPS}
+
+
 def error_checks(path: str) -> dict:
     from jaxpaged import LLM
     msgs = {}
@@ -172,6 +184,7 @@ def main() -> None:
         out[name]["logits_rel_diff"] = logits_checks(path)
         if name == "llama_8q4kv":
             out["errors"] = error_checks(path)
+            out["num_blocks_from_memory"] = sizing_checks(path)
     if not only or "pallas" in only:
         out["pallas"] = pallas_checks(workdir)
     print(json.dumps(out))

@@ -77,6 +77,8 @@ def test_bytes_per_device_shrink(facts, model):
 @pytest.mark.slow
 @pytest.mark.parametrize("model", MODELS)
 def test_hlo_pool_donated_never_moved(facts, model):
+    h1 = facts[model]["tp1"]["hlo"]
+    assert h1["pool_aliased"] == [True, True] and h1["pool_moves"] == [] and h1["collectives"] == []
     for tp in TPS[1:]:
         h = facts[model][f"tp{tp}"]["hlo"]
         assert h["pool_aliased"] == [True, True]
@@ -95,6 +97,12 @@ def test_pallas_under_shard_map_matches_reference(facts):
     p = facts["pallas"]
     assert p["backend"] == "pallas" and p["decode_variant_used"]
     assert p["pallas_tp2"] == p["reference"]
+
+
+@pytest.mark.slow
+def test_kv_cache_memory_is_per_device(facts):
+    # 8 query / 4 KV heads: a block takes 1/N of its TP=1 bytes on each device, so N times the blocks fit
+    assert facts["num_blocks_from_memory"] == {"tp1": 12, "tp2": 24, "tp4": 33}  # 33: max_num_seqs' worth
 
 
 @pytest.mark.slow
