@@ -7,10 +7,10 @@ service's key-value store under `jaxpaged/step/<n>`. The other processes (follow
 the same device inputs and call the same compiled step, so every device joins the step's collectives.
 An empty message tells the followers to stop.
 
-Failures: the leader runs each step under a watchdog. A follower that dies (it drops out of the
-coordination service's live processes, or the step's collective fails) or a step that takes longer than
-`distributed_timeout` fails the step with FollowerLostError; the engine loop then reports the engine
-down. Followers exit when the leader's coordination service goes away.
+Failures: the leader runs each step under a watchdog. A follower that dies (the step's collective fails
+at once) or hangs (the step takes longer than `distributed_timeout`) fails the step with FollowerLostError,
+and every later one; the engine loop then reports the engine down. Followers exit when the leader's
+coordination service goes away.
 """
 from __future__ import annotations
 
