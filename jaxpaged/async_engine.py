@@ -129,7 +129,8 @@ class AsyncEngine:
             if not self.is_alive():
                 raise EngineDeadError("the engine is not running")
             if self.max_waiting is not None:
-                free_slots = max(0, self.engine.config.max_num_seqs - self._stats["num_running"])
+                slots = self.engine.config.max_num_seqs * self._stats.get("data_parallel_size", 1)
+                free_slots = max(0, slots - self._stats["num_running"])
                 if self._pending + self._stats["num_waiting"] >= self.max_waiting + free_slots:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += samples

@@ -6,11 +6,38 @@ import sys
 import time
 
 
+def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Tensor / data parallelism and multi-host flags (shared by generate and serve)."""
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices one model is split over")
+    parser.add_argument("--data-parallel-size", type=int, default=1, help="replicas, each on its own "
+                        "--tensor-parallel-size devices, behind one front (routed by load and prefix)")
+    parser.add_argument("--coordinator-address", default=None, help="multi-host: HOST:PORT of process 0 "
+                        "(as jax.distributed.initialize); every process gets the same flags")
+    parser.add_argument("--num-processes", type=int, default=1, help="multi-host: processes in the job")
+    parser.add_argument("--process-id", type=int, default=0, help="multi-host: this process (0 schedules "
+                        "and serves, the others follow)")
+    parser.add_argument("--distributed-timeout", type=float, default=60.0, help="multi-host: seconds a step "
+                        "may take before the leader declares a follower lost (default %(default)s)")
+    return parser
+
+
+def scale_out_kwargs(args) -> dict:
+    """EngineConfig fields from the scale-out flags; starts jax.distributed first when multi-host."""
+    kw = {k: getattr(args, k) for k in ("tensor_parallel_size", "data_parallel_size", "coordinator_address",
+                                        "num_processes", "process_id", "distributed_timeout")}
+    if kw["num_processes"] > 1:
+        from jaxpaged.multihost import initialize
+        initialize(kw["coordinator_address"], kw["num_processes"], kw["process_id"])
+    return kw
+
+
 def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
+              attention_backend=args.attention_backend, **scale_out_kwargs(args))
+    if not llm.is_leader:  # a multi-host follower: it ran process 0's steps until process 0 stopped
+        return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p)
     prompts = args.prompt
@@ -62,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
+    add_scale_out_args(g)
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file to the engine's format")

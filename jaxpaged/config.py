@@ -138,6 +138,12 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
     show_progress: bool = True
+    # scale-out beyond one engine (docs/scale-out.md)
+    data_parallel_size: int = 1             # replicas, each on its own tensor_parallel_size devices
+    coordinator_address: str | None = None  # multi-host: HOST:PORT of process 0 (jax.distributed)
+    num_processes: int = 1                  # multi-host: processes in the job
+    process_id: int = 0                     # multi-host: this process (0 leads: schedules and serves)
+    distributed_timeout: float = 60.0       # multi-host: seconds a step may take before the leader fails it
 
     def __post_init__(self):
         def positive(name):
@@ -162,6 +168,26 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {self.attention_backend!r}")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        self._check_scale_out(positive)
+
+    def _check_scale_out(self, positive) -> None:
+        for name in ("data_parallel_size", "num_processes"):
+            positive(name)
+        if not isinstance(self.process_id, int) or not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"process_id must be in [0, num_processes={self.num_processes}), "
+                             f"got {self.process_id!r}")
+        if self.num_processes > 1 and not self.coordinator_address:
+            raise ValueError(f"num_processes={self.num_processes} needs coordinator_address (HOST:PORT)")
+        if self.coordinator_address is not None:
+            host, _, port = str(self.coordinator_address).rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"coordinator_address must be HOST:PORT, got {self.coordinator_address!r}")
+        if self.num_processes > 1 and self.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size} with num_processes="
+                             f"{self.num_processes} is not supported: multi-host runs one replica over "
+                             "every process's devices")
+        if not self.distributed_timeout > 0:
+            raise ValueError(f"distributed_timeout must be > 0 seconds, got {self.distributed_timeout!r}")
 
     def replace(self, **kw) -> "EngineConfig":
         return dataclasses.replace(self, **kw)

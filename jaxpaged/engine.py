@@ -29,6 +29,10 @@ from jaxpaged.weights import count_tensors, load_params
 log = logging.getLogger("jaxpaged.engine")
 
 
+class FatalStepError(RuntimeError):
+    """A step failure that no retry can mend (e.g. a lost multi-host follower): the engine is down."""
+
+
 @dataclass
 class CompletionOutput:
     index: int
@@ -180,6 +184,8 @@ class LLMEngine:
             return []
         try:
             sampled = self.runner.execute(out)
+        except FatalStepError:  # the engine cannot step at all (a multi-host follower is lost)
+            raise
         except Exception as e:  # noqa: BLE001 -- the step's requests fail; the engine carries on
             return self._step_failed(out, e)
         self.num_consecutive_step_failures = 0
@@ -287,14 +293,34 @@ class LLM:
     Keyword arguments are EngineConfig fields (model, dtype, block_size, num_kv_blocks, max_num_seqs,
     max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend, tensor_parallel_size,
     ...). With no model, the embedded default model (SmolLM2-135M-Instruct) is fetched and converted once.
+
+    Scale-out (docs/scale-out.md): `data_parallel_size=M` runs M replicas behind this one object;
+    `coordinator_address`, `num_processes`, `process_id` (as in `jax.distributed.initialize`) make one
+    engine over every process's devices, process 0 generating and the others following.
     """
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        if kwargs.get("num_processes", 1) > 1:  # before anything starts JAX's backends
+            from jaxpaged.multihost import initialize
+            initialize(kwargs.get("coordinator_address"), kwargs["num_processes"], kwargs.get("process_id", 0))
+        from jaxpaged.replicas import build_engine
+        self.engine = build_engine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def is_leader(self) -> bool:
+        """False on a follower process of a multi-host job: its LLM(...) ran the leader's steps and returned
+        when the leader stopped; it cannot generate."""
+        return self.engine is not None
 
     @property
     def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
+        return self._leader().tokenizer
+
+    def _leader(self):
+        if self.engine is None:
+            raise RuntimeError("this process follows process 0 of a multi-host job; only process 0 generates")
+        return self.engine
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -308,8 +334,8 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        eng = self.engine
-        ids = [f"llm-{next(eng._ids)}" for _ in prompts]
+        eng = self._leader()
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):
                 eng.add_request(rid, prompt, p)
@@ -339,4 +365,5 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        """Engine counters; with data_parallel_size > 1 the sums, and `replicas`: each replica's."""
+        return self._leader().stats()

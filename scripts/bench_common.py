@@ -129,8 +129,14 @@ def build_llm(model_dir: str, args, **over):
     say(f"building engine: {', '.join(f'{k}={v}' for k, v in kw.items() if k != 'show_progress')}")
     t0 = time.perf_counter()
     llm = LLM(model=model_dir, **kw)
-    say(f"engine ready in {time.perf_counter() - t0:.1f} s ({llm.engine.runner.num_compilations} step shapes)")
+    n = sum(e.runner.num_compilations for e in replica_engines(llm.engine))
+    say(f"engine ready in {time.perf_counter() - t0:.1f} s ({n} step shapes)")
     return llm
+
+
+def replica_engines(engine) -> list:
+    """The LLMEngines behind `LLM.engine`: its replicas with data parallelism, else itself."""
+    return list(getattr(engine, "engines", [engine]))
 
 
 # -- workloads ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ All requests arrive at time 0; a request's latency is its finish time, TTFT its 
 engine backends once per size, one engine after the other, reported as jaxpaged-tpN / static-tpN. On a
 CPU the N devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count, set here) and share
 the same cores, so the ratio measures the overhead of sharding, not a speed-up.
+--data-parallel-size M (repeatable) likewise runs M replicas (each on --tensor-parallel-size devices)
+behind one LLM, reported with a -dpM suffix; static batching then fills M x --max-num-seqs slots.
 """
 from __future__ import annotations
 
@@ -63,13 +65,18 @@ def load_hf_model(model_dir: str, dtype: str):
 
 def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
     eng = llm.engine
-    bc.warm_up(eng, eng.model_config.vocab_size)
-    preempt0 = eng.scheduler.num_preemptions
-    rec = bc.drive(eng, wl.requests, batch_size=eng.config.max_num_seqs if static else None)
-    eng.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
+    replicas = bc.replica_engines(eng)
+    for e in replicas:
+        bc.warm_up(e, eng.model_config.vocab_size)
+    preempt0 = sum(e.scheduler.num_preemptions for e in replicas)
+    slots = eng.config.max_num_seqs * len(replicas)
+    rec = bc.drive(eng, wl.requests, batch_size=slots if static else None)
+    for e in replicas:
+        e.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
     res = bc.summarize(rec)
-    res["num_preemptions"] = eng.scheduler.num_preemptions - preempt0
-    res.update(tensor_parallel_size=eng.runner.tp, num_kv_blocks=eng.num_blocks)
+    res["num_preemptions"] = sum(e.scheduler.num_preemptions for e in replicas) - preempt0
+    res.update(tensor_parallel_size=replicas[0].runner.tp, data_parallel_size=len(replicas),
+               num_kv_blocks=replicas[0].num_blocks)
     return res
 
 
@@ -131,17 +138,21 @@ def main(argv=None) -> dict:
     bc.add_engine_args(ap)
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
                     help="devices per engine; repeatable to compare sizes in one run (default 1)")
+    ap.add_argument("--data-parallel-size", type=int, action="append", metavar="M",
+                    help="replicas behind one LLM; repeatable to compare in one run (default 1)")
     args = ap.parse_args(argv)
     backends = list(dict.fromkeys(args.backend or BACKENDS))
     tp_sizes = list(dict.fromkeys(args.tensor_parallel_size or [1]))
+    dp_sizes = list(dict.fromkeys(args.data_parallel_size or [1]))
+    devices = max(tp_sizes) * max(dp_sizes)
     flags = os.environ.get("XLA_FLAGS", "")
-    if max(tp_sizes) > 1 and "xla_force_host_platform_device_count" not in flags:  # before JAX starts
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(tp_sizes)}".strip()
+    if devices > 1 and "xla_force_host_platform_device_count" not in flags:  # before JAX starts
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
 
     model_dir = bc.resolve_model(args.model)
     wl = bc.make_workload(args, model_dir)
     engine_info = {k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"}
-    engine_info["tensor_parallel_sizes"] = tp_sizes
+    engine_info.update(tensor_parallel_sizes=tp_sizes, data_parallel_sizes=dp_sizes)
     results = {}
 
     def run(name, fn):
@@ -149,14 +160,16 @@ def main(argv=None) -> dict:
         r = results[name] = fn()
         bc.say(f"{name}: {r['output_tokens_per_s']:.1f} output tok/s in {r['elapsed_s']:.1f} s")
 
-    for tp in tp_sizes if set(backends) & {"jaxpaged", "static"} else []:
+    sizes = [(tp, dp) for tp in tp_sizes for dp in dp_sizes]
+    for tp, dp in sizes if set(backends) & {"jaxpaged", "static"} else []:
         llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args),
-                           tensor_parallel_size=tp)
-        eng = llm.engine
+                           tensor_parallel_size=tp, data_parallel_size=dp)
+        eng = bc.replica_engines(llm.engine)[0]
         engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
                            attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
+        suffix = (f"-tp{tp}" if len(tp_sizes) > 1 else "") + (f"-dp{dp}" if len(dp_sizes) > 1 else "")
         for b in (b for b in backends if b != "hf"):
-            run(b if tp_sizes == [1] else f"{b}-tp{tp}", lambda: run_engine(llm, wl, static=b == "static"))
+            run(b + suffix, lambda: run_engine(llm, wl, static=b == "static"))
         del llm, eng
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from jaxpaged.async_engine import AsyncEngine
+from jaxpaged.cli import add_scale_out_args, scale_out_kwargs
 from serve import routes
 from serve.errors import APIError
 from serve.metrics import Metrics
@@ -110,14 +111,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (default: bfloat16 on GPU, float32 on CPU, where "
                         "bfloat16 matmuls are slow)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="devices to split the model "
-                        "over (heads, MLP columns, vocabulary; default 1)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
-    return parser
+    return add_scale_out_args(parser)
 
 
 class _Server(uvicorn.Server):
@@ -141,22 +140,26 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get `grace_period` seconds
     to finish, then are aborted. Returns normally (exit status 0)."""
     from jaxpaged.config import EngineConfig
-    from jaxpaged.engine import LLMEngine
+    from jaxpaged.replicas import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_model_len", "block_size",
-                                                     "tensor_parallel_size")}
+                                                     "max_model_len", "block_size")}
+    scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
-                       **(engine_kwargs or {}))
+                       **scale, **(engine_kwargs or {}))
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
     t0 = time.perf_counter()
-    engine = LLMEngine(cfg)
+    engine = build_engine(cfg)
+    if engine is None:  # a multi-host follower: it ran process 0's steps until process 0 stopped
+        log.info("process %d: the leader stopped; exiting", cfg.process_id)
+        return
     s = engine.stats()
     log.info("engine ready in %.1fs: %d step shapes compiled in %.1fs, %d KV blocks of %d tokens, "
-             "max_model_len %d, attention %s", time.perf_counter() - t0, s["num_compilations"],
-             s["compile_seconds"], s["kv_blocks_total"], cfg.block_size, engine.max_model_len,
-             s["attention_backend"])
+             "max_model_len %d, attention %s, %d replica(s) x %d device(s), %d process(es)",
+             time.perf_counter() - t0, s["num_compilations"], s["compile_seconds"], s["kv_blocks_total"],
+             cfg.block_size, engine.max_model_len, s["attention_backend"], cfg.data_parallel_size,
+             cfg.tensor_parallel_size, cfg.num_processes)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting,
                                max_step_failures=getattr(args, "max_step_failures", 3))
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)

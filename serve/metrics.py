@@ -22,23 +22,32 @@ class _EngineCollector:
         self.engine, self.model_name = engine, model_name
 
     def collect(self):
-        s, labels = self.engine.stats(), [self.model_name]
-        for name, doc, value in (
-                ("num_requests_running", "Requests (samples) holding a batch slot.", s["num_running"]),
-                ("num_requests_waiting", "Requests (samples) waiting for a batch slot.", s["num_waiting"]),
-                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", s["kv_cache_usage"]),
+        s = self.engine.stats()
+        # one sample per data-parallel replica, labelled replica="0", "1", ...
+        per = s.get("replicas", [s])
+        if len(per) > 1:  # requests handed to the engine thread but not yet routed
+            per = [dict(r) for r in per]
+            per[0]["num_waiting"] += s["num_waiting"] - sum(r["num_waiting"] for r in per)
+        labels = ["model_name", "replica"]
+        for name, doc, key in (
+                ("num_requests_running", "Requests (samples) holding a batch slot.", "num_running"),
+                ("num_requests_waiting", "Requests (samples) waiting for a batch slot.", "num_waiting"),
+                ("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", "kv_cache_usage"),
                 ("prefix_cache_hit_rate", "Fraction of looked-up prompt blocks found in the prefix cache.",
-                 s["prefix_cache_hit_rate"])):
-            g = GaugeMetricFamily(f"jaxpaged:{name}", doc, labels=["model_name"])
-            g.add_metric(labels, float(value))
+                 "prefix_cache_hit_rate")):
+            g = GaugeMetricFamily(f"jaxpaged:{name}", doc, labels=labels)
+            for i, r in enumerate(per):
+                g.add_metric([self.model_name, str(i)], float(r[key]))
             yield g
         c = CounterMetricFamily("jaxpaged:num_preemptions", "Requests preempted (blocks freed, recomputed "
-                                "later) since start.", labels=["model_name"])
-        c.add_metric(labels, float(s["num_preemptions"]))
+                                "later) since start.", labels=labels)
+        for i, r in enumerate(per):
+            c.add_metric([self.model_name, str(i)], float(r["num_preemptions"]))
         yield c
         c = CounterMetricFamily("jaxpaged:num_step_failures", "Steps that failed (their requests ended with "
-                                "a 500) since start.", labels=["model_name"])
-        c.add_metric(labels, float(s["num_step_failures"]))
+                                "a 500) since start.", labels=labels)
+        for i, r in enumerate(per):
+            c.add_metric([self.model_name, str(i)], float(r["num_step_failures"]))
         yield c
 
 

@@ -194,3 +194,15 @@ def test_plots(throughput, memory, prefix, host, tmp_path):
     names = sorted(os.path.basename(p) for p in paths)
     assert names == ["host.png", "latency.png", "memory.png", "prefix.png", "throughput.png"]
     assert all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_step_message(common, out_dir):
+    """The multi-host message: every step measured, compressed below the raw arrays, decodable."""
+    import bench_step_message
+    path = str(out_dir / "step_message.json")
+    out = bench_step_message.main([*common, "--num-prompts", "6", "--prompt-len", "20", "40",
+                                   "--output-len", "4", "8", "--json", path])
+    assert set(out) == {"full-budget steps", "decode steps"}
+    for r in out.values():
+        assert r["steps"] > 0 and 0 < r["message_bytes"] < r["raw_bytes"]
+    assert json.load(open(path))["results"] == out
