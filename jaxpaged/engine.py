@@ -70,9 +70,6 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({limit})")
-        if mc.sliding_window is not None and mc.sliding_window < self.max_model_len:
-            raise ValueError(f"{model_dir}: sliding-window attention (window {mc.sliding_window}) is not "
-                             f"supported; pass max_model_len <= {mc.sliding_window}")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         eos = set(mc.eos_token_ids) | generation_eos_ids(model_dir)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -91,7 +88,10 @@ class LLMEngine:
         del params
         if cfg.warmup:
             self.runner.warmup(cfg.show_progress)
-        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # every layer sliding (Mistral): blocks behind the window are freed while a request runs
+        window = mc.sliding_window if mc.all_layers_windowed else None
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          sliding_window=window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.groups: dict[str, _Group] = {}
         self._rng = np.random.default_rng(cfg.seed)
