@@ -92,6 +92,7 @@ class BlockManager:
             for b in shared:
                 self._take(b)
             req.block_ids = list(shared)
+            self._drop_behind_window(req, len(shared) * self.block_size)
             return len(shared) * self.block_size
         if not self.enable_prefix_caching:
             return 0
@@ -104,7 +105,16 @@ class BlockManager:
             req.block_ids.append(b)
         n = len(req.block_ids) * self.block_size
         self.hit_tokens += n
+        self._drop_behind_window(req, n)
         return n
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, advancing <= step_tokens a step
+        (with a sliding window: its window and one step, wherever the blocks' boundaries fall)."""
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (step_tokens + self.sliding_window - 3) // self.block_size + 2)
 
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
@@ -113,16 +123,18 @@ class BlockManager:
         """Give the request enough blocks to hold `num_tokens` tokens; False (nothing taken) if short.
 
         With a sliding window, first release the blocks no query from `req.num_computed_tokens` on sees."""
-        if self.sliding_window is not None:
-            self._drop_behind_window(req)
+        self._drop_behind_window(req, req.num_computed_tokens)
         need = self.blocks_needed(req, num_tokens)
         if need > self.num_free_blocks:
             return False
         req.block_ids.extend(self._new_block() for _ in range(need))
         return True
 
-    def _drop_behind_window(self, req: Request) -> None:
-        dead = max(req.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+    def _drop_behind_window(self, req: Request, computed: int) -> None:
+        """Release the blocks no query from position `computed` on can see (sliding window only)."""
+        if self.sliding_window is None:
+            return
+        dead = max(computed - self.sliding_window + 1, 0) // self.block_size
         for i in range(min(dead, len(req.block_ids))):
             b = req.block_ids[i]
             if b:

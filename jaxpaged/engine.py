@@ -148,7 +148,7 @@ class LLMEngine:
         if len(ids) + max_tokens > L:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                              f"max_model_len ({L})")
-        need = -(-(len(ids) + max_tokens) // self.config.block_size)
+        need = self.block_manager.max_blocks_held(len(ids) + max_tokens, self.config.max_num_batched_tokens)
         if need > self.num_blocks - 1:
             raise ValueError(f"request needs {need} KV blocks, the pool has {self.num_blocks - 1}")
         if params.logprobs is not None and params.logprobs > self.runner.num_logprobs:
