@@ -184,8 +184,8 @@ def _window_fields(d, family, num_layers, source):
     elif family in ("qwen2", "qwen3", "qwen3_moe"):
         if not d.get("use_sliding_window", False):
             return {}
-        if types is None:  # layers from max_window_layers on slide
-            first = int(d.get("max_window_layers", num_layers))
+        if types is None:  # layers from max_window_layers on slide (Qwen3-MoE: all)
+            first = 0 if family == "qwen3_moe" else int(d.get("max_window_layers", num_layers))
             types = [SLIDING if i >= first else FULL for i in range(num_layers)]
     elif family in ("llama", "olmoe"):
         return {}
