@@ -38,8 +38,8 @@ def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, 
         cfg = tf.MistralConfig(sliding_window=WINDOW, **common, **extra)
     elif family == "gemma2":
         cfg = tf.Gemma2Config(**{**common, "head_dim": head_dim or 16}, sliding_window=WINDOW,
-                              query_pre_attn_scalar=24, attn_logit_softcapping=3.0, final_logit_softcapping=8.0,
-                              **extra)
+                              **{"query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+                                 "final_logit_softcapping": 8.0, **extra})
     elif family == "gemma3":
         sw, full = "sliding_attention", "full_attention"
         common["num_hidden_layers"] = 4
