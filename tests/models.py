@@ -6,7 +6,7 @@ import os
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # the families of issue 13, with sliding windows of 8 tokens (blocks of 4 in their tests: windows cross
 # blocks), Gemma 3 with 4 layers of pattern sliding, sliding, full (a scanned group of 3 and a tail)
-NEW_FAMILIES = ("mistral_sw", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmoe")
+NEW_FAMILIES = ("mistral_sw", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmoe", "qwen2_sw")
 WINDOW = 8
 
 
@@ -34,6 +34,8 @@ def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, 
         cfg = tf.Qwen2Config(use_sliding_window=False, **common)
     elif family == "qwen3":
         cfg = tf.Qwen3Config(use_sliding_window=False, **common)
+    elif family == "qwen2_sw":  # layer 0 full, the others sliding (max_window_layers)
+        cfg = tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **common, **extra)
     elif family == "mistral_sw":
         cfg = tf.MistralConfig(sliding_window=WINDOW, **common, **extra)
     elif family == "gemma2":
