@@ -130,8 +130,11 @@ class ModelConfig:
         if family in GEMMA:
             kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
                       query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-                      attn_softcap=positive_or_none(d, "attn_logit_softcapping", source),
-                      final_softcap=positive_or_none(d, "final_logit_softcapping", source))
+                      # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
+                      attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
+                                                    50.0 if family == "gemma2" else None),
+                      final_softcap=positive_or_none(d, "final_logit_softcapping", source,
+                                                     30.0 if family == "gemma2" else None))
         eos = d.get("eos_token_id")
         kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         kw["bos_token_id"] = d.get("bos_token_id")

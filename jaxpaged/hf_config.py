@@ -10,9 +10,9 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
-def positive_or_none(d, name, source):
-    """d[name] as a positive float, or None when absent/null."""
-    v = d.get(name)
+def positive_or_none(d, name, source, default=None):
+    """d[name] (default when absent) as a positive float, or None when null."""
+    v = d.get(name, default)
     if v is None:
         return None
     if not isinstance(v, (int, float)) or v <= 0:
