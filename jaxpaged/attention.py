@@ -3,6 +3,10 @@
 `reference`: plain JAX over the paged pool (the CPU path, and the oracle of the kernels).
 `pallas`: the Pallas kernels — the decode kernel for decode-only steps, the ragged kernel otherwise;
 on a machine without a GPU they run in interpret mode (slow; for tests).
+
+With tensor parallelism the chosen function runs per device through `shard_map`: each device attends
+its own query heads over its own KV heads (q and the pools split on their head axes, the block tables
+and lengths replicated), so the kernels stay single-device code and no K/V crosses devices.
 """
 from __future__ import annotations
 
@@ -10,7 +14,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxpaged.mesh import MODEL_AXIS, POOL_SPEC, shard_map
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 
@@ -31,9 +37,24 @@ def resolve_backend(name: str, head_dim: int, block_size: int) -> str:
     return name
 
 
-def make_attention(backend: str, decode_only: bool):
+def make_attention(backend: str, decode_only: bool, mesh=None):
     """attn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], **options);
-    options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given."""
+    options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given.
+
+    With a `mesh` whose "model" axis has more than one device, the function runs per head shard."""
+    attn = _single_device(backend, decode_only)
+    if mesh is None or mesh.shape[MODEL_AXIS] == 1:
+        return attn
+    heads = P(None, MODEL_AXIS, None)  # q, out [T, Hq, hd]
+
+    def sharded(q, k_pool, v_pool, *rest, **options):  # rest (tables, lengths, ...) replicated
+        f = shard_map(functools.partial(attn, **options), mesh,
+                      in_specs=(heads, POOL_SPEC, POOL_SPEC) + (P(),) * len(rest), out_specs=heads)
+        return f(q, k_pool, v_pool, *rest)
+    return sharded
+
+
+def _single_device(backend: str, decode_only: bool):
     if backend == "reference":
         return ragged_paged_attention_reference
     interpret = jax.default_backend() != "gpu"

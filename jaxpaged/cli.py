@@ -10,7 +10,7 @@ def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                             top_p=args.top_p)
     prompts = args.prompt
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to split the model over")
     g.set_defaults(func=_generate)
 
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file to the engine's format")

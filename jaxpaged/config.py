@@ -168,12 +168,13 @@ class EngineConfig:
     dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (XLA's bf16 CPU dots are slow)
     block_size: int = 16
     num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows
-    kv_cache_memory_gb: float = 2.0
+    kv_cache_memory_gb: float = 2.0         # per device: with tensor parallelism each holds 1/N of a block
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None        # None: the model's max_position_embeddings, capped at 4096
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"         # auto | reference | pallas
+    tensor_parallel_size: int = 1           # devices one model is split over (heads, MLP columns, vocab)
     seed: int = 0
     max_logprobs: int = 20
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
@@ -185,7 +186,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs",
+                     "tensor_parallel_size"):
             positive(name)
         if self.dtype == "auto":
             import jax

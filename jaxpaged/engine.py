@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.mesh import kv_head_replication, make_mesh
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
@@ -55,7 +56,9 @@ class _Group:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, devices: list | None = None):
+        """Load the model onto a mesh of the first config.tensor_parallel_size of `devices`
+        (default: jax.devices()) and compile every step shape."""
         self.config = cfg = config
         model_dir = cfg.model
         if model_dir is None:
@@ -65,6 +68,8 @@ class LLMEngine:
             raise ValueError(f"model directory {model_dir!r} does not exist")
         self.model_dir = model_dir
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        self.mesh = make_mesh(cfg.tensor_parallel_size, devices)
+        kv_head_replication(mc, cfg.tensor_parallel_size)  # a bad size fails before the weights load
         limit = mc.max_position_embeddings
         self.max_model_len = cfg.max_model_len or min(limit, 4096)
         if self.max_model_len > limit:
@@ -84,7 +89,7 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._num_blocks()
-        self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len)
+        self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len, mesh=self.mesh)
         del params
         if cfg.warmup:
             self.runner.warmup(cfg.show_progress)
@@ -101,7 +106,7 @@ class LLMEngine:
         cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype)
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype, cfg.tensor_parallel_size)
         n = int(cfg.kv_cache_memory_gb * 2 ** 30) // per_block
         if n < per_seq + 1:
             raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {n} blocks, fewer than one "
@@ -237,15 +242,16 @@ class LLMEngine:
                     kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
-                    load_seconds=self.load_seconds, attention_backend=self.runner.backend)
+                    load_seconds=self.load_seconds, attention_backend=self.runner.backend,
+                    tensor_parallel_size=self.runner.tp, **self.runner.memory_per_device())
 
 
 class LLM:
     """Offline generation: `LLM(model=DIR, ...).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are EngineConfig fields (model, dtype, block_size, num_kv_blocks, max_num_seqs,
-    max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend, ...). With no
-    model, the embedded default model (SmolLM2-135M-Instruct) is fetched and converted once.
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend, tensor_parallel_size,
+    ...). With no model, the embedded default model (SmolLM2-135M-Instruct) is fetched and converted once.
     """
 
     def __init__(self, model: str | None = None, **kwargs):

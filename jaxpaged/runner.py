@@ -3,6 +3,9 @@
 Every step has the same shapes except the token count T, padded up to a bucket (powers of two up to
 `max_num_batched_tokens`); each bucket (and, with the Pallas backend, a decode-only variant of the
 small ones) is compiled ahead of time at start-up, so a running engine never compiles.
+
+The runner owns a mesh (see `jaxpaged/mesh.py`): params sharded by their partition specs, the pools
+by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
 """
 from __future__ import annotations
 
@@ -12,9 +15,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
 from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
+                           sharded_model_config, vocab_sharded)
 from jaxpaged.models.llama import forward
 from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
@@ -30,20 +36,29 @@ def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
     return out + [max_tokens]
 
 
-def _step(params, k_pool, v_pool, batch, sp, *, cfg, attn_fn, num_logprobs):
+def _step(params, k_pool, v_pool, batch, sp, *, cfg, attn_fn, num_logprobs, logits_shardings):
     logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
+    # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
+    # sees the full [S, V] logits on every device, so it draws exactly what one device would
+    for sharding in logits_shardings:
+        logits = jax.lax.with_sharding_constraint(logits, sharding)
     tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
     return (tokens, tok_lp, top_lp, top_ids), k_pool, v_pool
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
+    """Bytes one KV block takes on each device (K and V, every layer, the device's share of KV heads)."""
+    heads = sharded_model_config(cfg, tensor_parallel_size).num_kv_heads // tensor_parallel_size
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params: dict, num_blocks: int,
-                 max_model_len: int):
+                 max_model_len: int, mesh=None):
+        self.mesh = mesh if mesh is not None else make_mesh(cfg.tensor_parallel_size)
+        self.tp = self.mesh.shape[MODEL_AXIS]
         self.model_cfg, self.cfg = model_cfg, cfg
+        self.step_cfg = sharded_model_config(model_cfg, self.tp)  # KV heads replicated when < tp
         self.dtype = jnp.dtype(cfg.dtype)
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
@@ -52,11 +67,15 @@ class ModelRunner:
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        self.params = jax.device_put(params)
-        L, Hkv, hd = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-        pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd]
-        self.k_pool = jnp.zeros(pool_shape, self.dtype)
-        self.v_pool = jnp.zeros(pool_shape, self.dtype)
+        self.params = place_params(params, model_cfg, self.mesh)
+        self._replicated = NamedSharding(self.mesh, REPLICATED)
+        self._pool_sharding = NamedSharding(self.mesh, POOL_SPEC)
+        vocab = [NamedSharding(self.mesh, P(None, MODEL_AXIS))] if vocab_sharded(model_cfg, self.tp) else []
+        self._logits_shardings = tuple(vocab) + (self._replicated,)
+        L, Hkv, hd = model_cfg.num_layers, self.step_cfg.num_kv_heads, model_cfg.head_dim
+        pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd], Hkv split over devices
+        zeros = jax.jit(lambda: jnp.zeros(pool_shape, self.dtype), out_shardings=self._pool_sharding)
+        self.k_pool, self.v_pool = zeros(), zeros()
         self.buckets = token_buckets(cfg.max_num_batched_tokens)
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
         self._compiled: dict[tuple[int, bool], object] = {}
@@ -67,7 +86,8 @@ class ModelRunner:
         self._row_owner: list = [None] * S          # (request, blocks_epoch) whose blocks row s holds
         self._row_len = [0] * S
         self._history = np.full((S, max_model_len), -1, np.int32)
-        self._no_history = jnp.asarray(self._history)  # stays on device while no slot uses penalties
+        # stays on device while no slot uses penalties
+        self._no_history = place(self._history, self.mesh, REPLICATED)
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -80,12 +100,20 @@ class ModelRunner:
     def num_compilations(self) -> int:
         return len(self._compiled)
 
+    def compiled_step(self, key: tuple[int, bool]):
+        """The compiled step of bucket `key` = (T, decode_only), compiling it if needed."""
+        return self._compiled.get(key) or self._compile(*key)
+
     def _compile(self, T: int, decode_only: bool):
-        fn = functools.partial(_step, cfg=self.model_cfg, num_logprobs=self.num_logprobs,
-                               attn_fn=make_attention(self.backend, decode_only))
-        batch, sp = self._dummy(T)
+        fn = functools.partial(_step, cfg=self.step_cfg, num_logprobs=self.num_logprobs,
+                               attn_fn=make_attention(self.backend, decode_only, self.mesh),
+                               logits_shardings=self._logits_shardings)
+        batch, sp = self._device_inputs(*self._dummy(T))
+        rep, pool = self._replicated, self._pool_sharding
+        params = jax.tree.map(lambda a: a.sharding, self.params)
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(1, 2)).lower(
+        compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
+                           out_shardings=(rep, pool, pool)).lower(
             self.params, self.k_pool, self.v_pool, batch, sp).compile()
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[(T, decode_only)] = compiled
@@ -146,8 +174,8 @@ class ModelRunner:
                      block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl, logits_indices=logits_idx)
         sp = self._sampling_arrays(out.scheduled, S)
         key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
-        fn = self._compiled.get(key) or self._compile(*key)
-        (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = fn(
+        batch, sp = self._device_inputs(batch, sp)
+        (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, batch, sp)
         tokens = np.asarray(tokens).tolist()
         want_lp = [r for r, _ in out.scheduled if r.params.logprobs is not None]
@@ -163,6 +191,27 @@ class ModelRunner:
                 lp[tokens[s]] = float(tok_lp[s])
             result[s] = (tokens[s], lp)
         return result
+
+    def _device_inputs(self, batch: dict, sp: dict) -> tuple[dict, dict]:
+        """The step's host inputs -> what the compiled step takes, replicated over the mesh.
+
+        Within one process the host arrays go as they are: the compiled call copies them to every device
+        of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
+        processes needs global arrays, built from each process's identical copy."""
+        if self.mesh.is_multi_process:
+            return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
+                                                                                  REPLICATED), (batch, sp))
+        return batch, sp
+
+    def memory_per_device(self) -> dict:
+        """Bytes of parameters and of the KV pools held by this process's first device of the mesh (read
+        from the arrays' shards)."""
+        dev = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+        def on_first(arrays):
+            return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
+        return dict(param_bytes_per_device=on_first(jax.tree.leaves(self.params)),
+                    kv_bytes_per_device=on_first([self.k_pool, self.v_pool]))
 
     def _sync_table_row(self, s: int, req) -> None:
         """Keep the persistent block-table row of slot s equal to the request's blocks, by difference."""

@@ -112,30 +112,6 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def param_partition_specs(cfg: ModelConfig, axis: str = "tp") -> dict:
-    """PartitionSpecs for tensor parallelism over mesh axis `axis`: heads and MLP columns split; for
-    MoE, the experts (expert parallelism: each device holds E / n whole experts, router replicated)."""
-    from jax.sharding import PartitionSpec as P
-    col, row, rep = P(None, None, axis), P(None, axis, None), P()
-    layers = {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": rep,
-              "w_gate": col, "w_up": col, "w_down": row}
-    if cfg.num_experts:
-        expert = P(None, axis, None, None)  # [L, E, in, out]: split E
-        layers.update(router=rep, w_gate=expert, w_up=expert, w_down=expert)
-    if cfg.attention_bias:
-        layers.update(bq=P(None, axis), bk=P(None, axis), bv=P(None, axis))
-    if cfg.qk_norm == "head":
-        layers.update(q_norm=rep, k_norm=rep)
-    elif cfg.qk_norm == "flat":  # normalizes over all heads: the mean needs the whole row
-        layers.update(q_norm=rep, k_norm=rep)
-    if cfg.sandwich_norms:
-        layers.update(post_attn_norm=rep, post_mlp_norm=rep)
-    specs = {"embed": rep, "final_norm": rep, "layers": layers}
-    if not cfg.tie_word_embeddings:
-        specs["lm_head"] = P(None, axis)
-    return specs
-
-
 def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
                               source: str = "checkpoint", progress=None) -> dict:
     """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time."""

@@ -22,6 +22,10 @@ PRESETS = {
     "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                          num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True,
                          max_position_embeddings=8192, rope_theta=100000.0),
+    # SmolLM2-135M's depth and vocabulary with 8 query / 4 KV heads of 64, so TP 2, 4 and 8 divide it
+    "llama-8h": dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                     max_position_embeddings=8192, rope_theta=100000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                  max_position_embeddings=2048, rope_theta=10000.0),

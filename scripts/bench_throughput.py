@@ -13,10 +13,16 @@ Backends:
             (and only real prompt tokens, not padding, as prompt tokens).
 All requests arrive at time 0; a request's latency is its finish time, TTFT its first token time
 (hf: the batch's first token). Only generation is timed.
+
+--tensor-parallel-size N (repeatable: `--tensor-parallel-size 1 --tensor-parallel-size 2`) runs the
+engine backends once per size, one engine after the other, reported as jaxpaged-tpN / static-tpN. On a
+CPU the N devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count, set here) and share
+the same cores, so the ratio measures the overhead of sharding, not a speed-up.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import numpy as np
@@ -63,6 +69,7 @@ def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
     eng.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
     res = bc.summarize(rec)
     res["num_preemptions"] = eng.scheduler.num_preemptions - preempt0
+    res.update(tensor_parallel_size=eng.runner.tp, num_kv_blocks=eng.num_blocks)
     return res
 
 
@@ -122,27 +129,37 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
+    ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
+                    help="devices per engine; repeatable to compare sizes in one run (default 1)")
     args = ap.parse_args(argv)
     backends = list(dict.fromkeys(args.backend or BACKENDS))
+    tp_sizes = list(dict.fromkeys(args.tensor_parallel_size or [1]))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if max(tp_sizes) > 1 and "xla_force_host_platform_device_count" not in flags:  # before JAX starts
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={max(tp_sizes)}".strip()
 
     model_dir = bc.resolve_model(args.model)
     wl = bc.make_workload(args, model_dir)
     engine_info = {k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"}
-    llm = None
-    if set(backends) & {"jaxpaged", "static"}:
-        llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args))
+    engine_info["tensor_parallel_sizes"] = tp_sizes
+    results = {}
+
+    def run(name, fn):
+        bc.say(f"running {name} on {len(wl.requests)} requests")
+        r = results[name] = fn()
+        bc.say(f"{name}: {r['output_tokens_per_s']:.1f} output tok/s in {r['elapsed_s']:.1f} s")
+
+    for tp in tp_sizes if set(backends) & {"jaxpaged", "static"} else []:
+        llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args),
+                           tensor_parallel_size=tp)
         eng = llm.engine
         engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
                            attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
-    results = {}
-    for b in backends:
-        bc.say(f"running {b} on {len(wl.requests)} requests")
-        if b == "hf":
-            results[b] = run_hf(model_dir, wl, args)
-        else:
-            results[b] = run_engine(llm, wl, static=b == "static")
-        r = results[b]
-        bc.say(f"{b}: {r['output_tokens_per_s']:.1f} output tok/s in {r['elapsed_s']:.1f} s")
+        for b in (b for b in backends if b != "hf"):
+            run(b if tp_sizes == [1] else f"{b}-tp{tp}", lambda: run_engine(llm, wl, static=b == "static"))
+        del llm, eng
+    if "hf" in backends:
+        run("hf", lambda: run_hf(model_dir, wl, args))
     out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,
                machine=bc.machine_info(), note=bc.TIMING_NOTE)
     print(report(out))

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# GPU check for the Pallas kernels: native kernel tests, then the kernel benchmark.
+# GPU check for the Pallas kernels: native kernel tests, then the kernel benchmark; on >= 2 GPUs also
+# tensor parallelism: TP=2 greedy tokens against TP=1 (scripts/check_tp.py) and TP=2 vs TP=1 throughput.
 # No installs, no network. Usage (from anywhere): scripts/gpu_check.sh [OUT_DIR]
 # OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
 #   env.txt, pytest.txt, pytest.xml   the GPU test run (pytest -m gpu tests/test_kernels.py)
 #   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
+#   tp_check.json, tp_check.log       TP=2 correctness (>= 2 GPUs; skipped on one)
+#   tp_throughput.json, tp_throughput.log   TP=1 vs TP=2 throughput, random llama-8h preset, bfloat16
 #   summary.md                        test outcome + benchmark tables
 # Each part is guarded: a failing or missing part is recorded and the next one still runs.
 # pytest runs with --noconftest: the kernel tests need nothing from tests/conftest.py (which imports the
 # engine and its model-test dependencies, perhaps absent on the GPU machine).
-# Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300).
+# Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300),
+# TP_MODEL (default random:llama-8h: random weights, needs torch + transformers), TP_TIMEOUT (s, default 900).
 set -u
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
@@ -41,6 +45,20 @@ timeout $(( ${BENCH_BUDGET:-300} + 240 )) "$PY" scripts/bench_kernels.py --out "
 bench_rc=$?
 echo "bench: exit $bench_rc"
 
+num_gpus=$("$PY" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))" 2>/dev/null || echo 0)
+if [ "${num_gpus:-0}" -ge 2 ]; then
+  (cd scripts && timeout "${TP_TIMEOUT:-900}" "$PY" check_tp.py --tensor-parallel-size 2 --model "${TP_MODEL:-random:llama-8h}" \
+    --json "$OUT_DIR/tp_check.json" >"$OUT_DIR/tp_check.log" 2>&1)
+  tp_status="TP=2 tokens vs TP=1: exit $? ($(tail -n 1 "$OUT_DIR/tp_check.log" | cut -c1-300))"
+  (cd scripts && timeout "${TP_TIMEOUT:-900}" "$PY" bench_throughput.py --model "${TP_MODEL:-random:llama-8h}" --backend jaxpaged \
+    --dtype bfloat16 --num-prompts 256 --max-num-seqs 64 --tensor-parallel-size 1 --tensor-parallel-size 2 \
+    --json "$OUT_DIR/tp_throughput.json" >"$OUT_DIR/tp_throughput.log" 2>&1)
+  tp_status="$tp_status; throughput: exit $?"
+else
+  tp_status="skipped: $num_gpus GPU(s), tensor parallelism needs 2"
+fi
+echo "tensor parallelism: $tp_status"
+
 {
   echo "# GPU check"
   echo
@@ -53,5 +71,8 @@ echo "bench: exit $bench_rc"
   echo "Benchmark: exit $bench_rc"
   echo
   if [ -f "$OUT_DIR/results.md" ]; then cat "$OUT_DIR/results.md"; else tail -n 40 "$OUT_DIR/bench.log"; fi
+  echo
+  echo "Tensor parallelism: $tp_status"
+  if [ -f "$OUT_DIR/tp_throughput.log" ]; then echo '```'; tail -n 6 "$OUT_DIR/tp_throughput.log"; echo '```'; fi
 } >"$OUT_DIR/summary.md"
 cat "$OUT_DIR/summary.md"

@@ -109,6 +109,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (default: bfloat16 on GPU, float32 on CPU, where "
                         "bfloat16 matmuls are slow)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="devices to split the model "
+                        "over (heads, MLP columns, vocabulary; default 1)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     return parser
@@ -139,7 +141,8 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_model_len", "block_size")}
+                                                     "max_model_len", "block_size",
+                                                     "tensor_parallel_size")}
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **(engine_kwargs or {}))
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.weights import param_partition_specs, param_shapes
+from jaxpaged.mesh import param_partition_specs
+from jaxpaged.weights import param_shapes
 from models import NEW_FAMILIES, WINDOW, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 from test_oracle import _forward_last_logits, _prompts
@@ -119,7 +120,7 @@ def test_config_fields(family_models):
 def test_partition_specs_cover_params(family_models, family):
     """Every parameter has a spec of its rank; experts split over the axis (expert parallelism)."""
     cfg = ModelConfig.from_dir(family_models[family])
-    shapes, specs = param_shapes(cfg), param_partition_specs(cfg, "model")
+    shapes, specs = param_shapes(cfg), param_partition_specs(cfg, 2)
     assert set(specs) == set(shapes) and set(specs["layers"]) == set(shapes["layers"])
     for k, s in specs["layers"].items():
         assert len(s) in (0, len(shapes["layers"][k])), k

@@ -21,7 +21,7 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
-the E axis (see partition specs in `jaxpaged/weights.py`) without the layers knowing.
+the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the
@@ -81,9 +81,9 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this step's K/V into the layer's blocks, in place (the pool is the scan carry)
         flat = batch["slot_mapping"] + l * blocks_per_layer * bs  # [T]
-        shape = k_pool.shape
-        k_pool = k_pool.reshape(-1, Hkv, hd).at[flat].set(k.astype(k_pool.dtype)).reshape(shape)
-        v_pool = v_pool.reshape(-1, Hkv, hd).at[flat].set(v.astype(v_pool.dtype)).reshape(shape)
+        blk, off = flat // bs, flat % bs
+        k_pool = k_pool.at[blk, off].set(k.astype(k_pool.dtype))
+        v_pool = v_pool.at[blk, off].set(v.astype(v_pool.dtype))
         tables = batch["block_tables"] + l * blocks_per_layer  # [S, B]
         o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"],
                     scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,

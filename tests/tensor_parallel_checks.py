@@ -1,0 +1,194 @@
+"""Tensor-parallel checks on 8 simulated CPU devices, run by tests/test_tensor_parallel.py in a subprocess.
+
+`python tests/tensor_parallel_checks.py WORKDIR` (XLA_FLAGS must already hold
+--xla_force_host_platform_device_count=8) prints one JSON object on its last line: the raw facts
+(token lists, logit differences, byte counts, HLO findings, error messages); the test asserts on them.
+JAX starts once for all of them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+TPS = (1, 2, 4)
+# name -> (family, query heads, KV heads, tied embeddings); TP=4 replicates qwen3's KV heads
+MODELS = {"llama_8q4kv": ("llama", 8, 4, False), "qwen3_8q2kv": ("qwen3", 8, 2, True)}
+
+
+def workload():
+    """Mixed prompts: short, chunked (> 16 tokens), and three sharing a 24-token prefix (3 full blocks)."""
+    rng = np.random.default_rng(5)
+    ids = lambda n: [int(t) for t in rng.integers(3, 256, size=n)]  # noqa: E731
+    shared = ids(24)
+    prompts = [ids(n) for n in (3, 17, 38, 9)] + [shared + ids(n) for n in (2, 11)] + [list(shared)]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+def engine_kwargs(**over):
+    kw = dict(dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+              num_kv_blocks=14, compilation_cache_dir=None, show_progress=False, attention_backend="reference")
+    return {**kw, **over}
+
+
+def hlo_facts(runner) -> dict:
+    """What the compiled mixed step of the largest bucket does with the pool, and its collectives."""
+    import jax
+    T = runner.buckets[-1]
+    text = runner.compiled_step((T, False)).as_text()
+    n_params = len(jax.tree.leaves(runner.params))
+    alias = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*entry", text)
+    alias = alias.group(1) if alias else ""
+    local = [s.data.shape for s in runner.k_pool.addressable_shards][0]
+    shapes = {",".join(map(str, runner.k_pool.shape)), ",".join(map(str, local))}
+    pool_re = "|".join(re.escape(s) for s in shapes)
+    collectives, pool_moves = [], []
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\S* (all-gather|all-reduce|all-to-all|"
+                     r"collective-permute|reduce-scatter)(?:-start)?\(", line)
+        if m:
+            collectives.append((m.group(2), m.group(1)))
+        m = re.match(rf"\s*(?:ROOT )?%(\S+) = \w+\[({pool_re})\]\S* (\w[\w-]*)\(", line)
+        if m and (m.group(3) in ("copy", "all-gather", "all-to-all", "collective-permute")
+                  or (m.group(3) == "fusion" and "copy" in m.group(1))):
+            pool_moves.append(line.strip()[:160])
+    D, S, V = runner.model_cfg.hidden_size, runner.cfg.max_num_seqs, runner.model_cfg.vocab_size
+    return dict(pool_aliased=[f"{{4}}: ({n_params}," in alias, f"{{5}}: ({n_params + 1}," in alias],
+                pool_moves=pool_moves, collectives=collectives, step_shape=[T, D], logits_shape=[S, V])
+
+
+def engine_checks(path: str, out: dict) -> None:
+    import jax
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.runner import kv_bytes_per_block
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    seeded = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
+                             ignore_eos=True) for i in range(len(workload()))]
+    for tp in TPS:
+        # TP=2 on the last two devices, through LLMEngine(config, devices)
+        devices = jax.devices()[-2:] if tp == 2 else None
+        llm = LLM.__new__(LLM)  # LLM.generate around an engine built on chosen devices
+        llm.engine = eng = LLMEngine(EngineConfig(model=path, **engine_kwargs(tensor_parallel_size=tp)), devices)
+        r = dict(greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)])
+        outs = llm.generate(workload(), seeded, use_tqdm=False)
+        r["seeded"] = [o.outputs[0].token_ids for o in outs]
+        r["seeded_logprobs"] = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                                for o in outs]
+        s = llm.stats()
+        r.update({k: s[k] for k in ("num_preemptions", "prefix_cache_hit_rate", "num_compilations",
+                                    "num_buckets", "param_bytes_per_device", "kv_bytes_per_device",
+                                    "tensor_parallel_size")})
+        r["kv_bytes_formula"] = eng.num_blocks * kv_bytes_per_block(eng.model_config, 8, "float32", tp)
+        r["pool_shape"] = list(eng.runner.k_pool.shape)
+        r["devices"] = sorted({d.id for a in [eng.runner.k_pool, *jax.tree.leaves(eng.runner.params)]
+                               for d in a.sharding.device_set})
+        r["hlo"] = hlo_facts(eng.runner)
+        out[f"tp{tp}"] = r
+
+
+def logits_checks(path: str) -> dict:
+    """The pure forward (one prefill step of two sequences) at each TP: max |logits - logits at TP=1|."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jaxpaged.attention import make_attention
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
+    from jaxpaged.models.llama import forward
+    from jaxpaged.weights import load_params
+    mc = ModelConfig.from_dir(path)
+    params = load_params(path, mc, "float32")
+    lens, bs = (13, 6), 8
+    T, S = sum(lens), len(lens)
+    rng = np.random.default_rng(0)
+    pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
+    tables = np.array([[1, 2], [3, 4]], np.int32)
+    slot = np.concatenate([tables[i][np.arange(n) // bs] * bs + np.arange(n) % bs for i, n in enumerate(lens)])
+    batch = dict(input_ids=rng.integers(3, mc.vocab_size, T).astype(np.int32), positions=pos,
+                 slot_mapping=slot.astype(np.int32), block_tables=tables, seq_lens=np.array(lens, np.int32),
+                 query_start_loc=np.array([0, lens[0], T], np.int32),
+                 logits_indices=np.array([lens[0] - 1, T - 1], np.int32))
+    res = {}
+    for tp in TPS:
+        mesh = make_mesh(tp)
+        cfg = sharded_model_config(mc, tp)
+        shape = (mc.num_layers * 6, bs, cfg.num_kv_heads, mc.head_dim)
+        pool = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=NamedSharding(mesh, POOL_SPEC))()
+        fn = jax.jit(lambda p, kp, vp, b: forward(p, cfg, kp, vp, b, make_attention("reference", False, mesh))[0])
+        res[tp] = np.asarray(fn(place_params(params, mc, mesh), pool, pool, batch))
+    scale = float(np.abs(res[1]).max())
+    return {f"tp{tp}": float(np.abs(res[tp] - res[1]).max()) / scale for tp in TPS}
+
+
+def pallas_checks(workdir: str) -> dict:
+    """Pallas kernels (interpret mode) under shard_map at TP=2 against the reference backend at TP=1."""
+    from jaxpaged import LLM, SamplingParams
+    from models import make_tiny_model
+    path = make_tiny_model(os.path.join(workdir, "pallas_llama"), "llama", num_heads=8, num_kv_heads=4,
+                           head_dim=16, seed=3)
+    prompts = workload()[:3]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    kw = engine_kwargs(num_kv_blocks=40, warmup=False)
+    want = LLM(model=path, **kw).generate(prompts, params, use_tqdm=False)
+    llm = LLM(model=path, **{**kw, "attention_backend": "pallas", "tensor_parallel_size": 2})
+    got = llm.generate(prompts, params, use_tqdm=False)
+    return dict(reference=[o.outputs[0].token_ids for o in want], pallas_tp2=[o.outputs[0].token_ids for o in got],
+                backend=llm.stats()["attention_backend"],
+                decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
+
+
+def sizing_checks(path: str) -> dict:
+    """Blocks the engine sizes from kv_cache_memory_gb (per device) at each TP; no step is compiled."""
+    from jaxpaged.config import EngineConfig, ModelConfig
+    from jaxpaged.engine import LLMEngine
+    from jaxpaged.runner import kv_bytes_per_block
+    per_block = kv_bytes_per_block(ModelConfig.from_dir(path), 8, "float32")
+    gb = 12 * per_block / 2 ** 30  # 12 blocks at TP=1
+    return {f"tp{tp}": LLMEngine(EngineConfig(model=path, **engine_kwargs(
+        num_kv_blocks=None, kv_cache_memory_gb=gb, warmup=False, tensor_parallel_size=tp))).num_blocks
+        for tp in TPS}
+
+
+def error_checks(path: str) -> dict:
+    from jaxpaged import LLM
+    msgs = {}
+    for name, tp in (("tp3", 3), ("tp16", 16)):
+        try:
+            LLM(model=path, **engine_kwargs(tensor_parallel_size=tp))
+            msgs[name] = None
+        except ValueError as e:
+            msgs[name] = str(e)
+    return msgs
+
+
+def main() -> None:
+    workdir = sys.argv[1]
+    only = set(sys.argv[2:])
+    import jax
+    from models import make_tiny_model
+    out = {"num_devices": len(jax.devices())}
+    for name, (family, hq, hkv, tie) in MODELS.items():
+        if only and name not in only:
+            continue
+        path = make_tiny_model(os.path.join(workdir, name), family, num_heads=hq, num_kv_heads=hkv, head_dim=8,
+                               tie=tie, seed=hkv)
+        out[name] = {}
+        engine_checks(path, out[name])
+        out[name]["logits_rel_diff"] = logits_checks(path)
+        if name == "llama_8q4kv":
+            out["errors"] = error_checks(path)
+            out["num_blocks_from_memory"] = sizing_checks(path)
+    if not only or "pallas" in only:
+        out["pallas"] = pallas_checks(workdir)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
