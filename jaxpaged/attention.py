@@ -38,7 +38,8 @@ def resolve_backend(name: str, head_dim: int, block_size: int) -> str:
 
 
 def make_attention(backend: str, decode_only: bool, mesh=None):
-    """attn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1]).
+    """attn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], **options);
+    options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given.
 
     With a `mesh` whose "model" axis has more than one device, the function runs per head shard."""
     attn = _single_device(backend, decode_only)
@@ -46,8 +47,9 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
         return attn
     heads = P(None, MODEL_AXIS, None)  # q, out [T, Hq, hd]
 
-    def sharded(q, k_pool, v_pool, *rest):  # rest (tables, lengths, ...) replicated
-        f = shard_map(attn, mesh, in_specs=(heads, POOL_SPEC, POOL_SPEC) + (P(),) * len(rest), out_specs=heads)
+    def sharded(q, k_pool, v_pool, *rest, **options):  # rest (tables, lengths, ...) replicated
+        f = shard_map(functools.partial(attn, **options), mesh,
+                      in_specs=(heads, POOL_SPEC, POOL_SPEC) + (P(),) * len(rest), out_specs=heads)
         return f(q, k_pool, v_pool, *rest)
     return sharded
 
@@ -60,11 +62,11 @@ def _single_device(backend: str, decode_only: bool):
     if not decode_only:
         return functools.partial(ragged_paged_attention, interpret=interpret)
 
-    def decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
+    def decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, **options):
         # decode-only: slot i's single query is row query_start_loc[i] (empty slots: seq_lens 0)
         S, T = seq_lens.shape[0], q.shape[0]
         rows = jnp.minimum(query_start_loc[:S], T - 1)
-        out = paged_attention(q[rows], k_pool, v_pool, block_tables, seq_lens, interpret=interpret)
+        out = paged_attention(q[rows], k_pool, v_pool, block_tables, seq_lens, interpret=interpret, **options)
         slot_of_row = jnp.searchsorted(query_start_loc[1:], jnp.arange(T), side="right")
         valid = jnp.arange(T) < query_start_loc[S]
         return jnp.where(valid[:, None, None], out[jnp.minimum(slot_of_row, S - 1)], 0).astype(q.dtype)

@@ -4,6 +4,14 @@ Block 0 is the null block and is never handed out. A full block may be registere
 cache under the key (parent key's hash, its token ids): equal keys mean equal token prefixes, since
 dict lookup compares the token ids themselves. A cached block whose ref count drops to 0 stays cached
 and becomes evictable; evictable blocks are reused least recently freed first.
+
+Sliding window (only when every layer slides, as in Mistral): a query at position p sees keys
+p - window < k <= p, so once a request has computed c tokens, a block whose last position is
+<= c - window is never read again. `allocate` drops the request's reference to such blocks and puts
+the null block in their place in `req.block_ids` (positions keep their index): they go back to the
+free list, or, when registered in the prefix cache, stay cached and evictable — their contents are
+still the K/V of that prefix. A request's row of the engine's block table may keep the old ids:
+attention never reads positions outside the window.
 """
 from __future__ import annotations
 
@@ -13,11 +21,15 @@ from jaxpaged.request import Request
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None):
         if num_blocks < 2:
             raise ValueError("num_blocks must be at least 2 (block 0 is the null block)")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be a positive int or None, got {sliding_window!r}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.sliding_window = sliding_window
         self.ref_count = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(1, num_blocks))  # not cached, ref 0
         self.evictable: OrderedDict[int, None] = OrderedDict()      # cached, ref 0, oldest first
@@ -73,11 +85,14 @@ class BlockManager:
         max_blocks = (len(req.token_ids) - 1) // self.block_size
         if req.sibling is not None and req.sibling.num_computed_tokens >= req.num_prompt_tokens \
                 and req.sibling.block_ids:
-            # n > 1: share the sibling's full prompt blocks directly (works without the prefix cache)
+            # n > 1: share the sibling's full prompt blocks directly (works without the prefix cache),
+            # up to the first one the sibling's window has dropped
             shared = req.sibling.block_ids[:min(max_blocks, req.num_prompt_tokens // self.block_size)]
+            shared = shared[:shared.index(0)] if 0 in shared else shared
             for b in shared:
                 self._take(b)
             req.block_ids = list(shared)
+            self._drop_behind_window(req, len(shared) * self.block_size)
             return len(shared) * self.block_size
         if not self.enable_prefix_caching:
             return 0
@@ -90,18 +105,51 @@ class BlockManager:
             req.block_ids.append(b)
         n = len(req.block_ids) * self.block_size
         self.hit_tokens += n
+        self._drop_behind_window(req, n)
         return n
+
+    def max_blocks_held(self, num_tokens: int, step_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` tokens holds at once, advancing <= step_tokens a step
+        (with a sliding window: its window and one step, wherever the blocks' boundaries fall)."""
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (step_tokens + self.sliding_window - 3) // self.block_size + 2)
 
     def blocks_needed(self, req: Request, num_tokens: int) -> int:
         return max(0, -(-num_tokens // self.block_size) - len(req.block_ids))
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
-        """Give the request enough blocks to hold `num_tokens` tokens; False (nothing taken) if short."""
+        """Give the request enough blocks to hold `num_tokens` tokens; False (nothing taken) if short.
+
+        With a sliding window, first release the blocks no query from `req.num_computed_tokens` on sees."""
+        self._drop_behind_window(req, req.num_computed_tokens)
         need = self.blocks_needed(req, num_tokens)
         if need > self.num_free_blocks:
             return False
         req.block_ids.extend(self._new_block() for _ in range(need))
         return True
+
+    def _drop_behind_window(self, req: Request, computed: int) -> None:
+        """Release the blocks no query from position `computed` on can see (sliding window only)."""
+        if self.sliding_window is None:
+            return
+        dead = max(computed - self.sliding_window + 1, 0) // self.block_size
+        for i in range(min(dead, len(req.block_ids))):
+            b = req.block_ids[i]
+            if b:
+                req.block_ids[i] = 0
+                self._release(b)
+
+    def _release(self, b: int) -> None:
+        self.ref_count[b] -= 1
+        if self.ref_count[b] < 0:
+            raise RuntimeError(f"block {b} freed more often than taken")
+        if self.ref_count[b] == 0:
+            if b in self.block_key:
+                self.evictable[b] = None
+            else:
+                self.free_blocks.append(b)
 
     def cache_blocks(self, req: Request) -> None:
         """Register the request's full, computed blocks in the prefix cache."""
@@ -110,7 +158,7 @@ class BlockManager:
         full = req.num_computed_tokens // self.block_size
         for i in range(req.num_registered_blocks, full):
             b = req.block_ids[i]
-            if b in self.block_key:
+            if b == 0 or b in self.block_key:  # dropped behind the window, or cached already
                 continue
             key = self._key(req, i)
             if key not in self.cache:  # an equal block cached by another request stays the cached one
@@ -121,14 +169,8 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Drop the request's references; blocks reaching 0 become free (tail first) or evictable."""
         for b in reversed(req.block_ids):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] < 0:
-                raise RuntimeError(f"block {b} freed more often than taken")
-            if self.ref_count[b] == 0:
-                if b in self.block_key:
-                    self.evictable[b] = None
-                else:
-                    self.free_blocks.append(b)
+            if b:  # 0: dropped behind the window already
+                self._release(b)
         req.block_ids = []
         req.blocks_epoch += 1
         req.num_registered_blocks = 0

@@ -7,15 +7,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jaxpaged.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, moe_fields, positive_or_none,
+                                rope_fields, rope_param, window_fields)
+
 # HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -31,11 +38,46 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # q/k/v projections carry a bias (Qwen2)
-    qk_norm: bool = False             # per-head RMSNorm on q and k before RoPE (Qwen3)
-    rope_scaling: tuple | None = None  # llama3: (factor, low_freq_factor, high_freq_factor, original_max)
-    sliding_window: int | None = None
+    qk_norm: str | None = None        # RMSNorm on q and k before RoPE: "head" (Qwen3, Gemma 3), "flat" (OLMoE)
+    # RoPE scaling of full-attention layers: ("llama3", factor, low_freq_factor, high_freq_factor,
+    # original_max), ("linear", factor) or ("longrope", short_factor tuple, attention factor)
+    rope_scaling: tuple | None = None
+    rope_local_theta: float | None = None  # RoPE base of sliding-window layers (Gemma 3), unscaled
+    sliding_window: int | None = None  # a query at p sees keys p - window < k <= p on sliding layers
+    layer_types: tuple[str, ...] = ()  # per layer SLIDING or FULL (filled in __post_init__)
+    hidden_act: str = "silu"          # of the gated MLP: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_plus_one: bool = False       # RMSNorm scales by (1 + w) (Gemma)
+    sandwich_norms: bool = False      # extra norms after attention and after the MLP (Gemma 2/3)
+    embed_scale: bool = False         # embeddings times sqrt(hidden), rounded to the param dtype (Gemma)
+    query_scale: float | None = None  # attention logit scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None   # attention logits -> c * tanh(logits / c) (Gemma 2)
+    final_softcap: float | None = None  # output logits likewise (Gemma 2/3)
+    num_experts: int = 0              # MoE: experts per layer (0: dense MLP)
+    num_experts_per_tok: int = 0      # MoE: top-k
+    moe_intermediate_size: int = 0    # MoE: F of each expert
+    norm_topk_prob: bool = False      # MoE: renormalize the top-k router probabilities
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if not self.layer_types:
+            kind = SLIDING if self.sliding_window else FULL
+            object.__setattr__(self, "layer_types", (kind,) * self.num_layers)
+
+    def layer_window(self, i: int) -> int | None:
+        """The attention window of layer i (None: all earlier keys)."""
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+    @property
+    def all_layers_windowed(self) -> bool:
+        """Every layer slides (Mistral): blocks behind the window are dead and may be freed."""
+        return self.sliding_window is not None and all(t == SLIDING for t in self.layer_types)
+
+    @property
+    def layer_period(self) -> int:
+        """Smallest p with layer_types[i] == layer_types[i % p]: layers are scanned in groups of p."""
+        t = self.layer_types
+        return next(p for p in range(1, len(t) + 1) if all(t[i] == t[i % p] for i in range(len(t))))
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
@@ -57,24 +99,42 @@ class ModelConfig:
                 num_kv_heads=int(d.get("num_key_value_heads") or heads),
                 head_dim=int(d.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_param(d, "rope_theta", 10000.0)),
                 max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA)),
             )
+            if family in MOE:
+                kw.update(moe_fields(d, family, source))
         except KeyError as e:
             raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        act_field = "hidden_activation" if family in GEMMA else "hidden_act"
+        act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
+        kw["hidden_act"] = act
         if family == "qwen2":
             kw["attention_bias"] = True
-        elif family in ("llama", "mistral", "qwen3"):
+        elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
             kw["attention_bias"] = bool(d.get("attention_bias", False))
-        kw["qk_norm"] = family == "qwen3"
-        kw["rope_scaling"] = _rope_scaling(d, source)
-        if family == "mistral" or d.get("use_sliding_window", False):
-            sw = d.get("sliding_window")
-            kw["sliding_window"] = int(sw) if sw else None
+        kw["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
+        if family == "olmoe" and d.get("clip_qkv") is not None:
+            raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
+        if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
+            raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
+                             " is not supported (only 1.0)")
+        try:
+            kw.update(rope_fields(d, family, kw, source))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{source}: rope_scaling / rope_parameters lacks or mistypes a field "
+                             f"({type(e).__name__}: {e})") from None
+        kw.update(window_fields(d, family, kw["num_layers"], source))
+        if family in GEMMA:
+            kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
+                      query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+                      # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
+                      attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
+                                                    50.0 if family == "gemma2" else None),
+                      final_softcap=positive_or_none(d, "final_logit_softcapping", source,
+                                                     30.0 if family == "gemma2" else None))
         eos = d.get("eos_token_id")
         kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
         kw["bos_token_id"] = d.get("bos_token_id")
@@ -93,24 +153,6 @@ class ModelConfig:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"{f}: cannot read config: {e}") from None
         return cls.from_hf_dict(d, source=f)
-
-
-def _rope_param(d, name, default):
-    rp = d.get("rope_parameters") or {}
-    return d.get(name) or rp.get(name) or default
-
-
-def _rope_scaling(d, source):
-    rs = d.get("rope_scaling") or d.get("rope_parameters")
-    if not rs:
-        return None
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise ValueError(f"{source}: rope_scaling type {kind!r} is not supported (only 'llama3')")
-    return (float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"]),
-            int(rs["original_max_position_embeddings"]))
 
 
 def default_cache_dir() -> str:

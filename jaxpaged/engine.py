@@ -86,9 +86,6 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) exceeds the model's "
                              f"max_position_embeddings ({limit})")
-        if mc.sliding_window is not None and mc.sliding_window < self.max_model_len:
-            raise ValueError(f"{model_dir}: sliding-window attention (window {mc.sliding_window}) is not "
-                             f"supported; pass max_model_len <= {mc.sliding_window}")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         eos = set(mc.eos_token_ids) | generation_eos_ids(model_dir)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -107,7 +104,10 @@ class LLMEngine:
         del params
         if cfg.warmup:
             self.runner.warmup(cfg.show_progress)
-        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        # every layer sliding (Mistral): blocks behind the window are freed while a request runs
+        window = mc.sliding_window if mc.all_layers_windowed else None
+        self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                          sliding_window=window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.groups: dict[str, _Group] = {}
         self._rng = np.random.default_rng(cfg.seed)
@@ -147,8 +147,9 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
-        max_tokens = check_request(ids, params, self.request_limits(), self.config.block_size,
-                                   self.num_blocks - 1)
+        budget = self.config.max_num_batched_tokens
+        max_tokens = check_request(ids, params, self.request_limits(),
+                                   lambda n: self.block_manager.max_blocks_held(n, budget), self.num_blocks - 1)
         if params.max_tokens is None:
             params = SamplingParams(**{**params.__dict__, "max_tokens": max_tokens})
         base_seed = int(self._rng.integers(2 ** 32)) if params.seed is None else params.seed % 2 ** 32

@@ -19,7 +19,11 @@ from typing import Iterator
 import numpy as np
 
 # GGUF `general.architecture` -> HF architecture the engine runs (llama.cpp writes Mistral as llama).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
+# metadata transformers' GGUF_CONFIG_MAPPING leaves out, which llama.cpp writes for these architectures
+_EXTRA_KEYS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
+               "final_logit_softcapping": "final_logit_softcapping"}
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                    "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
 
@@ -86,6 +90,12 @@ class GGUFModel:
                     d[hf_key] = meta[f"{prefix}.{key}"]
         if f"{arch}.attention.key_length" in meta:  # Qwen3: head_dim is not hidden / heads
             d["head_dim"] = meta[f"{arch}.attention.key_length"]
+        for key, hf_key in _EXTRA_KEYS.items():
+            if f"{arch}.{key}" in meta:
+                d[hf_key] = meta[f"{arch}.{key}"]
+        if arch == "gemma2":  # not in the file: llama.cpp's rule (head_dim; hidden / heads for the 46-layer 27B)
+            d["query_pre_attn_scalar"] = (d["hidden_size"] // d["num_attention_heads"]
+                                          if d["num_hidden_layers"] == 46 else d.get("head_dim", 256))
         if "vocab_size" not in d and "tokenizer.ggml.tokens" in meta:
             d["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
         try:
@@ -96,11 +106,13 @@ class GGUFModel:
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
         import gguf
-        from jaxpaged.weights import HF_LAYER_NAMES, HF_TOP_NAMES
+        from jaxpaged.config import ModelConfig
+        from jaxpaged.weights import HF_TOP_NAMES, layer_name_map
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         n_layers = self.config["num_hidden_layers"]
         name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
-        hf_names = list(HF_TOP_NAMES) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in HF_LAYER_NAMES]
+        layer_names = layer_name_map(ModelConfig.from_hf_dict(self.config, source=self.path))
+        hf_names = list(HF_TOP_NAMES) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in layer_names]
         out = {}
         for hf in hf_names:
             base, suffix = hf.rsplit(".", 1)
@@ -127,6 +139,8 @@ class GGUFModel:
                 w = _unpermute(w, heads)
             elif self.arch == "llama" and ".attn_k." in t.name:
                 w = _unpermute(w, kv_heads)
+            elif self.arch == "gemma2" and t.name.endswith("norm.weight"):
+                w = w - 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
             yield hf, w
 
     def tokenizer(self):

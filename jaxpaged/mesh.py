@@ -78,15 +78,26 @@ def vocab_sharded(cfg: ModelConfig, tp: int) -> bool:
 
 
 def param_partition_specs(cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec of every parameter (same tree as `weights.param_shapes`) over the "model" axis."""
+    """PartitionSpec of every parameter (same tree as `weights.param_shapes`) over the "model" axis.
+
+    MoE: expert parallelism — the E axis of the stacked experts is split (each device holds E / tp whole
+    experts), the router replicated; XLA all-reduces the expert outputs."""
     ax = MODEL_AXIS
     col, row, rep = P(None, None, ax), P(None, ax, None), P()
     layers = {"attn_norm": rep, "wq": col, "wk": col, "wv": col, "wo": row, "mlp_norm": rep,
               "w_gate": col, "w_up": col, "w_down": row}
+    if cfg.num_experts:
+        if cfg.num_experts % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide the model's num_experts "
+                             f"({cfg.num_experts}): experts are split over the devices")
+        expert = P(None, ax, None, None)  # [L, E, in, out]
+        layers.update(router=rep, w_gate=expert, w_up=expert, w_down=expert)
     if cfg.attention_bias:
         layers.update(bq=P(None, ax), bk=P(None, ax), bv=P(None, ax))
-    if cfg.qk_norm:
+    if cfg.qk_norm:  # per head [L, hd], or over all heads [L, H*hd] (its mean needs the whole row)
         layers.update(q_norm=rep, k_norm=rep)
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=rep, post_mlp_norm=rep)
     vocab = vocab_sharded(cfg, tp)
     specs = {"embed": P(ax, None) if vocab else rep, "final_norm": rep, "layers": layers}
     if not cfg.tie_word_embeddings:
@@ -101,7 +112,7 @@ def replicate_kv_heads(params: dict, cfg: ModelConfig, r: int) -> dict:
         return params
     hd = cfg.head_dim
     layers = dict(params["layers"])
-    for name in ("wk", "wv", "bk", "bv"):
+    for name in ("wk", "wv", "bk", "bv") + (("k_norm",) if cfg.qk_norm == "flat" else ()):
         if name in layers:
             a = layers[name]  # [L, (D,) Hkv*hd]
             heads = a.reshape(a.shape[:-1] + (cfg.num_kv_heads, hd))

@@ -49,9 +49,10 @@ def prompt_ids(prompt, tokenizer, model_dir: str) -> tuple[str | None, list[int]
     return None, [int(t) for t in ids]
 
 
-def check_request(ids: list[int], params, limits: dict, block_size: int, usable_blocks: int) -> int:
+def check_request(ids: list[int], params, limits: dict, blocks_held, usable_blocks: int) -> int:
     """Check a tokenized request and its SamplingParams against `limits` (LLMEngine.request_limits());
-    return its effective max_tokens (None means up to max_model_len)."""
+    `blocks_held(num_tokens)` is the most KV blocks a request of that length holds at once
+    (BlockManager.max_blocks_held). Return its effective max_tokens (None means up to max_model_len)."""
     V, L, NB = limits["vocab_size"], limits["max_model_len"], limits["max_banned_ids"]
     if not ids:
         raise InvalidParam("prompt", "prompt is empty (it has no tokens)", code="empty_prompt")
@@ -65,7 +66,7 @@ def check_request(ids: list[int], params, limits: dict, block_size: int, usable_
     if len(ids) + max_tokens > L:
         raise InvalidParam("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
                            f"max_model_len ({L})", code="context_length_exceeded")
-    need = -(-(len(ids) + max_tokens) // block_size)
+    need = blocks_held(len(ids) + max_tokens)
     if need > usable_blocks:
         raise InvalidParam("max_tokens", f"request needs {need} KV blocks, the pool has {usable_blocks}",
                            code="context_length_exceeded")

@@ -22,7 +22,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, 
               "BOOL": np.bool_}
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
-# HF name (layer part) -> (our name, transpose?)
+# HF name (layer part) -> (our name, transpose?): the Llama map, which every family starts from
 HF_LAYER_NAMES = {
     "input_layernorm.weight": ("attn_norm", False),
     "self_attn.q_proj.weight": ("wq", True),
@@ -41,7 +41,50 @@ HF_LAYER_NAMES = {
 }
 HF_TOP_NAMES = {"model.embed_tokens.weight": ("embed", False), "model.norm.weight": ("final_norm", False),
             "lm_head.weight": ("lm_head", True)}
+# Gemma 2/3: post_attention_layernorm follows attention; the MLP has a norm on each side
+_GEMMA_LAYER_NAMES = {**HF_LAYER_NAMES, "post_attention_layernorm.weight": ("post_attn_norm", False),
+                      "pre_feedforward_layernorm.weight": ("mlp_norm", False),
+                      "post_feedforward_layernorm.weight": ("post_mlp_norm", False)}
+# MoE: the router, and each expert's matrices (HF expert name -> ours; stacked on the E axis)
+_MOE_ROUTER = {"mixtral": "block_sparse_moe.gate.weight", "qwen3_moe": "mlp.gate.weight", "olmoe": "mlp.gate.weight"}
+_EXPERT_NAMES = {"w1.weight": "w_gate", "w3.weight": "w_up", "w2.weight": "w_down",
+                 "gate_proj.weight": "w_gate", "up_proj.weight": "w_up", "down_proj.weight": "w_down"}
+_EXPERT_PREFIX = {"mixtral": "block_sparse_moe.experts", "qwen3_moe": "mlp.experts", "olmoe": "mlp.experts"}
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
+
+
+def layer_name_map(cfg: ModelConfig) -> dict[str, list[tuple[str, bool, tuple[int, int] | None]]]:
+    """HF layer tensor name -> [(our name, transpose?, (first, last) rows of the HF tensor or None)].
+
+    Phi-3's fused qkv_proj and gate_up_proj are split by rows at load; expert tensors are not listed
+    (see `_EXPERT_NAMES`)."""
+    base = _GEMMA_LAYER_NAMES if cfg.family in ("gemma2", "gemma3") else HF_LAYER_NAMES
+    out = {k: [(name, t, None)] for k, (name, t) in base.items()}
+    if cfg.family == "phi3":
+        q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        for k in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            del out[k]
+        out["self_attn.qkv_proj.weight"] = [("wq", True, (0, q)), ("wk", True, (q, q + kv)),
+                                            ("wv", True, (q + kv, q + 2 * kv))]
+        out["mlp.gate_up_proj.weight"] = [("w_gate", True, (0, f)), ("w_up", True, (f, 2 * f))]
+    if cfg.num_experts:
+        for k in ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"):
+            del out[k]
+        out[_MOE_ROUTER[cfg.family]] = [("router", True, None)]
+    return out
+
+
+def expected_hf_names(cfg: ModelConfig) -> list[str]:
+    """Every HF tensor name a checkpoint of this config holds (what the loaders must see)."""
+    shapes = param_shapes(cfg)
+    names = [k for k, (ours, _) in HF_TOP_NAMES.items() if ours in shapes]
+    per_layer = [k for k, dst in layer_name_map(cfg).items() if all(d[0] in shapes["layers"] for d in dst)]
+    if cfg.num_experts:
+        hf = {"mixtral": ("w1", "w3", "w2")}.get(cfg.family, ("gate_proj", "up_proj", "down_proj"))
+        per_layer += [f"{_EXPERT_PREFIX[cfg.family]}.{e}.{n}.weight" for e in range(cfg.num_experts) for n in hf]
+    return names + [f"model.layers.{i}.{k}" for i in range(cfg.num_layers) for k in per_layer]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -49,11 +92,20 @@ def param_shapes(cfg: ModelConfig) -> dict:
     L, D, F, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv, hd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
     layers = {"attn_norm": (L, D), "wq": (L, D, q), "wk": (L, D, kv), "wv": (L, D, kv), "wo": (L, q, D),
-              "mlp_norm": (L, D), "w_gate": (L, D, F), "w_up": (L, D, F), "w_down": (L, F, D)}
+              "mlp_norm": (L, D)}
+    if cfg.num_experts:
+        E, Fe = cfg.num_experts, cfg.moe_intermediate_size
+        layers.update(router=(L, D, E), w_gate=(L, E, D, Fe), w_up=(L, E, D, Fe), w_down=(L, E, Fe, D))
+    else:
+        layers.update(w_gate=(L, D, F), w_up=(L, D, F), w_down=(L, F, D))
     if cfg.attention_bias:
         layers.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
-    if cfg.qk_norm:
+    if cfg.qk_norm == "head":
         layers.update(q_norm=(L, hd), k_norm=(L, hd))
+    elif cfg.qk_norm == "flat":
+        layers.update(q_norm=(L, q), k_norm=(L, kv))
+    if cfg.sandwich_norms:
+        layers.update(post_attn_norm=(L, D), post_mlp_norm=(L, D))
     shapes = {"embed": (V, D), "final_norm": (D,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
@@ -67,43 +119,50 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
     shapes = param_shapes(cfg)
     out = {"layers": {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}}
     out.update({k: np.empty(s, np_dtype) for k, s in shapes.items() if k != "layers"})
+    names = layer_name_map(cfg)
+    expected = set(expected_hf_names(cfg))
     seen = set()
+
+    def unexpected():
+        return ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
+
     for name, arr in tensors:
+        a = np.asarray(arr)
         m = _LAYER_RE.match(name)
         if m:
             i, rest = int(m.group(1)), m.group(2)
             if rest.endswith("rotary_emb.inv_freq"):
                 continue
-            if rest not in HF_LAYER_NAMES or i >= cfg.num_layers:
-                raise ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
-            key, transpose = HF_LAYER_NAMES[rest]
-            if key not in out["layers"]:
-                raise ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
-            dst, want, tag = out["layers"][key], shapes["layers"][key][1:], (key, i)
+            e = _EXPERT_RE.match(rest) if cfg.num_experts else None
+            if e:  # one expert's matrix: into [i, expert]
+                dests = [(_EXPERT_NAMES.get(e.group(2)), True, None)]
+                where = (i, int(e.group(1)))
+            else:
+                dests, where = names.get(rest, [(None, False, None)]), (i,)
         elif name in HF_TOP_NAMES:
-            key, transpose = HF_TOP_NAMES[name]
-            if key == "lm_head" and cfg.tie_word_embeddings:
+            dests, where = [HF_TOP_NAMES[name] + (None,)], ()
+            if dests[0][0] == "lm_head" and cfg.tie_word_embeddings:
                 continue
-            dst, want, tag = out, shapes[key], (key, None)
         else:
-            raise ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
-        a = np.asarray(arr)
-        a = a.T if transpose else a
-        if a.shape != tuple(want):
-            raise ValueError(f"{source}: tensor {name!r} has shape {tuple(np.asarray(arr).shape)}, "
-                             f"expected {tuple(want)[::-1] if transpose else tuple(want)}")
-        if tag[1] is None:
-            out[key] = a.astype(np_dtype)
-        else:
-            dst[tag[1]] = a.astype(np_dtype)
-        seen.add(tag)
+            raise unexpected()
+        if name not in expected:
+            raise unexpected()
+        for key, transpose, rows in dests:
+            part = a if rows is None else a[rows[0]:rows[1]]
+            part = part.T if transpose else part
+            want = (shapes["layers"][key] if m else shapes[key])[len(where):]
+            if part.shape != tuple(want):
+                got = a.shape if rows is None else (a.shape, f"rows {rows[0]}:{rows[1]}")
+                raise ValueError(f"{source}: tensor {name!r} has shape {got}, expected "
+                                 f"{tuple(want)[::-1] if transpose else tuple(want)}")
+            if m:
+                out["layers"][key][where] = part.astype(np_dtype)
+            else:
+                out[key] = part.astype(np_dtype)
+        seen.add(name)
         if progress is not None:
             progress.update(1)
-    hf_top = {v[0]: k for k, v in HF_TOP_NAMES.items()}
-    hf_layer = {v[0]: k for k, v in HF_LAYER_NAMES.items()}
-    missing = [hf_top[k] for k in shapes if k != "layers" and (k, None) not in seen]
-    missing += [f"model.layers.{i}.{hf_layer[k]}" for k in shapes["layers"] for i in range(cfg.num_layers)
-                if (k, i) not in seen]
+    missing = [n for n in expected_hf_names(cfg) if n not in seen]
     if missing:
         raise ValueError(f"{source}: missing tensors: {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''} ({len(missing)} in all)")
@@ -159,8 +218,7 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def count_tensors(cfg: ModelConfig) -> int:
-    shapes = param_shapes(cfg)
-    return len(shapes) - 1 + len(shapes["layers"]) * cfg.num_layers
+    return len(expected_hf_names(cfg))
 
 
 def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None) -> dict:

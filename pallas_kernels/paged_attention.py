@@ -25,7 +25,7 @@ try:
 except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
     plgpu = None
 
-from pallas_kernels.reference import paged_attention_reference
+from pallas_kernels.reference import check_options, paged_attention_reference
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
@@ -84,14 +84,18 @@ def pad_table(block_tables, blocks_per_iter):
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
-def online_softmax_step(q, k, v, visible, carry, scale):
-    """One block of keys into the running (m, l, acc); logits in base 2.
+def online_softmax_step(q, k, v, visible, carry, scale, softcap=None):
+    """One block of keys into the running (m, l, acc); logits in base 2, soft-capped when asked.
 
     q: [M, D]; k, v: [K, D]; visible: bool broadcastable to [M, K]; carry: m [M], l [M], acc [M, D] (f32).
     """
     m, l, acc = carry
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, K]
-    s = jnp.where(visible, s * (scale * _LOG2E), _NEG)
+    if softcap is None:
+        s = s * (scale * _LOG2E)
+    else:
+        s = jnp.tanh(s * (scale / softcap)) * (softcap * _LOG2E)
+    s = jnp.where(visible, s, _NEG)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, K]
     alpha = jnp.exp2(m - m_new)
@@ -101,7 +105,7 @@ def online_softmax_step(q, k, v, visible, carry, scale):
 
 
 def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
-                   scale, blocks_per_iter, num_splits):
+                   scale, blocks_per_iter, num_splits, window, softcap):
     # lens_ref: i32[S]; tables_ref: i32[S, B] (B a multiple of blocks_per_iter)
     # q_ref: [M, D] queries of this slot and KV head (rows past the GQA group are padding)
     # k_ref, v_ref: [N, bs, Hkv, D] whole pools
@@ -113,8 +117,10 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
     kb = nb * bs
     length = lens_ref[s]
     n_iter = jnp.minimum(pl.cdiv(length, kb), tables_ref.shape[1] // nb)
-    per_split = pl.cdiv(n_iter, num_splits)
-    start = j * per_split
+    lowest = 0 if window is None else jnp.maximum(length - window, 0)  # first key in the window
+    first = lowest // kb  # blocks wholly before the window are skipped
+    per_split = pl.cdiv(jnp.maximum(n_iter - first, 0), num_splits)
+    start = first + j * per_split
     stop = jnp.minimum(start + per_split, n_iter)
     q = q_ref[...]
 
@@ -123,9 +129,9 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
         k = k_ref[ids, :, h, :].reshape(kb, D)  # [kb, D]
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
-        v = jnp.where(k_pos < length, v, 0)  # stale pool contents must not reach the output
-        visible = (k_pos < length).reshape(1, kb)
-        return online_softmax_step(q, k, v, visible, carry, scale)
+        seen = (k_pos < length) & (k_pos >= lowest)  # [kb, 1]
+        v = jnp.where(seen, v, 0)  # stale pool contents must not reach the output
+        return online_softmax_step(q, k, v, seen.reshape(1, kb), carry, scale, softcap)
 
     init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),
             jnp.zeros((M, D), jnp.float32))
@@ -152,8 +158,8 @@ def decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "interpret", "blocks_per_iter", "num_splits", "num_warps", "num_stages"))
-def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, interpret,
+    "scale", "window", "softcap", "interpret", "blocks_per_iter", "num_splits", "num_warps", "num_stages"))
+def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, window, softcap, interpret,
                      blocks_per_iter, num_splits, num_warps, num_stages):
     S, Hq, D = q.shape
     Hkv = k_pool.shape[2]
@@ -177,7 +183,7 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, interp
         out_shape = [jax.ShapeDtypeStruct((S, Hkv, M, D), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, M, D), row)]
     kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_iter=blocks_per_iter,
-                               num_splits=num_splits)
+                               num_splits=num_splits, window=window, softcap=softcap)
     outs = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
@@ -197,8 +203,8 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, interp
     return out[:, :, :G].reshape(S, Hq, D).astype(q.dtype)
 
 
-def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, interpret=False,
-                    **tuning):
+def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, window=None, softcap=None,
+                    interpret=False, **tuning):
     """Decode attention over a paged KV pool: q [S, Hq, D] -> [S, Hq, D].
 
     Args:
@@ -208,12 +214,16 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, in
       block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
       seq_lens: i32[num_slots] keys visible to each slot's query; 0 = empty slot (returns zeros).
       scale: logit scale, default head_dim ** -0.5.
+      window: sliding window (the query sees its last ``window`` keys; blocks before them are skipped),
+        None for all keys.
+      softcap: logits become ``softcap * tanh(logits / softcap)`` (after scaling); None for none.
       interpret: run the kernel in Pallas interpret mode (CPU).
       **tuning: keyword-only knobs, defaults from ``decode_defaults``: ``blocks_per_iter`` (blocks
         per inner step, power of two), ``num_splits`` (key splits per slot), ``num_warps``,
         ``num_stages``.
     """
     block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens)
+    check_options(window, softcap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} slots but block_tables has {block_tables.shape[0]} rows")
     knobs = decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1],
@@ -226,7 +236,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, in
     if knobs["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {knobs['num_splits']}")
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    return _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, scale=scale,
+    return _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, scale=scale, window=window,
+                            softcap=None if softcap is None else float(softcap),
                             interpret=bool(interpret), **knobs)
 
 

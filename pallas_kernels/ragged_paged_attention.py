@@ -20,11 +20,11 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.paged_attention import (_NEG, _pow2, check_pow2, compiler_params, online_softmax_step,
                                             pad_table, plgpu, validate)
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.reference import check_options, ragged_paged_attention_reference
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q,
-                   blocks_per_iter):
+                   blocks_per_iter, window, softcap):
     # tiles_ref: i32[4, P] per tile: slot, first row, valid rows (0 = idle tile), position of first row
     # tables_ref: i32[S, B] (B a multiple of blocks_per_iter)
     # q_ref, o_ref: [T + block_q, Hkv, Gp, D] whole arrays (rows padded so every tile slice is in bounds)
@@ -38,6 +38,7 @@ def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, 
     slot, row0, n_rows, pos0 = tiles_ref[0, p], tiles_ref[1, p], tiles_ref[2, p], tiles_ref[3, p]
     kv_len = jnp.where(n_rows > 0, pos0 + n_rows, 0)  # keys visible to the tile's last row
     n_iter = jnp.minimum(pl.cdiv(jnp.maximum(kv_len, 0), kb), tables_ref.shape[1] // nb)
+    lowest = 0 if window is None else jnp.maximum(pos0 - window + 1, 0)  # first key of the first row's window
     q = q_ref[pl.ds(row0, block_q), h, :, :].reshape(M, D)  # row r*Gp+g: token r, head g
     q_pos = pos0 + lax.broadcasted_iota(jnp.int32, (M, 1), 0) // Gp  # [M, 1]
 
@@ -46,13 +47,15 @@ def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, 
         k = k_ref[ids, :, h, :].reshape(kb, D)  # [kb, D]
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
-        v = jnp.where(k_pos < kv_len, v, 0)  # stale pool contents must not reach the output
+        v = jnp.where((k_pos < kv_len) & (k_pos >= lowest), v, 0)  # stale contents must not reach the output
         visible = k_pos.reshape(1, kb) <= q_pos  # [M, kb] causal
-        return online_softmax_step(q, k, v, visible, carry, scale)
+        if window is not None:
+            visible &= k_pos.reshape(1, kb) > q_pos - window
+        return online_softmax_step(q, k, v, visible, carry, scale, softcap)
 
     init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),
             jnp.zeros((M, D), jnp.float32))
-    _, l, acc = lax.fori_loop(0, n_iter, body, init)
+    _, l, acc = lax.fori_loop(jnp.minimum(lowest // kb, n_iter), n_iter, body, init)  # skip blocks before the window
     out = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype).reshape(block_q, Gp, D)
     rows = lax.broadcasted_iota(jnp.int32, (block_q, Gp, D), 0)
     plgpu.store(o_ref.at[pl.ds(row0, block_q), h, :, :], out, mask=rows < n_rows)
@@ -89,9 +92,9 @@ def ragged_defaults(num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "scale", "interpret", "block_q", "blocks_per_iter", "num_warps", "num_stages"))
-def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale,
-                            interpret, block_q, blocks_per_iter, num_warps, num_stages):
+    "scale", "window", "softcap", "interpret", "block_q", "blocks_per_iter", "num_warps", "num_stages"))
+def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale, window,
+                            softcap, interpret, block_q, blocks_per_iter, num_warps, num_stages):
     T, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
@@ -100,7 +103,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
     tiles = tile_layout(query_start_loc, seq_lens, T, block_q)  # [4, P]
     whole = pl.no_block_spec
     kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q,
-                               blocks_per_iter=blocks_per_iter)
+                               blocks_per_iter=blocks_per_iter, window=window, softcap=softcap)
     out = pl.pallas_call(
         kernel,
         grid=(tiles.shape[1], Hkv),
@@ -117,7 +120,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
 
 
 def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,
-                           interpret=False, **tuning):
+                           window=None, softcap=None, interpret=False, **tuning):
     """Mixed prefill/decode attention over a paged KV pool: q [T, Hq, D] -> [T, Hq, D].
 
     Args:
@@ -130,12 +133,16 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
         ``query_start_loc[i+1] - query_start_loc[i]`` tokens of its context; rows from
         ``query_start_loc[-1]`` on are padding (zeros out).
       scale: logit scale, default head_dim ** -0.5.
+      window: sliding window (a query at position p sees keys p - window < k <= p; each tile skips the
+        blocks wholly before its first query's window), None for causal attention over all keys.
+      softcap: logits become ``softcap * tanh(logits / softcap)`` (after scaling); None for none.
       interpret: run the kernel in Pallas interpret mode (CPU).
       **tuning: keyword-only knobs, defaults from ``ragged_defaults``: ``block_q`` (query tokens per
         program, power of two), ``blocks_per_iter`` (blocks per inner step, power of two),
         ``num_warps``, ``num_stages``.
     """
     block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens)
+    check_options(window, softcap)
     S = block_tables.shape[0]
     if query_start_loc.shape != (S + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
         raise ValueError(f"query_start_loc must be integer [{S + 1}] (num_slots + 1), got "
@@ -150,7 +157,8 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     return _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
-                                   query_start_loc.astype(jnp.int32), scale=scale,
+                                   query_start_loc.astype(jnp.int32), scale=scale, window=window,
+                                   softcap=None if softcap is None else float(softcap),
                                    interpret=bool(interpret), **knobs)
 
 

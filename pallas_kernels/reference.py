@@ -7,6 +7,11 @@ head_dim]``. A slot's keys are the first ``seq_lens[i]`` positions of the blocks
 Keys are visited in chunks of ``chunk_blocks`` blocks inside a ``while`` loop whose trip count is the
 longest context in the batch, with an online softmax across chunks: the work is proportional to the
 blocks in use, not to the width of the block table, and one compilation serves every context length.
+
+Options shared by every kernel (keyword-only, static): ``scale`` (logit scale, default
+``head_dim ** -0.5``), ``window`` (sliding window: a query at position p sees keys p - window < k <= p;
+None = unbounded; each query tile starts at the first block its window reaches, so blocks wholly
+outside the window are never read) and ``softcap`` (logits become ``softcap * tanh(logits / softcap)``).
 """
 from __future__ import annotations
 
@@ -17,11 +22,13 @@ _NEG = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
 
 
-def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chunk_blocks):
+def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window=None,
+                   softcap=None):
     """Online-softmax attention of query tiles over their slot's paged keys.
 
     q: [N, Q, Hq, D] — N tiles of Q query rows, all rows of a tile from one slot (tile_slot i32[N]);
-    q_pos: i32[N, Q] position of each row (keys at positions <= q_pos are visible; -1 sees nothing).
+    q_pos: i32[N, Q] position of each row, ascending within a tile (keys at positions <= q_pos, and
+    > q_pos - window, are visible; -1 sees nothing).
     A tile's keys are gathered once for its Q rows. Returns [N, Q, Hq, D] in float32.
     """
     N, Q, Hq, D = q.shape
@@ -29,24 +36,33 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     G = Hq // Hkv
     max_blocks = block_tables.shape[1]
     cb = min(chunk_blocks or max(1, 64 // bs), max_blocks)  # ~64 keys a chunk: best for CPU caches
-    # pad the table so a dynamic slice of cb columns is always in bounds
-    pad = (-max_blocks) % cb
-    tables = jnp.pad(block_tables, ((0, 0), (0, pad)))  # [S, B']
+    tables = block_tables[tile_slot]  # [N, B] each tile's row, gathered once
     qf = (q.astype(jnp.float32) * scale).reshape(N, Q, Hkv, G, D)
     k_rows = k_pool.reshape(k_pool.shape[0], -1)  # [num_blocks, bs * Hkv * D]
     v_rows = v_pool.reshape(v_pool.shape[0], -1)
-    longest = jnp.max(q_pos) + 1
-    n_chunks = (longest + cb * bs - 1) // (cb * bs)
+    last = jnp.max(q_pos, axis=1)  # [N] (-1: an empty tile)
+    if window is None:
+        first_block = jnp.zeros((N,), jnp.int32)
+    else:  # the first block the tile's first query's window reaches
+        first = jnp.min(jnp.where(q_pos >= 0, q_pos, last[:, None]), axis=1)  # [N]
+        first_block = jnp.maximum(first - window + 1, 0) // bs
+    n_chunks = jnp.max(jnp.maximum(last + 1 - first_block * bs, 0) + cb * bs - 1) // (cb * bs)
 
     def body(c, carry):
         m, l, acc = carry  # [N, Hkv, G, Q], [N, Hkv, G, Q], [N, Hkv, G, Q, D]
-        ids = jax.lax.dynamic_slice_in_dim(tables, c * cb, cb, axis=1)[tile_slot]  # [N, cb]
+        col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
+        ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
         k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
         v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
-        k_pos = c * cb * bs + jnp.arange(cb * bs)  # [K]
+        k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, cb * bs)  # [N, 1, K]
         s = jnp.einsum("nqhgd,nkhd->nhgqk", qf, k, precision=_HIGHEST)  # [N, Hkv, G, Q, K]
-        visible = (k_pos[None, None, :] <= q_pos[:, :, None])[:, None, None]  # [N, 1, 1, Q, K]
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
+        if window is not None:
+            visible &= k_pos > q_pos[:, :, None] - window
+        visible = visible[:, None, None]  # [N, 1, 1, Q, K]
         s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
@@ -71,17 +87,28 @@ def _check_heads(q, k_pool):
             f"num_q_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({k_pool.shape[2]})")
 
 
-def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, chunk_blocks=None):
+def check_options(window, softcap):
+    """Validate the shared keyword options; window and softcap must be static Python numbers."""
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
+
+
+def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, window=None,
+                              softcap=None, chunk_blocks=None):
     """Decode attention, one query per slot: q [S, Hq, D] -> [S, Hq, D].
 
-    The query of slot i sees keys 0..seq_lens[i]-1; a slot with seq_lens 0 returns zeros.
+    The query of slot i sees keys max(0, seq_lens[i] - window)..seq_lens[i]-1; a slot with seq_lens 0
+    returns zeros.
     """
     _check_heads(q, k_pool)
+    check_options(window, softcap)
     S = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_pos = seq_lens.astype(jnp.int32)[:, None] - 1  # [S, 1]
     out = _attend_chunks(q[:, None], q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
-                         block_tables, scale, chunk_blocks)
+                         block_tables, scale, chunk_blocks, window, softcap)
     return out[:, 0].astype(q.dtype)
 
 
@@ -118,7 +145,8 @@ def query_tiles(query_start_loc, seq_lens, num_tokens, tile):
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *,
-                                     scale=None, chunk_blocks=None, query_tile=None):
+                                     scale=None, window=None, softcap=None, chunk_blocks=None,
+                                     query_tile=None):
     """Mixed prefill/decode attention over packed queries: q [T, Hq, D] -> [T, Hq, D].
 
     Causal within each request; rows past query_start_loc[S] are padding and return zeros.
@@ -128,16 +156,19 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     per layer than one row per tile with 256-key chunks.
     """
     _check_heads(q, k_pool)
+    check_options(window, softcap)
     T, S = q.shape[0], seq_lens.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tile = query_tile or (1 if T <= S else 8)
     if tile == 1:
         slot, pos = query_layout(query_start_loc, seq_lens, T)
-        out = _attend_chunks(q[:, None], pos[:, None], slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
+        out = _attend_chunks(q[:, None], pos[:, None], slot, k_pool, v_pool, block_tables, scale,
+                             chunk_blocks, window, softcap)
         return out[:, 0].astype(q.dtype)
     rows, slot, pos = query_tiles(query_start_loc, seq_lens, T, tile)
     q_tiles = jnp.take(q, rows, axis=0, mode="clip")  # [N, tile, Hq, D]
-    out = _attend_chunks(q_tiles, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks)
+    out = _attend_chunks(q_tiles, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window,
+                         softcap)
     out = jnp.zeros(q.shape, jnp.float32).at[rows.reshape(-1)].set(
         out.reshape(-1, *q.shape[1:]), mode="drop")  # rows == T (not queries) are dropped
     return out.astype(q.dtype)

@@ -4,14 +4,20 @@ from __future__ import annotations
 import os
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# the families of issue 13, with sliding windows of 8 tokens (blocks of 4 in their tests: windows cross
+# blocks), Gemma 3 with 4 layers of pattern sliding, sliding, full (a scanned group of 3 and a tail)
+NEW_FAMILIES = ("mistral_sw", "gemma2", "gemma3", "phi3", "mixtral", "qwen3_moe", "olmoe", "qwen2_sw")
+WINDOW = 8
 
 
 def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, hidden_size: int = 64,
                     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int | None = None,
                     tie: bool = False, rope_scaling: dict | None = None, seed: int = 0,
                     initializer_range: float = 0.5, max_position_embeddings: int = 512,
-                    dtype: str = "float32", max_shard_size: str | None = None) -> str:
-    """Save a random model (config.json + safetensors, no tokenizer) and return its directory."""
+                    dtype: str = "float32", max_shard_size: str | None = None, **extra) -> str:
+    """Save a random model (config.json + safetensors, no tokenizer) and return its directory.
+
+    `extra` goes to the HF config class (e.g. rope_scaling for Phi-3)."""
     import torch
     import transformers as tf
     common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 2,
@@ -28,6 +34,33 @@ def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, 
         cfg = tf.Qwen2Config(use_sliding_window=False, **common)
     elif family == "qwen3":
         cfg = tf.Qwen3Config(use_sliding_window=False, **common)
+    elif family == "qwen2_sw":  # layer 0 full, the others sliding (max_window_layers)
+        cfg = tf.Qwen2Config(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1, **common, **extra)
+    elif family == "mistral_sw":
+        cfg = tf.MistralConfig(sliding_window=WINDOW, **common, **extra)
+    elif family == "gemma2":
+        cfg = tf.Gemma2Config(**{**common, "head_dim": head_dim or 16}, sliding_window=WINDOW,
+                              **{"query_pre_attn_scalar": 24, "attn_logit_softcapping": 3.0,
+                                 "final_logit_softcapping": 8.0, **extra})
+    elif family == "gemma3":
+        sw, full = "sliding_attention", "full_attention"
+        common["num_hidden_layers"] = 4
+        cfg = tf.Gemma3TextConfig(**{**common, "head_dim": head_dim or 16}, sliding_window=WINDOW,
+                                  query_pre_attn_scalar=24, final_logit_softcapping=8.0,
+                                  layer_types=[sw, sw, full, sw],
+                                  rope_parameters={sw: {"rope_type": "default", "rope_theta": 100.0},
+                                                   full: {"rope_type": "linear", "factor": 4.0,
+                                                          "rope_theta": 10000.0}}, **extra)
+        cfg.architectures = ["Gemma3ForCausalLM"]
+    elif family == "phi3":
+        cfg = tf.Phi3Config(**common, pad_token_id=0, **extra)
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2, **extra)
+    elif family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                norm_topk_prob=True, **extra)
+    elif family == "olmoe":
+        cfg = tf.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2, pad_token_id=0, **extra)
     else:
         raise ValueError(family)
     torch.manual_seed(seed)

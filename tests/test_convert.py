@@ -66,6 +66,10 @@ def write_gguf(hf_dir, path, qtype="F32", arch=None, zeros_as=None):
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])
+    if arch == "gemma2":
+        w.add_sliding_window(c["sliding_window"])
+        w.add_float32("gemma2.attn_logit_softcapping", c["attn_logit_softcapping"])
+        w.add_float32("gemma2.final_logit_softcapping", c["final_logit_softcapping"])
     w.add_layer_norm_rms_eps(c["rms_norm_eps"])
     with open(os.path.join(hf_dir, "tokenizer.json")) as f:
         tj = json.load(f)
@@ -97,6 +101,10 @@ def write_gguf(hf_dir, path, qtype="F32", arch=None, zeros_as=None):
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             n = heads if ".q_proj." in name else kv
             a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+        if name == "lm_head.weight" and c.get("tie_word_embeddings"):
+            continue  # llama.cpp writes no output matrix for tied embeddings
+        if arch == "gemma2" and name.endswith("norm.weight"):
+            a = a + 1  # llama.cpp stores Gemma's norm scales as 1 + w
         gname = f"{name_map.get_name(base)}.{suffix}"
         if gname in (zeros_as or {}):
             t = gguf.GGMLQuantizationType[zeros_as[gname]]
@@ -200,6 +208,34 @@ def test_gguf_tensors_match_transformers(tmp_path, family, qtype):
         assert getattr(got, field) == getattr(want, field), field
     if qtype == "F32":  # lossless: the permutation is undone exactly, every tensor as in the HF model
         _assert_trees_equal(_params(dst), _params(src))
+
+
+@pytest.mark.parametrize("family,qtype", [("gemma2", "F32"), ("phi3", "Q8_0")])
+def test_gguf_new_families_match_transformers(tmp_path, family, qtype):
+    """Gemma 2 (norm scales stored as 1 + w, window and soft-caps from the metadata) and Phi-3 (fused
+    qkv and gate_up tensors, split at load): tensors as transformers' GGUF loader reads them, and the
+    converted model's config and parameters as the HF directory's."""
+    from jaxpaged.gguf import GGUFModel
+    # llama.cpp's Gemma 2 is tied, and scales queries by head_dim ** -0.5 (but the 46-layer 27B)
+    kw = dict(tie=True, query_pre_attn_scalar=16) if family == "gemma2" else {}
+    src = _hf_dir(tmp_path / "hf", family, **kw)
+    os.makedirs(tmp_path / "gguf")
+    path = write_gguf(src, str(tmp_path / "gguf" / "m.gguf"), qtype)
+    ours = dict(GGUFModel(path).tensors())
+    want = _hf_gguf_state(path)
+    assert set(ours) == set(want) - ({"lm_head.weight"} if family == "gemma2" else set())
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, want[k], err_msg=k)
+    dst = convert(path, str(tmp_path / "dst"), dtype="float32", progress=False)
+    got, ref = ModelConfig.from_dir(dst), ModelConfig.from_dir(src)
+    for field in ("family", "num_layers", "head_dim", "sliding_window", "layer_types", "attn_softcap",
+                  "final_softcap", "query_scale", "hidden_act", "tie_word_embeddings"):
+        assert getattr(got, field) == getattr(ref, field), field
+    tol = 1e-6 if qtype == "F32" else 0.05
+    a, b = _flat(_params(dst)), _flat(_params(src))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], atol=tol * max(1, np.abs(b[k]).max()), err_msg=k)
 
 
 def test_gguf_tokenizer_matches_transformers(tmp_path, llama_dir):

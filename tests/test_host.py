@@ -13,9 +13,10 @@ from jaxpaged.scheduler import Scheduler
 def _check_invariants(bm: BlockManager, live: list[Request]):
     owners = {}
     for r in live:
-        assert len(set(r.block_ids)) == len(r.block_ids), "a request holds a block twice"
-        for b in r.block_ids:
-            assert b != 0, "null block handed out"
+        held = [b for b in r.block_ids if b]  # 0: dropped behind the sliding window
+        assert len(set(held)) == len(held), "a request holds a block twice"
+        assert bm.sliding_window or len(held) == len(r.block_ids), "null block handed out"
+        for b in held:
             owners[b] = owners.get(b, 0) + 1
     for b in range(1, bm.num_blocks):
         assert bm.ref_count[b] == owners.get(b, 0), f"block {b}: ref count {bm.ref_count[b]} != owners"
@@ -37,7 +38,8 @@ def _req(i, tokens, max_tokens=8, n_index=0, sibling=None):
 def test_scheduler_random_workload_no_leaks(data):
     num_blocks = data.draw(st.integers(8, 40))
     bs = data.draw(st.sampled_from([1, 2, 4, 16]))
-    bm = BlockManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans()))
+    window = data.draw(st.one_of(st.none(), st.integers(1, 12)))
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans()), sliding_window=window)
     sched = Scheduler(bm, max_num_seqs=data.draw(st.integers(1, 6)),
                       max_num_batched_tokens=data.draw(st.integers(1, 40)))
     rnd = random.Random(data.draw(st.integers(0, 2 ** 16)))
@@ -64,12 +66,17 @@ def test_scheduler_random_workload_no_leaks(data):
             for r, n in out.scheduled:
                 assert r.status is RequestStatus.RUNNING and n >= 1
                 assert len(r.block_ids) * bs >= r.num_computed_tokens + n
+                lowest = max(r.num_computed_tokens - (window or 10 ** 9) + 1, 0)  # first key a query sees
+                assert all(r.block_ids[j] for j in range(lowest // bs, -(-(r.num_computed_tokens + n) // bs)))
             sampled = {r.slot: (rnd.randrange(vocab), None) for r, _ in out.scheduled}
             for r in sched.update_from_output(out, sampled):
                 if r.num_output_tokens >= r.params.max_tokens:
                     sched.finish(r, "length")
                     live.remove(r)
         _check_invariants(bm, [r for r in live if r.status is RequestStatus.RUNNING])
+        if window:  # a running request holds at most its window and a step's tokens (+ partial blocks)
+            for r in sched.running:
+                assert sum(1 for b in r.block_ids if b) <= bm.max_blocks_held(10 ** 9, sched.max_num_batched_tokens)
         assert len(sched.running) <= sched.max_num_seqs
     for r in list(live):
         sched.abort(r)
@@ -114,3 +121,24 @@ def test_prefix_cache_lru_and_never_last_token():
     # filling the pool evicts the cached blocks, least recently freed first
     d = _req(3, [7] * 10)
     assert bm.allocate(d, 10) and not bm.cache
+
+
+def test_sliding_window_frees_blocks_behind_it():
+    """Blocks whose positions every future query's window has passed go back to the pool; cached ones
+    stay cached (evictable) and still serve prefix hits; the null block takes their place."""
+    bs, w = 4, 6
+    bm = BlockManager(32, bs, enable_prefix_caching=True, sliding_window=w)
+    a = _req(0, list(range(3, 23)))  # 20 tokens: 5 blocks
+    assert bm.allocate(a, 20)
+    a.num_computed_tokens = 20
+    bm.cache_blocks(a)
+    held = list(a.block_ids)
+    assert bm.allocate(a, 21)  # next query at 20 sees keys 15..20: blocks 0..2 (positions 0..11) are dead
+    assert a.block_ids[:3] == [0, 0, 0] and a.block_ids[3:5] == held[3:5] and len(a.block_ids) == 6
+    assert all(b in bm.evictable for b in held[:3])  # cached: evictable, not lost
+    b = _req(1, list(range(3, 23)) + [99])
+    assert bm.match_prefix(b) == 20  # the dropped blocks still serve a prefix hit
+    bm.free(a)
+    bm.free(b)
+    _check_invariants(bm, [])
+    assert bm.num_free_blocks == 31

@@ -66,8 +66,9 @@ def ragged_case(seed, slots=RAGGED, pad_rows=PAD_ROWS, **kw):
     return case, used
 
 
-def dense_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
-    """Naive float64 softmax attention, slot by slot, causal, from the gathered dense K/V."""
+def dense_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None, window=None,
+                    softcap=None):
+    """Naive float64 softmax attention, slot by slot, causal (within `window`), from the gathered dense K/V."""
     q, k_pool, v_pool = (np.asarray(x, np.float64) for x in (q, k_pool, v_pool))
     tables, lens, qsl = (np.asarray(x) for x in (block_tables, seq_lens, query_start_loc))
     T, Hq, D = q.shape
@@ -80,8 +81,11 @@ def dense_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
         k = np.repeat(k_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)  # [L, Hq, D]
         v = np.repeat(v_pool[tables[i]].reshape(-1, Hkv, D)[:L], Hq // Hkv, axis=1)
         pos = L - (qsl[i + 1] - rows)  # [n]
-        s = np.einsum("nhd,lhd->nhl", q[rows], k) / np.sqrt(D)
-        s = np.where(np.arange(L)[None, None, :] <= pos[:, None, None], s, -np.inf)
+        s = np.einsum("nhd,lhd->nhl", q[rows], k) * (D ** -0.5 if scale is None else scale)
+        if softcap is not None:
+            s = softcap * np.tanh(s / softcap)
+        k_pos, q_pos = np.arange(L)[None, None, :], pos[:, None, None]
+        s = np.where((k_pos <= q_pos) & (k_pos > q_pos - (window or L + 1)), s, -np.inf)
         w = np.exp(s - s.max(-1, keepdims=True))
         out[rows] = np.einsum("nhl,lhd->nhd", w / w.sum(-1, keepdims=True), v)
     return out

@@ -191,16 +191,6 @@ def test_bad_model_dirs(tmp_path):
         LLM(model=str(tmp_path))
 
 
-def test_mistral_sliding_window_rejected(tmp_path):
-    import json
-    path = make_tiny_model(str(tmp_path / "m"), "mistral")
-    cfg = json.load(open(f"{path}/config.json"))
-    cfg["sliding_window"] = 64
-    json.dump(cfg, open(f"{path}/config.json", "w"))
-    with pytest.raises(ValueError, match="sliding-window"):
-        LLM(model=path, max_model_len=256, warmup=False)
-
-
 def test_penalties_through_the_engine_without_recompiling(llm):
     n0 = llm.stats()["num_compilations"]
     p = {"prompt_token_ids": [5, 6, 7, 5, 6, 7]}

@@ -152,7 +152,7 @@ def test_replicated_kv_heads_keep_gqa_grouping():
 def test_partition_specs_cover_every_parameter():
     import jax
     from jax.sharding import PartitionSpec as P
-    for cfg in (_cfg(), _cfg(tie_word_embeddings=True, qk_norm=True, attention_bias=True)):
+    for cfg in (_cfg(), _cfg(tie_word_embeddings=True, qk_norm="head", attention_bias=True)):
         shapes, specs = param_shapes(cfg), param_partition_specs(cfg, 2)
         assert jax.tree.structure(shapes, is_leaf=lambda x: isinstance(x, tuple)) == \
             jax.tree.structure(specs, is_leaf=lambda x: isinstance(x, P))

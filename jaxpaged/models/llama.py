@@ -1,17 +1,27 @@
-"""The decoder of every supported family (Llama, Mistral, Qwen2, Qwen3) as one pure function.
+"""The decoder of every supported family as one pure function: Llama-shaped blocks with flags.
 
-The families differ only in flags of ModelConfig: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3),
-llama3 RoPE scaling, tied embeddings. Layers are stacked on a leading axis and run under `lax.scan`,
-so compile time does not grow with depth.
+Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3 and the MoE families (Mixtral, Qwen3-MoE, OLMoE) differ only
+in flags of ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3, Gemma 3) or over all heads
+(OLMoE), RoPE scalings, tied embeddings, sliding windows per layer, and Gemma's (1 + w) norms, extra
+norms after attention and MLP, embedding scale, GeGLU, logit scale and soft-capping; the MLP is dense
+or a mixture of experts (`moe.py`). Shared pieces live in `layers.py`.
+
+Layers are stacked on a leading axis and run under `lax.scan`. Where layers come in kinds (sliding
+or full attention, each with its RoPE), the scan runs over groups of `cfg.layer_period` layers — one
+of each position of the pattern, unrolled — and a tail of `L % period` layers follows; so compile time
+does not grow with depth and every kind sees static options (window, RoPE tables).
 
 Parameter pytree (arrays in the engine dtype; L = num_layers, D = hidden, F = intermediate,
-Hq/Hkv = heads, hd = head_dim, V = vocab):
+Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
     layers: attn_norm [L, D]; wq [L, D, Hq*hd]; wk, wv [L, D, Hkv*hd]; wo [L, Hq*hd, D]
-            bq [L, Hq*hd], bk, bv [L, Hkv*hd] (attention_bias); q_norm, k_norm [L, hd] (qk_norm)
-            mlp_norm [L, D]; w_gate, w_up [L, D, F]; w_down [L, F, D]
-Matrices are stored [in, out], so tensor parallelism splits the head / F axes (see partition specs in
-`jaxpaged/mesh.py`) without the layers knowing.
+            bq [L, Hq*hd], bk, bv [L, Hkv*hd] (attention_bias)
+            q_norm, k_norm [L, hd] (qk_norm "head") or [L, Hq*hd], [L, Hkv*hd] (qk_norm "flat")
+            post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
+            mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
+                             MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
+Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
+the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the
@@ -24,42 +34,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxpaged.config import ModelConfig
+from jaxpaged.config import SLIDING, ModelConfig
+from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
+from jaxpaged.models.moe import moe_mlp
 
-
-def rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * w.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """[hd/2] inverse frequencies, llama3 scaling applied when configured."""
-    hd = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
-    if cfg.rope_scaling is not None:
-        factor, low, high, orig = cfg.rope_scaling
-        low_wl, high_wl = orig / low, orig / high
-        wl = 2 * math.pi / inv
-        scaled = np.where(wl > low_wl, inv / factor, inv)
-        smooth = (orig / wl - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wl >= high_wl) & (wl <= low_wl)
-        inv = np.where(is_mid, mid, scaled)
-    return inv.astype(np.float32)
-
-
-def apply_rope(x, cos, sin):
-    """x [T, H, hd]; cos, sin [T, hd/2]; rotate-half convention (HF)."""
-    h = x.shape[-1] // 2
-    x1, x2 = x[..., :h].astype(jnp.float32), x[..., h:].astype(jnp.float32)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
-
-
-# attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1]) -> [T,Hq,hd]
+# attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
+#         scale, window, softcap) -> [T,Hq,hd]
 AttnFn = Callable[..., jax.Array]
 
 
@@ -72,24 +53,31 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
     """
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    blocks_per_layer = k_pool.shape[0] // cfg.num_layers
+    L, P = cfg.num_layers, cfg.layer_period
+    blocks_per_layer = k_pool.shape[0] // L
     bs = k_pool.shape[1]
-    eps = cfg.rms_norm_eps
+    eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
+    act = activation(cfg.hidden_act)
+    norm = lambda x, w: rms_norm(x, w, eps, plus_one)
 
     x = params["embed"][batch["input_ids"]]  # [T, D]
-    ang = batch["positions"].astype(jnp.float32)[:, None] * jnp.asarray(rope_inv_freq(cfg))[None, :]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)  # [T, hd/2]
+    if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
+        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+    kinds = sorted(set(cfg.layer_types))
+    ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
 
-    def layer(carry, xs):
-        x, k_pool, v_pool = carry
-        p, l = xs
-        h = rms_norm(x, p["attn_norm"], eps)
+    def layer(x, k_pool, v_pool, p, l, kind):
+        """One decoder layer; l is the (traced) layer index, kind its static layer type."""
+        h = norm(x, p["attn_norm"])
         q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        if cfg.qk_norm == "flat":
+            q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
         q, k, v = q.reshape(T, Hq, hd), k.reshape(T, Hkv, hd), v.reshape(T, Hkv, hd)
-        if cfg.qk_norm:
-            q, k = rms_norm(q, p["q_norm"], eps), rms_norm(k, p["k_norm"], eps)
+        if cfg.qk_norm == "head":
+            q, k = norm(q, p["q_norm"]), norm(k, p["k_norm"])
+        cos, sin = ropes[kind]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # write this step's K/V into the layer's blocks, in place (the pool is the scan carry)
         flat = batch["slot_mapping"] + l * blocks_per_layer * bs  # [T]
@@ -97,15 +85,33 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
         k_pool = k_pool.at[blk, off].set(k.astype(k_pool.dtype))
         v_pool = v_pool.at[blk, off].set(v.astype(v_pool.dtype))
         tables = batch["block_tables"] + l * blocks_per_layer  # [S, B]
-        o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"])  # [T, Hq, hd]
-        x = x + o.reshape(T, Hq * hd).astype(x.dtype) @ p["wo"]
-        h = rms_norm(x, p["mlp_norm"], eps)
-        x = x + (jax.nn.silu(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+        o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"],
+                    scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,
+                    softcap=cfg.attn_softcap)  # [T, Hq, hd]
+        o = o.reshape(T, Hq * hd).astype(x.dtype) @ p["wo"]
+        x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
+        h = norm(x, p["mlp_norm"])
+        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act)
+        x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
+        return x, k_pool, v_pool
+
+    G = L // P
+    grouped = jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), params["layers"])
+
+    def group(carry, xs):  # P layers, one of each kind position of the pattern, unrolled
+        x, k_pool, v_pool = carry
+        p, g = xs
+        for j in range(P):
+            pj = jax.tree.map(lambda a: a[j], p)
+            x, k_pool, v_pool = layer(x, k_pool, v_pool, pj, g * P + j, cfg.layer_types[j])
         return (x, k_pool, v_pool), None
 
-    layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, k_pool, v_pool), _ = jax.lax.scan(layer, (x, k_pool, v_pool), (params["layers"], layer_ids))
-    x = rms_norm(x[batch["logits_indices"]], params["final_norm"], eps)  # [S, D]
+    (x, k_pool, v_pool), _ = jax.lax.scan(group, (x, k_pool, v_pool),
+                                          (grouped, jnp.arange(G, dtype=jnp.int32)))
+    for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
+        pl_ = jax.tree.map(lambda a: a[l], params["layers"])
+        x, k_pool, v_pool = layer(x, k_pool, v_pool, pl_, l, cfg.layer_types[l])
+    x = norm(x[batch["logits_indices"]], params["final_norm"])  # [S, D]
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [S, V]
-    return logits, k_pool, v_pool
+    return softcap(logits, cfg.final_softcap), k_pool, v_pool
