@@ -308,6 +308,13 @@ class LLM:
         self.engine = build_engine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
+    @classmethod
+    def from_engine(cls, engine) -> "LLM":
+        """`LLM`'s generate/chat around an engine built by hand (e.g. `LLMEngine(config, devices)`)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
     @property
     def is_leader(self) -> bool:
         """False on a follower process of a multi-host job: its LLM(...) ran the leader's steps and returned

@@ -74,8 +74,8 @@ def engine_checks(path: str, out: dict) -> None:
     for tp in TPS:
         # TP=2 on the last two devices, through LLMEngine(config, devices)
         devices = jax.devices()[-2:] if tp == 2 else None
-        llm = LLM.__new__(LLM)  # LLM.generate around an engine built on chosen devices
-        llm.engine = eng = LLMEngine(EngineConfig(model=path, **engine_kwargs(tensor_parallel_size=tp)), devices)
+        eng = LLMEngine(EngineConfig(model=path, **engine_kwargs(tensor_parallel_size=tp)), devices)
+        llm = LLM.from_engine(eng)  # LLM.generate around an engine built on chosen devices
         r = dict(greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)])
         outs = llm.generate(workload(), seeded, use_tqdm=False)
         r["seeded"] = [o.outputs[0].token_ids for o in outs]
