@@ -24,7 +24,7 @@ from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
-from jaxpaged.validation import InvalidParam, check_request, prompt_ids
+from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
 
 log = logging.getLogger("jaxpaged.engine")
@@ -148,8 +148,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
-        if params.structured_outputs is not None and self.tokenizer is None:
-            raise InvalidParam("structured_outputs", f"{self.model_dir} has no tokenizer: no structured outputs")
+        self.structured.check(params)
         max_tokens = check_request(ids, params, self.request_limits(), self.config.block_size,
                                    self.num_blocks - 1)
         if params.max_tokens is None:

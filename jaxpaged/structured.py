@@ -88,7 +88,8 @@ def _compile(kind: str, v, name: str) -> str:
     except (ValueError, TypeError, RecursionError) as e:
         is_error, messages = True, [str(e)]
     if is_error:
-        raise InvalidParam(name, f"invalid {name}: {messages[0] if messages else 'rejected'}".strip()[:2000])
+        raise InvalidParam(name, f"invalid {name}: {messages[0] if messages else 'rejected'}".strip()[:2000],
+                           "invalid_grammar")
     return g
 
 
@@ -109,12 +110,24 @@ class StructuredOutputs:
     def _tokenizer(self):
         if self._lltok is None:
             import llguidance
-            if self.tokenizer_json is None:
-                raise ValueError("structured outputs need the model's tokenizer.json")
-            with open(self.tokenizer_json) as f:
-                self._lltok = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size,
-                                                     eos_token=self.eos or None)
+            try:
+                if self.tokenizer_json is None:
+                    raise ValueError("the model has no tokenizer.json")
+                with open(self.tokenizer_json) as f:
+                    self._lltok = llguidance.LLTokenizer(f.read(), n_vocab=self.vocab_size,
+                                                         eos_token=self.eos or None)
+            except Exception as e:  # noqa: BLE001 -- llguidance refuses some tokenizers (e.g. no decoder)
+                self._lltok = InvalidParam("structured_outputs", "structured outputs are not available for "
+                                           f"this model: llguidance cannot use its tokenizer ({e})",
+                                           "structured_outputs_unsupported")
+        if isinstance(self._lltok, InvalidParam):
+            raise self._lltok
         return self._lltok
+
+    def check(self, params) -> None:
+        """Raise InvalidParam if `params` constrain the output and this model's tokenizer cannot."""
+        if params.structured_outputs is not None:
+            self._tokenizer()
 
     def _matcher(self, req) -> list:
         """[matcher, number of output tokens consumed], caught up with the request's output tokens."""

@@ -4,8 +4,9 @@ Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extra
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
 strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias, tools, a non-text
-response_format) only accept null or empty.
+OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias) only accept null or empty.
+Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
+llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`.
 """
 from __future__ import annotations
 
@@ -37,9 +38,82 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
+JsonSchema = dict[str, Any]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+                              json_schema_extra={"minProperties": 1, "maxProperties": 1})
+    json_: JsonSchema | str = Field(None, alias="json", description="a JSON schema (object or JSON string)")
+    regex: str = Field(None, description="a regular expression (Rust regex syntax)")
+    choice: list[NonEmptyText] = Field(None, min_length=1, description="the output is one of these")
+    grammar: NonEmptyText = Field(None, description="a Lark or GBNF grammar")
+    json_object: Literal[True] = Field(None, description="any JSON object")
+
+
+class TextFormat(BaseModel):
     model_config = _STRICT
-    type: Literal["text"] = Field(description="only plain text is supported")
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    name: str = Field("response", max_length=64)
+    description: str | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema", description="null: any JSON object")
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: str | None = None
+    parameters: JsonSchema | None = Field(None, description="a JSON schema of the arguments; null: none")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="a JSON object, as text")
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class _SamplingRequest(BaseModel):
@@ -69,6 +143,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, description="with min_tokens > 0, EOS ids (unless "
                                                  "ignore_eos) and these together are at most a fixed number")
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constrained decoding")
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
@@ -93,11 +168,13 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message; every role needs `content` (tool calls are not supported)."""
+    """One message; `content` may be null only in an assistant message with `tool_calls`."""
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -109,7 +186,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true",
                                      **limit("logprobs"))
-    tools: list[Any] | None = Field(None, max_length=0, description="not supported: null or empty")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
     response_format: ResponseFormat | None = None
 
 
@@ -125,7 +204,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -168,7 +247,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -187,9 +267,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaFunction(BaseModel):
+    name: str | None = None
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

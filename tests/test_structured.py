@@ -1,0 +1,188 @@
+"""Structured outputs and tools on the default model (SmolLM2-135M-Instruct), through a real server and the
+real openai client: outputs satisfy their constraint, bad constraints are 400s, unconstrained neighbours
+are unchanged. Host pieces (tool-call parser, matcher state across recompute) without a server."""
+import asyncio
+import json
+import re
+from enum import Enum
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from jaxpaged.default_model import default_model_dir
+from jaxpaged.structured import StructuredOutputsParams
+from serve import tools
+from test_server import Server
+
+pytestmark = pytest.mark.slow
+
+
+class Color(str, Enum):
+    red = "red"
+    green = "green"
+    blue = "blue"
+
+
+class Address(BaseModel):
+    city: str = Field(max_length=20)
+    zip_code: str = Field(pattern=r"^[0-9]{5}$")
+
+
+class Person(BaseModel):
+    name: str = Field(max_length=20)
+    age: int = Field(ge=0, le=120)
+    address: Address
+
+
+class Palette(BaseModel):
+    colors: list[Color] = Field(min_length=1, max_length=3)
+    favorite: Color
+
+
+class Measure(BaseModel):
+    temperature: float = Field(ge=-50, le=60)
+    readings: list[int] = Field(max_length=4)
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20},
+                                                "unit": {"enum": ["celsius", "fahrenheit"]}},
+                                                "required": ["city", "unit"], "additionalProperties": False}}}
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(compile_cache, tmp_path_factory):
+    srv = Server(default_model_dir(), compile_cache, str(tmp_path_factory.mktemp("logs") / "structured.log"),
+                 extra=("--max-model-len", "512"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+
+
+@pytest.mark.parametrize("model,prompt", [(Person, "Describe a person who lives in Paris as JSON."),
+                                          (Palette, "Pick some colors."), (Measure, "Report a measurement.")])
+def test_parse_pydantic_models(client, model, prompt):
+    r = client.chat.completions.parse(model="tiny", messages=[{"role": "user", "content": prompt}],
+                                      response_format=model, temperature=0, max_tokens=120)
+    c = r.choices[0]
+    assert c.finish_reason == "stop", c.message.content
+    assert isinstance(c.message.parsed, model)
+    model.model_validate_json(c.message.content)
+
+
+def test_choice_and_regex(client):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is the sky blue?"}],
+                                       temperature=0, max_tokens=10,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}})
+    assert r.choices[0].message.content in ("yes", "no", "maybe") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model="tiny", prompt="My phone number is", max_tokens=12, temperature=0.8,
+                                  seed=3, n=2, extra_body={"structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}})
+    for c in r.choices:
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c.text), c.text
+
+
+def test_named_and_required_tool_calls(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named,
+                                       temperature=0, max_tokens=40)
+    call = r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and set(args) == {"city", "unit"}
+    assert args["unit"] in ("celsius", "fahrenheit")
+    stream = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER],
+                                            tool_choice=named, temperature=0, max_tokens=40, stream=True)
+    name, pieces, ids = None, [], set()
+    for chunk in stream:
+        for d in chunk.choices[0].delta.tool_calls or []:
+            assert d.index == 0
+            name = d.function.name or name
+            ids.add(d.id) if d.id else None
+            pieces.append(d.function.arguments or "")
+    assert name == "get_weather" and len(ids) == 1 and json.loads("".join(pieces)) == args
+    r = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER],
+                                       tool_choice="required", temperature=0, max_tokens=150)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c.message.content
+    for call in c.message.tool_calls:
+        assert call.function.name == "get_weather"
+        assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+     "response_format.json_schema.schema"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs.grammar"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice")])
+def test_bad_constraints_are_400(client, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=ASK_WEATHER, max_tokens=4, extra_body=extra)
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_unconstrained_neighbours_unchanged(server):
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
+    plain = dict(model="tiny", prompt="The capital of France is", max_tokens=16, temperature=0)
+
+    async def run():
+        alone = await aclient.completions.create(**plain)
+        constrained = [aclient.completions.create(model="tiny", prompt=f"Person {i} as JSON:", max_tokens=16,
+                                                  temperature=0, extra_body={"structured_outputs": {
+                                                      "json": Person.model_json_schema()}}) for i in range(3)]
+        together = await asyncio.gather(aclient.completions.create(**plain), *constrained)
+        return alone, together[0]
+    alone, together = asyncio.run(run())
+    assert together.choices[0].text == alone.choices[0].text
+
+
+def test_auto_tool_call_parser():
+    content, calls = tools.parse("auto", 'Sure. <tool_call>[{"name": "get_weather", "arguments": '
+                                         '{"city": "Paris"}}]</tool_call>', None)
+    assert content == "Sure." and [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})]
+    content, calls = tools.parse("auto", '<tool_call>\n{"name": "f", "parameters": {}}\n</tool_call>', None)
+    assert content is None and calls[0].function.name == "f"
+    assert tools.parse("auto", "<tool_call>not json</tool_call>", None) == (
+        "<tool_call>not json</tool_call>", [])
+
+
+def test_matcher_state_survives_recompute(server):
+    """The matcher follows the request's output tokens, so dropping the KV (preemption, prefix hit)
+    and recomputing cannot change it: feed the same tokens twice, masks equal."""
+    import numpy as np
+    from jaxpaged.request import Request
+    from jaxpaged.sampling import SamplingParams
+    from jaxpaged.structured import StructuredOutputs
+    from jaxpaged.tokenizer import Tokenizer
+    d = default_model_dir()
+    tok = Tokenizer.from_dir(d)
+    so = StructuredOutputs(d + "/tokenizer.json", 49152, 2, [tok.eos_token_id])
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object", "properties": {
+        "a": {"type": "integer"}}, "required": ["a"]}))
+    prompt = tok.encode("x")
+    out = tok.encode('{"a": 12', add_special_tokens=False)
+    req = Request("r", "r", 0, prompt, p, 0)
+    req.slot = 0
+    masks = []
+    for k in range(len(out) + 1):
+        req.token_ids = prompt + out[:k]
+        req.num_computed_tokens = len(req.token_ids) - 1
+        masks.append(so.bitmask_arrays([(req, 1)], 2)["bitmask"][0].copy())
+    # recompute from scratch (preempted): a fresh request object with the same tokens, prefilled at once
+    again = Request("r2", "r2", 0, prompt, p, 0)
+    again.slot, again.token_ids = 1, prompt + out
+    again.num_computed_tokens = 0
+    m = so.bitmask_arrays([(again, len(again.token_ids))], 2)["bitmask"]
+    assert np.array_equal(m[1], masks[-1]) and (m[0] == -1).all()
+    allowed = [t for t in range(49152) if masks[-1][t // 32] >> (t % 32) & 1]
+    assert allowed and all(re.fullmatch(r"[0-9 ,}]*", tok.decode([t], skip_special_tokens=False).strip() or " ")
+                           for t in allowed), [tok.decode([t]) for t in allowed[:20]]
