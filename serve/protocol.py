@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.sampling import FLOAT32_MAX
 
@@ -167,18 +167,47 @@ class TextPart(BaseModel):
     text: str
 
 
+Content = str | list[TextPart]
+
+
 class ChatMessage(BaseModel):
-    """One message; `content` may be null only in an assistant message with `tool_calls`."""
+    """A system, developer or user message."""
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    role: Literal["system", "developer", "user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantTurn(BaseModel):
+    """An earlier assistant message: `content`, `tool_calls`, or both."""
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"type": ["string", "array"]}}, "required": ["content"]},
+        {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]}]})
+    role: Literal["assistant"]
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolResult(BaseModel):
+    """The result of a tool call, for the model."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[ChatMessage | AssistantTurn | ToolResult, Field(discriminator="role")]
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens",
                                    **limit("max_tokens"))
     max_completion_tokens: int | None = Field(None, ge=1, description="null: up to max_model_len",

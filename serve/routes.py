@@ -91,10 +91,11 @@ async def completions(request: Request) -> Response:
                             "supported", param="best_of", code="invalid_combination")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    params = sampling_params(req, req.max_tokens, req.logprobs, {}, tools.constraint(req)[0])
+    structured, _, rename = tools.constraint(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    job = Job(request, "cmpl", {})
+    job = Job(request, "cmpl", rename)
     await job.start(prompts, params)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
     st, n, k = job.st, req.n, req.logprobs
@@ -160,7 +161,8 @@ async def chat_completions(request: Request) -> Response:
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
-    structured, mode = tools.constraint(req)
+    structured, mode, rename_so = tools.constraint(req)
+    rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured)
     use_tools = req.tools if mode is not None else None
     prompt = chat_prompt(st.engine, req.messages, use_tools)

@@ -22,8 +22,9 @@ _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _ANY_OBJECT = {"type": "object"}
 
 
-def constraint(req) -> tuple[StructuredOutputsParams | None, str | None]:
-    """(the output's constraint or None, tool mode: None | "named" | "required" | "auto"); APIError 400
+def constraint(req) -> tuple[StructuredOutputsParams | None, str | None, dict]:
+    """(the output's constraint or None, tool mode: None | "named" | "required" | "auto", the rename of
+    the engine's `structured_outputs` param to the request field it came from); APIError 400
     when two fields constrain the output, tool_choice names no tool, or the library refuses a schema."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None) or ("auto" if tools else "none")
@@ -45,24 +46,29 @@ def constraint(req) -> tuple[StructuredOutputsParams | None, str | None]:
                        param=sources[1], code="invalid_combination")
     mode = "named" if named else choice if choice in ("required", "auto") else None
     if not sources:
-        return None, mode
-    if sources[0] == "structured_outputs":
+        return None, mode, {}
+    return _constraint(req, sources[0], named, tools), mode, {"structured_outputs": sources[0]}
+
+
+def _constraint(req, source: str, named, tools) -> StructuredOutputsParams:
+    rf = getattr(req, "response_format", None)
+    if source == "structured_outputs":
         so = req.structured_outputs
         kw = {k: getattr(so, k) for k in ("regex", "choice", "grammar", "json_object") if getattr(so, k) is not None}
         if so.json_ is not None:
             kw["json"] = so.json_
-        return _compile(kw, None), mode
-    if sources[0] == "response_format":
+        return _compile(kw, None)
+    if source == "response_format":
         if rf.type == "json_object":
-            return _compile({"json_object": True}, "response_format"), mode
-        return _compile({"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema"), mode
+            return _compile({"json_object": True}, "response_format")
+        return _compile({"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema")
     if named:
-        return _compile({"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters"), mode
+        return _compile({"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters")
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "arguments": t.function.parameters or _ANY_OBJECT},
               "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
     return _compile({"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}},
-                    "tools.function.parameters"), mode
+                    "tools.function.parameters")
 
 
 def _name(choice) -> str:
@@ -84,7 +90,7 @@ def render_messages(messages, tools, template: str | None) -> tuple[list[dict], 
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "\n".join(p.text for p in m.content)
-        if m.tool_calls:
+        if getattr(m, "tool_calls", None):
             calls = [{"name": c.function.name, "arguments": _loads_or_text(c.function.arguments)}
                      for c in m.tool_calls]
             content = (content or "") + f"<tool_call>{json.dumps(calls)}</tool_call>"
