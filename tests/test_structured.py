@@ -8,7 +8,7 @@ from enum import Enum
 
 import openai
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from jaxpaged.default_model import default_model_dir
 from jaxpaged.structured import StructuredOutputsParams
@@ -25,11 +25,13 @@ class Color(str, Enum):
 
 
 class Address(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # additionalProperties: false, as strict schemas have
     city: str = Field(max_length=20)
     zip_code: str = Field(pattern=r"^[0-9]{5}$")
 
 
 class Person(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     name: str = Field(max_length=20)
     age: int = Field(ge=0, le=120)
     address: Address
@@ -187,3 +189,26 @@ def test_matcher_state_survives_recompute():
     bad = [tok.decode([t], skip_special_tokens=False) for t in allowed
            if not re.fullmatch(r"[0-9\s,}\"]*", tok.decode([t], skip_special_tokens=False))]
     assert allowed and not bad, bad[:20]
+
+
+def test_preemption_and_prefix_hits_keep_matchers(compile_cache):
+    """Constrained requests (n=2 too) run alone, then all together in a pool too small for them
+    (preemption, recompute) after their prompts were cached (prefix hits): the same outputs, all valid."""
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(dtype="float32", max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, num_kv_blocks=16,
+              compilation_cache_dir=compile_cache, show_progress=False)
+    so = StructuredOutputsParams(json=Person.model_json_schema())
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_outputs=so),
+              SamplingParams(temperature=0.7, seed=5, n=2, max_tokens=64, structured_outputs=so)]
+    chats = [[{"role": "user", "content": f"Describe person number {i} as JSON."}] for i in range(3)]
+    work = [(c, params[i % 2]) for i, c in enumerate(chats)]
+    alone = [llm.chat([c], p, use_tqdm=False)[0] for c, p in work]
+    hits = llm.stats()["prefix_cache_hit_rate"]
+    together = llm.chat([c for c, _ in work], [p for _, p in work], use_tqdm=False)
+    st = llm.stats()
+    assert st["num_preemptions"] > 0 and st["prefix_cache_hit_rate"] > hits > 0
+    for a, b in zip(alone, together):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        for c in b.outputs:
+            assert c.finish_reason == "stop"
+            Person.model_validate_json(c.text)
