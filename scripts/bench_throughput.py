@@ -14,6 +14,11 @@ Backends:
 All requests arrive at time 0; a request's latency is its finish time, TTFT its first token time
 (hf: the batch's first token). Only generation is timed.
 
+--json-fraction F also runs the jaxpaged backend with that fraction of the requests (every k-th) constrained
+by a JSON schema (an object holding an unbounded array of {name, value} records), reported as jaxpaged-json
+with the host time spent on grammar masks. A constrained request may finish before its drawn length (its
+grammar complete), so compare output tok/s, not elapsed time.
+
 --tensor-parallel-size N (repeatable: `--tensor-parallel-size 1 --tensor-parallel-size 2`) runs the
 engine backends once per size, one engine after the other, reported as jaxpaged-tpN / static-tpN. On a
 CPU the N devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count, set here) and share
@@ -30,6 +35,9 @@ import numpy as np
 import bench_common as bc
 
 BACKENDS = ("jaxpaged", "static", "hf")
+BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+    "type": "object", "required": ["name", "value"],
+    "properties": {"name": {"type": "string"}, "value": {"type": "number"}}}}}}
 
 
 def load_hf_model(model_dir: str, dtype: str):
@@ -65,10 +73,15 @@ def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
     eng = llm.engine
     bc.warm_up(eng, eng.model_config.vocab_size)
     preempt0 = eng.scheduler.num_preemptions
+    mask_s0, masks0 = eng.structured.mask_seconds, eng.structured.num_masks
     rec = bc.drive(eng, wl.requests, batch_size=eng.config.max_num_seqs if static else None)
     eng.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
     res = bc.summarize(rec)
     res["num_preemptions"] = eng.scheduler.num_preemptions - preempt0
+    masks, mask_s = eng.structured.num_masks - masks0, eng.structured.mask_seconds - mask_s0
+    if masks:
+        res.update(num_masks=masks, mask_ms_per_step=1e3 * mask_s / rec.num_steps,
+                   mask_us_per_masked_token=1e6 * mask_s / masks, mask_share_of_elapsed=mask_s / rec.elapsed_s)
     res.update(tensor_parallel_size=eng.runner.tp, num_kv_blocks=eng.num_blocks)
     return res
 
@@ -129,6 +142,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
+    ap.add_argument("--json-fraction", type=float, default=0.0,
+                    help="also run jaxpaged with this fraction of requests JSON-schema constrained")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
                     help="devices per engine; repeatable to compare sizes in one run (default 1)")
     args = ap.parse_args(argv)
@@ -157,6 +172,13 @@ def main(argv=None) -> dict:
                            attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
         for b in (b for b in backends if b != "hf"):
             run(b if tp_sizes == [1] else f"{b}-tp{tp}", lambda: run_engine(llm, wl, static=b == "static"))
+        if args.json_fraction > 0 and "jaxpaged" in backends:
+            from jaxpaged import StructuredOutputsParams
+            so, every = StructuredOutputsParams(json=BENCH_SCHEMA), max(1, round(1 / args.json_fraction))
+            constrained = bc.Workload([bc.Req(r.prompt_ids, r.output_len, r.n, so if i % every == 0 else None)
+                                       for i, r in enumerate(wl.requests)], wl.info)
+            run("jaxpaged-json" if tp_sizes == [1] else f"jaxpaged-json-tp{tp}",
+                lambda: run_engine(llm, constrained, static=False))
         del llm, eng
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))
