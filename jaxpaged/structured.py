@@ -100,6 +100,8 @@ class StructuredOutputs:
         self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self.words = -(-vocab_size // 32)
         self._lltok = None
+        self._executor = None  # llguidance's thread pool: fills the rows of several slots in parallel
+        self._templates: dict[str, object] = {}  # grammar -> a fresh matcher to copy (compiled once)
         self._matchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> [matcher, n]
         self._mask = np.full((max_num_seqs, self.words), -1, np.int32)  # [S, W]
         self._dirty: list[int] = []  # rows of _mask filled last step
@@ -134,8 +136,14 @@ class StructuredOutputs:
         entry = self._matchers.get(req)
         if entry is None:
             import llguidance
-            entry = self._matchers[req] = [llguidance.LLMatcher(
-                self._tokenizer(), req.params.structured_outputs.llguidance_grammar, log_level=0), 0]
+            grammar = req.params.structured_outputs.llguidance_grammar
+            template = self._templates.pop(grammar, None)  # re-inserted: the dict is kept in LRU order
+            if template is None:
+                template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            self._templates[grammar] = template
+            if len(self._templates) > 64:
+                del self._templates[next(iter(self._templates))]
+            entry = self._matchers[req] = [template.deep_copy(), 0]
         m, n = entry
         new = req.token_ids[req.num_prompt_tokens + n:]
         if new:
@@ -165,8 +173,13 @@ class StructuredOutputs:
         for s in self._dirty:
             mask[s] = -1
         self._dirty = [req.slot for req in todo]
-        for req in todo:
-            lln.fill_next_token_bitmask(self._matcher(req)[0], mask, req.slot)
+        if len(todo) == 1:
+            lln.fill_next_token_bitmask(self._matcher(todo[0])[0], mask, todo[0].slot)
+        else:
+            if self._executor is None:
+                import llguidance
+                self._executor = llguidance.LLExecutor()
+            lln.fill_next_token_bitmask_par(self._executor, [(self._matcher(r)[0], r.slot) for r in todo], mask)
         self.mask_seconds += time.perf_counter() - t0
         self.num_masks += len(todo)
         return dict(bitmask=mask, any_mask=np.bool_(True))

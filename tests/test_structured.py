@@ -185,6 +185,8 @@ def test_matcher_state_survives_recompute():
     again.num_computed_tokens = 0
     m = so.bitmask_arrays([(again, len(again.token_ids))], 2)["bitmask"]
     assert np.array_equal(m[1], masks[-1]) and (m[0] == -1).all()
+    both = so.bitmask_arrays([(req, 1), (again, len(again.token_ids))], 2)["bitmask"]  # filled in parallel
+    assert np.array_equal(both[0], masks[-1]) and np.array_equal(both[1], masks[-1])
     allowed = [t for t in range(49152) if masks[-1][t // 32] >> (t % 32) & 1]
     bad = [tok.decode([t], skip_special_tokens=False) for t in allowed
            if not re.fullmatch(r"[0-9\s,}\"]*", tok.decode([t], skip_special_tokens=False))]
