@@ -1,6 +1,6 @@
 """Structured outputs and tools on the default model (SmolLM2-135M-Instruct), through a real server and the
 real openai client: outputs satisfy their constraint, bad constraints are 400s, unconstrained neighbours
-are unchanged. Host pieces (tool-call parser, matcher state across recompute) without a server."""
+are unchanged (slow). Fast: the engine on a tiny model with a byte-level tokenizer, the tool-call parser."""
 import asyncio
 import json
 import re
@@ -13,9 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxpaged.default_model import default_model_dir
 from jaxpaged.structured import StructuredOutputsParams
 from serve import tools
+from models import add_tiny_tokenizer, make_tiny_model
 from test_server import Server
-
-pytestmark = pytest.mark.slow
 
 
 class Color(str, Enum):
@@ -68,6 +67,7 @@ def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="none")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,prompt", [(Person, "Describe a person who lives in Paris as JSON."),
                                           (Palette, "Pick some colors."), (Measure, "Report a measurement.")])
 def test_parse_pydantic_models(client, model, prompt):
@@ -79,6 +79,7 @@ def test_parse_pydantic_models(client, model, prompt):
     model.model_validate_json(c.message.content)
 
 
+@pytest.mark.slow
 def test_choice_and_regex(client):
     r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Is the sky blue?"}],
                                        temperature=0, max_tokens=10,
@@ -90,6 +91,7 @@ def test_choice_and_regex(client):
         assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c.text), c.text
 
 
+@pytest.mark.slow
 def test_named_and_required_tool_calls(client):
     named = {"type": "function", "function": {"name": "get_weather"}}
     r = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER], tool_choice=named,
@@ -117,6 +119,7 @@ def test_named_and_required_tool_calls(client):
         assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra,param", [
     ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs.json"),
@@ -131,6 +134,7 @@ def test_bad_constraints_are_400(client, extra, param):
     assert e.value.body["param"] == param, e.value.body
 
 
+@pytest.mark.slow
 def test_unconstrained_neighbours_unchanged(server):
     aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none")
     plain = dict(model="tiny", prompt="The capital of France is", max_tokens=16, temperature=0)
@@ -157,6 +161,7 @@ def test_auto_tool_call_parser():
         "<tool_call>not json</tool_call>", [])
 
 
+@pytest.mark.slow
 def test_matcher_state_survives_recompute():
     """The matcher follows the request's output tokens, so dropping the KV (preemption, prefix hit)
     and recomputing cannot change it: feed the same tokens twice, masks equal."""
@@ -193,6 +198,7 @@ def test_matcher_state_survives_recompute():
     assert allowed and not bad, bad[:20]
 
 
+@pytest.mark.slow
 def test_preemption_and_prefix_hits_keep_matchers(compile_cache):
     """Constrained requests (n=2 too) run alone, then all together in a pool too small for them
     (preemption, recompute) after their prompts were cached (prefix hits): the same outputs, all valid."""
@@ -214,3 +220,53 @@ def test_preemption_and_prefix_hits_keep_matchers(compile_cache):
         for c in b.outputs:
             assert c.finish_reason == "stop"
             Person.model_validate_json(c.text)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory, engine_kwargs):
+    from jaxpaged import LLM
+    path = str(tmp_path_factory.mktemp("structured_model"))
+    make_tiny_model(path, "llama", vocab_size=320, seed=3, initializer_range=0.3)
+    add_tiny_tokenizer(path)
+    return LLM(model=path, **engine_kwargs)
+
+
+def test_engine_constraints_on_a_tiny_model(tiny_llm):
+    """Constrained and unconstrained requests share a batch: constraints hold (n=2, sampled), the request
+    stops when its grammar is complete, the unconstrained neighbour's tokens are those it gets alone, and
+    logprobs are those of the raw distribution."""
+    from jaxpaged import SamplingParams
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    alone = tiny_llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0]
+    so = [StructuredOutputsParams(regex="[ab]{3,6}"), StructuredOutputsParams(choice=["hello", "world"]),
+          StructuredOutputsParams(json={"type": "object", "properties": {"k": {"enum": [1, 2]}},
+                                        "required": ["k"], "additionalProperties": False})]
+    params = [plain] + [SamplingParams(max_tokens=40, temperature=1.0, seed=i, n=2, structured_outputs=c)
+                        for i, c in enumerate(so)] + [SamplingParams(max_tokens=12, temperature=0, logprobs=1,
+                                                                     structured_outputs=so[1])]
+    outs = tiny_llm.generate([prompt] * len(params), params, use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone.token_ids
+    for a, b in zip(outs[0].outputs[0].logprobs, alone.logprobs):  # other bucket shapes: float noise only
+        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-4) for k in a)
+    for c in outs[1].outputs:
+        assert re.fullmatch("[ab]{3,6}", c.text) and c.finish_reason == "stop", c.text
+    for c in outs[2].outputs:
+        assert c.text in ("hello", "world") and c.finish_reason == "stop"
+    for c in outs[3].outputs:
+        assert json.loads(c.text)["k"] in (1, 2) and c.finish_reason == "stop", c.text
+    first = outs[4].outputs[0].logprobs[0]  # same prompt as `alone`: the raw top token is alone's first
+    assert first[alone.token_ids[0]] == pytest.approx(alone.logprobs[0][alone.token_ids[0]], abs=1e-4)
+
+
+def test_structured_params_are_checked():
+    from jaxpaged import SamplingParams
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(ValueError, match="structured_outputs.regex") as e:
+        StructuredOutputsParams(regex="a(b")
+    assert "unclosed group" in str(e.value)
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a"})
