@@ -117,6 +117,24 @@ def test_named_and_required_tool_calls(client):
     for call in c.message.tool_calls:
         assert call.function.name == "get_weather"
         assert json.loads(call.function.arguments)["unit"] in ("celsius", "fahrenheit")
+    stream = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER],
+                                            tool_choice="required", temperature=0, max_tokens=150, stream=True)
+    calls, reasons = {}, []
+    for chunk in stream:
+        ch = chunk.choices[0]
+        reasons.append(ch.finish_reason)
+        for d in ch.delta.tool_calls or []:
+            calls.setdefault(d.index, ["", ""])
+            calls[d.index][0] += d.function.name or ""
+            calls[d.index][1] += d.function.arguments or ""
+    assert reasons[-1] == "tool_calls"
+    assert [(n, json.loads(a)) for _, (n, a) in sorted(calls.items())] == [
+        (t.function.name, json.loads(t.function.arguments)) for t in c.message.tool_calls]
+    r = client.chat.completions.create(model="tiny", messages=ASK_WEATHER, tools=[WEATHER], temperature=0,
+                                       max_tokens=40)  # "auto": the tools are in the prompt, the model decides
+    m = r.choices[0]
+    assert m.message.content or m.message.tool_calls
+    assert (m.finish_reason == "tool_calls") == bool(m.message.tool_calls)
 
 
 @pytest.mark.slow
