@@ -16,8 +16,8 @@ from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                            CompletionRequest, CompletionResponse, DeltaFunction, DeltaToolCall, ModelCard,
-                            ModelList)
+                            CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from serve.protocol_tools import DeltaFunction, DeltaToolCall
 
 
 # -- request plumbing ---------------------------------------------------------------------------

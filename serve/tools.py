@@ -16,7 +16,7 @@ import uuid
 from jaxpaged.structured import StructuredOutputsParams
 from jaxpaged.validation import InvalidParam
 from serve.errors import APIError
-from serve.protocol import FunctionCall, ToolCall
+from serve.protocol_tools import FunctionCall, ToolCall
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _ANY_OBJECT = {"type": "object"}
