@@ -2,7 +2,8 @@
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
 from jaxpaged.sampling import SamplingParams
+from jaxpaged.structured import StructuredOutputsParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
-           "CompletionOutput"]
+           "CompletionOutput", "StructuredOutputsParams"]
 __version__ = "0.1.0"

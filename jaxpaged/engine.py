@@ -22,6 +22,7 @@ from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
+from jaxpaged.structured import StructuredOutputs
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
 from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
@@ -100,7 +101,11 @@ class LLMEngine:
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._num_blocks()
-        self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len, mesh=self.mesh)
+        self.structured = StructuredOutputs(
+            os.path.join(model_dir, "tokenizer.json") if self.tokenizer is not None else None, mc.vocab_size,
+            cfg.max_num_seqs, self.eos_token_ids)
+        self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len, mesh=self.mesh,
+                                  structured=self.structured)
         del params
         if cfg.warmup:
             self.runner.warmup(cfg.show_progress)
@@ -147,6 +152,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
+        self.structured.check(params)
         budget = self.config.max_num_batched_tokens
         max_tokens = check_request(ids, params, self.request_limits(),
                                    lambda n: self.block_manager.max_blocks_held(n, budget), self.num_blocks - 1)
@@ -261,6 +267,8 @@ class LLMEngine:
         if req.num_output_tokens >= p.min_tokens:
             if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or stop_string:
                 return "stop"
+        if self.structured.is_complete(req):  # the grammar allows no further token
+            return "stop"
         if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
             return "length"
         return None

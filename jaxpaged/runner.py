@@ -24,6 +24,7 @@ from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, 
 from jaxpaged.models.llama import forward
 from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
+from jaxpaged.structured import StructuredOutputs
 
 NUM_BANNED = 16  # ids suppressed while a request is below min_tokens (EOS + stop ids)
 
@@ -54,7 +55,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params: dict, num_blocks: int,
-                 max_model_len: int, mesh=None):
+                 max_model_len: int, mesh=None, structured: StructuredOutputs | None = None):
         self.mesh = mesh if mesh is not None else make_mesh(cfg.tensor_parallel_size)
         self.tp = self.mesh.shape[MODEL_AXIS]
         self.model_cfg, self.cfg = model_cfg, cfg
@@ -88,6 +89,8 @@ class ModelRunner:
         self._history = np.full((S, max_model_len), -1, np.int32)
         # stays on device while no slot uses penalties
         self._no_history = place(self._history, self.mesh, REPLICATED)
+        self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
+        self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -256,4 +259,5 @@ class ModelRunner:
         sp["history"] = self._history if any_pen else self._no_history
         sp["any_penalty"], sp["any_filter"] = np.bool_(any_pen), np.bool_(any_filter)
         sp["all_greedy"], sp["any_logprobs"] = np.bool_(all_greedy), np.bool_(any_lp)
+        sp.update(self.structured.bitmask_arrays(scheduled, S))  # bitmask [S, W], any_mask
         return sp

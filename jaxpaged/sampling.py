@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.structured import StructuredOutputsParams
 from jaxpaged.validation import InvalidParam, check_text
 
 _NEG_INF = -jnp.inf
@@ -57,6 +58,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None    # top-N logprobs per generated token
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
 
     def __post_init__(self):
         self.validate()
@@ -115,6 +117,10 @@ class SamplingParams:
                 bad(name, "must be a bool")
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams or None")
+            self.structured_outputs.validate()
 
     @property
     def uses_penalties(self) -> bool:
@@ -135,6 +141,14 @@ def _penalize(logits, h):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - h["frequency_penalty"][:, None] * counts
     return logits - h["presence_penalty"][:, None] * (counts > 0)
+
+
+def _apply_bitmask(logits, bitmask):
+    """Mask to -inf the tokens whose bit is 0. bitmask i32[S, W]: bit j of word w is token 32*w + j."""
+    S, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(jnp.bool_)  # [S, V]
+    return jnp.where(allowed, logits, _NEG_INF)
 
 
 def _filter(scaled, sp):
@@ -159,7 +173,8 @@ def sample(logits, sp, num_logprobs: int):
     logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
     min_p f32[S], seed u32[S], gen_index i32[S], banned i32[S, NB] (ids masked, -1 = none),
     history i32[S, M], prompt_len/history_len i32[S], presence/frequency/repetition_penalty f32[S],
-    any_penalty, any_filter, all_greedy, any_logprobs: bool[].
+    bitmask i32[S, ceil(V/32)] (grammar masks: 0 bits are masked, all ones when unconstrained),
+    any_penalty, any_filter, any_mask, all_greedy, any_logprobs: bool[].
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K].
     """
     S, V = logits.shape
@@ -173,6 +188,7 @@ def sample(logits, sp, num_logprobs: int):
     banned = sp["banned"]
     rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)
     logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
+    logits = jax.lax.cond(sp["any_mask"], _apply_bitmask, lambda l, m: l, logits, sp["bitmask"])
     greedy_tok = jnp.argmax(logits, axis=-1)
 
     def sampled(logits):

@@ -64,13 +64,15 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids):
         return [self.backend.id_to_token(i) for i in ids]
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Render the conversation with the chat template and tokenize it (no extra special tokens)."""
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """Render the conversation (and `tools`, for templates that use them) with the chat template and
+        tokenize it (no extra special tokens)."""
         if not self.chat_template:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **self.special)
         return self.encode(text, add_special_tokens=False)
 

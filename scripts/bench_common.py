@@ -145,6 +145,7 @@ class Req:
     prompt_ids: list[int]
     output_len: int
     n: int = 1
+    structured_outputs: object = None  # a StructuredOutputsParams, or None
 
 
 @dataclass
@@ -224,7 +225,8 @@ class RunRecord:
 
 def sampling_params(req: Req):
     from jaxpaged import SamplingParams
-    return SamplingParams(n=req.n, max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+    return SamplingParams(n=req.n, max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
+                          structured_outputs=req.structured_outputs)
 
 
 _run_ids = iter(range(10 ** 9))

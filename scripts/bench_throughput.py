@@ -14,6 +14,11 @@ Backends:
 All requests arrive at time 0; a request's latency is its finish time, TTFT its first token time
 (hf: the batch's first token). Only generation is timed.
 
+--json-fraction F also runs the jaxpaged backend with that fraction of the requests (every k-th) constrained
+by a JSON schema (an object holding an unbounded array of {name, value} records), reported as jaxpaged-json
+with the host time spent on grammar masks. A constrained request may finish before its drawn length (its
+grammar complete), so compare output tok/s, not elapsed time.
+
 --tensor-parallel-size N (repeatable: `--tensor-parallel-size 1 --tensor-parallel-size 2`) runs the
 engine backends once per size, one engine after the other, reported as jaxpaged-tpN / static-tpN. On a
 CPU the N devices are simulated (XLA_FLAGS=--xla_force_host_platform_device_count, set here) and share
@@ -32,6 +37,9 @@ import numpy as np
 import bench_common as bc
 
 BACKENDS = ("jaxpaged", "static", "hf")
+BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+    "type": "object", "required": ["name", "value"],
+    "properties": {"name": {"type": "string"}, "value": {"type": "number"}}}}}}
 
 
 def load_hf_model(model_dir: str, dtype: str):
@@ -69,12 +77,19 @@ def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
     for e in replicas:
         bc.warm_up(e, eng.model_config.vocab_size)
     preempt0 = sum(e.scheduler.num_preemptions for e in replicas)
+    mask_s0 = sum(e.structured.mask_seconds for e in replicas)
+    masks0 = sum(e.structured.num_masks for e in replicas)
     slots = eng.config.max_num_seqs * len(replicas)
     rec = bc.drive(eng, wl.requests, batch_size=slots if static else None)
     for e in replicas:
         e.block_manager.reset_prefix_cache()  # the next backend starts from the same (empty) cache
     res = bc.summarize(rec)
     res["num_preemptions"] = sum(e.scheduler.num_preemptions for e in replicas) - preempt0
+    masks = sum(e.structured.num_masks for e in replicas) - masks0
+    mask_s = sum(e.structured.mask_seconds for e in replicas) - mask_s0
+    if masks:
+        res.update(num_masks=masks, mask_ms_per_step=1e3 * mask_s / rec.num_steps,
+                   mask_us_per_masked_token=1e6 * mask_s / masks, mask_share_of_elapsed=mask_s / rec.elapsed_s)
     res.update(tensor_parallel_size=replicas[0].runner.tp, data_parallel_size=len(replicas),
                num_kv_blocks=replicas[0].num_blocks)
     return res
@@ -136,6 +151,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
+    ap.add_argument("--json-fraction", type=float, default=0.0,
+                    help="also run jaxpaged with this fraction of requests JSON-schema constrained")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
                     help="devices per engine; repeatable to compare sizes in one run (default 1)")
     ap.add_argument("--data-parallel-size", type=int, action="append", metavar="M",
@@ -170,6 +187,12 @@ def main(argv=None) -> dict:
         suffix = (f"-tp{tp}" if len(tp_sizes) > 1 else "") + (f"-dp{dp}" if len(dp_sizes) > 1 else "")
         for b in (b for b in backends if b != "hf"):
             run(b + suffix, lambda: run_engine(llm, wl, static=b == "static"))
+        if args.json_fraction > 0 and "jaxpaged" in backends:
+            from jaxpaged import StructuredOutputsParams
+            so, every = StructuredOutputsParams(json=BENCH_SCHEMA), max(1, round(1 / args.json_fraction))
+            constrained = bc.Workload([bc.Req(r.prompt_ids, r.output_len, r.n, so if i % every == 0 else None)
+                                       for i, r in enumerate(wl.requests)], wl.info)
+            run("jaxpaged-json" + suffix, lambda: run_engine(llm, constrained, static=False))
         del llm, eng
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))

@@ -20,6 +20,11 @@ _COMMON_RULES = [
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
      "max_model_len) must not exceed max_model_len"},
     {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
+    {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
+     "response_format, tool parameters when tool_choice is required or named) must be one llguidance "
+     "compiles (its message says why: syntax, unsupported schema features)"},
+    {"code": "structured_outputs_unsupported", "rule": "constrained output (structured_outputs, a non-text "
+     "response_format, tool_choice required or named) needs a tokenizer llguidance can read"},
 ]
 COMPLETION_RULES = _COMMON_RULES + [
     {"code": "empty_prompt", "rule": "every prompt must have at least one token once tokenized "
@@ -29,6 +34,9 @@ COMPLETION_RULES = _COMMON_RULES + [
 CHAT_RULES = _COMMON_RULES + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
      "(its message says why)"},
+    {"code": "invalid_combination", "rule": "at most one of structured_outputs, a non-text response_format "
+     "and tool_choice required or named; tool_choice other than none needs tools; a named tool_choice "
+     "must name one of the tools"},
 ]
 
 

@@ -4,16 +4,18 @@ Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extra
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
 strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias, tools, a non-text
-response_format) only accept null or empty.
+OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias) only accept null or empty.
+Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
+llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`.
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.sampling import FLOAT32_MAX
+from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 MAX_LOGPROBS = 20
 
@@ -35,11 +37,6 @@ _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
-
-
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"] = Field(description="only plain text is supported")
 
 
 class _SamplingRequest(BaseModel):
@@ -69,6 +66,7 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[TokenId] | None = Field(None, description="with min_tokens > 0, EOS ids (unless "
                                                  "ignore_eos) and these together are at most a fixed number")
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constrained decoding")
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
@@ -92,16 +90,47 @@ class TextPart(BaseModel):
     text: str
 
 
+Content = str | list[TextPart]
+
+
 class ChatMessage(BaseModel):
-    """One message; every role needs `content` (tool calls are not supported)."""
+    """A system, developer or user message."""
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user"]
+    content: Content
     name: str | None = None
 
 
+class AssistantTurn(BaseModel):
+    """An earlier assistant message: `content`, `tool_calls`, or both."""
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+        {"properties": {"content": {"type": ["string", "array"]}}, "required": ["content"]},
+        {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]}]})
+    role: Literal["assistant"]
+    content: Content | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolResult(BaseModel):
+    """The result of a tool call, for the model."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str
+
+
+Message = Annotated[ChatMessage | AssistantTurn | ToolResult, Field(discriminator="role")]
+
+
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias of max_completion_tokens",
                                    **limit("max_tokens"))
     max_completion_tokens: int | None = Field(None, ge=1, description="null: up to max_model_len",
@@ -109,7 +138,9 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true",
                                      **limit("logprobs"))
-    tools: list[Any] | None = Field(None, max_length=0, description="not supported: null or empty")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="default: auto with tools, none without")
     response_format: ResponseFormat | None = None
 
 
@@ -125,7 +156,7 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-FinishReason = Literal["stop", "length", "abort"] | None
+FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
 class CompletionLogprobs(BaseModel):
@@ -168,7 +199,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = []
 
 
 class ChatChoice(BaseModel):
@@ -190,6 +222,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

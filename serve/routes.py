@@ -11,11 +11,13 @@ from starlette.responses import JSONResponse, Response
 
 from jaxpaged.sampling import SamplingParams
 from serve import outputs as fmt
+from serve import tools
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                             ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
                             CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from serve.protocol_tools import DeltaFunction, DeltaToolCall
 
 
 # -- request plumbing ---------------------------------------------------------------------------
@@ -65,8 +67,9 @@ def check_auth(request: Request) -> None:
                        code="invalid_api_key")
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict) -> SamplingParams:
-    kw = dict(n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
+def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict,
+                    structured=None) -> SamplingParams:
+    kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
@@ -88,10 +91,11 @@ async def completions(request: Request) -> Response:
                             "supported", param="best_of", code="invalid_combination")
     if req.echo and req.logprobs is not None:
         raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
-    params = sampling_params(req, req.max_tokens, req.logprobs, {})
+    structured, _, rename = tools.constraint(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    job = Job(request, "cmpl", {})
+    job = Job(request, "cmpl", rename)
     await job.start(prompts, params)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
     st, n, k = job.st, req.n, req.logprobs
@@ -135,17 +139,14 @@ async def completions(request: Request) -> Response:
 
 
 # -- chat -------------------------------------------------------------------------------------
-def chat_prompt(engine, messages) -> list[int]:
+def chat_prompt(engine, messages, tool_list=None) -> list[int]:
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
                             "with token ids", param="messages")
-    msgs = []
-    for m in messages:
-        content = m.content if isinstance(m.content, str) else "\n".join(p.text for p in m.content)
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
-        return tok.apply_chat_template(msgs)
+        return tok.apply_chat_template(msgs, tools=template_tools)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
@@ -160,8 +161,12 @@ async def chat_completions(request: Request) -> Response:
     k = (req.top_logprobs or 0) if req.logprobs else None
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
-    params = sampling_params(req, max_tokens, k, rename)
-    prompt = chat_prompt(st.engine, req.messages)
+    structured, mode, rename_so = tools.constraint(req)
+    rename.update(rename_so)
+    params = sampling_params(req, max_tokens, k, rename, structured)
+    use_tools = req.tools if mode is not None else None
+    prompt = chat_prompt(st.engine, req.messages, use_tools)
+    named = req.tool_choice.function.name if mode == "named" else None
     job = Job(request, "chatcmpl", rename)
     await job.start([prompt], params)
     text = fmt.TokenText(st.engine.tokenizer)
@@ -172,9 +177,12 @@ async def chat_completions(request: Request) -> Response:
     if not req.stream:
         if not await run_to_end(job):
             return Response(status_code=499)
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=lp(c.token_ids, c.logprobs), finish_reason=c.finish_reason)
-                   for c in job.lasts[0].outputs]
+        choices = []
+        for c in job.lasts[0].outputs:
+            content, calls = tools.parse(mode, c.text, named)
+            reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
+                                      logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason))
         job.close(200)
         return JSONResponse(ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name,
                                                    choices=choices, usage=fmt.usage(job.lasts)).model_dump())
@@ -187,13 +195,35 @@ async def chat_completions(request: Request) -> Response:
         yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                      for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
+        opened = set()  # choices whose tool call has started (named tool_choice)
         async for _, out in job.outputs():
             for c in out.outputs:
                 got = deltas[c.index].advance(c)
-                if got is not None:
-                    piece, ids, lps, reason = got
-                    yield chunk([ChatChunkChoice(index=c.index, delta=ChatDelta(content=piece or None),
-                                                 logprobs=lp(ids, lps), finish_reason=reason)])
+                if got is None:
+                    continue
+                piece, ids, lps, reason = got
+                if mode == "named":  # the output is the arguments: stream them as they come
+                    call = DeltaToolCall(index=0, function=DeltaFunction(arguments=piece))
+                    if c.index not in opened:  # the first piece opens the call
+                        opened.add(c.index)
+                        call = DeltaToolCall(index=0, id=tools.new_call(named, "").id, type="function",
+                                             function=DeltaFunction(name=named, arguments=piece))
+                    delta = ChatDelta(tool_calls=[call])
+                elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
+                    if reason is None:
+                        continue
+                    content, calls = tools.parse(mode, c.text, None)
+                    delta = ChatDelta(content=content, tool_calls=[DeltaToolCall(
+                        index=j, id=t.id, type="function", function=DeltaFunction(
+                            name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
+                        or None)
+                    reason = "tool_calls" if calls and reason == "stop" else reason
+                    lps = c.logprobs
+                    ids = c.token_ids
+                else:
+                    delta = ChatDelta(content=piece or None)
+                yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp(ids, lps),
+                                             finish_reason=reason)])
         if req.stream_options and req.stream_options.include_usage:
             yield chunk([], fmt.usage(job.lasts))
 

@@ -5,6 +5,7 @@ the schema states (`x-request-rules`); afterwards the engine still serves and ev
 Bounded: a fixed seed, MAX_EXAMPLES per operation in the fuzzing phase (plus the examples and coverage
 phases), and a BUDGET_S time budget past which the remaining generated cases are not sent.
 """
+import re
 import time
 
 import httpx
@@ -20,7 +21,7 @@ from serve.openapi import openapi_schema
 from test_server import Server, make_tokenizer, wait_idle
 
 MAX_EXAMPLES, BUDGET_S, SEED = 30, 120.0, 9
-STATS = {"sent": 0, "skipped": 0, "by_status": {}, "start": None}
+STATS = {"sent": 0, "skipped": 0, "by_status": {}, "start": None, "constrained_ok": 0}
 
 
 @pytest.fixture(scope="module")
@@ -28,10 +29,20 @@ def fuzz_server(compile_cache, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("fuzz_model"))
     make_tiny_model(d, "llama", vocab_size=256)
     make_tokenizer(d)
+    _byte_level_decoder(d)  # so llguidance can read it: constrained requests run too
     srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "fuzz.log"),
                  extra=("--max-model-len", "64"))  # short generations keep the run bounded
     yield srv
     srv.stop()
+
+
+def _byte_level_decoder(d):
+    """The word-level test tokenizer has no decoder, which llguidance refuses; its words are plain ASCII,
+    which a byte-level decoder leaves as they are."""
+    from tokenizers import Tokenizer, decoders
+    tok = Tokenizer.from_file(f"{d}/tokenizer.json")
+    tok.decoder = decoders.ByteLevel()
+    tok.save(f"{d}/tokenizer.json")
 
 
 # The contract of the fuzzed server, built here so that pytest can collect one test per operation;
@@ -60,6 +71,10 @@ def test_fuzz(case, fuzz_server):
     STATS["sent"] += 1
     STATS["by_status"][response.status_code] = STATS["by_status"].get(response.status_code, 0) + 1
     assert response.status_code < 500, (response.text, repr(case.body)[:500])
+    body = case.body if isinstance(case.body, dict) else {}
+    if response.status_code == 200 and (body.get("structured_outputs") or body.get("tool_choice") not in (
+            None, "none", "auto") or (body.get("response_format") or {}).get("type") in ("json_object", "json_schema")):
+        STATS["constrained_ok"] += 1
     if response.status_code == 400 and case.meta is not None and case.meta.generation.mode.is_positive:
         op = case.operation.definition.raw
         codes = {r["code"] for r in op.get("x-request-rules", [])}
@@ -67,9 +82,40 @@ def test_fuzz(case, fuzz_server):
                                                            repr(case.body)[:500])
 
 
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,extra", [
+    ("/v1/completions", {"structured_outputs": {"choice": ["the", "fox"]}}),
+    ("/v1/completions", {"structured_outputs": {"regex": "(the|fox)+"}}),
+    ("/v1/completions", {"structured_outputs": {"grammar": 'start: "the" ("fox" | "dog")*'}}),
+    ("/v1/completions", {"structured_outputs": {"regex": ""}}),  # complete at once
+    ("/v1/completions", {"structured_outputs": {"json": {}}, "n": 2}),  # no "{" in this vocabulary
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}, "stream": True}),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}},
+                              "stream": True}),
+    ("/v1/chat/completions", {"tools": [TOOL]}),
+    ("/v1/completions", {"structured_outputs": {"choice": ["the", "fox"]}, "min_tokens": 3}),  # forced past the end
+])
+def test_constrained_requests_on_a_tiny_vocabulary(fuzz_server, path, extra):
+    """Grammars this vocabulary can or cannot satisfy, complete at once, forced past their end: each is
+    served (200) and ends; a satisfiable one is obeyed."""
+    body = {"max_tokens": 8, "temperature": 1.0, "seed": 1, **extra}
+    body.update({"prompt": "the quick brown fox"} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "the quick brown fox"}]})
+    r = httpx.post(fuzz_server.url + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    if "choice" in extra.get("structured_outputs", {}) and "min_tokens" not in extra:
+        assert r.json()["choices"][0]["text"] in ("the", "fox")
+    if "regex" in extra.get("structured_outputs", {}) and extra["structured_outputs"]["regex"]:
+        text = r.json()["choices"][0]["text"]
+        assert re.fullmatch("(the|fox)+", text), text
+
+
 def test_after_fuzz_engine_still_serves(fuzz_server):
     print(f"schemathesis: {STATS['sent']} cases sent ({STATS['skipped']} past the budget), by status "
-          f"{dict(sorted(STATS['by_status'].items()))}")
+          f"{dict(sorted(STATS['by_status'].items()))}; {STATS['constrained_ok']} constrained requests served")
     assert STATS["sent"] >= 50  # the fuzzing above really ran
     wait_idle(fuzz_server, timeout=30)
     assert httpx.get(fuzz_server.url + "/health").status_code == 200

@@ -1,0 +1,147 @@
+"""Constrained output on the HTTP routes: which constraint a request puts on the output
+(`structured_outputs`, `response_format`, chat `tool_choice`), the tools' place in the prompt, and model
+output -> OpenAI tool calls.
+
+Tool-call syntax ("auto"): the `<tool_call>...</tool_call>` blocks of Hermes-style templates (Qwen2.5,
+Hermes, and SmolLM2's function-calling format), each holding one JSON object or a list of them with
+`name` and `arguments` (or `parameters`). A chat template that renders `tools` itself gets them as the
+`tools` variable; one that does not (SmolLM2's) gets a system message listing the tools and this syntax.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+
+from jaxpaged.structured import StructuredOutputsParams
+from jaxpaged.validation import InvalidParam
+from serve.errors import APIError
+from serve.protocol_tools import FunctionCall, ToolCall
+
+_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_ANY_OBJECT = {"type": "object"}
+
+
+def constraint(req) -> tuple[StructuredOutputsParams | None, str | None, dict]:
+    """(the output's constraint or None, tool mode: None | "named" | "required" | "auto", the rename of
+    the engine's `structured_outputs` param to the request field it came from); APIError 400
+    when two fields constrain the output, tool_choice names no tool, or the library refuses a schema."""
+    tools = getattr(req, "tools", None) or []
+    choice = getattr(req, "tool_choice", None) or ("auto" if tools else "none")
+    rf = getattr(req, "response_format", None)
+    if choice != "none" and not tools:
+        raise APIError(400, f"tool_choice {_name(choice)} needs tools", param="tool_choice",
+                       code="invalid_combination")
+    named = None
+    if not isinstance(choice, str):
+        named = next((t.function for t in tools if t.function.name == choice.function.name), None)
+        if named is None:
+            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not in "
+                                "tools", param="tool_choice", code="invalid_combination")
+    sources = [name for name, on in (("structured_outputs", req.structured_outputs is not None),
+                                     ("response_format", rf is not None and rf.type != "text"),
+                                     ("tool_choice", named is not None or choice == "required")) if on]
+    if len(sources) > 1:
+        raise APIError(400, f"{' and '.join(sources)} both constrain the output; give one",
+                       param=sources[1], code="invalid_combination")
+    mode = "named" if named else choice if choice in ("required", "auto") else None
+    if not sources:
+        return None, mode, {}
+    return _constraint(req, sources[0], named, tools), mode, {"structured_outputs": sources[0]}
+
+
+def _constraint(req, source: str, named, tools) -> StructuredOutputsParams:
+    rf = getattr(req, "response_format", None)
+    if source == "structured_outputs":
+        so = req.structured_outputs
+        kw = {k: getattr(so, k) for k in ("regex", "choice", "grammar", "json_object") if getattr(so, k) is not None}
+        if so.json_ is not None:
+            kw["json"] = so.json_
+        return _compile(kw, None)
+    if source == "response_format":
+        if rf.type == "json_object":
+            return _compile({"json_object": True}, "response_format")
+        return _compile({"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema")
+    if named:
+        return _compile({"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters")
+    calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
+                                               "arguments": t.function.parameters or _ANY_OBJECT},
+              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    return _compile({"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}},
+                    "tools.function.parameters")
+
+
+def _name(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def _compile(kw: dict, param: str | None) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kw)
+    except InvalidParam as e:
+        msg = str(e) if param is None else str(e).replace(e.param, param, 1)
+        raise APIError(400, msg, param=param or e.param, code=e.code) from None
+
+
+# -- the prompt ---------------------------------------------------------------------------------
+def render_messages(messages, tools, template: str | None) -> tuple[list[dict], list | None]:
+    """(messages for the chat template, tools for it, or None when they went into a system message)."""
+    msgs = []
+    for m in messages:
+        content = m.content if isinstance(m.content, str) or m.content is None else \
+            "\n".join(p.text for p in m.content)
+        if getattr(m, "tool_calls", None):
+            calls = [{"name": c.function.name, "arguments": _loads_or_text(c.function.arguments)}
+                     for c in m.tool_calls]
+            content = (content or "") + f"<tool_call>{json.dumps(calls)}</tool_call>"
+        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    if not tools:
+        return msgs, None
+    specs = [t.function.model_dump(exclude_none=True) for t in tools]
+    if template and "tools" in template:
+        return msgs, [{"type": "function", "function": s} for s in specs]
+    note = ("You may call these functions (JSON signatures):\n" + "\n".join(json.dumps(s) for s in specs) +
+            '\nTo call functions, answer only with <tool_call>[{"name": <function name>, "arguments": '
+            "<arguments object>}, ...]</tool_call>. Otherwise answer normally.")
+    if msgs and msgs[0]["role"] == "system":
+        msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
+    else:
+        msgs.insert(0, {"role": "system", "content": note})
+    return msgs, None
+
+
+def _loads_or_text(s: str):
+    try:
+        return json.loads(s)
+    except ValueError:
+        return s
+
+
+# -- the output ---------------------------------------------------------------------------------
+def new_call(name: str, arguments: str) -> ToolCall:
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+
+
+def parse(mode: str | None, text: str, named: str | None) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of one choice's text under a tool mode. Output that does not parse (cut by
+    max_tokens, or no call in "auto") stays content."""
+    if mode == "named":
+        return None, [new_call(named, text)]
+    if mode == "required":
+        try:
+            return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+    if mode == "auto":
+        calls = []
+        for block in _BLOCK.findall(text):
+            try:
+                got = json.loads(block)
+                for c in got if isinstance(got, list) else [got]:
+                    args = c.get("arguments", c.get("parameters", {}))
+                    calls.append(new_call(c["name"], args if isinstance(args, str) else json.dumps(args)))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                return text, []
+        if calls:
+            return _BLOCK.sub("", text).strip() or None, calls
+    return text, []
