@@ -1,6 +1,13 @@
 """Host overhead per decode step, and decode efficiency against a plain matmul microbenchmark.
 
     python scripts/bench_host.py --running 8 64 128 256 --json results/host.json
+    python scripts/bench_host.py --null-device --running 8 64 256 --json results/host_null.json
+
+--null-device: the runner's compiled step is replaced by one that only moves the step's inputs to the
+device and returns fixed fake tokens at once, through the same engine code. Then the whole step is host
+time: host_ms_per_step, null_steps_per_s (the ceiling of any accelerator's decode step rate under this
+host), split into schedule / prepare / transfer / update / detokenize (the rest of LLMEngine.step:
+stop checks, detokenization, outputs), medians of --repeats runs of --steps steps.
 
 For each count N of running requests, an engine with max_num_seqs = N (and a token budget of at least
 2N) is filled with N requests (distinct random prompts of --context tokens; early ones decode while
@@ -79,6 +86,80 @@ def replay(runner, captured: dict, reps: int) -> list[float]:
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t)
     return times[1:]  # the same K/V are written again: the engine's state is unchanged
+
+
+def null_step(T_fake: int, S: int, num_logprobs: int, transfer_times: list):
+    """A compiled-step stand-in: transfers the inputs, returns fake tokens (never EOS: ignore_eos) at once."""
+    import jax
+    import jax.numpy as jnp
+    tokens = jnp.asarray(np.arange(S, dtype=np.int32) % 97 + 3)
+    zeros = jnp.zeros(S, jnp.float32), jnp.zeros((S, num_logprobs), jnp.float32), \
+        jnp.zeros((S, num_logprobs), jnp.int32)
+
+    def fn(params, k, v, batch, sp):
+        t = time.perf_counter()
+        jax.block_until_ready(jax.device_put((batch, sp)))
+        transfer_times.append(time.perf_counter() - t)
+        return (tokens,) + zeros, k, v
+    return fn
+
+
+def measure_null(model_dir: str, args, N: int) -> dict:
+    """Host time per decode step with a device step that returns at once (see --null-device)."""
+    budget = max(2 * N, args.max_num_batched_tokens)
+    fill_steps = -(-N * args.context // (budget - N)) + 2  # early requests decode while later ones prefill
+    total = fill_steps + args.warmup_steps + args.repeats * args.steps + 4
+    max_len = args.max_model_len or args.context + total + 8
+    per_seq = -(-max_len // args.block_size)
+    llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
+                       num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False)
+    eng, runner, sch = llm.engine, llm.engine.runner, llm.engine.scheduler
+    transfer: list[float] = []
+    fake = null_step(0, N, runner.num_logprobs, transfer)
+    runner.compiled_step = lambda key: fake
+    rng = np.random.default_rng(args.seed)
+    from jaxpaged import SamplingParams
+    vocab = eng.model_config.vocab_size
+    for i in range(N):
+        sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True,
+                            stop=["never seen: stop string"] if args.stop_strings else None)
+        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp)
+    while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
+        eng.step()
+    for _ in range(args.warmup_steps):
+        eng.step()
+    parts = [(o, n) for o, n in ((sch, "schedule"), (runner, "prepare"), (runner, "execute"),
+                                 (sch, "update_from_output"), (eng, "_process")) if hasattr(o, n)]
+    reps = []
+    for _ in range(args.repeats):
+        timers = {n: Timed(o, n) for o, n in parts}
+        transfer.clear()
+        walls = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+        for tm in timers.values():
+            tm.remove()
+        if len(sch.running) != N:
+            raise SystemExit(f"N={N}: requests finished during the timed steps; raise --max-model-len")
+        med = {n: statistics.median(tm.times) for n, tm in timers.items()}
+        wall, xfer = statistics.median(walls), statistics.median(transfer)
+        run = med.get("execute", 0.0)
+        rep = dict(host_ms_per_step=1e3 * wall, schedule_ms=1e3 * med["schedule"],
+                   transfer_ms=1e3 * xfer, update_ms=1e3 * med["update_from_output"])
+        if "prepare" in med:  # the persistent batch: prepare is its own method
+            rep["prepare_ms"] = 1e3 * med["prepare"]
+        else:  # before: execute = prepare + transfer + reading back
+            rep["prepare_ms"] = 1e3 * (run - xfer)
+        rep["detokenize_ms"] = 1e3 * med["_process"] if "_process" in med else \
+            1e3 * (wall - med["schedule"] - run - med["update_from_output"])
+        reps.append(rep)
+    res = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    res = dict(running=N, **res, null_steps_per_s=1e3 / res["host_ms_per_step"],
+               async_scheduling=getattr(eng, "async_scheduling", False), repeats=reps)
+    bc.say(f"N={N}: host {res['host_ms_per_step']:.3f} ms/step, {res['null_steps_per_s']:.0f} null steps/s")
+    return res
 
 
 def matmul_times(mc, rows: int, dtype: str, reps: int) -> list[float]:
@@ -187,9 +268,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per N")
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--replays", type=int, default=8, help="device-only replays and matmul repetitions")
+    ap.add_argument("--null-device", action="store_true",
+                    help="a device step that returns at once with fake tokens: report host time only")
+    ap.add_argument("--repeats", type=int, default=5, help="--null-device: timed runs of --steps (medians)")
+    ap.add_argument("--stop-strings", action="store_true", help="--null-device: every request has a stop string")
     bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
+    if args.null_device:
+        if args.steps == 16:
+            args.steps = 200
+        rows = [measure_null(model_dir, args, N) for N in args.running]
+        out = dict(results=rows, model=model_dir, machine=bc.machine_info(), null_device=True,
+                   note="null device: the step only transfers its inputs and returns fake tokens; "
+                        "medians of --repeats runs")
+        print(bc.table([[r["running"], r["host_ms_per_step"], r["null_steps_per_s"], r["schedule_ms"],
+                         r["prepare_ms"], r["transfer_ms"], r["update_ms"], r["detokenize_ms"]] for r in rows],
+                       ["running", "host ms/step", "null steps/s", "schedule", "prepare", "transfer",
+                        "update", "detokenize"]))
+        bc.write_json(args.json, out)
+        return out
     rows = []
     for N in args.running:
         rows.append(measure(model_dir, args, N))
