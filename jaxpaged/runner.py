@@ -41,8 +41,10 @@ def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
 class Launched:
     """A step started on the device: its schedule and its outputs (device arrays, maybe not ready)."""
     out: SchedulerOutput
+    slots: list[int]       # of out.scheduled, at launch (a request may leave its slot before the read)
     tokens: jax.Array      # i32[S]
     logprobs: tuple        # token f32[S], top f32[S, K], top ids i32[S, K]
+    pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -180,17 +182,17 @@ class ModelRunner:
         inputs = self._device_inputs(batch, sp)
         (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, *inputs)
-        return Launched(out, tokens, (tok_lp, top_lp, top_ids))
+        return Launched(out, [req.slot for req, _ in out.scheduled], tokens, (tok_lp, top_lp, top_ids))
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
         tokens = np.asarray(step.tokens).tolist()
-        want_lp = [r for r, _ in step.out.scheduled if r.params.logprobs is not None]
+        want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
         if want_lp:
             tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
-        result = {req.slot: (tokens[req.slot], None) for req, _ in step.out.scheduled}
-        for req in want_lp:
-            s, k = req.slot, req.params.logprobs
+        result = {s: (tokens[s], None) for s in step.slots}
+        for req, s in want_lp:
+            k = req.params.logprobs
             lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
             lp[tokens[s]] = float(tok_lp[s])
             result[s] = (tokens[s], lp)

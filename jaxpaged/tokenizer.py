@@ -139,11 +139,13 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> bool:
         """Append one token; return True if a stop string now ends the text."""
-        if self.tok is None:
-            return False
+        return add_tokens([self], [token_id])[0]
+
+    def _windows(self, token_id: int) -> tuple[list[int], list[int]]:
         self.ids.append(token_id)
-        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip)
-        full = self.tok.decode(self.ids[self.prefix_offset:], self.skip)
+        return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
+
+    def _accept(self, prefix: str, full: str) -> bool:
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -161,3 +163,24 @@ class IncrementalDetokenizer:
         if finished or not self.stop:
             return self.text
         return self.text[:max(0, len(self.text) - self.max_stop + 1)]
+
+
+def add_tokens(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[bool]:
+    """`detoks[i].add(tokens[i])` for every i, with one batched decode call per tokenizer and
+    skip_special_tokens setting (the Rust library decodes the windows together). Returns the stop flags."""
+    stops = [False] * len(detoks)
+    groups: dict[tuple, list[int]] = {}
+    for i, d in enumerate(detoks):
+        if d.tok is not None:
+            groups.setdefault((id(d.tok), d.skip), []).append(i)
+    for idx in groups.values():
+        tok, skip = detoks[idx[0]].tok, detoks[idx[0]].skip
+        windows = []
+        for i in idx:
+            windows.extend(detoks[i]._windows(tokens[i]))
+        texts = tok.backend.decode_batch(windows, skip_special_tokens=skip)
+        if tok.cleanup:
+            texts = [_clean_up(t) for t in texts]
+        for j, i in enumerate(idx):
+            stops[i] = detoks[i]._accept(texts[2 * j], texts[2 * j + 1])
+    return stops
