@@ -111,3 +111,46 @@ def _assert_same(sync: dict, asyn: dict) -> None:
             assert (lps is None) == (lps2 is None), rid
             for a, b in zip(lps or [], lps2 or []):
                 assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a), rid
+
+
+@pytest.mark.parametrize("where,consume_pool", [("launch", False), ("launch", True), ("read", True)])
+def test_async_step_failure_fails_only_its_requests(model, compile_cache, where, consume_pool):
+    """A step that fails when started (or when read back, its error surfacing one step late) fails its own
+    requests; the others finish exactly as in a synchronous run, and every block is freed."""
+    kw = dict(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              compilation_cache_dir=compile_cache, show_progress=False)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _workload()[0]]
+    want = {o.request_id: o.outputs[0].token_ids for o in _generate(LLMEngine(EngineConfig(**kw)), prompts, params)}
+    eng = LLMEngine(EngineConfig(async_scheduling=True, **kw))
+    real, calls, failed = getattr(eng.runner, where), [0], set()
+
+    def failing(*a):
+        calls[0] += 1
+        if calls[0] == 4:
+            step = a[0]
+            failed.update(r.group_id for r, _ in (step.out if where == "read" else step).scheduled)
+            if consume_pool:
+                eng.runner.k_pool.delete()
+                eng.runner.v_pool.delete()
+            raise RuntimeError("injected failure")
+        return real(*a)
+    setattr(eng.runner, where, failing)
+    got = {o.request_id: o for o in _generate(eng, prompts, params)}
+    assert failed and len(failed) < len(prompts) and got.keys() == want.keys()
+    for rid, toks in want.items():
+        if rid in failed:
+            assert got[rid].outputs[0].finish_reason == "error" and "error id" in got[rid].error
+        else:
+            assert got[rid].error is None and got[rid].outputs[0].token_ids == toks, rid
+    s = eng.stats()
+    assert s["kv_blocks_free"] == s["kv_blocks_total"] and all(c == 0 for c in eng.block_manager.ref_count)
+
+
+def _generate(engine, prompts, params):
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    return done
