@@ -141,9 +141,9 @@ class PersistentBatch:
         history_len[slots] = lens
         below = np.zeros(S, np.bool_)
         below[slots] = gen_index[slots] < self.min_tokens[slots]
-        sp = {k: v.copy() for k, v in self.static.items() if k != "prompt_len"}
-        sp.update(gen_index=gen_index, banned=np.where(below[:, None], self.banned, -1).astype(np.int32),
-                  prompt_len=self.static["prompt_len"].copy(), history_len=history_len)
+        sp = dict(self.static)  # the persistent rows themselves: the step's inputs are packed (copied)
+        sp.update(gen_index=gen_index, banned=np.where(below[:, None], self.banned, np.int32(-1)),
+                  history_len=history_len)
         temp = self.static["temperature"][slots]
         sp["any_penalty"] = np.bool_(self.penalties[slots].any())
         sp["any_filter"] = np.bool_(self.filters[slots].any())
@@ -152,19 +152,28 @@ class PersistentBatch:
         return sp
 
 
-def pack(batch: dict, sp: dict) -> tuple[np.ndarray, tuple]:
-    """Every host array of the step (int32, uint32, float32 or bool; not `prev_tokens`, `history`) in one
-    int32 buffer, sorted by name; returns (buffer, layout), layout = ((dict index, name, shape, dtype,
-    start, size), ...) — the same for every step of one bucket."""
-    parts, layout, start = [], [], 0
+_SEPARATE = ("prev_tokens", "history")  # may live on the device already: not packed
+
+
+def layout(batch: dict, sp: dict) -> tuple:
+    """Where `pack` puts each array: ((dict index, name, shape, dtype, start, size), ...), the same for
+    every step of one bucket."""
+    out, start = [], 0
     for which, d in enumerate((batch, sp)):
         for name in sorted(d):
-            if name in ("prev_tokens", "history"):
-                continue
-            a = np.asarray(d[name])
-            kind = a.dtype.name
-            flat = a.astype(np.int32) if kind == "bool" else a.reshape(-1).view(np.int32)
-            parts.append(flat.reshape(-1))
-            layout.append((which, name, a.shape, kind, start, a.size))
-            start += a.size
-    return np.concatenate(parts), tuple(layout)
+            if name not in _SEPARATE:
+                a = np.asarray(d[name])
+                out.append((which, name, a.shape, a.dtype.name, start, a.size))
+                start += a.size
+    return tuple(out)
+
+
+def pack(batch: dict, sp: dict) -> np.ndarray:
+    """Every host array of the step (int32, uint32, float32 or bool) in one int32 buffer, by `layout`."""
+    parts = []
+    for d in (batch, sp):
+        for name in sorted(d):
+            if name not in _SEPARATE:
+                a = d[name]
+                parts.append(np.int32(a).reshape(1) if isinstance(a, np.bool_) else a.reshape(-1).view(np.int32))
+    return np.concatenate(parts)

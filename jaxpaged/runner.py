@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
-from jaxpaged.batch import NUM_BANNED, PersistentBatch, pack  # noqa: F401 -- NUM_BANNED: engine, tests
+from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
@@ -48,7 +48,7 @@ class Launched:
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
-    """The packed int32 buffer -> (batch, sampling) dicts, by the static layout of `batch.pack`."""
+    """The packed int32 buffer -> (batch, sampling) dicts, by the static `batch.layout`."""
     out = ({}, {})
     for which, name, shape, dtype, start, size in layout:
         a = packed[start:start + size].reshape(shape)
@@ -131,7 +131,7 @@ class ModelRunner:
 
     def _compile(self, T: int, decode_only: bool):
         host = self._dummy(T)
-        fn = functools.partial(_step, layout=pack(*host)[1], cfg=self.step_cfg, num_logprobs=self.num_logprobs,
+        fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=make_attention(self.backend, decode_only, self.mesh),
                                logits_shardings=self._logits_shardings)
         packed, extra = self._device_inputs(*host)
@@ -205,7 +205,7 @@ class ModelRunner:
         Within one process the host arrays go as they are: the compiled call copies them to every device
         of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
         processes needs global arrays, built from each process's identical copy."""
-        packed, _ = pack(batch, sp)
+        packed = pack(batch, sp)
         extra = dict(prev_tokens=batch["prev_tokens"], history=sp["history"])
         if self.mesh.is_multi_process:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,

@@ -134,8 +134,10 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     for _ in range(args.warmup_steps):
         eng.step()
     parts = [(o, n) for o, n in ((sch, "schedule"), (getattr(runner, "batch", None), "prepare"),
-                                 (runner, "_device_inputs"), (runner, "read"), (runner, "execute"),
-                                 (sch, "update_from_output"), (eng, "_process")) if hasattr(o, n)]
+                                 (runner, "_device_inputs"), (runner, "read"), (sch, "update_from_output"),
+                                 (eng, "_process")) if hasattr(o, n)]
+    if not hasattr(runner, "launch"):  # before the persistent batch
+        parts.append((runner, "execute"))
     reps = []
     for _ in range(args.repeats):
         timers = {n: Timed(o, n) for o, n in parts}

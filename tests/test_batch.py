@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.batch import NUM_BANNED, PersistentBatch, pack
+from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.request import Request
 from jaxpaged.sampling import SamplingParams
@@ -78,7 +78,12 @@ def test_persistent_batch_equals_rebuilt(data):
         ids, pos, sm = _plain_tokens(out.scheduled, T, bs)
         for name, plain in (("input_ids", ids), ("positions", pos), ("slot_mapping", sm)):
             assert np.array_equal(got_b[name], plain), name
-        assert pack(got_b, got_s)[1] == pack(want_b, want_s)[1]  # one layout per bucket
+        assert layout(got_b, got_s) == layout(want_b, want_s)  # one layout per bucket
+        lay, buf = layout(got_b, got_s), pack(got_b, got_s)
+        for which, name, shape, dtype, start, size in lay:  # the buffer holds every array, bit for bit
+            a = np.asarray((got_b, got_s)[which][name])
+            want = a.astype(np.int32) if dtype == "bool" else a.reshape(-1).view(np.int32)
+            assert np.array_equal(buf[start:start + size], want.reshape(-1)), name
         sampled = {r.slot: (rnd.randint(2, 6), None) for r, _ in out.scheduled}
         for req in sched.update_from_output(out, sampled):
             if req.num_output_tokens >= req.params.max_tokens or req.token_ids[-1] == 2:
