@@ -121,7 +121,9 @@ class LLMEngine:
         self.async_scheduling = cfg.async_scheduling
         self._inflight = None                   # async scheduling: the step started, not read back yet
         # everything built so far lives as long as the engine: keep it out of the collector's full scans,
-        # which otherwise cost the host about as much per step as the step's own work at 256 running
+        # which otherwise cost the host about as much per step as the step's own work at 256 running.
+        # (unfreeze first: a previous engine's garbage, frozen by its own start, is collected now)
+        gc.unfreeze()
         gc.collect()
         gc.freeze()
 
