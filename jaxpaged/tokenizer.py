@@ -29,6 +29,7 @@ class Tokenizer:
             self.chat_template = named.get("default")
         self.cleanup = bool(config.get("clean_up_tokenization_spaces", False))
         self._template = None
+        self._short: dict[tuple, str] = {}  # decodes of 1-2 token windows: the detokenizer's usual case
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer | None":
@@ -60,6 +61,18 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return _clean_up(text) if self.cleanup else text
+
+    def decode_window(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """`decode`, remembered for windows of 1 or 2 tokens (a pure function: same ids, same text)."""
+        if len(ids) > 2:
+            return self.decode(ids, skip_special_tokens)
+        key = (skip_special_tokens, *ids)
+        text = self._short.get(key)
+        if text is None:
+            if len(self._short) >= 1 << 18:
+                self._short.clear()
+            text = self._short[key] = self.decode(ids, skip_special_tokens)
+        return text
 
     def convert_ids_to_tokens(self, ids):
         return [self.backend.id_to_token(i) for i in ids]
@@ -174,5 +187,5 @@ def add_tokens(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[
             stops.append(False)
             continue
         prefix, full = d._windows(token_id)
-        stops.append(d._accept(d.tok.decode(prefix, d.skip), d.tok.decode(full, d.skip)))
+        stops.append(d._accept(d.tok.decode_window(prefix, d.skip), d.tok.decode_window(full, d.skip)))
     return stops
