@@ -87,23 +87,28 @@ class PersistentBatch:
         Returns (batch, sampling) dicts of numpy arrays, the shapes fixed by (T, max_num_seqs)."""
         S, bs = self.max_num_seqs, self.block_size
         k = len(scheduled)
-        slots, starts, counts, lens = (np.empty(k, np.int32) for _ in range(4))
+        slots, starts, counts, lens = [], [], [], []
         ids: list[int] = []
         prev_at: list[int] = []  # (index into slots) of pending tokens
+        penalties, owner = self.penalties, self._owner
         for i, (req, n) in enumerate(scheduled):
             s, c = req.slot, req.num_computed_tokens
-            if self._owner[s] is not req:
+            if owner[s] is not req:
                 self._join(s, req)
             self._sync_blocks(s, req)
-            slots[i], starts[i], counts[i], lens[i] = s, c, n, len(req.token_ids)
+            slots.append(s)
+            starts.append(c)
+            counts.append(n)
+            lens.append(len(req.token_ids))
             if req in pending:
                 ids.extend(req.token_ids[c:c + n - 1])
                 ids.append(0)
                 prev_at.append(i)
             else:
                 ids.extend(req.token_ids[c:c + n])
-            if self.penalties[s]:
+            if penalties[s]:
                 self._sync_history(s, req)
+        slots, starts, counts, lens = (np.array(x, np.int32) for x in (slots, starts, counts, lens))
         total = len(ids)
         ends = np.cumsum(counts)                                  # [k]
         rep = np.repeat(np.arange(k), counts)                     # [total] index into slots

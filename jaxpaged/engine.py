@@ -5,8 +5,6 @@ then the engine applies stop conditions and builds outputs.
 """
 from __future__ import annotations
 
-import atexit
-import gc
 import itertools
 import logging
 import os
@@ -121,15 +119,6 @@ class LLMEngine:
         self.num_consecutive_step_failures = 0  # since the last step that succeeded
         self.async_scheduling = cfg.async_scheduling
         self._inflight = None                   # async scheduling: the step started, not read back yet
-        # everything built so far lives as long as the engine: keep it out of the collector's full scans,
-        # which otherwise cost the host about as much per step as the step's own work at 256 running.
-        # (unfreeze first: a previous engine's garbage, frozen by its own start, is collected now; and at
-        # exit, so the interpreter's last collection still finalizes everything)
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
-        atexit.unregister(gc.unfreeze)
-        atexit.register(gc.unfreeze)
 
     def _num_blocks(self) -> int:
         cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
