@@ -117,7 +117,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_step_failures = 0              # since start
         self.num_consecutive_step_failures = 0  # since the last step that succeeded
-        self.async_scheduling = cfg.async_scheduling
+        # a multi-host leader hands each step's host inputs to its followers: it keeps the synchronous path
+        self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
         self._inflight = None                   # async scheduling: the step started, not read back yet
 
     def _num_blocks(self) -> int:
