@@ -176,6 +176,7 @@ class EngineConfig:
     attention_backend: str = "auto"         # auto | reference | pallas
     tensor_parallel_size: int = 1           # devices one model is split over (heads, MLP columns, vocab)
     seed: int = 0
+    async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
     max_logprobs: int = 20
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
@@ -198,6 +199,11 @@ class EngineConfig:
         if self.dtype == "auto":
             import jax
             self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        if self.async_scheduling is None:
+            import jax
+            self.async_scheduling = jax.default_backend() != "cpu"
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         if self.num_kv_blocks is not None:

@@ -23,7 +23,7 @@ from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, add_tokens, generation_eos_ids
 from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
 
@@ -65,6 +65,19 @@ class _Group:
     detoks: list[IncrementalDetokenizer]
     arrival: float
     finished_time: float | None = None
+
+
+def _needs_last_token(req: Request) -> bool:
+    """The host needs the request's last sampled token to prepare its next step (penalty history,
+    grammar matcher), so that token cannot stay on the device."""
+    return req.params.uses_penalties or req.params.structured_outputs is not None
+
+
+def _drop_finished(out):
+    """Take requests finished since scheduling (stopped one step late, aborted) out of a SchedulerOutput."""
+    out.scheduled = [(r, n) for r, n in out.scheduled if not r.is_finished]
+    out.num_tokens = sum(n for _, n in out.scheduled)
+    return out
 
 
 class LLMEngine:
@@ -119,6 +132,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_step_failures = 0              # since start
         self.num_consecutive_step_failures = 0  # since the last step that succeeded
+        # a multi-host leader hands each step's host inputs to its followers: it keeps the synchronous path
+        self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
+        self._inflight = None                   # async scheduling: the step started, not read back yet
 
     def _num_blocks(self) -> int:
         cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
@@ -181,12 +197,17 @@ class LLMEngine:
                 self.scheduler.abort(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Advance every running request by one scheduled chunk; return outputs of those that changed."""
+        """Advance every running request by one scheduled chunk; return outputs of those that changed.
+
+        With async scheduling the step just scheduled starts on the device before the previous one is
+        read back; the outputs returned are the previous step's (see docs/architecture.md)."""
         out = self.scheduler.schedule()
+        if self.async_scheduling:
+            return self._step_async(out)
         if out.is_empty:
             return []
         try:
@@ -196,15 +217,59 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 -- the step's requests fail; the engine carries on
             return self._step_failed(out, e)
         self.num_consecutive_step_failures = 0
-        got = self.scheduler.update_from_output(out, sampled)
+        return self._process(self.scheduler.update_from_output(out, sampled))
+
+    def _step_async(self, out) -> list[RequestOutput]:
+        """Start step t+1, then read back step t (its tokens already fed to t+1 on the device)."""
+        prev, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and (out.is_empty or any(_needs_last_token(r) and r in prev.pending
+                                                      for r, _ in out.scheduled)):
+            outputs, prev = self._complete(prev), None  # penalties, grammars need the token on the host first
+            _drop_finished(out)
+        if not out.is_empty:
+            try:
+                self._inflight = self.runner.launch(out, prev, prev.pending if prev is not None else ())
+            except Exception as e:  # noqa: BLE001 -- as in the synchronous step
+                if prev is not None:
+                    outputs += self._complete(prev)
+                _drop_finished(out)
+                return outputs + (self._step_failed(out, e) if not out.is_empty else [])
+        if prev is not None:
+            outputs += self._complete(prev)
+        if self._inflight is not None:  # computed counts advance now; the new tokens are placeholders
+            self._inflight.pending = frozenset(self.scheduler.update_from_output(self._inflight.out, None))
+        return outputs
+
+    def _complete(self, step) -> list[RequestOutput]:
+        """Read a launched step back: fill its placeholder tokens, then stop checks and outputs. A request
+        finished meanwhile (stopped one step earlier, aborted) drops its token."""
+        try:
+            sampled = self.runner.read(step)
+        except Exception as e:  # noqa: BLE001 -- the step failed on the device: so did any started after it
+            self._inflight = None  # its requests were not advanced: they run again
+            return self._step_failed(_drop_finished(step.out), e)
+        self.num_consecutive_step_failures = 0
+        got = []
+        for req, slot, i in step.out.placeholders:
+            if not req.is_finished:
+                tok, lp = sampled[slot]
+                req.token_ids[i] = tok
+                if req.logprobs is not None:
+                    req.logprobs.append(lp)
+                got.append(req)
+        return self._process(got)
+
+    def _process(self, got: list[Request]) -> list[RequestOutput]:
+        """Stop checks (detokenization batched over the requests) and outputs of the groups that changed."""
         now = time.monotonic()
+        stops = add_tokens([self.groups[r.group_id].detoks[r.index] for r in got], [r.token_ids[-1] for r in got])
         touched: dict[str, _Group] = {}
-        for req in got:
-            group = self.groups[req.group_id]
-            touched[req.group_id] = group
+        for req, stop_string in zip(got, stops):
+            touched[req.group_id] = self.groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._check_stop(req, group.detoks[req.index])
+            reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
         outputs = []
@@ -261,9 +326,8 @@ class LLMEngine:
                 lost = True
         return lost
 
-    def _check_stop(self, req: Request, detok: IncrementalDetokenizer) -> str | None:
+    def _check_stop(self, req: Request, stop_string: bool) -> str | None:
         p, tok = req.params, req.token_ids[-1]
-        stop_string = detok.add(tok)
         if req.num_output_tokens >= p.min_tokens:
             if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or stop_string:
                 return "stop"

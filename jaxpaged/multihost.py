@@ -107,10 +107,13 @@ def check_same_config(config: EngineConfig, model_dir: str, timeout_s: float = 3
 
 # -- the step message --------------------------------------------------------------------------------
 def encode_step(key: tuple[int, bool], batch: dict, sp: dict) -> bytes:
-    """(bucket key, host batch, host sampling arrays) -> bytes; a device-resident `history` (the runner's
-    all -1 placeholder) is left out and rebuilt by the follower."""
-    arrays = {f"b.{k}": np.asarray(v) for k, v in batch.items()}
-    arrays.update({f"s.{k}": np.asarray(v) for k, v in sp.items() if isinstance(v, (np.ndarray, np.generic))})
+    """(bucket key, host batch, host sampling arrays) -> bytes; device-resident inputs (the runner's
+    placeholders: all -1 `history`, zero `prev_tokens`, all-ones grammar `bitmask`) are left out and
+    rebuilt by the follower (a multi-host engine steps synchronously, so no token waits on the device)."""
+    def host(d):
+        return {k: v for k, v in d.items() if isinstance(v, (np.ndarray, np.generic))}
+    arrays = {f"b.{k}": np.asarray(v) for k, v in host(batch).items()}
+    arrays.update({f"s.{k}": np.asarray(v) for k, v in host(sp).items()})
     header = json.dumps({"key": [int(key[0]), bool(key[1])],
                          "arrays": [[k, a.dtype.str, a.shape] for k, a in arrays.items()]}).encode()
     body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
@@ -129,6 +132,8 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], 
         offset += size
         (batch if name.startswith("b.") else sp)[name[2:]] = a
     sp.setdefault("history", runner._no_history)
+    sp.setdefault("bitmask", runner.structured.all_ones)
+    batch.setdefault("prev_tokens", runner._no_prev)
     return (header["key"][0], header["key"][1]), batch, sp
 
 

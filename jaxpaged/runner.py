@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
+from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
@@ -26,7 +28,6 @@ from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.structured import StructuredOutputs
 
-NUM_BANNED = 16  # ids suppressed while a request is below min_tokens (EOS + stop ids)
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -37,7 +38,34 @@ def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
     return out + [max_tokens]
 
 
-def _step(params, k_pool, v_pool, batch, sp, *, cfg, attn_fn, num_logprobs, logits_shardings):
+@dataclass
+class Launched:
+    """A step started on the device: its schedule and its outputs (device arrays, maybe not ready)."""
+    out: SchedulerOutput
+    slots: list[int]       # of out.scheduled, at launch (a request may leave its slot before the read)
+    tokens: jax.Array      # i32[S]
+    logprobs: tuple        # token f32[S], top f32[S, K], top ids i32[S, K]
+    pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
+
+
+def unpack(packed, layout) -> tuple[dict, dict]:
+    """The packed int32 buffer -> (batch, sampling) dicts, by the static `batch.layout`."""
+    out = ({}, {})
+    for which, name, shape, dtype, start, size in layout:
+        a = packed[start:start + size].reshape(shape)
+        if dtype == "bool":
+            a = a != 0
+        elif dtype != "int32":
+            a = jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))
+        out[which][name] = a
+    return out
+
+
+def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings):
+    batch, sp = unpack(packed, layout)
+    prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
+    batch["input_ids"] = jnp.where(prev >= 0, extra["prev_tokens"][jnp.maximum(prev, 0)], batch["input_ids"])
+    sp["history"], sp["bitmask"] = extra["history"], extra["bitmask"]
     logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
@@ -82,13 +110,10 @@ class ModelRunner:
         self._compiled: dict[tuple[int, bool], object] = {}
         self.compile_seconds = 0.0
         S = cfg.max_num_seqs
-        # host arrays reused every step
-        self._block_tables = np.zeros((S, self.max_blocks_per_seq), np.int32)
-        self._row_owner: list = [None] * S          # (request, blocks_epoch) whose blocks row s holds
-        self._row_len = [0] * S
-        self._history = np.full((S, max_model_len), -1, np.int32)
-        # stays on device while no slot uses penalties
-        self._no_history = place(self._history, self.mesh, REPLICATED)
+        self.batch = PersistentBatch(S, self.max_blocks_per_seq, max_model_len, cfg.block_size)
+        # stay on the device while no slot uses penalties / no token is fed from the previous step
+        self._no_history = place(self.batch.history, self.mesh, REPLICATED)
+        self._no_prev = place(np.zeros(S, np.int32), self.mesh, REPLICATED)
         self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
         self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
 
@@ -108,16 +133,17 @@ class ModelRunner:
         return self._compiled.get(key) or self._compile(*key)
 
     def _compile(self, T: int, decode_only: bool):
-        fn = functools.partial(_step, cfg=self.step_cfg, num_logprobs=self.num_logprobs,
+        host = self._dummy(T)
+        fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=make_attention(self.backend, decode_only, self.mesh),
                                logits_shardings=self._logits_shardings)
-        batch, sp = self._device_inputs(*self._dummy(T))
+        packed, extra = self._device_inputs(*host)
         rep, pool = self._replicated, self._pool_sharding
         params = jax.tree.map(lambda a: a.sharding, self.params)
         t0 = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
                            out_shardings=(rep, pool, pool)).lower(
-            self.params, self.k_pool, self.v_pool, batch, sp).compile()
+            self.params, self.k_pool, self.v_pool, packed, extra).compile()
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[(T, decode_only)] = compiled
         return compiled
@@ -130,12 +156,10 @@ class ModelRunner:
             self._compile(T, d)
 
     def _dummy(self, T: int):
-        S = self.cfg.max_num_seqs
-        z = np.zeros
-        batch = dict(input_ids=z(T, np.int32), positions=z(T, np.int32), slot_mapping=z(T, np.int32),
-                     block_tables=self._block_tables.copy(), seq_lens=z(S, np.int32),
-                     query_start_loc=z(S + 1, np.int32), logits_indices=z(S, np.int32))
-        return batch, self._sampling_arrays([], S)
+        batch, sp = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size).prepare([], T)
+        batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
+        sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
+        return batch, sp
 
     # -- one step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -146,65 +170,52 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, dict | None]]:
         """Run one step; return slot -> (sampled token, {token id: logprob} or None)."""
-        S, bs = self.cfg.max_num_seqs, self.block_size
+        return self.read(self.launch(out))
+
+    def launch(self, out: SchedulerOutput, prev: Launched | None = None, pending=frozenset()) -> Launched:
+        """Prepare and start one step, without waiting for it (JAX dispatches asynchronously).
+
+        prev, pending (async scheduling): the previous step, not read back yet, and the requests whose
+        last token is that step's sampled token: the device feeds it to this step."""
+        S = self.cfg.max_num_seqs
         T = self.bucket_for(out.num_tokens)
-        input_ids = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slot_mapping = np.zeros(T, np.int32)
-        seq_lens = np.zeros(S, np.int32)
-        qsl = np.zeros(S + 1, np.int32)
-        logits_idx = np.zeros(S, np.int32)
-        tables = self._block_tables
-        counts = np.zeros(S, np.int32)
-        t = 0
-        for req, n in out.scheduled:
-            s, c, blocks = req.slot, req.num_computed_tokens, req.block_ids
-            self._sync_table_row(s, req)
-            if n == 1:  # decode: scalars are cheaper than small arrays
-                input_ids[t], positions[t] = req.token_ids[c], c
-                slot_mapping[t] = blocks[c // bs] * bs + c % bs
-            else:
-                pos = np.arange(c, c + n, dtype=np.int32)
-                input_ids[t:t + n] = req.token_ids[c:c + n]
-                positions[t:t + n] = pos
-                slot_mapping[t:t + n] = np.asarray(blocks, np.int32)[pos // bs] * bs + pos % bs
-            seq_lens[s] = c + n
-            counts[s] = n
-            logits_idx[s] = t + n - 1
-            t += n
-        qsl[1:] = np.cumsum(counts)
-        batch = dict(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-                     block_tables=tables, seq_lens=seq_lens, query_start_loc=qsl, logits_indices=logits_idx)
-        sp = self._sampling_arrays(out.scheduled, S)
+        batch, sp = self.batch.prepare(out.scheduled, T, pending)
+        batch["prev_tokens"] = prev.tokens if pending else self._no_prev
+        sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
+        sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
         key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
-        batch, sp = self._device_inputs(batch, sp)
+        inputs = self._device_inputs(batch, sp)
         (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = self.compiled_step(key)(
-            self.params, self.k_pool, self.v_pool, batch, sp)
-        tokens = np.asarray(tokens).tolist()
-        want_lp = [r for r, _ in out.scheduled if r.params.logprobs is not None]
+            self.params, self.k_pool, self.v_pool, *inputs)
+        return Launched(out, [req.slot for req, _ in out.scheduled], tokens, (tok_lp, top_lp, top_ids))
+
+    def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
+        """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
+        tokens = np.asarray(step.tokens).tolist()
+        want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
         if want_lp:
-            tok_lp, top_lp, top_ids = np.asarray(tok_lp), np.asarray(top_lp), np.asarray(top_ids)
-        result = {}
-        for req, _ in out.scheduled:
-            s = req.slot
-            lp = None
-            if req.params.logprobs is not None:
-                k = req.params.logprobs
-                lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
-                lp[tokens[s]] = float(tok_lp[s])
+            tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
+        result = {s: (tokens[s], None) for s in step.slots}
+        for req, s in want_lp:
+            k = req.params.logprobs
+            lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
+            lp[tokens[s]] = float(tok_lp[s])
             result[s] = (tokens[s], lp)
         return result
 
-    def _device_inputs(self, batch: dict, sp: dict) -> tuple[dict, dict]:
-        """The step's host inputs -> what the compiled step takes, replicated over the mesh.
+    def _device_inputs(self, batch: dict, sp: dict) -> tuple:
+        """The step's host inputs -> what the compiled step takes: one packed int32 buffer (a single
+        host->device copy) and the arrays that may already live on the device (prev_tokens, history).
 
         Within one process the host arrays go as they are: the compiled call copies them to every device
         of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
         processes needs global arrays, built from each process's identical copy."""
+        packed = pack(batch, sp)
+        extra = dict(prev_tokens=batch["prev_tokens"], history=sp["history"], bitmask=sp["bitmask"])
         if self.mesh.is_multi_process:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
-                                                                                  REPLICATED), (batch, sp))
-        return batch, sp
+                                                                                  REPLICATED), (packed, extra))
+        return packed, extra
 
     def memory_per_device(self) -> dict:
         """Bytes of parameters and of the KV pools held by this process's first device of the mesh (read
@@ -215,49 +226,3 @@ class ModelRunner:
             return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
         return dict(param_bytes_per_device=on_first(jax.tree.leaves(self.params)),
                     kv_bytes_per_device=on_first([self.k_pool, self.v_pool]))
-
-    def _sync_table_row(self, s: int, req) -> None:
-        """Keep the persistent block-table row of slot s equal to the request's blocks, by difference."""
-        owner = (req, req.blocks_epoch)
-        n_old, n_new = self._row_len[s], len(req.block_ids)
-        if self._row_owner[s] != owner:
-            self._block_tables[s, :n_old] = 0
-            self._row_owner[s], n_old = owner, 0
-        if n_new > n_old:
-            self._block_tables[s, n_old:n_new] = req.block_ids[n_old:]
-        self._row_len[s] = n_new
-
-    def _sampling_arrays(self, scheduled, S: int) -> dict:
-        f32, i32 = np.float32, np.int32
-        sp = dict(temperature=np.zeros(S, f32), top_p=np.ones(S, f32), top_k=np.zeros(S, i32),
-                  min_p=np.zeros(S, f32), seed=np.zeros(S, np.uint32), gen_index=np.zeros(S, i32),
-                  banned=np.full((S, NUM_BANNED), -1, i32), prompt_len=np.zeros(S, i32),
-                  history_len=np.zeros(S, i32), presence_penalty=np.zeros(S, f32),
-                  frequency_penalty=np.zeros(S, f32), repetition_penalty=np.ones(S, f32))
-        any_pen = any_filter = any_lp = False
-        all_greedy = True
-        for req, _ in scheduled:
-            s, p = req.slot, req.params
-            sp["temperature"][s] = p.temperature
-            sp["top_p"][s], sp["top_k"][s], sp["min_p"][s] = p.top_p, p.top_k, p.min_p
-            sp["seed"][s] = req.seed
-            sp["gen_index"][s] = req.num_output_tokens
-            all_greedy &= p.temperature == 0
-            any_lp |= p.logprobs is not None
-            any_filter |= p.top_p < 1 or p.top_k > 0 or p.min_p > 0
-            if req.num_output_tokens < p.min_tokens:
-                ban = ([] if p.ignore_eos else sorted(req.eos_token_ids)) + p.stop_token_ids
-                sp["banned"][s, :len(ban)] = ban[:NUM_BANNED]
-            if p.uses_penalties:
-                any_pen = True
-                h = len(req.token_ids)
-                self._history[s, :h] = req.token_ids
-                sp["prompt_len"][s], sp["history_len"][s] = req.num_prompt_tokens, h
-                sp["presence_penalty"][s] = p.presence_penalty
-                sp["frequency_penalty"][s] = p.frequency_penalty
-                sp["repetition_penalty"][s] = p.repetition_penalty
-        sp["history"] = self._history if any_pen else self._no_history
-        sp["any_penalty"], sp["any_filter"] = np.bool_(any_pen), np.bool_(any_filter)
-        sp["all_greedy"], sp["any_logprobs"] = np.bool_(all_greedy), np.bool_(any_lp)
-        sp.update(self.structured.bitmask_arrays(scheduled, S))  # bitmask [S, W], any_mask
-        return sp

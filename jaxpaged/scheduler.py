@@ -14,11 +14,15 @@ from jaxpaged.block_manager import BlockManager
 from jaxpaged.request import Request, RequestStatus
 
 
+PLACEHOLDER = -1  # a token sampled on the device, not read back yet (async scheduling)
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens), slot order
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
+    placeholders: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, slot, index)
 
     @property
     def is_empty(self) -> bool:
@@ -124,11 +128,13 @@ class Scheduler:
         out.num_tokens = sum(n for _, n in out.scheduled)
         return out
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, tuple]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, tuple] | None) -> list[Request]:
         """Advance computed counts; append each slot's sampled token when the request caught up.
 
         sampled: slot -> (token id, logprobs dict or None). Returns the requests that got a token.
         Stop conditions on tokens (EOS, stop ids, max tokens, max_model_len) are the engine's call.
+        sampled None (async scheduling: the tokens are still on the device): each such request gets the
+        placeholder PLACEHOLDER, its index and slot kept in `out.placeholders` for the engine to fill.
         """
         got = []
         for req, n in out.scheduled:
@@ -137,6 +143,11 @@ class Scheduler:
             req.num_computed_tokens += n
             self.bm.cache_blocks(req)
             if req.num_computed_tokens == len(req.token_ids):
+                if sampled is None:
+                    out.placeholders.append((req, req.slot, len(req.token_ids)))
+                    req.token_ids.append(PLACEHOLDER)
+                    got.append(req)
+                    continue
                 tok, lp = sampled[req.slot]
                 req.token_ids.append(tok)
                 if req.logprobs is not None:

@@ -182,4 +182,5 @@ class StructuredOutputs:
             lln.fill_next_token_bitmask_par(self._executor, [(self._matcher(r)[0], r.slot) for r in todo], mask)
         self.mask_seconds += time.perf_counter() - t0
         self.num_masks += len(todo)
-        return dict(bitmask=mask, any_mask=np.bool_(True))
+        # a copy: the step may still read this one (CPU inputs can alias host memory) when the next is filled
+        return dict(bitmask=mask.copy(), any_mask=np.bool_(True))

@@ -1,18 +1,26 @@
 """Host overhead per decode step, and decode efficiency against a plain matmul microbenchmark.
 
     python scripts/bench_host.py --running 8 64 128 256 --json results/host.json
+    python scripts/bench_host.py --null-device --running 8 64 256 --json results/host_null.json
+
+--null-device: the runner's compiled step is replaced by one that only moves the step's inputs to the
+device and returns fixed fake tokens at once, through the same engine code. Then the whole step is host
+time: host_ms_per_step, null_steps_per_s (the ceiling of any accelerator's decode step rate under this
+host), split into schedule / prepare / transfer / update / detokenize (the rest of LLMEngine.step:
+stop checks, detokenization, outputs), medians of --repeats runs of --steps steps.
 
 For each count N of running requests, an engine with max_num_seqs = N (and a token budget of at least
 2N) is filled with N requests (distinct random prompts of --context tokens; early ones decode while
 later ones prefill) until all of them decode; then --steps decode steps are
 timed one by one, with the engine's own calls wrapped by timers:
   schedule      Scheduler.schedule
-  execute       ModelRunner.execute: input arrays + device step + reading the results back
+  execute       ModelRunner.launch + ModelRunner.read: input arrays + device step + reading the results back
   update        Scheduler.update_from_output
   engine        the rest of LLMEngine.step (stop checks, detokenization, outputs)
 The device time of the same step is measured on its own afterwards: the step's compiled function is
 replayed on the step's inputs, already on the device, until ready. Host overhead = step wall time -
-device time (the host time not hidden behind the device), as a share of the step wall time.
+device time (the host time not hidden behind the device), as a share of the step wall time; also as
+unhidden_host_ms_per_step. With --async-scheduling on, step t+1 is prepared while step t runs.
 
 Decode efficiency = model FLOPs of the step (2 x matmul parameters per token, logits included, plus
 4 x layers x heads x head_dim x context for attention) / step wall time, divided by the FLOP rate of a
@@ -57,10 +65,10 @@ def capture_next_step(runner) -> tuple[dict, dict]:
         def __init__(self, fn):
             self.fn = fn
 
-        def __call__(self, params, k, v, batch, sp):
-            captured.update(fn=self.fn, batch={n: np.array(a) for n, a in batch.items()},
-                            sp={n: np.array(a) for n, a in sp.items()})
-            return self.fn(params, k, v, batch, sp)
+        def __call__(self, params, k, v, *inputs):
+            import jax
+            captured.update(fn=self.fn, inputs=jax.tree.map(np.array, inputs))
+            return self.fn(params, k, v, *inputs)
 
     saved = dict(runner._compiled)
     runner._compiled.update({key: Capture(fn) for key, fn in saved.items()})
@@ -71,14 +79,97 @@ def replay(runner, captured: dict, reps: int) -> list[float]:
     """Seconds of each replay of the captured step on its inputs, already on the device (device only)."""
     import jax
     fn = captured["fn"]
-    batch, sp = jax.device_put(captured["batch"]), jax.device_put(captured["sp"])
+    inputs = jax.device_put(captured["inputs"])
     times = []
     for _ in range(reps + 1):
         t = time.perf_counter()
-        out, runner.k_pool, runner.v_pool = fn(runner.params, runner.k_pool, runner.v_pool, batch, sp)
+        out, runner.k_pool, runner.v_pool = fn(runner.params, runner.k_pool, runner.v_pool, *inputs)
         jax.block_until_ready(out)
         times.append(time.perf_counter() - t)
     return times[1:]  # the same K/V are written again: the engine's state is unchanged
+
+
+def null_step(S: int, num_logprobs: int):
+    """A compiled-step stand-in with the step's signature: takes the same inputs (so they are moved to
+    the device by the same call), computes nothing, returns fixed fake tokens (never EOS: ignore_eos)."""
+    import jax
+    import jax.numpy as jnp
+
+    def fn(params, k, v, *inputs):
+        tokens = jnp.arange(S, dtype=jnp.int32) % 97 + 3
+        return (tokens, jnp.zeros(S, jnp.float32), jnp.zeros((S, num_logprobs), jnp.float32),
+                jnp.zeros((S, num_logprobs), jnp.int32)), k, v
+    return jax.jit(fn, donate_argnums=(1, 2))
+
+
+def measure_null(model_dir: str, args, N: int) -> dict:
+    """Host time per decode step with a device step that returns at once (see --null-device)."""
+    budget = max(2 * N, args.max_num_batched_tokens)
+    fill_steps = -(-N * args.context // (budget - N)) + 2  # early requests decode while later ones prefill
+    total = fill_steps + args.warmup_steps + args.repeats * args.steps + 4
+    max_len = args.max_model_len or args.context + total + 8
+    per_seq = -(-max_len // args.block_size)
+    llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
+                       num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False, **async_kw(args))
+    eng, runner, sch = llm.engine, llm.engine.runner, llm.engine.scheduler
+    fake = null_step(N, runner.num_logprobs)
+    transfer: list[float] = []
+
+    def timed_fake(*a):  # the call moves the step's host inputs to the device: its time is "transfer"
+        t = time.perf_counter()
+        try:
+            return fake(*a)
+        finally:
+            transfer.append(time.perf_counter() - t)
+    runner.compiled_step = lambda key: timed_fake
+    rng = np.random.default_rng(args.seed)
+    from jaxpaged import SamplingParams
+    vocab = eng.model_config.vocab_size
+    for i in range(N):
+        sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True,
+                            stop=["never seen: stop string"] if args.stop_strings else None)
+        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp)
+    while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
+        eng.step()
+    for _ in range(args.warmup_steps):
+        eng.step()
+    parts = [(o, n) for o, n in ((sch, "schedule"), (getattr(runner, "batch", None), "prepare"),
+                                 (runner, "_device_inputs"), (runner, "read"), (sch, "update_from_output"),
+                                 (eng, "_process")) if hasattr(o, n)]
+    if not hasattr(runner, "launch"):  # before the persistent batch
+        parts.append((runner, "execute"))
+    reps = []
+    for _ in range(args.repeats):
+        timers = {n: Timed(o, n) for o, n in parts}
+        transfer.clear()
+        walls = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+        for tm in timers.values():
+            tm.remove()
+        if len(sch.running) != N:
+            raise SystemExit(f"N={N}: requests finished during the timed steps; raise --max-model-len")
+        med = {n: statistics.median(tm.times) for n, tm in timers.items()}
+        wall, xfer = statistics.median(walls), statistics.median(transfer)
+        run = med.get("execute", 0.0)
+        rep = dict(host_ms_per_step=1e3 * wall, schedule_ms=1e3 * med["schedule"],
+                   transfer_ms=1e3 * xfer, update_ms=1e3 * med["update_from_output"])
+        if "prepare" in med:  # the persistent batch: prepare, pack (+ transfer), read back
+            rep["prepare_ms"] = 1e3 * med["prepare"]
+            rep["transfer_ms"] += 1e3 * med["_device_inputs"]
+            rep["readback_ms"] = 1e3 * med["read"]
+            rep["detokenize_ms"] = 1e3 * med["_process"]
+        else:  # before the persistent batch: execute = prepare + transfer + reading back
+            rep["prepare_ms"] = 1e3 * (run - xfer)
+            rep["detokenize_ms"] = 1e3 * (wall - med["schedule"] - run - med["update_from_output"])
+        reps.append(rep)
+    res = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    res = dict(running=N, **res, null_steps_per_s=1e3 / res["host_ms_per_step"],
+               async_scheduling=getattr(eng, "async_scheduling", False), repeats=reps)
+    bc.say(f"N={N}: host {res['host_ms_per_step']:.3f} ms/step, {res['null_steps_per_s']:.0f} null steps/s")
+    return res
 
 
 def matmul_times(mc, rows: int, dtype: str, reps: int) -> list[float]:
@@ -118,13 +209,17 @@ def matmul_params(mc) -> int:
     return mc.num_layers * (2 * D * q + 2 * D * kv + 3 * D * F) + D * V
 
 
+def async_kw(args) -> dict:
+    return {} if args.async_scheduling == "auto" else dict(async_scheduling=args.async_scheduling == "on")
+
+
 def measure(model_dir: str, args, N: int) -> dict:
     budget = max(2 * N, args.max_num_batched_tokens)
     fill_steps = -(-N * args.context // (budget - N)) + 2  # early requests decode while later ones prefill
     max_len = args.max_model_len or args.context + fill_steps + args.warmup_steps + args.steps + 8
     per_seq = -(-max_len // args.block_size)
     llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
-                       num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False)
+                       num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False, **async_kw(args))
     eng = llm.engine
     mc = eng.model_config
     rng = np.random.default_rng(args.seed)
@@ -141,7 +236,8 @@ def measure(model_dir: str, args, N: int) -> dict:
     if len(sch.running) != N:
         raise SystemExit(f"N={N}: {N - len(sch.running)} requests finished before the timed steps; "
                          "raise --max-model-len")
-    timers = {n: Timed(o, n) for o, n in ((sch, "schedule"), (eng.runner, "execute"), (sch, "update_from_output"))}
+    timers = {n: Timed(o, n) for o, n in ((sch, "schedule"), (eng.runner, "launch"), (eng.runner, "read"),
+                                          (sch, "update_from_output"))}
     walls, ctx = [], []
     for _ in range(args.steps):
         ctx.append(np.mean([len(r.token_ids) for r in sch.running]))
@@ -159,6 +255,7 @@ def measure(model_dir: str, args, N: int) -> dict:
     dev = statistics.median(dev_all)
 
     med = {n: statistics.median(tm.times) for n, tm in timers.items()}
+    med["execute"] = med.pop("launch") + med.pop("read")
     wall = statistics.median(walls)
     mm_all = matmul_times(mc, N, args.dtype, args.replays)
     mm_s = statistics.median(mm_all)
@@ -167,6 +264,7 @@ def measure(model_dir: str, args, N: int) -> dict:
     flops_token = 2 * matmul_params(mc) + 4 * mc.num_layers * mc.num_heads * mc.head_dim * context
     res = dict(running=N, context_mean=context, step_wall_s=wall, device_s=dev,
                host_overhead_s=wall - dev, host_overhead_pct=100 * (wall - dev) / wall,
+               unhidden_host_ms_per_step=1e3 * (wall - dev), async_scheduling=eng.async_scheduling,
                schedule_s=med["schedule"], execute_s=med["execute"], prepare_and_readback_s=med["execute"] - dev,
                update_s=med["update_from_output"],
                engine_rest_s=wall - med["schedule"] - med["execute"] - med["update_from_output"],
@@ -187,9 +285,28 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per N")
     ap.add_argument("--warmup-steps", type=int, default=3)
     ap.add_argument("--replays", type=int, default=8, help="device-only replays and matmul repetitions")
+    ap.add_argument("--null-device", action="store_true",
+                    help="a device step that returns at once with fake tokens: report host time only")
+    ap.add_argument("--repeats", type=int, default=5, help="--null-device: timed runs of --steps (medians)")
+    ap.add_argument("--stop-strings", action="store_true", help="--null-device: every request has a stop string")
+    ap.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
+                    help="the engine's async_scheduling (auto: its default for the platform)")
     bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
+    if args.null_device:
+        if args.steps == 16:
+            args.steps = 200
+        rows = [measure_null(model_dir, args, N) for N in args.running]
+        out = dict(results=rows, model=model_dir, machine=bc.machine_info(), null_device=True,
+                   note="null device: the step only transfers its inputs and returns fake tokens; "
+                        "medians of --repeats runs")
+        print(bc.table([[r["running"], r["host_ms_per_step"], r["null_steps_per_s"], r["schedule_ms"],
+                         r["prepare_ms"], r["transfer_ms"], r["update_ms"], r["detokenize_ms"]] for r in rows],
+                       ["running", "host ms/step", "null steps/s", "schedule", "prepare", "transfer",
+                        "update", "detokenize"]))
+        bc.write_json(args.json, out)
+        return out
     rows = []
     for N in args.running:
         rows.append(measure(model_dir, args, N))

@@ -7,12 +7,16 @@
 #   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
 #   tp_check.json, tp_check.log       TP=2 correctness (>= 2 GPUs; skipped on one)
 #   tp_throughput.json, tp_throughput.log   TP=1 vs TP=2 throughput, random llama-8h preset, bfloat16
+#   host_sync.json, host_async.json, host.log   default model, 64 running, bf16: decode step rate and GPU
+#                                     idle share (step wall - device-only replay, / step wall), async off vs on
+#   host_null.json                    host-only ceiling: the null device at 8 / 64 / 256 running
 #   summary.md                        test outcome + benchmark tables
 # Each part is guarded: a failing or missing part is recorded and the next one still runs.
 # pytest runs with --noconftest: the kernel tests need nothing from tests/conftest.py (which imports the
 # engine and its model-test dependencies, perhaps absent on the GPU machine).
 # Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300),
-# TP_MODEL (default random:llama-8h: random weights, needs torch + transformers), TP_TIMEOUT (s, default 900).
+# TP_MODEL (default random:llama-8h: random weights, needs torch + transformers), TP_TIMEOUT (s, default 900),
+# HOST_MODEL (default: the embedded default model; random:smollm2-135m works offline), HOST_TIMEOUT (s, default 600).
 set -u
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
 mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
@@ -59,6 +63,31 @@ else
 fi
 echo "tensor parallelism: $tp_status"
 
+host_status=""
+for mode in off on; do
+  name=$([ "$mode" = on ] && echo async || echo sync)
+  (cd scripts && timeout "${HOST_TIMEOUT:-600}" "$PY" bench_host.py --running 64 --steps 64 --replays 16 --dtype bfloat16 \
+    ${HOST_MODEL:+--model "$HOST_MODEL"} --async-scheduling "$mode" --json "$OUT_DIR/host_$name.json" >>"$OUT_DIR/host.log" 2>&1)
+  host_status="$host_status $name: exit $?;"
+done
+(cd scripts && timeout "${HOST_TIMEOUT:-600}" "$PY" bench_host.py --null-device --running 8 64 256 \
+  ${HOST_MODEL:+--model "$HOST_MODEL"} --json "$OUT_DIR/host_null.json" >>"$OUT_DIR/host.log" 2>&1)
+host_status="$host_status null device: exit $?"
+host_table=$("$PY" - "$OUT_DIR" <<'PYEOF' 2>&1
+import json, os, sys
+d = sys.argv[1]
+print("| mode | steps/s | step ms | device ms | unhidden host ms | GPU idle share |")
+print("| --- | --- | --- | --- | --- | --- |")
+for name in ("sync", "async"):
+    p = os.path.join(d, f"host_{name}.json")
+    if os.path.exists(p):
+        r = json.load(open(p))["results"][0]
+        print(f"| {name} | {1 / r['step_wall_s']:.0f} | {1e3 * r['step_wall_s']:.2f} | {1e3 * r['device_s']:.2f} | "
+              f"{r['unhidden_host_ms_per_step']:.3f} | {max(r['host_overhead_pct'], 0):.1f}% |")
+PYEOF
+)
+echo "host path (64 running):$host_status"
+
 {
   echo "# GPU check"
   echo
@@ -74,5 +103,9 @@ echo "tensor parallelism: $tp_status"
   echo
   echo "Tensor parallelism: $tp_status"
   if [ -f "$OUT_DIR/tp_throughput.log" ]; then echo '```'; tail -n 6 "$OUT_DIR/tp_throughput.log"; echo '```'; fi
+  echo
+  echo "Host path, default model, 64 running, sync vs async scheduling:$host_status"
+  echo
+  echo "$host_table"
 } >"$OUT_DIR/summary.md"
 cat "$OUT_DIR/summary.md"
