@@ -179,6 +179,7 @@ def pack(batch: dict, sp: dict) -> np.ndarray:
     for d in (batch, sp):
         for name in sorted(d):
             if name not in _SEPARATE:
-                a = d[name]
-                parts.append(np.int32(a).reshape(1) if isinstance(a, np.bool_) else a.reshape(-1).view(np.int32))
+                a = d[name]  # bools (np.bool_, or a 0-d array after a multi-host message) widen to int32
+                is_bool = isinstance(a, np.bool_) or a.dtype == np.bool_
+                parts.append(np.asarray(a, np.int32).reshape(-1) if is_bool else a.reshape(-1).view(np.int32))
     return np.concatenate(parts)
