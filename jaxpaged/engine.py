@@ -62,6 +62,12 @@ class _Group:
     finished_time: float | None = None
 
 
+def _needs_last_token(req: Request) -> bool:
+    """Whether the request's next step inputs depend on its last token's value on the host (the penalty
+    history; a grammar's mask would too): async scheduling then reads the previous step back first."""
+    return req.params.uses_penalties
+
+
 def _drop_finished(out):
     """Take requests finished since scheduling (stopped one step late, aborted) out of a SchedulerOutput."""
     out.scheduled = [(r, n) for r, n in out.scheduled if not r.is_finished]
@@ -204,9 +210,9 @@ class LLMEngine:
         """Start step t+1, then read back step t (its tokens already fed to t+1 on the device)."""
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
-        if prev is not None and (out.is_empty or any(r.params.uses_penalties and r in prev.pending
+        if prev is not None and (out.is_empty or any(r in prev.pending and _needs_last_token(r)
                                                       for r, _ in out.scheduled)):
-            outputs, prev = self._complete(prev), None  # penalties need the token on the host first
+            outputs, prev = self._complete(prev), None
             _drop_finished(out)
         if not out.is_empty:
             try:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
-from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
+from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
@@ -62,9 +62,10 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings):
     batch, sp = unpack(packed, layout)
+    extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
-    batch["input_ids"] = jnp.where(prev >= 0, extra["prev_tokens"][jnp.maximum(prev, 0)], batch["input_ids"])
-    sp["history"] = extra["history"]
+    batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
+    sp.update(extra)
     logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
@@ -206,7 +207,7 @@ class ModelRunner:
         of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
         processes needs global arrays, built from each process's identical copy."""
         packed = pack(batch, sp)
-        extra = dict(prev_tokens=batch["prev_tokens"], history=sp["history"])
+        extra = {name: d[name] for d in (batch, sp) for name in SEPARATE if name in d}
         if self.mesh.is_multi_process:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
                                                                                   REPLICATED), (packed, extra))
