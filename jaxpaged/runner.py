@@ -6,6 +6,9 @@ small ones) is compiled ahead of time at start-up, so a running engine never com
 
 The runner owns a mesh (see `jaxpaged/mesh.py`): params sharded by their partition specs, the pools
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
+Its host inputs come from the persistent batch (`jaxpaged/batch.py`) and go to the device as one packed
+buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
+next `launch` in between).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
-from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
+from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
@@ -154,7 +157,8 @@ class ModelRunner:
             self._compile(T, d)
 
     def _dummy(self, T: int):
-        batch, sp = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size).prepare([], T)
+        empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
+        batch, sp = empty.prepare([], T)
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         return batch, sp
 

@@ -38,7 +38,8 @@ def _plain_tokens(scheduled, T, bs):
 def test_persistent_batch_equals_rebuilt(data):
     bs = data.draw(st.sampled_from([1, 4, 16]))
     S, M = data.draw(st.integers(1, 6)), 64
-    bm = BlockManager(data.draw(st.integers(2 + 64 // bs, 42 + 64 // bs)), bs, enable_prefix_caching=data.draw(st.booleans()))
+    num_blocks = data.draw(st.integers(2 + 64 // bs, 42 + 64 // bs))
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans()))
     sched = Scheduler(bm, max_num_seqs=S, max_num_batched_tokens=data.draw(st.integers(1, 40)))
     rnd = random.Random(data.draw(st.integers(0, 2 ** 16)))
     persistent = PersistentBatch(S, -(-M // bs), M, bs)
