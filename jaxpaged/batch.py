@@ -183,6 +183,6 @@ def pack(batch: dict, sp: dict) -> np.ndarray:
     for d in (batch, sp):
         for name in sorted(d):
             if name not in SEPARATE:
-                a = d[name]
-                parts.append(np.int32(a).reshape(1) if isinstance(a, np.bool_) else a.reshape(-1).view(np.int32))
+                a = np.asarray(d[name])  # a bool flag may come as np.bool_ or as a 0-d array (multi-host)
+                parts.append((a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32)).reshape(-1))
     return np.concatenate(parts)

@@ -93,3 +93,12 @@ def test_persistent_batch_equals_rebuilt(data):
     for req in list(live):
         sched.abort(req)
     assert bm.num_free_blocks == bm.num_blocks - 1
+
+
+def test_pack_same_for_decoded_arrays():
+    """A multi-host follower gets every input back as an ndarray (flags as 0-d arrays): same buffer."""
+    batch, sp = PersistentBatch(3, 4, 8, 4).prepare([], 8)
+    decoded = [{k: np.array(v) for k, v in d.items()} for d in (batch, sp)]
+    assert isinstance(sp["all_greedy"], np.bool_) and decoded[1]["all_greedy"].shape == ()
+    assert layout(batch, sp) == layout(*decoded)
+    assert np.array_equal(pack(batch, sp), pack(*decoded))
