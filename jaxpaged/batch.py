@@ -157,7 +157,10 @@ class PersistentBatch:
         return sp
 
 
-_SEPARATE = ("prev_tokens", "history", "bitmask")  # may live on the device already: not packed
+# step inputs that may already live on the device (then they are not copied again): never packed,
+# passed beside the packed buffer, always — so the compiled step's signature does not depend on where
+# they are. A new input of this kind (a large per-slot mask that is all ones when unused) goes here.
+SEPARATE = ("prev_tokens", "history", "bitmask")
 
 
 def layout(batch: dict, sp: dict) -> tuple:
@@ -166,7 +169,7 @@ def layout(batch: dict, sp: dict) -> tuple:
     out, start = [], 0
     for which, d in enumerate((batch, sp)):
         for name in sorted(d):
-            if name not in _SEPARATE:
+            if name not in SEPARATE:
                 a = np.asarray(d[name])
                 out.append((which, name, a.shape, a.dtype.name, start, a.size))
                 start += a.size
@@ -174,12 +177,12 @@ def layout(batch: dict, sp: dict) -> tuple:
 
 
 def pack(batch: dict, sp: dict) -> np.ndarray:
-    """Every host array of the step (int32, uint32, float32 or bool) in one int32 buffer, by `layout`."""
+    """Every host array of the step (int32, uint32, float32 or bool; not SEPARATE) in one int32 buffer,
+    by `layout`."""
     parts = []
     for d in (batch, sp):
         for name in sorted(d):
-            if name not in _SEPARATE:
-                a = d[name]  # bools (np.bool_, or a 0-d array after a multi-host message) widen to int32
-                is_bool = isinstance(a, np.bool_) or a.dtype == np.bool_
-                parts.append(np.asarray(a, np.int32).reshape(-1) if is_bool else a.reshape(-1).view(np.int32))
+            if name not in SEPARATE:
+                a = np.asarray(d[name])  # a bool flag may come as np.bool_ or as a 0-d array (multi-host)
+                parts.append((a.astype(np.int32) if a.dtype == np.bool_ else a.view(np.int32)).reshape(-1))
     return np.concatenate(parts)

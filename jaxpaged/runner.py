@@ -6,6 +6,9 @@ small ones) is compiled ahead of time at start-up, so a running engine never com
 
 The runner owns a mesh (see `jaxpaged/mesh.py`): params sharded by their partition specs, the pools
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
+Its host inputs come from the persistent batch (`jaxpaged/batch.py`) and go to the device as one packed
+buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
+next `launch` in between).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.attention import make_attention, resolve_backend
-from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: engine, tests
+from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
@@ -63,9 +66,10 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings):
     batch, sp = unpack(packed, layout)
+    extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
-    batch["input_ids"] = jnp.where(prev >= 0, extra["prev_tokens"][jnp.maximum(prev, 0)], batch["input_ids"])
-    sp["history"], sp["bitmask"] = extra["history"], extra["bitmask"]
+    batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
+    sp.update(extra)
     logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
@@ -156,7 +160,8 @@ class ModelRunner:
             self._compile(T, d)
 
     def _dummy(self, T: int):
-        batch, sp = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size).prepare([], T)
+        empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
+        batch, sp = empty.prepare([], T)
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
         return batch, sp
@@ -211,7 +216,7 @@ class ModelRunner:
         of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
         processes needs global arrays, built from each process's identical copy."""
         packed = pack(batch, sp)
-        extra = dict(prev_tokens=batch["prev_tokens"], history=sp["history"], bitmask=sp["bitmask"])
+        extra = {name: d[name] for d in (batch, sp) for name in SEPARATE if name in d}
         if self.mesh.is_multi_process:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
                                                                                   REPLICATED), (packed, extra))

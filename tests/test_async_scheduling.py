@@ -121,7 +121,8 @@ def test_async_step_failure_fails_only_its_requests(model, compile_cache, where,
               compilation_cache_dir=compile_cache, show_progress=False)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p["prompt_token_ids"]} for p in _workload()[0]]
-    want = {o.request_id: o.outputs[0].token_ids for o in _generate(LLMEngine(EngineConfig(**kw)), prompts, params)}
+    sync = _generate(LLMEngine(EngineConfig(**kw)), prompts, params)
+    want = {o.request_id: o.outputs[0].token_ids for o in sync}
     eng = LLMEngine(EngineConfig(async_scheduling=True, **kw))
     real, calls, failed = getattr(eng.runner, where), [0], set()
 

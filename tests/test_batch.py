@@ -38,7 +38,8 @@ def _plain_tokens(scheduled, T, bs):
 def test_persistent_batch_equals_rebuilt(data):
     bs = data.draw(st.sampled_from([1, 4, 16]))
     S, M = data.draw(st.integers(1, 6)), 64
-    bm = BlockManager(data.draw(st.integers(2 + 64 // bs, 42 + 64 // bs)), bs, enable_prefix_caching=data.draw(st.booleans()))
+    num_blocks = data.draw(st.integers(2 + 64 // bs, 42 + 64 // bs))
+    bm = BlockManager(num_blocks, bs, enable_prefix_caching=data.draw(st.booleans()))
     sched = Scheduler(bm, max_num_seqs=S, max_num_batched_tokens=data.draw(st.integers(1, 40)))
     rnd = random.Random(data.draw(st.integers(0, 2 ** 16)))
     persistent = PersistentBatch(S, -(-M // bs), M, bs)
@@ -92,3 +93,12 @@ def test_persistent_batch_equals_rebuilt(data):
     for req in list(live):
         sched.abort(req)
     assert bm.num_free_blocks == bm.num_blocks - 1
+
+
+def test_pack_same_for_decoded_arrays():
+    """A multi-host follower gets every input back as an ndarray (flags as 0-d arrays): same buffer."""
+    batch, sp = PersistentBatch(3, 4, 8, 4).prepare([], 8)
+    decoded = [{k: np.array(v) for k, v in d.items()} for d in (batch, sp)]
+    assert isinstance(sp["all_greedy"], np.bool_) and decoded[1]["all_greedy"].shape == ()
+    assert layout(batch, sp) == layout(*decoded)
+    assert np.array_equal(pack(batch, sp), pack(*decoded))
