@@ -211,6 +211,12 @@ class LeaderRunner(ModelRunner):
         """Tell the followers to stop and wait (STOP_TIMEOUT_S at most) until they leave; once, also at exit."""
         if not self._closed:
             self._closed = True
+            if self._failure:
+                # a follower is lost: leaving the coordination service would block on it and then abort
+                # the process (and a step may still hang in a collective), so end the process here, status 0
+                log.warning("multi-host: exiting without the stop barrier (%s)", self._failure)
+                logging.shutdown()
+                os._exit(0)
             try:
                 self.channel.send(b"")
                 self.channel.client.wait_at_barrier("jaxpaged/stop", int(STOP_TIMEOUT_S * 1000))
