@@ -51,6 +51,20 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
     block_tables i32[S, B], seq_lens i32[S], query_start_loc i32[S+1], logits_indices i32[S].
     Returns (logits f32[S, V] for each slot's last scheduled token, k_pool, v_pool).
     """
+    h, k_pool, v_pool = decoder(params, cfg, k_pool, v_pool, batch, attn_fn)
+    return lm_logits(params, cfg, h[batch["logits_indices"]]), k_pool, v_pool
+
+
+def lm_logits(params, cfg: ModelConfig, h):
+    """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return softcap(logits, cfg.final_softcap)
+
+
+def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
+    """The decoder layers and the final norm over packed tokens (batch as in `forward`; logits_indices
+    unused). Returns (hidden states [T, D] after the final norm, k_pool, v_pool)."""
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
@@ -111,7 +125,4 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
     for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
         pl_ = jax.tree.map(lambda a: a[l], params["layers"])
         x, k_pool, v_pool = layer(x, k_pool, v_pool, pl_, l, cfg.layer_types[l])
-    x = norm(x[batch["logits_indices"]], params["final_norm"])  # [S, D]
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(x, head, preferred_element_type=jnp.float32)  # [S, V]
-    return softcap(logits, cfg.final_softcap), k_pool, v_pool
+    return norm(x, params["final_norm"]), k_pool, v_pool  # [T, D]
