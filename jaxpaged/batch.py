@@ -42,6 +42,7 @@ class PersistentBatch:
         self.history = np.full((S, max_model_len), -1, np.int32)  # [S, M] token ids, for penalties
         self._hist_len = [0] * S
         self._owner: list = [None] * S       # request whose sampling parameters row s holds
+        self.hooks = None                    # research.SlotHooks when the step has hidden states / steering
 
     # -- rows, by difference --------------------------------------------------------------
     def _sync_blocks(self, s: int, req) -> None:
@@ -71,6 +72,8 @@ class PersistentBatch:
         self.logprobs[s] = p.logprobs is not None
         self._owner[s] = req
         self._hist_len[s] = 0
+        if self.hooks is not None:
+            self.hooks.join(s, req)
 
     def _sync_history(self, s: int, req) -> None:
         h, n = self._hist_len[s], len(req.token_ids)
@@ -160,7 +163,7 @@ class PersistentBatch:
 # step inputs that may already live on the device (then they are not copied again): never packed,
 # passed beside the packed buffer, always — so the compiled step's signature does not depend on where
 # they are. A new input of this kind (a large per-slot mask that is all ones when unused) goes here.
-SEPARATE = ("prev_tokens", "history", "bitmask")
+SEPARATE = ("prev_tokens", "history", "bitmask", "steering")
 
 
 def layout(batch: dict, sp: dict) -> tuple:

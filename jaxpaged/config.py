@@ -181,6 +181,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
     show_progress: bool = True
+    # research hooks compiled into the step (docs/research.md); indices as transformers' output_hidden_states
+    hidden_state_layers: list[int] | None = None  # residual-stream states captured (0..num_layers)
+    steering_layers: list[int] | None = None      # where per-request steering vectors are added (0..num_layers-1)
     # scale-out beyond one engine (docs/scale-out.md)
     data_parallel_size: int = 1             # replicas, each on its own tensor_parallel_size devices
     coordinator_address: str | None = None  # multi-host: HOST:PORT of process 0 (jax.distributed)
@@ -217,6 +220,13 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self._check_scale_out(positive)
+        for name in ("hidden_state_layers", "steering_layers"):  # ranges: at load (research.check_layers)
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (list, tuple)):
+                raise ValueError(f"{name} must be a list of layer indices or None, got {v!r}")
+        if self.steering_layers and self.num_processes > 1:
+            raise ValueError("steering_layers is not supported with num_processes > 1 (the followers "
+                             "would not see the per-slot vectors)")
 
     def _check_scale_out(self, positive) -> None:
         for name in ("data_parallel_size", "num_processes"):

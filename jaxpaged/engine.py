@@ -18,6 +18,7 @@ import numpy as np
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import kv_head_replication, make_mesh
+from jaxpaged.research import check_layers, check_params, completion_hidden
 from jaxpaged.request import Request, RequestStatus
 from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
@@ -41,6 +42,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" | None while running
+    hidden_states: np.ndarray | None = None  # f32[num_generated, nL, D] (return_hidden_states; final output)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time
     error: str | None = None  # set when a failed step ended the request (finish_reason "error")
+    prompt_hidden_states: np.ndarray | None = None  # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
 
 
 @dataclass(eq=False)
@@ -95,6 +98,10 @@ class LLMEngine:
         self.model_config = mc = ModelConfig.from_dir(model_dir)
         self.mesh = make_mesh(cfg.tensor_parallel_size, devices)
         kv_head_replication(mc, cfg.tensor_parallel_size)  # a bad size fails before the weights load
+        cfg.hidden_state_layers = list(check_layers("hidden_state_layers", cfg.hidden_state_layers,
+                                                    mc.num_layers, mc.num_layers)) or None
+        cfg.steering_layers = list(check_layers("steering_layers", cfg.steering_layers,
+                                                mc.num_layers, mc.num_layers - 1)) or None
         limit = mc.max_position_embeddings
         self.max_model_len = cfg.max_model_len or min(limit, 4096)
         if self.max_model_len > limit:
@@ -169,6 +176,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
         self.structured.check(params)
+        check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
+                     self.model_config.hidden_size)
         budget = self.config.max_num_batched_tokens
         max_tokens = check_request(ids, params, self.request_limits(),
                                    lambda n: self.block_manager.max_blocks_held(n, budget), self.num_blocks - 1)
@@ -339,13 +348,15 @@ class LLMEngine:
 
     def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
         outs = [CompletionOutput(r.index, d.visible_text(r.is_finished), r.output_token_ids,
-                                 list(r.logprobs) if r.logprobs is not None else None, r.finish_reason)
+                                 list(r.logprobs) if r.logprobs is not None else None, r.finish_reason,
+                                 completion_hidden(r) if finished and error is None else None)
                 for r, d in zip(group.samples, group.detoks)]
         first = [r.first_token_time for r in group.samples if r.first_token_time is not None]
         metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
                        finished_time=group.finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             group.samples[0].num_cached_tokens, metrics, error)
+                             group.samples[0].num_cached_tokens, metrics, error,
+                             group.samples[0].prompt_hidden_states if finished else None)
 
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler

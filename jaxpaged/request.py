@@ -37,12 +37,16 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
+    hidden_states: dict | None = None     # token index -> f32[nL, D] (return_hidden_states)
+    prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.return_hidden_states and self.hidden_states is None:
+            self.hidden_states = {}
 
     @property
     def num_prompt_tokens(self) -> int:

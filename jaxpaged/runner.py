@@ -26,7 +26,8 @@ from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
-from jaxpaged.models.llama import forward
+from jaxpaged.models.llama import decoder, lm_logits
+from jaxpaged.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
 from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.structured import StructuredOutputs
@@ -49,6 +50,8 @@ class Launched:
     tokens: jax.Array      # i32[S]
     logprobs: tuple        # token f32[S], top f32[S, K], top ids i32[S, K]
     pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
+    hidden: tuple = ()     # captured states: f32[S, nL, D] at the logits rows, f32[T, nL, D] (research.py)
+    hidden_plan: tuple = ()  # what to read back of them (SlotHooks.plan)
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -64,19 +67,22 @@ def unpack(packed, layout) -> tuple[dict, dict]:
     return out
 
 
-def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings):
+def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
+          capture=(), steer=()):
     batch, sp = unpack(packed, layout)
     extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
     batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
     sp.update(extra)
-    logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
+    h, k_pool, v_pool, *states = decoder(params, cfg, k_pool, v_pool, batch, attn_fn,
+                                         **step_hooks(sp, batch, capture, steer))
+    logits = lm_logits(params, cfg, h[batch["logits_indices"]])
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
-    return (tokens, tok_lp, top_lp, top_ids), k_pool, v_pool
+    return (tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), k_pool, v_pool
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
@@ -120,6 +126,9 @@ class ModelRunner:
         self._no_prev = place(np.zeros(S, np.int32), self.mesh, REPLICATED)
         self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
         self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
+        capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
+        if capture or steer:  # research hooks compiled in (validated by the engine)
+            self.batch.hooks = SlotHooks(S, capture, steer, model_cfg.hidden_size, self.dtype)
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -140,7 +149,9 @@ class ModelRunner:
         host = self._dummy(T)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=make_attention(self.backend, decode_only, self.mesh),
-                               logits_shardings=self._logits_shardings)
+                               logits_shardings=self._logits_shardings,
+                               **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
+                                                                          steer=self.batch.hooks.steer)))
         packed, extra = self._device_inputs(*host)
         rep, pool = self._replicated, self._pool_sharding
         params = jax.tree.map(lambda a: a.sharding, self.params)
@@ -164,7 +175,17 @@ class ModelRunner:
         batch, sp = empty.prepare([], T)
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
+        self._hook_inputs(sp, [])
         return batch, sp
+
+    def _hook_inputs(self, sp: dict, slots) -> None:
+        """The research hooks' step inputs: steering [S, nS, D] (on the device), any_prompt_hidden."""
+        hooks = self.batch.hooks
+        if hooks is not None:
+            if hooks.steer:
+                sp["steering"] = hooks.device_steering(lambda a: place(a, self.mesh, REPLICATED))
+            if hooks.capture:
+                sp["any_prompt_hidden"] = np.bool_(hooks.wants_prompt[slots].any())
 
     # -- one step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -188,15 +209,20 @@ class ModelRunner:
         batch["prev_tokens"] = prev.tokens if pending else self._no_prev
         sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
         sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
+        slots = [req.slot for req, _ in out.scheduled]
+        self._hook_inputs(sp, slots)
         key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
-        (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = self.compiled_step(key)(
+        (tokens, tok_lp, top_lp, top_ids, *hidden), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, *inputs)
-        return Launched(out, [req.slot for req, _ in out.scheduled], tokens, (tok_lp, top_lp, top_ids))
+        plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
+        return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan)
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
         tokens = np.asarray(step.tokens).tolist()
+        if step.hidden_plan:
+            read_hidden(step.hidden_plan, step.hidden)
         want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
         if want_lp:
             tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)

@@ -7,12 +7,14 @@ temperature and filtering), as in vLLM.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxpaged.structured import StructuredOutputsParams
 from jaxpaged.validation import InvalidParam, check_text
@@ -59,6 +61,10 @@ class SamplingParams:
     logprobs: int | None = None    # top-N logprobs per generated token
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
+    # research hooks (docs/research.md); the engine must have compiled them (hidden_state_layers, steering_layers)
+    return_hidden_states: bool = False          # CompletionOutput.hidden_states [generated, nL, D]
+    return_prompt_hidden_states: bool = False   # RequestOutput.prompt_hidden_states [prompt, nL, D]
+    steering_vectors: dict | None = None        # {layer: vector [hidden]} added at every position
 
     def __post_init__(self):
         self.validate()
@@ -112,7 +118,7 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
         self.stop_token_ids = [int(t) for t in ids]
         integer("logprobs", 0, optional=True)
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_hidden_states", "return_prompt_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if self.top_k == -1:
@@ -121,6 +127,35 @@ class SamplingParams:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", "must be a StructuredOutputsParams or None")
             self.structured_outputs.validate()
+        self._validate_steering(bad)
+
+    def _validate_steering(self, bad) -> None:
+        """steering_vectors -> {layer: f32[hidden] numpy} (the model checks layers and sizes at add_request)."""
+        if not self.steering_vectors:
+            self.steering_vectors = None
+            return
+        if not isinstance(self.steering_vectors, dict):
+            bad("steering_vectors", "must be a dict {layer index: vector} or None")
+        out = {}
+        for layer, vec in self.steering_vectors.items():
+            try:
+                v = np.asarray(vec, dtype=np.float32)
+            except (TypeError, ValueError):
+                v = None
+            if not _is_int(layer) or layer < 0 or v is None or v.ndim != 1 or not np.isfinite(v).all():
+                bad("steering_vectors", "must map layer indices (integers >= 0) to 1-D vectors of finite numbers")
+            out[int(layer)] = v
+        self.steering_vectors = out
+
+    @property
+    def steering_key(self) -> str | None:
+        """A digest of the steering vectors (None without): part of the prefix-cache key of KV blocks."""
+        if not self.steering_vectors:
+            return None
+        h = hashlib.sha256()
+        for layer in sorted(self.steering_vectors):
+            h.update(layer.to_bytes(4, "little") + self.steering_vectors[layer].tobytes())
+        return h.hexdigest()
 
     @property
     def uses_penalties(self) -> bool:

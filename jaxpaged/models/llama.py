@@ -62,9 +62,17 @@ def lm_logits(params, cfg: ModelConfig, h):
     return softcap(logits, cfg.final_softcap)
 
 
-def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
+def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *, capture=(), steer=(),
+            steering=None):
     """The decoder layers and the final norm over packed tokens (batch as in `forward`; logits_indices
-    unused). Returns (hidden states [T, D] after the final norm, k_pool, v_pool)."""
+    unused). Returns (hidden states [T, D] after the final norm, k_pool, v_pool).
+
+    Research hooks (static layer indices, as transformers' `output_hidden_states` counts; see
+    docs/research.md): before layer i runs, `steering[:, steer.index(i)]` ([T, D]) is added to the residual
+    stream for each i in `steer` (0 <= i < L; i = 0: the embeddings); with `capture`, the states at each
+    index i in it (the residual stream entering layer i, or for i = L the output of the final norm) are
+    returned too: (hidden, k_pool, v_pool, states [T, len(capture), D]). Scans run between hooked layers,
+    so layers without a hook cost what they cost without hooks."""
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
@@ -111,18 +119,42 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
 
     G = L // P
     grouped = jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), params["layers"])
+    hooks = sorted(set(capture) | set(steer))
+    states = {}
 
-    def group(carry, xs):  # P layers, one of each kind position of the pattern, unrolled
+    def hook(x, l):  # static l: the residual stream entering layer l
+        if l in steer:
+            x = x + steering[:, steer.index(l)].astype(x.dtype)
+        if l in capture:
+            states[l] = x
+        return x
+
+    def group(carry, g):  # P layers of group g, one of each kind position of the pattern, unrolled
         x, k_pool, v_pool = carry
-        p, g = xs
+        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), grouped)
         for j in range(P):
+            if isinstance(g, int):  # a hooked group, unrolled
+                x = hook(x, g * P + j)
             pj = jax.tree.map(lambda a: a[j], p)
             x, k_pool, v_pool = layer(x, k_pool, v_pool, pj, g * P + j, cfg.layer_types[j])
         return (x, k_pool, v_pool), None
 
-    (x, k_pool, v_pool), _ = jax.lax.scan(group, (x, k_pool, v_pool),
-                                          (grouped, jnp.arange(G, dtype=jnp.int32)))
+    # groups run under lax.scan, split where a hook falls; a group with a hook inside it runs unrolled
+    inner = sorted({l // P for l in hooks if l < G * P and l % P})
+    cuts = sorted({0, G} | {l // P for l in hooks if l < G * P} | {g + 1 for g in inner})
+    carry = (x, k_pool, v_pool)
+    for g0, g1 in zip(cuts, cuts[1:]):
+        if g0 in inner:
+            carry, _ = group(carry, g0)
+            continue
+        carry = (hook(carry[0], g0 * P),) + carry[1:]
+        carry, _ = jax.lax.scan(group, carry, jnp.arange(g0, g1, dtype=jnp.int32))
+    x, k_pool, v_pool = carry
     for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
         pl_ = jax.tree.map(lambda a: a[l], params["layers"])
-        x, k_pool, v_pool = layer(x, k_pool, v_pool, pl_, l, cfg.layer_types[l])
-    return norm(x, params["final_norm"]), k_pool, v_pool  # [T, D]
+        x, k_pool, v_pool = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
+    h = norm(x, params["final_norm"])  # [T, D]
+    if not capture:
+        return h, k_pool, v_pool
+    states[L] = h
+    return h, k_pool, v_pool, jnp.stack([states[i] for i in capture], axis=1)  # [T, nL, D]

@@ -1,0 +1,128 @@
+"""Research hooks against transformers: hidden states, steering (forward hooks as the oracle), weight updates."""
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from models import make_tiny_model
+from oracle import hf_model
+
+LAYERS = [0, 2, 3]   # embeddings, output of layer 1, final norm (3 layers)
+STEER = [0, 2]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    root = tmp_path_factory.mktemp("research")
+    return [make_tiny_model(str(root / f"m{seed}"), "llama", num_layers=3, seed=seed) for seed in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def llm(paths, engine_kwargs):
+    return LLM(model=paths[0], **{**engine_kwargs, "max_num_batched_tokens": 16},
+               hidden_state_layers=LAYERS, steering_layers=STEER)
+
+
+def _prompt(seed, n):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 256, n)]
+
+
+def _hf_run(path, prompt, max_new_tokens, steering=None):
+    """HF greedy tokens, then hidden_states[i] [len, D] of prompt + generated (EOS neither stops nor is
+    masked), with forward hooks adding `steering` {layer index: vector} as the engine does."""
+    import torch
+    model = hf_model(path)
+    handles = []
+    for i, vec in (steering or {}).items():
+        mod = model.model.embed_tokens if i == 0 else model.model.layers[i - 1]
+        v = torch.tensor(np.asarray(vec, np.float32))
+        # prepended: transformers records output_hidden_states by hooks too, and sees the steered output
+        handles.append(mod.register_forward_hook(lambda m, a, out, v=v: out + v, prepend=True))
+    try:
+        ids, out = list(prompt), []
+        with torch.no_grad():
+            for _ in range(max_new_tokens):
+                tok = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                out.append(tok)
+                ids.append(tok)
+            res = model(torch.tensor([ids[:-1]]), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return out, np.stack([res.hidden_states[i][0].numpy() for i in LAYERS], axis=1)  # [len, nL, D]
+
+
+def _close(got, want):
+    """float32 against HF: rtol 1e-4, atol 1e-4 of each layer's largest value (the residual grows)."""
+    assert got.shape == want.shape
+    for k in range(want.shape[1]):
+        np.testing.assert_allclose(got[:, k], want[:, k], rtol=1e-4, atol=1e-4 * np.abs(want[:, k]).max())
+
+
+def test_hidden_states_match_hf(llm, paths):
+    prompts = [_prompt(1, 40), _prompt(2, 9), _prompt(3, 21)]
+    params = [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_hidden_states=True,
+                             return_prompt_hidden_states=True),
+              SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),  # asks nothing
+              SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, return_hidden_states=True)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for p, o, sp in zip(prompts, outs, params):
+        toks, want = _hf_run(paths[0], p, sp.max_tokens)
+        c = o.outputs[0]
+        assert c.token_ids == toks
+        if not sp.return_hidden_states:
+            assert c.hidden_states is None and o.prompt_hidden_states is None
+            continue
+        assert c.hidden_states.shape == (sp.max_tokens, len(LAYERS), 64) and c.hidden_states.dtype == np.float32
+        # row j: the position whose logits produced generated token j (the prompt's last, then each new one)
+        _close(c.hidden_states, want[len(p) - 1:])
+        if sp.return_prompt_hidden_states:  # 40 tokens through a budget of 16: three prefill chunks
+            _close(o.prompt_hidden_states, want[:len(p)])
+        else:
+            assert o.prompt_hidden_states is None
+
+
+def test_steering_matches_hf_hooks(llm, paths):
+    rng = np.random.default_rng(7)
+    steering = {0: rng.normal(0, 0.5, 64).astype(np.float32), 2: rng.normal(0, 2.0, 64).astype(np.float32)}
+    p = _prompt(4, 19)
+    toks, want = _hf_run(paths[0], p, 8, steering)
+    plain, _ = _hf_run(paths[0], p, 8)
+    assert toks != plain  # the vectors change the greedy continuation
+    o, = llm.generate([{"prompt_token_ids": p}], SamplingParams(
+        max_tokens=8, temperature=0, ignore_eos=True, steering_vectors=steering, return_hidden_states=True,
+        return_prompt_hidden_states=True), use_tqdm=False)
+    assert o.outputs[0].token_ids == toks
+    _close(o.outputs[0].hidden_states, want[len(p) - 1:])
+    _close(o.prompt_hidden_states, want[:len(p)])
+
+
+def test_steered_and_plain_share_no_blocks(llm, paths):
+    """Same prompt (4 full blocks), one request steered and one not, prefix caching on: the unsteered one
+    equals a plain run and the steered one HF's hooked run, whichever ran first."""
+    p = _prompt(5, 70)
+    steering = {0: np.random.default_rng(8).normal(0, 1.0, 64).astype(np.float32)}
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    plain_toks, _ = _hf_run(paths[0], p, 6)
+    steered_toks, _ = _hf_run(paths[0], p, 6, steering)
+    assert plain_toks != steered_toks
+    for _ in range(2):  # the second time, both prompts' blocks are in the prefix cache
+        outs = llm.generate([{"prompt_token_ids": p}] * 2, [SamplingParams(**greedy, steering_vectors=steering),
+                                                            SamplingParams(**greedy)], use_tqdm=False)
+        assert outs[0].outputs[0].token_ids == steered_toks
+        assert outs[1].outputs[0].token_ids == plain_toks
+    assert llm.stats()["prefix_cache_hit_rate"] > 0
+
+
+def test_bad_input_names_the_field(llm, paths, engine_kwargs):
+    with pytest.raises(ValueError, match="hidden_state_layers"):
+        LLM(model=paths[0], **engine_kwargs, hidden_state_layers=[0, 4])
+    with pytest.raises(ValueError, match="steering_layers"):
+        LLM(model=paths[0], **engine_kwargs, steering_layers=[3])  # the final norm cannot be steered
+    p = {"prompt_token_ids": _prompt(6, 5)}
+    for bad, field in [(dict(steering_vectors={1: np.ones(64)}), "not compiled"),
+                       (dict(steering_vectors={0: np.ones(63)}), "hidden size is 64"),
+                       (dict(steering_vectors={0: [np.nan] * 64}), "steering_vectors")]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate(p, SamplingParams(**bad), use_tqdm=False)
+    o, = llm.generate(p, SamplingParams(max_tokens=3), use_tqdm=False)  # still serving
+    assert len(o.outputs[0].token_ids) == 3
