@@ -126,3 +126,42 @@ def test_bad_input_names_the_field(llm, paths, engine_kwargs):
             llm.generate(p, SamplingParams(**bad), use_tqdm=False)
     o, = llm.generate(p, SamplingParams(max_tokens=3), use_tqdm=False)  # still serving
     assert len(o.outputs[0].token_ids) == 3
+
+
+def test_hooks_inside_a_layer_pattern(tmp_path):
+    """Gemma 3 (layers scanned in groups of 3, plus a tail layer): capture and steering at every kind of
+    index — embeddings, inside a group (unrolled), the tail, the final norm — against HF hooks."""
+    import jax.numpy as jnp
+    import torch
+
+    from jaxpaged import ModelConfig
+    from jaxpaged.attention import make_attention
+    from jaxpaged.models.llama import decoder
+    from jaxpaged.weights import load_params
+    path = make_tiny_model(str(tmp_path / "gemma3"), "gemma3", seed=3)
+    cfg = ModelConfig.from_dir(path)
+    assert cfg.layer_period == 3 and cfg.num_layers == 4
+    p = _prompt(9, 13)
+    rng = np.random.default_rng(10)
+    steering = {1: rng.normal(0, 1, 64).astype(np.float32), 3: rng.normal(0, 1, 64).astype(np.float32)}
+    capture = (0, 1, 2, 3, 4)
+    params = {k: (jnp.asarray(v) if k != "layers" else {n: jnp.asarray(a) for n, a in v.items()})
+              for k, v in load_params(path, cfg, "float32").items()}
+    pool = jnp.zeros((cfg.num_layers * 2, 16, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    batch = dict(input_ids=jnp.array(p, jnp.int32), positions=jnp.arange(len(p), dtype=jnp.int32),
+                 slot_mapping=jnp.arange(len(p), dtype=jnp.int32) + 16, block_tables=jnp.array([[1]], jnp.int32),
+                 seq_lens=jnp.array([len(p)], jnp.int32), query_start_loc=jnp.array([0, len(p)], jnp.int32))
+    vec = jnp.broadcast_to(jnp.stack([steering[1], steering[3]]), (len(p), 2, 64))  # [T, nS, D]
+    *_, states = decoder(params, cfg, pool, pool, batch, make_attention("reference", False), capture=capture,
+                         steer=(1, 3), steering=vec)
+    model = hf_model(path)
+    handles = [model.model.layers[i - 1].register_forward_hook(
+        lambda m, a, out, v=torch.tensor(v): out + v, prepend=True) for i, v in steering.items()]
+    try:
+        with torch.no_grad():
+            res = model(torch.tensor([p]), output_hidden_states=True)
+    finally:
+        for h in handles:
+            h.remove()
+    want = np.stack([res.hidden_states[i][0].numpy() for i in capture], axis=1)
+    _close(np.asarray(states), want)
