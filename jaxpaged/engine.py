@@ -358,6 +358,16 @@ class LLMEngine:
                              group.samples[0].num_cached_tokens, metrics, error,
                              group.samples[0].prompt_hidden_states if finished else None)
 
+    def get_weights(self) -> dict:
+        """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py)."""
+        return self.runner.params
+
+    def update_weights(self, weights) -> None:
+        """Replace parameters between steps, without recompiling: (HF name, array) pairs or (part of) the
+        `get_weights` pytree; see jaxpaged/weight_update.py."""
+        from jaxpaged.weight_update import update_weights
+        update_weights(self, weights)
+
     def stats(self) -> dict:
         bm, sch = self.block_manager, self.scheduler
         total = self.num_blocks - 1
@@ -458,3 +468,17 @@ class LLM:
     def stats(self) -> dict:
         """Engine counters; with data_parallel_size > 1 the sums, and `replicas`: each replica's."""
         return self._leader().stats()
+
+    def get_weights(self) -> dict:
+        """The engine's parameter pytree (device arrays; with data_parallel_size > 1, replica 0's)."""
+        return self._leader().get_weights()
+
+    def update_weights(self, weights) -> None:
+        """Load new weights into the running engine, without recompiling (docs/research.md).
+
+        `weights`: an iterable of (Hugging Face tensor name, array) pairs, as vLLM's `load_weights` takes
+        them (any subset of the checkpoint's tensors), or (part of) the pytree `get_weights` returns.
+        Shapes and dtypes must match the engine's (ValueError naming the tensor; nothing changes). Device
+        arrays with the engine's sharding are adopted without a copy. The prefix cache is flushed. Refused
+        (RuntimeError) while requests are unfinished: call it between `generate` calls."""
+        self._leader().update_weights(weights)

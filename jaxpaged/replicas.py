@@ -138,6 +138,19 @@ class Replicas:
         total["replicas"] = per
         return total
 
+    def get_weights(self) -> dict:
+        """Replica 0's parameter pytree (every replica holds the same values)."""
+        return self.engines[0].get_weights()
+
+    def update_weights(self, weights) -> None:
+        """The same update on every replica (pairs are read once; device arrays copied to each replica)."""
+        if self.has_unfinished_requests():  # checked here too: no replica may be left on the old weights
+            raise RuntimeError("update_weights: the engine has unfinished requests; update between generate "
+                               "calls (or abort them first)")
+        weights = weights if isinstance(weights, dict) else list(weights)
+        for e in self.engines:
+            e.update_weights(weights)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 

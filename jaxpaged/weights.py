@@ -112,16 +112,15 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
-                              source: str = "checkpoint", progress=None) -> dict:
-    """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time."""
-    np_dtype = NP_DTYPES[dtype]
+def map_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source: str = "checkpoint"):
+    """(HF name, array) pairs -> (HF name, [(in layers?, our name, index, part), ...]) by the family's name
+    map: `part` (transposed, Phi-3's fused rows split) goes to `params[our name][index]` (index () for
+    top-level tensors, (layer,) or (layer, expert) in `params["layers"]`). Tensors the model does not use
+    (RoPE inv_freq, a tied lm_head) are skipped; an unknown name or a wrong shape raises ValueError naming
+    the tensor."""
     shapes = param_shapes(cfg)
-    out = {"layers": {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}}
-    out.update({k: np.empty(s, np_dtype) for k, s in shapes.items() if k != "layers"})
     names = layer_name_map(cfg)
     expected = set(expected_hf_names(cfg))
-    seen = set()
 
     def unexpected():
         return ValueError(f"{source}: unexpected tensor {name!r} for a {cfg.family} model")
@@ -147,6 +146,7 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
             raise unexpected()
         if name not in expected:
             raise unexpected()
+        parts = []
         for key, transpose, rows in dests:
             part = a if rows is None else a[rows[0]:rows[1]]
             part = part.T if transpose else part
@@ -155,7 +155,21 @@ def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.
                 got = a.shape if rows is None else (a.shape, f"rows {rows[0]}:{rows[1]}")
                 raise ValueError(f"{source}: tensor {name!r} has shape {got}, expected "
                                  f"{tuple(want)[::-1] if transpose else tuple(want)}")
-            if m:
+            parts.append((bool(m), key, where, part))
+        yield name, parts
+
+
+def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
+                              source: str = "checkpoint", progress=None) -> dict:
+    """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time."""
+    np_dtype = NP_DTYPES[dtype]
+    shapes = param_shapes(cfg)
+    out = {"layers": {k: np.empty(s, np_dtype) for k, s in shapes["layers"].items()}}
+    out.update({k: np.empty(s, np_dtype) for k, s in shapes.items() if k != "layers"})
+    seen = set()
+    for name, parts in map_named_tensors(cfg, tensors, source):
+        for in_layers, key, where, part in parts:
+            if in_layers:
                 out["layers"][key][where] = part.astype(np_dtype)
             else:
                 out[key] = part.astype(np_dtype)

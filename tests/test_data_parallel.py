@@ -26,6 +26,7 @@ def prompts() -> list[list[int]]:
 def worker(model_dir: str, cache: str) -> dict:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.replicas import AFFINITY_SLACK_STEPS
+    from jaxpaged.weights import read_safetensors, safetensors_files
     from serve.metrics import Metrics
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=128,
               block_size=BLOCK, num_kv_blocks=9, compilation_cache_dir=cache, show_progress=False)
@@ -36,6 +37,12 @@ def worker(model_dir: str, cache: str) -> dict:
         out["tokens"][f"{dp}x{tp}"] = [o.outputs[0].token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)]
         out["stats"][f"{dp}x{tp}"] = llm.stats()
         out["metrics"] = Metrics(llm.engine, "tiny").render()[0].decode()
+        # the same weight update (layer 0's MLP scaled, by HF names) reaches every replica
+        pairs = [(n, a * 1.5 if n.startswith("model.layers.0.mlp.") else a)
+                 for f in safetensors_files(model_dir) for n, a in read_safetensors(f)]
+        llm.update_weights(pairs)
+        out.setdefault("updated", {})[f"{dp}x{tp}"] = [
+            o.outputs[0].token_ids for o in llm.generate(prompts(), sp, use_tqdm=False)]
     # routing on the last (2 x 2) engine, idle now
     eng, p = llm.engine, prompts()[4]
     big = SamplingParams(max_tokens=60, temperature=0)
@@ -80,6 +87,12 @@ def test_same_tokens_as_one_replica(result, config):
     ref = result["tokens"]["1x1"]
     assert [len(t) for t in ref] == [14] * len(prompts())
     assert result["tokens"][config] == ref
+
+
+def test_update_weights_on_every_replica(result):
+    upd = result["updated"]
+    assert upd["1x1"] != result["tokens"]["1x1"]
+    assert all(upd[f"{dp}x{tp}"] == upd["1x1"] for dp, tp in CONFIGS)
 
 
 def test_paths_exercised(result):

@@ -1,0 +1,106 @@
+"""In-process weight updates (`LLM.update_weights`, `LLM.get_weights`): new values for the runner's
+parameter arrays, same shapes, dtypes and shardings, so the compiled steps run on as they are.
+
+Two inputs (docs/research.md):
+- (Hugging Face tensor name, array) pairs, as vLLM's `load_weights` takes them: mapped by the family's
+  name map (`weights.map_named_tensors`: transposes, Phi-3's fused rows, stacking over layers and
+  experts); any subset of the checkpoint's tensors. A stacked parameter receives the layers given, in one
+  scatter on the device (or one placement when every layer is given).
+- (part of) the engine's own pytree, as `get_weights` returns it: device arrays with the right sharding
+  are adopted as they are, other device arrays are copied device to device, numpy arrays placed.
+Everything is checked before anything changes (ValueError naming the tensor); then the runner's params
+are replaced and the prefix cache is flushed (its blocks hold K/V of the old weights). Requests must not
+be running: the update is refused (RuntimeError) while the engine has unfinished requests.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+
+from jaxpaged.mesh import kv_head_replication, replicate_kv_heads
+from jaxpaged.weights import NP_DTYPES, map_named_tensors
+
+
+def _put(arr: np.ndarray, sharding) -> jax.Array:
+    """Host array -> device array of `sharding` (each device reads its slice)."""
+    return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+@functools.lru_cache(maxsize=None)
+def _scatter(sharding):
+    """Jitted `a.at[rows].set(values)` whose output keeps `sharding`."""
+    return jax.jit(lambda a, rows, values: a.at[rows].set(values), out_shardings=sharding)
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "key", k)) for k in path)
+
+
+def _check_leaf(name: str, value, current) -> None:
+    shape, dtype = tuple(np.shape(value)), getattr(value, "dtype", None)
+    if shape != current.shape or dtype != current.dtype:
+        raise ValueError(f"update_weights: tensor {name!r} has shape {shape} and dtype {dtype}, the engine's "
+                         f"is {current.shape} {current.dtype}")
+
+
+def _from_pytree(engine, weights: dict) -> dict:
+    """{path: new device array} for a (partial) pytree of the engine's layout."""
+    current = dict(jax.tree_util.tree_flatten_with_path(engine.runner.params)[0])
+    new = {}
+    for path, value in jax.tree_util.tree_flatten_with_path(weights)[0]:
+        name = _path_name(path)
+        if path not in current:
+            raise ValueError(f"update_weights: unknown parameter {name!r}; the engine's are "
+                             f"{', '.join(sorted(_path_name(p) for p in current))}")
+        _check_leaf(name, value, current[path])
+        sharding = current[path].sharding
+        if isinstance(value, jax.Array):  # on the right devices with the right sharding: adopted as is
+            new[path] = value if value.sharding.is_equivalent_to(sharding, value.ndim) \
+                else jax.device_put(value, sharding)
+        else:
+            new[path] = (value, sharding)  # placed once everything is checked
+    return {p: (_put(np.asarray(v[0]), v[1]) if isinstance(v, tuple) else v) for p, v in new.items()}
+
+
+def _from_named(engine, pairs) -> dict:
+    """{path: new device array} from (HF name, array) pairs."""
+    cfg, runner = engine.model_config, engine.runner
+    dtype = np.dtype(NP_DTYPES[engine.config.dtype])
+    r = kv_head_replication(cfg, runner.tp)
+    parts: dict[tuple, dict] = {}  # (in layers?, key) -> {index: part}
+    for name, dests in map_named_tensors(cfg, pairs, source="update_weights"):
+        for in_layers, key, where, part in dests:
+            if part.dtype != dtype:
+                raise ValueError(f"update_weights: tensor {name!r} has dtype {part.dtype}, the engine's is {dtype}")
+            parts.setdefault((in_layers, key), {})[where] = part
+    params, new = runner.params, {}
+    for (in_layers, key), by_index in parts.items():
+        current = params["layers"][key] if in_layers else params[key]
+        path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(key)) if in_layers \
+            else (jax.tree_util.DictKey(key),)
+        index = sorted(by_index)
+        values = np.stack([by_index[i] for i in index]) if in_layers else by_index[()]
+        if in_layers:  # KV heads repeated as the runner holds them when tensor parallelism needs it
+            values = replicate_kv_heads({"layers": {key: values}}, cfg, r)["layers"][key]
+        if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
+            full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
+            new[path] = _put(np.ascontiguousarray(full), current.sharding)
+        else:
+            rows = tuple(np.array(c, np.int32) for c in zip(*index))
+            new[path] = _scatter(current.sharding)(current, rows, values)
+    return new
+
+
+def update_weights(engine, weights) -> None:
+    """Replace some or all of an LLMEngine's parameters (see the module docstring)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("update_weights: the engine has unfinished requests; update between generate "
+                           "calls (or abort them first)")
+    if engine.mesh.is_multi_process:
+        raise RuntimeError("update_weights is not supported with num_processes > 1")
+    new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
+    engine.runner.params = jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves])
+    engine.block_manager.reset_prefix_cache()
