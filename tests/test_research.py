@@ -213,3 +213,25 @@ def test_update_weights(llm, paths, engine_kwargs):
 def jax_leaves(tree):
     import jax
     return jax.tree.leaves(tree)
+
+
+def test_hidden_states_with_async_scheduling(llm, paths, engine_kwargs):
+    """The async path (the default on accelerators) reads states back one step late: same arrays."""
+    eng = LLM(model=paths[0], **{**engine_kwargs, "max_num_batched_tokens": 16}, async_scheduling=True,
+              hidden_state_layers=LAYERS, steering_layers=STEER)
+    steer = {2: np.full(64, 3.0, np.float32)}
+    prompts = [{"prompt_token_ids": _prompt(13, 23)}, {"prompt_token_ids": _prompt(14, 5)}]
+    params = [SamplingParams(max_tokens=7, temperature=0, ignore_eos=True, return_hidden_states=True,
+                             return_prompt_hidden_states=True, steering_vectors=steer),
+              SamplingParams(max_tokens=9, temperature=0, ignore_eos=True, return_hidden_states=True)]
+    got, want = (e.generate(prompts, params, use_tqdm=False) for e in (eng, llm))
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        np.testing.assert_allclose(g.outputs[0].hidden_states, w.outputs[0].hidden_states, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(got[0].prompt_hidden_states, want[0].prompt_hidden_states, rtol=1e-6, atol=1e-5)
+    # running requests: update_weights refuses, and nothing changes
+    e = eng.engine
+    e.add_request("r", prompts[1], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="unfinished"):
+        eng.update_weights(eng.get_weights())
+    e.abort_request("r")
