@@ -235,3 +235,30 @@ def test_hidden_states_with_async_scheduling(llm, paths, engine_kwargs):
     with pytest.raises(RuntimeError, match="unfinished"):
         eng.update_weights(eng.get_weights())
     e.abort_request("r")
+
+
+def _recipe(section: str) -> str:
+    import os
+    import re
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "research.md")) as f:
+        part = f.read().split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```python\n(.*?)```", part, re.S))
+
+
+@pytest.mark.parametrize("section", ["Hidden states", "Steering", "Weight updates and an RL rollout loop"])
+def test_docs_recipes(section, paths, engine_kwargs, monkeypatch):
+    """docs/research.md's recipes, as written, on the tiny model (engine sizes kept small)."""
+    import functools
+
+    import jaxpaged
+    monkeypatch.setattr(jaxpaged, "LLM", functools.partial(LLM, **engine_kwargs))
+    ns = {"model": paths[0]}
+    exec(compile(_recipe(section), f"docs/research.md: {section}", "exec"), ns)
+    if section == "Hidden states":
+        assert ns["probe_accuracy"] >= 0.9
+    elif section == "Steering":
+        assert ns["steered"].outputs[0].token_ids != ns["plain"].outputs[0].token_ids and ns["shift"] > 0
+    else:
+        assert ns["rewards"][-1] > ns["rewards"][0] + 0.1
+        stats = ns["llm"].stats()
+        assert stats["num_compilations"] == stats["num_buckets"]  # the updates recompiled nothing
