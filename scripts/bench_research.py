@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
     best: dict[str, float] = {}
     for r in range(args.rounds):
         for name, eng in runs.items():
-            rec = bc.drive(eng, wl.reqs)
+            rec = bc.drive(eng, wl.requests)
             tps = bc.summarize(rec)["output_tokens_per_s"]
             best[name] = max(best.get(name, 0.0), tps)
             bc.say(f"round {r}: {name}: {tps:.1f} output tok/s")

@@ -124,6 +124,9 @@ def test_bad_input_names_the_field(llm, paths, engine_kwargs):
                        (dict(steering_vectors={0: [np.nan] * 64}), "steering_vectors")]:
         with pytest.raises(ValueError, match=field):
             llm.generate(p, SamplingParams(**bad), use_tqdm=False)
+    from jaxpaged.research import check_params
+    with pytest.raises(ValueError, match="return_prompt_hidden_states.*hidden_state_layers"):
+        check_params(SamplingParams(return_prompt_hidden_states=True), (), STEER, 64)  # capture not compiled
     o, = llm.generate(p, SamplingParams(max_tokens=3), use_tqdm=False)  # still serving
     assert len(o.outputs[0].token_ids) == 3
 
