@@ -8,6 +8,8 @@ one compiled with `hidden_state_layers=[0, L/2, L]` and `steering_layers=[L/2]`,
   hooks-idle      hooks compiled, no request asks (the cost every user pays for compiling them)
   hooks-steered   every request steered at layer L/2
   hooks-hidden    every request asks for its generated tokens' hidden states (read back every step)
+and the time of one compiled step (no request asks) at the smallest and largest bucket, hooks / plain
+(alternated calls, fastest of --step-reps each).
 update_weights (the default model, whole checkpoint; median of --rounds):
   pytree-device   the engine's own pytree of device arrays (adopted as they are)
   pytree-numpy    the same pytree as numpy arrays (placed on the device)
@@ -48,11 +50,30 @@ def hf_pairs(model_dir: str, dtype: str) -> list:
     return [(n, np.asarray(a).astype(NP_DTYPES[dtype])) for n, a in tensors]
 
 
+def step_ratios(plain, hooked, reps: int) -> dict:
+    """Hooked / plain time of one compiled step (no request asks), per bucket: the calls alternate, the
+    fastest of each kept (the least disturbed by other load)."""
+    import jax
+    out = {}
+    for T in (plain.buckets[0], plain.buckets[-1]):
+        best = {}
+        for _ in range(reps):
+            for name, r in (("plain", plain), ("hooked", hooked)):
+                inputs = r._device_inputs(*r._dummy(T))
+                t0 = time.perf_counter()
+                outs, r.k_pool, r.v_pool = r.compiled_step((T, False))(r.params, r.k_pool, r.v_pool, *inputs)
+                jax.block_until_ready(outs)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        out[f"T={T}"] = best["hooked"] / best["plain"]
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_engine_args(ap, max_num_seqs=32, max_num_batched_tokens=256)
     bc.add_workload_args(ap, num_prompts=32, prompt_len=(32, 128), output_len=(32, 64))
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--step-reps", type=int, default=30, help="calls of each compiled step, alternated")
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
     wl = bc.make_workload(args, model_dir)
@@ -84,7 +105,8 @@ def main(argv=None) -> dict:
             bc.say(f"round {r}: {name}: {tps:.1f} output tok/s")
             eng.block_manager.reset_prefix_cache()
     out = {"throughput_output_tok_s": best,
-           "ratio_to_plain": {k: v / best["plain"] for k, v in best.items() if k != "plain"}}
+           "ratio_to_plain": {k: v / best["plain"] for k, v in best.items() if k != "plain"},
+           "step_ratio_to_plain": step_ratios(plain.engine.runner, hooked.engine.runner, args.step_reps)}
 
     import jax
     params = hooked.get_weights()
@@ -101,6 +123,7 @@ def main(argv=None) -> dict:
     out["num_tensors"] = len(pairs)
     out["machine"] = bc.machine_info()
     print(bc.table([[k, f"{v:.3f}"] for k, v in out["ratio_to_plain"].items()], ["throughput", "ratio to plain"]))
+    print(bc.table([[k, f"{v:.3f}"] for k, v in out["step_ratio_to_plain"].items()], ["step time", "hooks / plain"]))
     print(bc.table([[k, f"{v * 1e3:.1f}"] for k, v in out["update_weights_s"].items()], ["update_weights", "ms"]))
     bc.write_json(args.json, out)
     return out

@@ -206,3 +206,15 @@ def test_step_message(common, out_dir):
     for r in out.values():
         assert r["steps"] > 0 and 0 < r["message_bytes"] < r["raw_bytes"]
     assert json.load(open(path))["results"] == out
+
+
+def test_bench_research(common, out_dir):
+    import bench_research
+    path = str(out_dir / "research.json")
+    out = bench_research.main([*common, "--num-prompts", "4", "--prompt-len", "4", "20", "--output-len", "2", "6",
+                               "--rounds", "1", "--step-reps", "2", "--json", path])
+    assert json.load(open(path)).keys() == out.keys()
+    assert set(out["ratio_to_plain"]) == {"hooks-idle", "hooks-steered", "hooks-hidden"}
+    assert all(v > 0 for v in out["ratio_to_plain"].values()) and len(out["step_ratio_to_plain"]) == 2
+    assert set(out["update_weights_s"]) == {"pytree-device", "pytree-numpy", "hf-pairs"}
+    assert out["num_tensors"] == 2 + 1 + 9 * 2  # embed, norm, lm_head; 9 tensors in each of 2 layers
