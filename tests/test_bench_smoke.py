@@ -208,6 +208,7 @@ def test_step_message(common, out_dir):
     assert json.load(open(path))["results"] == out
 
 
+@pytest.mark.slow  # two engines and four workload runs
 def test_bench_research(common, out_dir):
     import bench_research
     path = str(out_dir / "research.json")
