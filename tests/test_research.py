@@ -248,6 +248,7 @@ def _recipe(section: str) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", part, re.S))
 
 
+@pytest.mark.slow  # an engine each (~15 s; 40 s on a loaded 2-core machine)
 @pytest.mark.parametrize("section", ["Hidden states", "Steering", "Weight updates and an RL rollout loop"])
 def test_docs_recipes(section, paths, engine_kwargs, monkeypatch):
     """docs/research.md's recipes, as written, on the tiny model (engine sizes kept small)."""
