@@ -37,12 +37,21 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt token's logprobs are still missing: the prefix cache is bypassed for this request."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,9 @@ from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
-from jaxpaged.models.llama import forward
+from jaxpaged.logit_controls import LogitControls
+from jaxpaged.models.llama import decoder, lm_logits
+from jaxpaged.prompt_logprobs import collect, step_prompt_logprobs, targets
 from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
 from jaxpaged.structured import StructuredOutputs
@@ -49,6 +51,8 @@ class Launched:
     tokens: jax.Array      # i32[S]
     logprobs: tuple        # token f32[S], top f32[S, K], top ids i32[S, K]
     pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
+    prompt: tuple = ()     # prompt logprobs: next token f32[T], top f32[T, K], top ids i32[T, K]
+    prompt_rows: list = field(default_factory=list)  # prompt_logprobs.targets: the requests that asked
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -70,13 +74,15 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
     batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
     sp.update(extra)
-    logits, k_pool, v_pool = forward(params, cfg, k_pool, v_pool, batch, attn_fn)
+    h, k_pool, v_pool = decoder(params, cfg, k_pool, v_pool, batch, attn_fn)  # [T, D]
+    logits = lm_logits(params, cfg, h[batch["logits_indices"]])  # [S, V]
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
-    return (tokens, tok_lp, top_lp, top_ids), k_pool, v_pool
+    prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs)
+    return ((tokens, tok_lp, top_lp, top_ids), prompt), k_pool, v_pool
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
@@ -120,6 +126,8 @@ class ModelRunner:
         self._no_prev = place(np.zeros(S, np.int32), self.mesh, REPLICATED)
         self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
         self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
+        self.controls = LogitControls(S)  # logit_bias, bad_words
+        self.controls.none = {k: place(v, self.mesh, REPLICATED) for k, v in self.controls.none.items()}
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -164,7 +172,15 @@ class ModelRunner:
         batch, sp = empty.prepare([], T)
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
+        self._research_inputs([], T, batch, sp)
         return batch, sp
+
+    def _research_inputs(self, scheduled, T: int, batch: dict, sp: dict) -> list:
+        """Add the inputs of prompt logprobs and logit controls; return prompt_logprobs.targets' rows."""
+        batch["prompt_next"], rows = targets(scheduled, T)  # [T]
+        sp["any_prompt_logprobs"] = np.bool_(bool(rows))
+        sp.update(self.controls.arrays(scheduled))  # bias_ids [S, NB], bias_values [S, NB], any_bias
+        return rows
 
     # -- one step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -188,15 +204,18 @@ class ModelRunner:
         batch["prev_tokens"] = prev.tokens if pending else self._no_prev
         sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
         sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
+        rows = self._research_inputs(out.scheduled, T, batch, sp)
         key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
-        (tokens, tok_lp, top_lp, top_ids), self.k_pool, self.v_pool = self.compiled_step(key)(
+        ((tokens, tok_lp, top_lp, top_ids), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, *inputs)
-        return Launched(out, [req.slot for req, _ in out.scheduled], tokens, (tok_lp, top_lp, top_ids))
+        return Launched(out, [req.slot for req, _ in out.scheduled], tokens, (tok_lp, top_lp, top_ids),
+                        prompt=prompt, prompt_rows=rows)
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
         tokens = np.asarray(step.tokens).tolist()
+        collect(step.prompt_rows, step.prompt)  # read back only when some request asked
         want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
         if want_lp:
             tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
