@@ -442,6 +442,17 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def score(self, prompts, continuations) -> list[list[float]]:
+        """The logprob of each token of each continuation after its prompt: one list per pair, as long as
+        the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
+        special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.scoring`),
+        with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
+        from jaxpaged.scoring import score
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts, continuations = [prompts], [continuations]
+        eng = self._leader()
+        return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))
+
     def chat(self, messages_list, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate replies to conversations (lists of {'role', 'content'}) through the chat template."""
