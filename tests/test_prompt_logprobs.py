@@ -107,3 +107,17 @@ def test_score_equals_generate_and_hf(llama, llm):
     with pytest.raises(ValueError, match="max_model_len"):
         llm.score([prompts[0]], [[5] * 200])
     assert llm.score(prompts[0], conts[0]) == [scores[0]]  # one pair, not in lists
+
+
+def test_dense_logprobs_recipe(llama, llm):
+    """docs/research.md's call of the pure function, against transformers."""
+    import jax
+
+    from jaxpaged.attention import make_attention
+    from jaxpaged.scoring import dense_logprobs
+    r = llm.engine.runner
+    tokens = np.array([[1, 2, 3, 4, 5, 0, 0, 0]], np.int32)
+    lp = jax.jit(lambda p, t: dense_logprobs(p, r.step_cfg, t, make_attention(r.backend, False),
+                                             block_size=r.block_size))(r.params, tokens)
+    want = hf_logprobs(llama, [1, 2, 3, 4, 5])
+    np.testing.assert_allclose(np.asarray(lp)[0, :4], want[np.arange(4), [2, 3, 4, 5]], rtol=1e-5, atol=1e-4)
