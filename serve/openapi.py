@@ -88,6 +88,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
         schemas[name]["allOf"] = _sampling_rules(limits)
+        schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
     schemas["CompletionRequest"]["allOf"].append(
         _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
     schemas["ChatCompletionRequest"]["allOf"].append(
