@@ -192,6 +192,7 @@ class LLMEngine:
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens))
         self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now)
         for req in samples:
+            self.runner.track(req)
             self.scheduler.add(req)
         return request_id
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 
 import numpy as np
 
@@ -111,18 +112,19 @@ def _samples(req, n: int) -> bool:
 
 
 class LogitControls:
-    """The step's sparse bias arrays for the slots that use logit_bias or bad_words."""
+    """The step's sparse bias arrays for the slots that use logit_bias or bad_words (the requests added to
+    `requests`: a step with none of them scheduled costs one check)."""
 
     def __init__(self, max_num_seqs: int):
         self.ids = np.full((max_num_seqs, NUM_BIAS), -1, np.int32)      # [S, NB]
         self.values = np.zeros((max_num_seqs, NUM_BIAS), np.float32)    # [S, NB]
         self._dirty: list[int] = []
         self.none = dict(bias_ids=self.ids.copy(), bias_values=self.values.copy())  # the runner may place them
+        self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that use these controls (`track`)
 
     def arrays(self, scheduled) -> dict:
         """bias_ids i32[S, NB], bias_values f32[S, NB], any_bias bool[] for (request, tokens) pairs."""
-        todo = [req for req, n in scheduled if (req.params.logit_bias or req.bad_words_token_ids)
-                and _samples(req, n)]
+        todo = [req for req, n in scheduled if req in self.requests and _samples(req, n)] if self.requests else []
         if not todo:
             return dict(self.none, any_bias=np.bool_(False))
         for s in self._dirty:

@@ -38,11 +38,12 @@ def step_prompt_logprobs(params, cfg, h, next_ids, flag, k: int):
     return jax.lax.cond(flag, on, off, h)
 
 
-def targets(scheduled, T: int) -> tuple[np.ndarray, list[tuple]]:
-    """(prompt_next i32[T], [(request, first row, first position, rows)]) for a step's (request, tokens)."""
+def targets(scheduled, T: int, asking) -> tuple[np.ndarray, list[tuple]]:
+    """(prompt_next i32[T], [(request, first row, first position, rows)]) for a step's (request, tokens);
+    `asking`: the requests that asked for prompt logprobs (a step with none of them costs one check)."""
     next_ids = np.full(T, -1, np.int32)
     wants, row = [], 0
-    for req, n in scheduled:
+    for req, n in scheduled if asking else ():
         if req.needs_prompt_logprobs:
             c = req.num_computed_tokens
             m = min(c + n, req.num_prompt_tokens - 1) - c  # positions with a next prompt token

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import jax
@@ -128,6 +129,7 @@ class ModelRunner:
         self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
         self.controls = LogitControls(S)  # logit_bias, bad_words
         self.controls.none = {k: place(v, self.mesh, REPLICATED) for k, v in self.controls.none.items()}
+        self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -175,9 +177,17 @@ class ModelRunner:
         self._research_inputs([], T, batch, sp)
         return batch, sp
 
+    def track(self, req) -> None:
+        """Note a request that asks for prompt logprobs or uses logit controls: steps that schedule none of
+        them skip the per-request work of both."""
+        if req.prompt_logprobs is not None:
+            self._prompt_logprobs_requests.add(req)
+        if req.params.logit_bias or req.bad_words_token_ids:
+            self.controls.requests.add(req)
+
     def _research_inputs(self, scheduled, T: int, batch: dict, sp: dict) -> list:
         """Add the inputs of prompt logprobs and logit controls; return prompt_logprobs.targets' rows."""
-        batch["prompt_next"], rows = targets(scheduled, T)  # [T]
+        batch["prompt_next"], rows = targets(scheduled, T, self._prompt_logprobs_requests)  # [T]
         sp["any_prompt_logprobs"] = np.bool_(bool(rows))
         sp.update(self.controls.arrays(scheduled))  # bias_ids [S, NB], bias_values [S, NB], any_bias
         return rows
