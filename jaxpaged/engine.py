@@ -449,7 +449,9 @@ class LLM:
         special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.scoring`),
         with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
         from jaxpaged.scoring import score
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int))
+        if one:
             prompts, continuations = [prompts], [continuations]
         eng = self._leader()
         return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))

@@ -559,7 +559,8 @@ def test_echo_logprobs_as_lm_eval_sends(server, model_dir, max_tokens):
     for choice, ids in zip(sorted(out["choices"], key=lambda c: c["index"]), LM_EVAL_PROMPTS):
         lp = choice["logprobs"]
         n = len(ids) + max_tokens
-        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) == n
+        lengths = {len(lp[f]) for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert lengths == {n}
         assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
         want = _hf_logprobs(model_dir, ids)
         for j in range(1, len(ids)):
@@ -571,7 +572,8 @@ def test_echo_logprobs_as_lm_eval_sends(server, model_dir, max_tokens):
         assert abs(got - sum(want[j - 1, ids[j]] for j in range(ctxlen, len(ids)))) < 1e-3
         if max_tokens == 0:
             assert choice["finish_reason"] == "length"
-    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "prompt": LM_EVAL_PROMPTS[0], "stream": True},
+    streamed = {**body, "prompt": LM_EVAL_PROMPTS[0], "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=streamed,
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as resp:
         chunks = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
     first = chunks[0]["choices"][0]["logprobs"]
