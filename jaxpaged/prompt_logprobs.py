@@ -22,13 +22,17 @@ import numpy as np
 from jaxpaged.models.llama import lm_logits
 
 
-def step_prompt_logprobs(params, cfg, h, next_ids, flag, k: int):
+def step_prompt_logprobs(params, cfg, h, next_ids, flag, k: int, logits_shardings=()):
     """h [T, D] final hidden states, next_ids i32[T] (-1: not asked), flag bool[] -> (logprob of the next
-    token f32[T], top-k logprobs f32[T, k], their ids i32[T, k]); zeros when flag is off."""
+    token f32[T], top-k logprobs f32[T, k], their ids i32[T, k]); zeros when flag is off.
+    logits_shardings: constraints on the [T, V] logits, as the sampler's (vocab-sharded, then replicated)."""
     T = h.shape[0]
 
     def on(h):
-        lp = jax.nn.log_softmax(lm_logits(params, cfg, h), axis=-1)  # [T, V]
+        logits = lm_logits(params, cfg, h)  # [T, V]
+        for sharding in logits_shardings:
+            logits = jax.lax.with_sharding_constraint(logits, sharding)
+        lp = jax.nn.log_softmax(logits, axis=-1)
         tok = jnp.take_along_axis(lp, jnp.maximum(next_ids, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, k)
         return tok, top_lp, top_ids.astype(jnp.int32)

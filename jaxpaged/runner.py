@@ -82,7 +82,8 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
-    prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs)
+    prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
+                                  logits_shardings)
     return ((tokens, tok_lp, top_lp, top_ids), prompt), k_pool, v_pool
 
 
