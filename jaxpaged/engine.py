@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxpaged.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.logit_controls import bad_words_token_ids
 from jaxpaged.mesh import kv_head_replication, make_mesh
 from jaxpaged.research import check_layers, check_params, completion_hidden
 from jaxpaged.request import Request, RequestStatus
@@ -25,7 +26,7 @@ from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, add_tokens, generation_eos_ids
-from jaxpaged.validation import check_request, prompt_ids
+from jaxpaged.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
 
 log = logging.getLogger("jaxpaged.engine")
@@ -56,6 +57,8 @@ class RequestOutput:
     metrics: dict = field(default_factory=dict)  # arrival_time, first_token_time, finished_time
     error: str | None = None  # set when a failed step ended the request (finish_reason "error")
     prompt_hidden_states: np.ndarray | None = None  # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
+    # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token id: logprob}
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(eq=False)
@@ -73,7 +76,7 @@ class _Group:
 def _needs_last_token(req: Request) -> bool:
     """The host needs the request's last sampled token to prepare its next step (penalty history,
     grammar matcher), so that token cannot stay on the device."""
-    return req.params.uses_penalties or req.params.structured_outputs is not None
+    return req.params.uses_penalties or req.params.structured_outputs is not None or bool(req.params.bad_words)
 
 
 def _drop_finished(out):
@@ -178,6 +181,9 @@ class LLMEngine:
         self.structured.check(params)
         check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
                      self.model_config.hidden_size)
+        if params.bad_words and self.tokenizer is None:
+            raise InvalidParam("bad_words", f"bad_words need a tokenizer; {self.model_dir} has none")
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
         budget = self.config.max_num_batched_tokens
         max_tokens = check_request(ids, params, self.request_limits(),
                                    lambda n: self.block_manager.max_blocks_held(n, budget), self.num_blocks - 1)
@@ -190,11 +196,12 @@ class LLMEngine:
             req = Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id,
                           index=i, prompt_token_ids=ids, params=params,
                           seed=(base_seed + i * 0x9E3779B9) % 2 ** 32, eos_token_ids=self.eos_token_ids,
-                          arrival=now, sibling=samples[0] if samples else None)
+                          arrival=now, sibling=samples[0] if samples else None, bad_words_token_ids=bad_words)
             samples.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens))
         self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now)
         for req in samples:
+            self.runner.track(req)
             self.scheduler.add(req)
         return request_id
 
@@ -354,9 +361,11 @@ class LLMEngine:
         first = [r.first_token_time for r in group.samples if r.first_token_time is not None]
         metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
                        finished_time=group.finished_time)
+        plp = group.samples[0].prompt_logprobs
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              group.samples[0].num_cached_tokens, metrics, error,
-                             group.samples[0].prompt_hidden_states if finished else None)
+                             group.samples[0].prompt_hidden_states if finished else None,
+                             prompt_logprobs=list(plp) if plp is not None else None)
 
     def get_weights(self) -> dict:
         """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py)."""
@@ -454,6 +463,19 @@ class LLM:
                         done[o.request_id] = o
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def score(self, prompts, continuations) -> list[list[float]]:
+        """The logprob of each token of each continuation after its prompt: one list per pair, as long as
+        the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
+        special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.scoring`),
+        with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
+        from jaxpaged.scoring import score
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int))
+        if one:
+            prompts, continuations = [prompts], [continuations]
+        eng = self._leader()
+        return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))
 
     def chat(self, messages_list, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

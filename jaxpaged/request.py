@@ -39,6 +39,8 @@ class Request:
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
     hidden_states: dict | None = None     # token index -> f32[nL, D] (return_hidden_states)
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     def __post_init__(self):
         if not self.token_ids:
@@ -47,6 +49,13 @@ class Request:
             self.logprobs = []
         if self.params.return_hidden_states and self.hidden_states is None:
             self.hidden_states = {}
+        if self.params.prompt_logprobs is not None and self.index == 0 and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Some prompt token's logprobs are still missing: the prefix cache is bypassed for this request."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

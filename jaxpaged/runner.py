@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,9 @@ from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
+from jaxpaged.logit_controls import LogitControls
 from jaxpaged.models.llama import decoder, lm_logits
+from jaxpaged.prompt_logprobs import collect, step_prompt_logprobs, targets
 from jaxpaged.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
 from jaxpaged.sampling import sample
 from jaxpaged.scheduler import SchedulerOutput
@@ -52,6 +55,8 @@ class Launched:
     pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
     hidden: tuple = ()     # captured states: f32[S, nL, D] at the logits rows, f32[T, nL, D] (research.py)
     hidden_plan: tuple = ()  # what to read back of them (SlotHooks.plan)
+    prompt: tuple = ()     # prompt logprobs: next token f32[T], top f32[T, K], top ids i32[T, K]
+    prompt_rows: list = field(default_factory=list)  # prompt_logprobs.targets: the requests that asked
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -76,13 +81,15 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     sp.update(extra)
     h, k_pool, v_pool, *states = decoder(params, cfg, k_pool, v_pool, batch, attn_fn,
                                          **step_hooks(sp, batch, capture, steer))
-    logits = lm_logits(params, cfg, h[batch["logits_indices"]])
+    logits = lm_logits(params, cfg, h[batch["logits_indices"]])  # [S, V]
     # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
     # sees the full [S, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
     tokens, tok_lp, top_lp, top_ids = sample(logits, sp, num_logprobs)
-    return (tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), k_pool, v_pool
+    prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
+                                  logits_shardings)
+    return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt), k_pool, v_pool
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
@@ -129,6 +136,9 @@ class ModelRunner:
         capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
         if capture or steer:  # research hooks compiled in (validated by the engine)
             self.batch.hooks = SlotHooks(S, capture, steer, model_cfg.hidden_size, self.dtype)
+        self.controls = LogitControls(S)  # logit_bias, bad_words
+        self.controls.none = {k: place(v, self.mesh, REPLICATED) for k, v in self.controls.none.items()}
+        self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
@@ -176,6 +186,7 @@ class ModelRunner:
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
         self._hook_inputs(sp, [])
+        self._research_inputs([], T, batch, sp)
         return batch, sp
 
     def _hook_inputs(self, sp: dict, slots) -> None:
@@ -186,6 +197,21 @@ class ModelRunner:
                 sp["steering"] = hooks.device_steering(lambda a: place(a, self.mesh, REPLICATED))
             if hooks.capture:
                 sp["any_prompt_hidden"] = np.bool_(hooks.wants_prompt[slots].any())
+
+    def track(self, req) -> None:
+        """Note a request that asks for prompt logprobs or uses logit controls: steps that schedule none of
+        them skip the per-request work of both."""
+        if req.prompt_logprobs is not None:
+            self._prompt_logprobs_requests.add(req)
+        if req.params.logit_bias or req.bad_words_token_ids:
+            self.controls.requests.add(req)
+
+    def _research_inputs(self, scheduled, T: int, batch: dict, sp: dict) -> list:
+        """Add the inputs of prompt logprobs and logit controls; return prompt_logprobs.targets' rows."""
+        batch["prompt_next"], rows = targets(scheduled, T, self._prompt_logprobs_requests)  # [T]
+        sp["any_prompt_logprobs"] = np.bool_(bool(rows))
+        sp.update(self.controls.arrays(scheduled))  # bias_ids [S, NB], bias_values [S, NB], any_bias
+        return rows
 
     # -- one step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -211,18 +237,21 @@ class ModelRunner:
         sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
         slots = [req.slot for req, _ in out.scheduled]
         self._hook_inputs(sp, slots)
+        rows = self._research_inputs(out.scheduled, T, batch, sp)
         key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
-        (tokens, tok_lp, top_lp, top_ids, *hidden), self.k_pool, self.v_pool = self.compiled_step(key)(
+        ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, *inputs)
         plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
-        return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan)
+        return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
+                        prompt=prompt, prompt_rows=rows)
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
         tokens = np.asarray(step.tokens).tolist()
         if step.hidden_plan:
             read_hidden(step.hidden_plan, step.hidden)
+        collect(step.prompt_rows, step.prompt)  # read back only when some request asked
         want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
         if want_lp:
             tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.logit_controls import check_logit_controls
 from jaxpaged.structured import StructuredOutputsParams
 from jaxpaged.validation import InvalidParam, check_text
 
@@ -65,6 +66,10 @@ class SamplingParams:
     return_hidden_states: bool = False          # CompletionOutput.hidden_states [generated, nL, D]
     return_prompt_hidden_states: bool = False   # RequestOutput.prompt_hidden_states [prompt, nL, D]
     steering_vectors: dict | None = None        # {layer: vector [hidden]} added at every position
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token (RequestOutput.prompt_logprobs)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (finite)
+    allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
+    bad_words: list[str] | None = None  # words never generated (see jaxpaged/logit_controls.py)
 
     def __post_init__(self):
         self.validate()
@@ -118,6 +123,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
         self.stop_token_ids = [int(t) for t in ids]
         integer("logprobs", 0, optional=True)
+        integer("prompt_logprobs", 0, optional=True)
+        check_logit_controls(self, bad)
         for name in ("ignore_eos", "skip_special_tokens", "return_hidden_states", "return_prompt_hidden_states"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
@@ -186,6 +193,13 @@ def _apply_bitmask(logits, bitmask):
     return jnp.where(allowed, logits, _NEG_INF)
 
 
+def _apply_bias(logits, ids, values):
+    """Add values f32[S, NB] to the logits of ids i32[S, NB] (-1 = none): logit_bias and bad-word bans."""
+    S, V = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
+    return logits.at[rows, jnp.where(ids >= 0, ids, V)].add(values, mode="drop")
+
+
 def _filter(scaled, sp):
     """Mask tokens outside top_k / top_p / min_p (per slot) to -inf. scaled: [S, V] logits/temperature."""
     V = scaled.shape[1]
@@ -208,8 +222,9 @@ def sample(logits, sp, num_logprobs: int):
     logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
     min_p f32[S], seed u32[S], gen_index i32[S], banned i32[S, NB] (ids masked, -1 = none),
     history i32[S, M], prompt_len/history_len i32[S], presence/frequency/repetition_penalty f32[S],
-    bitmask i32[S, ceil(V/32)] (grammar masks: 0 bits are masked, all ones when unconstrained),
-    any_penalty, any_filter, any_mask, all_greedy, any_logprobs: bool[].
+    bitmask i32[S, ceil(V/32)] (grammar and allowed_token_ids masks: 0 bits are masked, all ones when
+    unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
+    any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K].
     """
     S, V = logits.shape
@@ -219,6 +234,8 @@ def sample(logits, sp, num_logprobs: int):
         lambda x: (jnp.zeros((S, num_logprobs), x.dtype), jnp.zeros((S, num_logprobs), jnp.int32)),
         raw_logprobs)
 
+    logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
+                          sp["bias_values"])
     logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
     banned = sp["banned"]
     rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)

@@ -111,7 +111,8 @@ class Scheduler:
             if sib is not None and sib.status is RequestStatus.RUNNING \
                     and sib.num_computed_tokens < sib.num_prompt_tokens:
                 break  # wait for sample 0's prompt, then share its blocks
-            cached = self.bm.match_prefix(req)
+            # prompt logprobs still missing: compute the prompt, do not match it (prompt_logprobs.py)
+            cached = 0 if req.needs_prompt_logprobs else self.bm.match_prefix(req)
             n = min(len(req.token_ids) - cached, budget)
             if not self.bm.allocate(req, cached + n):
                 self.bm.free(req)

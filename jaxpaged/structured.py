@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxpaged.logit_controls import allowed_row
 from jaxpaged.validation import InvalidParam
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -106,6 +107,7 @@ class StructuredOutputs:
         self._mask = np.full((max_num_seqs, self.words), -1, np.int32)  # [S, W]
         self._dirty: list[int] = []  # rows of _mask filled last step
         self.all_ones = self._mask.copy()  # [S, W]; the runner may replace it by a device copy
+        self._allowed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> allowed_token_ids row
         self.mask_seconds = 0.0  # host time spent advancing matchers and filling masks, since start
         self.num_masks = 0
 
@@ -161,26 +163,37 @@ class StructuredOutputs:
 
     def bitmask_arrays(self, scheduled, S: int) -> dict:
         """`bitmask` i32[S, W] and `any_mask` bool[] for one step's scheduled (request, tokens) pairs:
-        rows of constrained requests that sample this step hold their matcher's allowed tokens."""
-        todo = [req for req, n in scheduled if req.params.structured_outputs is not None
+        rows of constrained requests that sample this step hold their matcher's allowed tokens, ANDed with
+        their `allowed_token_ids` (SamplingParams) if set."""
+        todo = [req for req, n in scheduled if (req.params.structured_outputs is not None
+                                                 or req.params.allowed_token_ids is not None)
                 and req.num_computed_tokens + n == len(req.token_ids)]
         if not todo:
             return dict(bitmask=self.all_ones, any_mask=np.bool_(False))
-        self._tokenizer()  # built once (~0.4 s), not counted as mask work
-        t0 = time.perf_counter()
-        import llguidance.numpy as lln
         mask = self._mask
         for s in self._dirty:
             mask[s] = -1
         self._dirty = [req.slot for req in todo]
-        if len(todo) == 1:
-            lln.fill_next_token_bitmask(self._matcher(todo[0])[0], mask, todo[0].slot)
-        else:
-            if self._executor is None:
-                import llguidance
-                self._executor = llguidance.LLExecutor()
-            lln.fill_next_token_bitmask_par(self._executor, [(self._matcher(r)[0], r.slot) for r in todo], mask)
-        self.mask_seconds += time.perf_counter() - t0
+        grammar = [r for r in todo if r.params.structured_outputs is not None]
+        if grammar:
+            self._tokenizer()  # built once (~0.4 s), not counted as mask work
+            t0 = time.perf_counter()
+            import llguidance.numpy as lln
+            if len(grammar) == 1:
+                lln.fill_next_token_bitmask(self._matcher(grammar[0])[0], mask, grammar[0].slot)
+            else:
+                if self._executor is None:
+                    import llguidance
+                    self._executor = llguidance.LLExecutor()
+                lln.fill_next_token_bitmask_par(self._executor, [(self._matcher(r)[0], r.slot) for r in grammar],
+                                                mask)
+            self.mask_seconds += time.perf_counter() - t0
+        for r in todo:  # allowed_token_ids: the row of the allowed set (ANDed with the grammar's)
+            if r.params.allowed_token_ids is not None:
+                row = self._allowed.get(r)
+                if row is None:
+                    row = self._allowed[r] = allowed_row(r.params.allowed_token_ids, self.words)
+                mask[r.slot] &= row
         self.num_masks += len(todo)
         # a copy: the step may still read this one (CPU inputs can alias host memory) when the next is filled
         return dict(bitmask=mask.copy(), any_mask=np.bool_(True))

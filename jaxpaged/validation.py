@@ -81,6 +81,15 @@ def check_request(ids: list[int], params, limits: dict, blocks_held, usable_bloc
     if params.logprobs is not None and params.logprobs > limits["max_logprobs"]:
         raise InvalidParam("logprobs", f"logprobs ({params.logprobs}) exceeds max_logprobs "
                            f"({limits['max_logprobs']})")
+    if params.prompt_logprobs is not None and params.prompt_logprobs > limits["max_logprobs"]:
+        raise InvalidParam("prompt_logprobs", f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs "
+                           f"({limits['max_logprobs']})")
+    for name, ids in (("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= V]
+        if bad:
+            raise InvalidParam(name, f"{name} token id {bad[0]} is out of vocabulary (vocab_size {V})",
+                               code="invalid_token_id")
     banned = (0 if params.ignore_eos else limits["num_eos_ids"]) + len(params.stop_token_ids)
     if params.min_tokens and banned > NB:
         raise InvalidParam("stop_token_ids", f"min_tokens bans the EOS and stop token ids until it is reached: "

@@ -97,8 +97,8 @@ def null_step(S: int, num_logprobs: int):
 
     def fn(params, k, v, *inputs):
         tokens = jnp.arange(S, dtype=jnp.int32) % 97 + 3
-        return (tokens, jnp.zeros(S, jnp.float32), jnp.zeros((S, num_logprobs), jnp.float32),
-                jnp.zeros((S, num_logprobs), jnp.int32)), k, v
+        return ((tokens, jnp.zeros(S, jnp.float32), jnp.zeros((S, num_logprobs), jnp.float32),
+                 jnp.zeros((S, num_logprobs), jnp.int32)), ()), k, v  # no prompt logprobs asked
     return jax.jit(fn, donate_argnums=(1, 2))
 
 

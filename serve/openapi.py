@@ -23,6 +23,7 @@ _COMMON_RULES = [
     {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
      "response_format, tool parameters when tool_choice is required or named) must be one llguidance "
      "compiles (its message says why: syntax, unsupported schema features)"},
+    {"code": "invalid_token_id", "rule": "logit_bias keys must be token ids below the vocabulary size"},
     {"code": "structured_outputs_unsupported", "rule": "constrained output (structured_outputs, a non-text "
      "response_format, tool_choice required or named) needs a tokenizer llguidance can read"},
 ]
@@ -87,8 +88,9 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
         schemas[name]["allOf"] = _sampling_rules(limits)
+        schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
     schemas["CompletionRequest"]["allOf"].append(
-        _if_then({"echo": {"const": True}}, {"logprobs": {"type": "null"}}, ["echo"]))
+        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
     schemas["ChatCompletionRequest"]["allOf"].append(
         _if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}}, ["top_logprobs"],
                  ["logprobs"]))

@@ -5,6 +5,7 @@ already sent, so a stream carries each piece of text and each token's logprobs e
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxpaged.engine import CompletionOutput, RequestOutput
@@ -53,6 +54,36 @@ def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: in
         out.text_offset.append(offset)
         offset += len(s)
     return out
+
+
+def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionLogprobs) -> CompletionLogprobs:
+    """Completions with echo: the prompt's tokens (the first with null logprob and top_logprobs; offsets
+    from 0 in the prompt's text; top_logprobs hold the prompt token and the top k), then `then`."""
+    res = CompletionLogprobs()
+    offset, lps = 0, out.prompt_logprobs or []
+    for j, tid in enumerate(out.prompt_token_ids):
+        lp = lps[j] if j < len(lps) else None
+        s = text(tid)
+        res.tokens.append(s)
+        res.token_logprobs.append(None if lp is None else lp.get(tid))
+        top = None
+        if lp is not None and k:
+            top = {}
+            for t, v in _top(lp, len(lp)):
+                top.setdefault(text(t), v)  # two ids of one text: the likelier one
+        res.top_logprobs.append(top)
+        res.text_offset.append(offset)
+        offset += len(s)
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(res, name).extend(getattr(then, name))
+    return res
+
+
+def without_generated(out: RequestOutput) -> RequestOutput:
+    """Completions with max_tokens 0 (the engine ran 1 token): the output without its generated token."""
+    return dataclasses.replace(out, outputs=[dataclasses.replace(
+        c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+        finish_reason="length" if c.finish_reason is not None else None) for c in out.outputs])
 
 
 def chat_logprobs(text: TokenText, token_ids, logprobs, k: int) -> ChatLogprobs:

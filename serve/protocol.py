@@ -4,7 +4,7 @@ Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extra
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
 strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
-OpenAI-compatible servers do; fields we cannot honour (suffix, logit_bias) only accept null or empty.
+OpenAI-compatible servers do; a field we cannot honour (suffix) only accepts null.
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
 llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`.
 """
@@ -14,6 +14,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxpaged.logit_controls import MAX_LOGIT_BIAS
 from jaxpaged.sampling import FLOAT32_MAX
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
@@ -31,6 +32,7 @@ def limit(kind: str) -> dict:
 NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
 Float = Annotated[float, Field(le=FLOAT32_MAX)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id written as a JSON object key
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no bool/float/str as int
 
 
@@ -54,8 +56,9 @@ class _SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="only with stream: true")
     user: str | None = None
-    logit_bias: dict[str, float] | None = Field(None, max_length=0, description="not supported: "
-                                                  "null or empty")
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="token id (a string) -> bias added to its logit, in "
+        "[-100, 100]; the ids must be below the vocabulary size")
     # vLLM's extras
     top_k: int | None = Field(None, ge=-1, description="0 or -1: off; at most the vocabulary size",
                               **limit("top_k"))
@@ -76,10 +79,11 @@ PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 class CompletionRequest(_SamplingRequest):
     prompt: NonEmptyText | PromptText | PromptIds | Annotated[list[PromptIds], Field(min_length=1)] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
-    max_tokens: int | None = Field(16, ge=1, description="null: up to max_model_len", **limit("max_tokens"))
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token",
-                                 **limit("logprobs"))
-    echo: bool = Field(False, description="not with logprobs")
+    max_tokens: int | None = Field(16, ge=0, description="null: up to max_model_len; 0 (only with echo): "
+                                   "no generated token, the prompt's logprobs only", **limit("max_tokens"))
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token (with "
+                                 "echo, of the prompt's tokens too)", **limit("logprobs"))
+    echo: bool = Field(False, description="the prompt before the completion (and its tokens' logprobs)")
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
 

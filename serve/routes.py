@@ -68,9 +68,12 @@ def check_auth(request: Request) -> None:
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict,
-                    structured=None) -> SamplingParams:
+                    structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
-              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+              ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+              prompt_logprobs=prompt_logprobs)
+    if req.logit_bias:  # OpenAI's string keys (the schema admits digits only)
+        kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         if getattr(req, name) is not None:
@@ -89,10 +92,15 @@ async def completions(request: Request) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of ({req.best_of}) must equal n ({req.n}): best-of-n selection is not "
                             "supported", param="best_of", code="invalid_combination")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo with logprobs (prompt logprobs) is not supported", param="echo")
+    echo_only = req.max_tokens == 0  # the prompt (and its logprobs), nothing generated: run 1 token, drop it
+    if echo_only and not req.echo:
+        raise APIError(400, "max_tokens 0 needs echo=true (it returns the prompt only)", param="max_tokens")
+    if echo_only and req.min_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens (0)", param="min_tokens",
+                       code="invalid_combination")
     structured, _, rename = tools.constraint(req)
-    params = sampling_params(req, req.max_tokens, req.logprobs, rename, structured)
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, rename, structured,
+                             req.logprobs if req.echo else None)
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     job = Job(request, "cmpl", rename)
@@ -100,17 +108,22 @@ async def completions(request: Request) -> Response:
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
     st, n, k = job.st, req.n, req.logprobs
 
-    def choice(i, c, text_piece, ids, lps, offset):
+    def choice(i, c, text_piece, ids, lps, offset, prompt=None):
         lp = fmt.completion_logprobs(text, ids, lps, k, offset) if k is not None else None
+        if lp is not None and prompt is not None:  # echo: the prompt's tokens first
+            lp = fmt.echo_logprobs(text, prompt, k, lp)
         return CompletionChoice(index=i * n + c.index, text=text_piece, logprobs=lp, finish_reason=c.finish_reason)
 
     if not req.stream:
         if not await run_to_end(job):
             return Response(status_code=499)
+        if echo_only:
+            job.lasts = [fmt.without_generated(o) for o in job.lasts]
         choices = []
         for i, out in enumerate(job.lasts):
             prefix = text.prompt_text(out) if req.echo else ""
-            choices += [choice(i, c, prefix + c.text, c.token_ids, c.logprobs, len(prefix)) for c in out.outputs]
+            choices += [choice(i, c, prefix + c.text, c.token_ids, c.logprobs, len(prefix),
+                               out if req.echo else None) for c in out.outputs]
         job.close(200)
         return JSONResponse(CompletionResponse(id=job.id, created=job.created, model=st.model_name,
                                                choices=choices, usage=fmt.usage(job.lasts)).model_dump())
@@ -119,17 +132,20 @@ async def completions(request: Request) -> Response:
         deltas = [[fmt.Delta() for _ in range(n)] for _ in prompts]
         echoed = [[not req.echo] * n for _ in prompts]
         async for i, out in job.outputs():
+            if echo_only:
+                out = job.lasts[i] = fmt.without_generated(out)
             for c in out.outputs:
                 d = deltas[i][c.index]
-                offset = d.text_len
                 got = d.advance(c)
                 if got is None:
                     continue
                 piece, ids, lps, _ = got
+                base = len(text.prompt_text(out)) if req.echo else 0  # offsets count the echoed prompt
+                offset, prompt = base + d.text_len - len(piece), None
                 if not echoed[i][c.index]:
-                    echoed[i][c.index] = True
+                    echoed[i][c.index], prompt = True, out
                     piece = text.prompt_text(out) + piece
-                ch = choice(i, c, piece, ids, lps, offset)
+                ch = choice(i, c, piece, ids, lps, offset, prompt)
                 yield sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[ch]))
         if req.stream_options and req.stream_options.include_usage:
             yield sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[],

@@ -40,8 +40,10 @@ def hlo_facts(runner) -> dict:
     """What the compiled mixed step of the largest bucket does with the pool, and its collectives."""
     import jax
     T = runner.buckets[-1]
-    text = runner.compiled_step((T, False)).as_text()
+    compiled = runner.compiled_step((T, False))
+    text = compiled.as_text()
     n_params = len(jax.tree.leaves(runner.params))
+    k_out = compiled.out_tree.num_leaves - 2  # the step's outputs end with k_pool, v_pool
     alias = re.search(r"input_output_alias=\{(.*?)\}\s*,\s*entry", text)
     alias = alias.group(1) if alias else ""
     local = [s.data.shape for s in runner.k_pool.addressable_shards][0]
@@ -58,7 +60,7 @@ def hlo_facts(runner) -> dict:
                   or (m.group(3) == "fusion" and "copy" in m.group(1))):
             pool_moves.append(line.strip()[:160])
     D, S, V = runner.model_cfg.hidden_size, runner.cfg.max_num_seqs, runner.model_cfg.vocab_size
-    return dict(pool_aliased=[f"{{4}}: ({n_params}," in alias, f"{{5}}: ({n_params + 1}," in alias],
+    return dict(pool_aliased=[f"{{{k_out}}}: ({n_params}," in alias, f"{{{k_out + 1}}}: ({n_params + 1}," in alias],
                 pool_moves=pool_moves, collectives=collectives, step_shape=[T, D], logits_shape=[S, V])
 
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -318,8 +319,11 @@ def test_context_length_400(server, client):
     ({"prompt": "a", "best_of": 3}, "best_of", "invalid_combination"),
     ({"prompt": "a", "min_tokens": 3, "max_tokens": 2}, "min_tokens", "invalid_combination"),
     ({"prompt": "a", "suffix": "x"}, "suffix", None),
-    ({"prompt": "a", "logit_bias": {"5": 1.0}}, "logit_bias", None),
-    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo", None),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", None),       # OpenAI's range: [-100, 100]
+    ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", None),
+    ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias", "invalid_token_id"),  # vocab_size 256
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens", None),               # only with echo
+    ({"prompt": "a", "max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens", "invalid_combination"),
     ({"prompt": "the quick", "max_tokens": 256}, "max_tokens", None),
 ])
 def test_validation_400s(server, body, param, code):
@@ -527,3 +531,88 @@ def test_bench_serving_smoke(server, tmp_path):
     for key in ("request_throughput", "output_throughput", "total_token_throughput", "mean_ttft_ms",
                 "median_tpot_ms", "p99_itl_ms", "mean_e2el_ms"):
         assert s[key] > 0, key
+
+
+# -- prompt logprobs (echo) and logit_bias: what lm-evaluation-harness's local-completions sends ------------
+def _hf_logprobs(model_dir, ids):
+    import torch
+
+    from oracle import hf_model
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(model_dir)(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+LM_EVAL_PROMPTS = [[5, 17, 30, 41, 99, 120, 7, 64, 200, 33], [9, 8, 7, 6, 5, 250]]
+
+
+@pytest.mark.parametrize("max_tokens", [1, 0])
+def test_echo_logprobs_as_lm_eval_sends(server, model_dir, max_tokens):
+    """lm-eval's loglikelihood payload (token-id prompts, echo, logprobs 1, max_tokens 1, temperature 0, seed)
+    and its parsing: token_logprobs[ctxlen:-1] summed, greedy when each equals the top of top_logprobs.
+    The prompt's logprobs equal transformers' log_softmax; max_tokens 0 returns the prompt only."""
+    body = {"model": "tiny", "prompt": LM_EVAL_PROMPTS, "temperature": 0, "max_tokens": max_tokens,
+            "logprobs": 1, "seed": 1234, "echo": True}
+    r = raw(server, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == max_tokens * len(LM_EVAL_PROMPTS)
+    for choice, ids in zip(sorted(out["choices"], key=lambda c: c["index"]), LM_EVAL_PROMPTS):
+        lp = choice["logprobs"]
+        n = len(ids) + max_tokens
+        lengths = {len(lp[f]) for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        assert lengths == {n}
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        want = _hf_logprobs(model_dir, ids)
+        for j in range(1, len(ids)):
+            assert abs(lp["token_logprobs"][j] - want[j - 1, ids[j]]) < 1e-3
+            assert abs(max(lp["top_logprobs"][j].values()) - want[j - 1].max()) < 1e-3
+        assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+        ctxlen = 3  # lm-eval: the continuation's logprob and whether it is greedy
+        got = sum(lp["token_logprobs"][ctxlen:len(ids)])
+        assert abs(got - sum(want[j - 1, ids[j]] for j in range(ctxlen, len(ids)))) < 1e-3
+        if max_tokens == 0:
+            assert choice["finish_reason"] == "length"
+    streamed = {**body, "prompt": LM_EVAL_PROMPTS[0], "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=streamed,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as resp:
+        chunks = [json.loads(x[6:]) for x in resp.iter_lines() if x.startswith("data: {")]
+    first = chunks[0]["choices"][0]["logprobs"]
+    plain = sorted(out["choices"], key=lambda c: c["index"])[0]["logprobs"]
+    assert first["token_logprobs"][:len(LM_EVAL_PROMPTS[0])] == plain["token_logprobs"][:len(LM_EVAL_PROMPTS[0])]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == len(plain["tokens"])
+    wait_idle(server)
+
+
+def test_lm_eval_local_completions_loglikelihood(server, model_dir, monkeypatch):
+    """lm-evaluation-harness itself, unmodified: LocalCompletionsAPI.loglikelihood against the server."""
+    api = pytest.importorskip("lm_eval.models.openai_completions")
+    from lm_eval.api.instance import Instance
+    monkeypatch.setenv("OPENAI_API_KEY", API_KEY)
+    lm = api.LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", tokenizer=model_dir,
+                                 tokenizer_backend="huggingface", batch_size=2, max_length=256, max_retries=1)
+    pairs = [("the quick brown", " fox jumps"), ("hello world", " the lazy dog")]
+    res = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)],
+                           disable_tqdm=True)
+    for (ctx, cont), (ll, greedy) in zip(pairs, res):
+        c, x = lm.tok_encode(ctx), lm.tok_encode(cont)
+        want = _hf_logprobs(model_dir, c + x)
+        assert abs(ll - sum(want[len(c) - 1 + j, t] for j, t in enumerate(x))) < 1e-3
+        assert greedy == all(want[len(c) - 1 + j].argmax() == t for j, t in enumerate(x))
+
+
+def test_logit_bias_on_completions_and_chat(client, model_dir, tokenizer):
+    """OpenAI's logit_bias (string token ids -> bias): +100 on a token makes greedy pick it every time; -100 on
+    the plain greedy choice moves it to the next best, as transformers' logits say."""
+    ids = [5, 17, 30]
+    want = _hf_logprobs(model_dir, ids)[-1]
+    first, second = np.argsort(-want)[:2]
+
+    def completion(bias):
+        text = client.completions.create(model="tiny", prompt=ids, max_tokens=3, logit_bias=bias, **GREEDY)
+        return tokenizer.encode(text.choices[0].text, add_special_tokens=False)
+    assert completion(None)[0] == first
+    assert completion({"77": 100}) == [77, 77, 77]
+    assert completion({str(first): -100})[0] == second
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, logit_bias={"77": 100}, **GREEDY)
+    assert tokenizer.encode(chat.choices[0].message.content, add_special_tokens=False) == [77, 77]
