@@ -110,7 +110,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         with tqdm(total=count_tensors(mc), desc="loading weights", unit="tensor",
                   disable=not cfg.show_progress) as bar:
-            params = load_params(model_dir, mc, cfg.dtype, progress=bar)
+            params = load_params(model_dir, mc, cfg.dtype, progress=bar, quantization=cfg.quantization)
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._num_blocks()
