@@ -3,8 +3,8 @@
 `QArray(q, scale, dtype)`: `q` int8 (or float8_e4m3fn) of the matrix's shape, `scale` float32 of the
 same rank with size 1 on the reduced axis, so `q * scale` is the matrix in any layout:
     weights [..., in, out] (stored [in, out]): one scale per output column, scale [..., 1, out];
-    the embedding [V, D]: one scale per vocabulary row, scale [V, 1] — its transpose [D, V] with
-    scale [1, V] is then the tied lm_head, one scale per output column again.
+    the embedding [V, D]: one scale per vocabulary row, scale [V, 1] — so the tied lm_head (the
+    embedding transposed, `dot(h, embed, transpose=True)`) has one scale per output column again.
 `dtype` (static) is the engine dtype the matrix stands for. Every operation on the whole pytree that
 maps leaves (stacking, slicing a layer, sharding, replicating KV heads) treats q and scale alike.
 
@@ -26,6 +26,7 @@ FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8
 QUANTIZATIONS = (None,) + tuple(FORMATS)
 # leaves of the parameter pytree that are quantized, and the axis their scales reduce over
 # (the matrices' input axis; the embedding per vocabulary row). Norms, biases and the MoE router stay.
+COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
 QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -43,11 +44,6 @@ class QArray:
     @property
     def format(self) -> str:
         return "int8" if np.dtype(self.q.dtype) == np.int8 else "fp8"
-
-    @property
-    def T(self) -> "QArray":
-        """The transpose of a 2-D matrix (the tied embedding as the lm_head)."""
-        return QArray(self.q.T, self.scale.T, self.dtype)
 
 
 def check_quantization(quantization) -> None:
@@ -77,14 +73,31 @@ def dequantize(w) -> jax.Array | np.ndarray:
     return (w.q.astype(xp.float32) * w.scale).astype(w.dtype)
 
 
-def dot(x, w, preferred_element_type=None):
-    """x [..., in] @ w [in, out] for a plain array or a QArray (column scales applied to the product).
+def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
+    """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
+    plain array or a QArray, the scales of the output columns applied to the product.
 
-    The result has x's dtype, or preferred_element_type when given (the logits ask for float32)."""
+    The result has x's dtype, or preferred_element_type when given (the logits ask for float32).
+    A wide QArray (out >= 2 * COLUMN_CHUNK, the lm_head) is multiplied COLUMN_CHUNK output columns at a
+    time in a loop, so XLA widens one chunk at a time instead of the whole matrix every step."""
     if not isinstance(w, QArray):
-        return jnp.dot(x, w, preferred_element_type=preferred_element_type)
-    y = jnp.dot(x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)  # [..., out]
-    return (y * w.scale.reshape(-1)).astype(preferred_element_type or x.dtype)
+        return jnp.dot(x, w.T if transpose else w, preferred_element_type=preferred_element_type)
+    out_dtype = preferred_element_type or x.dtype
+    out_axis = 0 if transpose else w.q.ndim - 1
+    contract = ((x.ndim - 1,), (1 - out_axis if w.q.ndim == 2 else w.q.ndim - 2,))
+
+    def product(q, scale):  # q: w's columns (or rows when transposed) [.., C ..]; scale: theirs, [C]
+        y = jax.lax.dot_general(x, q.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
+        return (y * scale).astype(out_dtype)
+    n = w.q.shape[out_axis]
+    if w.q.ndim != 2 or n < 2 * COLUMN_CHUNK or n % COLUMN_CHUNK:
+        return product(w.q, w.scale.reshape(-1))
+
+    def chunk(i, y):
+        q, s = (jax.lax.dynamic_slice_in_dim(a, i * COLUMN_CHUNK, COLUMN_CHUNK, axis=out_axis)
+                for a in (w.q, w.scale))
+        return jax.lax.dynamic_update_slice_in_dim(y, product(q, s.reshape(-1)), i * COLUMN_CHUNK, axis=-1)
+    return jax.lax.fori_loop(0, n // COLUMN_CHUNK, chunk, jnp.zeros(x.shape[:-1] + (n,), out_dtype))
 
 
 def take_rows(w, ids, dtype=None):

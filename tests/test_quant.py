@@ -9,7 +9,7 @@ from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import forward
 from jaxpaged.attention import make_attention
-from jaxpaged.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
+from jaxpaged.quant import COLUMN_CHUNK, QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
 from jaxpaged.weights import load_params
 from models import make_tiny_model
 
@@ -47,8 +47,12 @@ def test_products_match_dequantized():
     emb = jax.tree.map(jnp.asarray, quantize(_w(50, 40), "int8", -1))
     ids = jnp.array([3, 0, 49, 3])
     np.testing.assert_allclose(take_rows(emb, ids), dequantize(emb)[ids], rtol=1e-6)
-    np.testing.assert_allclose(dot(x, emb.T, preferred_element_type=jnp.float32), x @ dequantize(emb).T,
-                               rtol=1e-5, atol=1e-5)  # the tied head: the embedding's transpose
+    for n in (50, 2 * COLUMN_CHUNK):  # the tied head: the embedding's transpose (wide: in chunks)
+        emb = jax.tree.map(jnp.asarray, quantize(_w(n, 40), "int8", -1))
+        np.testing.assert_allclose(dot(x, emb, jnp.float32, transpose=True), x @ dequantize(emb).T,
+                                   rtol=1e-5, atol=1e-5)
+    wide = jax.tree.map(jnp.asarray, quantize(_w(40, 2 * COLUMN_CHUNK), "fp8", -2))  # an untied lm_head
+    np.testing.assert_allclose(dot(x, wide, jnp.float32), x @ dequantize(wide), rtol=1e-5, atol=1e-5)
     experts = jax.tree.map(jnp.asarray, quantize(_w(3, 40, 24), "fp8", -2))
     sizes = jnp.array([2, 0, 3], jnp.int32)
     np.testing.assert_allclose(ragged_dot(x, experts, sizes, jnp.array([0, 0, 2, 2, 2])),
@@ -151,3 +155,25 @@ def test_convert_quantized_round_trip(tmp_path, engine_kwargs):
     outs = [[o.outputs[0].token_ids for o in LLM(model=dst, quantization=q, warmup=False, **engine_kwargs)
              .generate(prompts, sp, use_tqdm=False)] for q in ("int8", None)]
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, quantization):
+    """The compiled step never holds a float copy of a whole stacked weight or of the embedding (int8:
+    each layer's slice is widened inside the layer loop, the head chunk by chunk), and never copies the
+    stacked weights into the loop (the scan reads them where they are)."""
+    import re
+    import jaxpaged.quant as quant
+    monkeypatch.setattr(quant, "COLUMN_CHUNK", 64)  # the tiny vocabulary (256) takes the wide-head path
+    path = make_tiny_model(str(tmp_path / "m"), "llama", tie=True, num_layers=3, seed=2)
+    llm = LLM(model=path, quantization=quantization, warmup=False, **engine_kwargs)
+    r = llm.engine.runner
+    text = r.compiled_step(r.variants()[-1]).as_text()
+    cfg = r.model_cfg
+    stacked = {",".join(map(str, a.shape)) for a in jax.tree.leaves(r.params) if a.ndim == 3 and a.shape[1] > 1}
+    whole = stacked | {f"{cfg.vocab_size},{cfg.hidden_size}", f"{cfg.hidden_size},{cfg.vocab_size}"}
+    floats = set(re.findall(r"f32\[([\d,]+)\]", text))
+    assert not floats & (whole if quantization else {f"3,1,{s[2:]}" for s in stacked}), floats & whole
+    copies = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} (?:copy|fusion)\([^)]*\), kind=kLoop, calls=%wrapped_copy", text)
+    assert not [c for c in copies if c[1] in stacked or c[1].startswith("3,1,")], copies
+    assert ("s8[" in text) == (quantization == "int8")

@@ -59,8 +59,8 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
 
 def lm_logits(params, cfg: ModelConfig, h):
     """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [D, V], maybe a QArray
-    logits = dot(h, head, preferred_element_type=jnp.float32)
+    tied = cfg.tie_word_embeddings  # the head: embed [V, D] transposed, or lm_head [D, V]; maybe QArrays
+    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied)
     return softcap(logits, cfg.final_softcap)
 
 
