@@ -37,13 +37,24 @@ class LLM:
 '''
 
 
+def _config_only(path) -> str:
+    """A model directory with only config.json: enough for the workload and for the vllm backend."""
+    os.makedirs(path)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
 def _args(model, *extra):
     return ["--model", model, "--num-prompts", "3", "--prompt-len", "4", "8", "--output-len", "2", "5",
             "--max-num-seqs", "4", "--random-tokens", *extra]
 
 
 def test_skipped_with_a_message(tmp_path):
-    model = make_tiny_model(str(tmp_path / "m"), "llama", vocab_size=320)
+    model = _config_only(tmp_path / "m")
     out = bench_throughput.main(_args(model, "--backend", "vllm"))  # this venv has no vllm
     assert out["results"] == {} and "`import vllm` fails under" in out["skipped"]["vllm"]
     assert "--vllm-python" in out["skipped"]["vllm"]
@@ -52,7 +63,7 @@ def test_skipped_with_a_message(tmp_path):
 
 
 def test_runs_through_a_stand_in(tmp_path, monkeypatch):
-    model = make_tiny_model(str(tmp_path / "m"), "llama", vocab_size=320)
+    model = _config_only(tmp_path / "m")
     (tmp_path / "fake" / "vllm").mkdir(parents=True)
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text(STAND_IN)
     log = tmp_path / "log.jsonl"
