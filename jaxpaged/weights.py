@@ -6,6 +6,7 @@ size of the output. The pytree layout is documented in `jaxpaged/models/llama.py
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import re
@@ -324,3 +325,13 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, qua
             progress.update(count_tensors(cfg))
         return params
     return load_hf_params(model_dir, cfg, dtype, progress=progress, quantization=quantization)
+
+
+def release_host_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's `malloc_trim`) once the weights are on the device:
+    the temporaries of loading one tensor at a time otherwise stay in the resident set (~45 MB for the
+    default model). A no-op where there is no glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
