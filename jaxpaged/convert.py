@@ -109,7 +109,8 @@ def _write(out, cfg, tensors, dtype, source, progress, quantization=None) -> Non
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=count_tensors(cfg), desc=f"converting to {quantization or dtype}", unit="tensor", file=sys.stderr)
+        bar = tqdm(total=count_tensors(cfg), desc=f"converting to {quantization or dtype}", unit="tensor",
+                   file=sys.stderr)
     try:
         params = params_from_named_tensors(cfg, tensors, dtype, source=source, progress=bar,
                                            quantization=quantization)

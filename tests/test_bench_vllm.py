@@ -80,7 +80,8 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
     assert r["output_tokens"] == sum(lens) and r["num_requests"] == 3 and r["vllm_version"] == "stand-in"
     assert len(timed["prompts"]) == 3 and all(4 <= len(p["prompt_token_ids"]) <= 8 for p in timed["prompts"])
     cmd = bench_vllm.vllm_command("/venv/bin/python", "job.json", "out.json")
-    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("scripts/bench_vllm.py") and cmd[2:] == ["job.json", "out.json"]
+    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("scripts/bench_vllm.py")
+    assert cmd[2:] == ["job.json", "out.json"]
 
 
 def test_converted_model_exported_for_vllm(tmp_path):

@@ -174,6 +174,7 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     whole = stacked | {f"{cfg.vocab_size},{cfg.hidden_size}", f"{cfg.hidden_size},{cfg.vocab_size}"}
     floats = set(re.findall(r"f32\[([\d,]+)\]", text))
     assert not floats & (whole if quantization else {f"3,1,{s[2:]}" for s in stacked}), floats & whole
-    copies = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} (?:copy|fusion)\([^)]*\), kind=kLoop, calls=%wrapped_copy", text)
+    copies = re.findall(r"= (\w+)\[([\d,]+)\]\{[\d,]*\} (?:copy|fusion)\([^)]*\), kind=kLoop, "
+                        r"calls=%wrapped_copy", text)
     assert not [c for c in copies if c[1] in stacked or c[1].startswith("3,1,")], copies
     assert ("s8[" in text) == (quantization == "int8")
