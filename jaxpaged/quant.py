@@ -24,9 +24,9 @@ import numpy as np
 # format -> (storage dtype, largest representable magnitude)
 FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
 QUANTIZATIONS = (None,) + tuple(FORMATS)
-# leaves of the parameter pytree that are quantized, and the axis their scales reduce over
-# (the matrices' input axis; the embedding per vocabulary row). Norms, biases and the MoE router stay.
 COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
+# layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
+# MoE router stay in the engine dtype
 QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 

@@ -21,7 +21,8 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
 Matrices (and the embedding) may be `jaxpaged.quant.QArray`s (weight-only int8 / fp8); every product
-goes through `quant.dot`. Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
+goes through `quant.dot`.
+Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
 the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
