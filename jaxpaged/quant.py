@@ -83,14 +83,14 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
     if not isinstance(w, QArray):
         return jnp.dot(x, w.T if transpose else w, preferred_element_type=preferred_element_type)
     out_dtype = preferred_element_type or x.dtype
-    out_axis = 0 if transpose else w.q.ndim - 1
-    contract = ((x.ndim - 1,), (1 - out_axis if w.q.ndim == 2 else w.q.ndim - 2,))
+    out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
+    contract = ((x.ndim - 1,), (1 - out_axis,))
 
     def product(q, scale):  # q: w's columns (or rows when transposed) [.., C ..]; scale: theirs, [C]
         y = jax.lax.dot_general(x, q.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
         return (y * scale).astype(out_dtype)
     n = w.q.shape[out_axis]
-    if w.q.ndim != 2 or n < 2 * COLUMN_CHUNK or n % COLUMN_CHUNK:
+    if n < 2 * COLUMN_CHUNK or n % COLUMN_CHUNK:
         return product(w.q, w.scale.reshape(-1))
 
     def chunk(i, y):
