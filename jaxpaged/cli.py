@@ -21,6 +21,13 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+def add_quantization_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--quantization: weight-only int8 / fp8 (generate, serve, convert)."""
+    parser.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weight-only "
+                        "quantization with per-output-channel scales (default: none, the weights' dtype)")
+    return parser
+
+
 def scale_out_kwargs(args) -> dict:
     """EngineConfig fields from the scale-out flags; starts jax.distributed first when multi-host."""
     kw = {k: getattr(args, k) for k in ("tensor_parallel_size", "data_parallel_size", "coordinator_address",
@@ -35,7 +42,7 @@ def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, **scale_out_kwargs(args))
+              attention_backend=args.attention_backend, quantization=args.quantization, **scale_out_kwargs(args))
     if not llm.is_leader:  # a multi-host follower: it ran process 0's steps until process 0 stopped
         return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -57,7 +64,7 @@ def _generate(args) -> int:
 
 def _convert(args) -> int:
     from jaxpaged.convert import convert
-    print(convert(args.src, args.dst, dtype=args.dtype, force=args.force))
+    print(convert(args.src, args.dst, dtype=args.dtype, force=args.force, quantization=args.quantization))
     return 0
 
 
@@ -89,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    add_quantization_arg(g)
     add_scale_out_args(g)
     g.set_defaults(func=_generate)
 
@@ -97,6 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("dst")
     c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--force", action="store_true", help="replace a non-empty DST")
+    add_quantization_arg(c)
     c.set_defaults(func=_convert)
 
     f = sub.add_parser("fetch-default", help="install and convert the embedded default model")

@@ -175,6 +175,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"         # auto | reference | pallas
     tensor_parallel_size: int = 1           # devices one model is split over (heads, MLP columns, vocab)
+    quantization: str | None = None         # weight-only: None, "int8" or "fp8" (per-output-channel scales)
     seed: int = 0
     async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
     max_logprobs: int = 20
@@ -217,6 +218,8 @@ class EngineConfig:
             positive("max_model_len")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {self.attention_backend!r}")
+        from jaxpaged.quant import check_quantization
+        check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self._check_scale_out(positive)

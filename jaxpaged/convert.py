@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.quant import check_quantization
 from jaxpaged.weights import NP_DTYPES, count_tensors, params_from_named_tensors, read_safetensors, \
     safetensors_files, save_orbax_params
 
@@ -23,14 +24,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True) -> str:
+def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
+            quantization: str | None = None) -> str:
     """Convert SRC (HF model directory or .gguf file) into DST in the engine's format; return DST.
+
+    quantization: None, or "int8" / "fp8": the matrices are quantized one tensor at a time (per output
+    channel; the embedding per row) and DST holds the quantized pytree (jaxpaged/quant.py), which loads
+    without a float copy of the model. GGUF tensors (Q8_0, Q4_0, Q4_1, ...) are widened one at a time.
 
     Raises ValueError, naming the file, for a missing or unreadable SRC, an unsupported architecture
     or GGUF tensor type, a non-empty DST without `force`, or a full disk.
     """
     if dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
+    check_quantization(quantization)
     src, dst = os.path.abspath(src), os.path.abspath(dst)
     if not os.path.exists(src):
         raise ValueError(f"{src}: no such file or directory")
@@ -45,9 +52,9 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
     try:
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; DST gets the usual mode
         if os.path.isdir(src):
-            _convert_hf(src, tmp, dtype, progress)
+            _convert_hf(src, tmp, dtype, progress, quantization)
         elif src.endswith(".gguf") or _has_gguf_magic(src):
-            _convert_gguf(src, tmp, dtype, progress)
+            _convert_gguf(src, tmp, dtype, progress, quantization)
         else:
             raise ValueError(f"{src}: not a model (expected a Hugging Face model directory or a .gguf file)")
         _replace_dir(tmp, dst)
@@ -60,7 +67,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
     return dst
 
 
-def _convert_hf(src: str, out: str, dtype: str, progress: bool) -> None:
+def _convert_hf(src: str, out: str, dtype: str, progress: bool, quantization: str | None) -> None:
     cfg_file = os.path.join(src, "config.json")
     if not os.path.isfile(cfg_file):
         raise ValueError(f"{src}: not a model (no config.json; expected a Hugging Face model directory "
@@ -76,7 +83,7 @@ def _convert_hf(src: str, out: str, dtype: str, progress: bool) -> None:
     def tensors():
         for p in files:
             yield from read_safetensors(p)
-    _write(out, cfg, tensors(), dtype, src, progress)
+    _write(out, cfg, tensors(), dtype, src, progress, quantization)
     shutil.copy2(cfg_file, os.path.join(out, "config.json"))
     copied = [f for f in TOKENIZER_FILES if os.path.isfile(os.path.join(src, f))]
     for f in copied:
@@ -86,25 +93,27 @@ def _convert_hf(src: str, out: str, dtype: str, progress: bool) -> None:
               file=sys.stderr)
 
 
-def _convert_gguf(src: str, out: str, dtype: str, progress: bool) -> None:
+def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: str | None) -> None:
     from jaxpaged.gguf import GGUFModel
     g = GGUFModel(src)
     cfg = ModelConfig.from_hf_dict(g.config, source=src)
     tok = g.tokenizer()
-    _write(out, cfg, g.tensors(), dtype, src, progress)
+    _write(out, cfg, g.tensors(), dtype, src, progress, quantization)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(g.config, f, indent=2)
     tok.save_pretrained(out, save_jinja_files=False)  # chat template inside tokenizer_config.json
 
 
-def _write(out, cfg, tensors, dtype, source, progress) -> None:
+def _write(out, cfg, tensors, dtype, source, progress, quantization=None) -> None:
     """Fill the parameter pytree from (HF name, array) pairs, one at a time, and save it under OUT."""
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=count_tensors(cfg), desc=f"converting to {dtype}", unit="tensor", file=sys.stderr)
+        bar = tqdm(total=count_tensors(cfg), desc=f"converting to {quantization or dtype}", unit="tensor",
+                   file=sys.stderr)
     try:
-        params = params_from_named_tensors(cfg, tensors, dtype, source=source, progress=bar)
+        params = params_from_named_tensors(cfg, tensors, dtype, source=source, progress=bar,
+                                           quantization=quantization)
     finally:
         if bar is not None:
             bar.close()

@@ -27,7 +27,7 @@ from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
 from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, add_tokens, generation_eos_ids
 from jaxpaged.validation import InvalidParam, check_request, prompt_ids
-from jaxpaged.weights import count_tensors, load_params
+from jaxpaged.weights import count_tensors, load_params, release_host_memory
 
 log = logging.getLogger("jaxpaged.engine")
 
@@ -120,7 +120,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         with tqdm(total=count_tensors(mc), desc="loading weights", unit="tensor",
                   disable=not cfg.show_progress) as bar:
-            params = load_params(model_dir, mc, cfg.dtype, progress=bar)
+            params = load_params(model_dir, mc, cfg.dtype, progress=bar, quantization=cfg.quantization)
         self.load_seconds = time.perf_counter() - t0
 
         self.num_blocks = self._num_blocks()
@@ -130,6 +130,7 @@ class LLMEngine:
         self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len, mesh=self.mesh,
                                   structured=self.structured)
         del params
+        release_host_memory()
         if cfg.warmup:
             self.runner.warmup(cfg.show_progress)
         # every layer sliding (Mistral): blocks behind the window are freed while a request runs

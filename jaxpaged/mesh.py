@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.quant import QArray
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # k_pool, v_pool [L*N, bs, Hkv, hd]: split by KV head
@@ -114,9 +115,10 @@ def replicate_kv_heads(params: dict, cfg: ModelConfig, r: int) -> dict:
     layers = dict(params["layers"])
     for name in ("wk", "wv", "bk", "bv") + (("k_norm",) if cfg.qk_norm == "flat" else ()):
         if name in layers:
-            a = layers[name]  # [L, (D,) Hkv*hd]
-            heads = a.reshape(a.shape[:-1] + (cfg.num_kv_heads, hd))
-            layers[name] = np.repeat(heads, r, axis=-2).reshape(a.shape[:-1] + (cfg.num_kv_heads * r * hd,))
+            def repeat(a):  # [L, (D,) Hkv*hd]; a QArray's scale [L, 1, Hkv*hd] alike
+                heads = a.reshape(a.shape[:-1] + (cfg.num_kv_heads, hd))
+                return np.repeat(heads, r, axis=-2).reshape(a.shape[:-1] + (cfg.num_kv_heads * r * hd,))
+            layers[name] = jax.tree.map(repeat, layers[name])
     return {**params, "layers": layers}
 
 
@@ -130,8 +132,20 @@ def place_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Numpy parameter pytree (as loaded) -> sharded device arrays (KV heads replicated as needed)."""
     tp = mesh.shape[MODEL_AXIS]
     params = replicate_kv_heads(params, cfg, kv_head_replication(cfg, tp))
-    specs = param_partition_specs(cfg, tp)
+    specs = leaf_specs(param_partition_specs(cfg, tp), params)
     return jax.tree.map(lambda a, s: place(np.asarray(a), mesh, s), params, specs)
+
+
+def leaf_specs(specs: dict, params: dict) -> dict:
+    """`param_partition_specs` matched leaf for leaf to `params`: a QArray's q takes its matrix's spec
+    and its scale the same spec with None on the scale's size-1 (reduced) axis, so every scale lives
+    on the devices holding its columns (or rows, for the embedding)."""
+    def one(spec, a):
+        if not isinstance(a, QArray):
+            return spec
+        full = tuple(spec) + (None,) * (a.q.ndim - len(spec))
+        return QArray(spec, P(*(None if n == 1 else ax for n, ax in zip(a.scale.shape, full))), a.dtype)
+    return jax.tree.map(one, specs, params, is_leaf=lambda x: isinstance(x, P))
 
 
 def shard_map(f, mesh: Mesh, in_specs, out_specs):

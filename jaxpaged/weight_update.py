@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from jaxpaged.mesh import kv_head_replication, replicate_kv_heads
+from jaxpaged.quant import QArray, quantize
 from jaxpaged.weights import NP_DTYPES, map_named_tensors
 
 
@@ -84,13 +85,23 @@ def _from_named(engine, pairs) -> dict:
         values = np.stack([by_index[i] for i in index]) if in_layers else by_index[()]
         if in_layers:  # KV heads repeated as the runner holds them when tensor parallelism needs it
             values = replicate_kv_heads({"layers": {key: values}}, cfg, r)["layers"][key]
-        if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
-            full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
-            new[path] = _put(np.ascontiguousarray(full), current.sharding)
+        if isinstance(current, QArray):  # a quantized engine: quantized as at load, values and scales
+            qa = quantize(values, current.format, -1 if key == "embed" else -2, current.dtype)
+            for attr in ("q", "scale"):
+                leaf = getattr(current, attr)
+                new[path + (jax.tree_util.GetAttrKey(attr),)] = _new_leaf(leaf, getattr(qa, attr), index, in_layers)
         else:
-            rows = tuple(np.array(c, np.int32) for c in zip(*index))
-            new[path] = _scatter(current.sharding)(current, rows, values)
+            new[path] = _new_leaf(current, values, index, in_layers)
     return new
+
+
+def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bool) -> jax.Array:
+    """The device array replacing `current`: whole, or with rows `index` (layers, experts) replaced."""
+    if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
+        full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
+        return _put(np.ascontiguousarray(full), current.sharding)
+    rows = tuple(np.array(c, np.int32) for c in zip(*index))
+    return _scatter(current.sharding)(current, rows, values)
 
 
 def update_weights(engine, weights) -> None:

@@ -58,6 +58,7 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
     g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="default: the engine's choice")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weight-only quantization")
     g.add_argument("--compilation-cache-dir", default=None, help="default: the engine's (~/.cache/jaxpaged/xla)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", metavar="PATH", help="write the results here as JSON")
@@ -116,7 +117,8 @@ def make_random_model(preset: str, root: str | None = None) -> str:
 def engine_kwargs(args, **over) -> dict:
     kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              attention_backend=args.attention_backend, seed=args.seed, show_progress=False)
+              attention_backend=args.attention_backend, seed=args.seed, show_progress=False,
+              quantization=getattr(args, "quantization", None))
     if args.compilation_cache_dir:
         kw["compilation_cache_dir"] = args.compilation_cache_dir
     kw.update(over)

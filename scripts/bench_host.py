@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 import bench_common as bc
+import roofline
 
 
 class Timed:
@@ -273,6 +274,7 @@ def measure(model_dir: str, args, N: int) -> dict:
                decode_efficiency_pct=100 * N * flops_token / wall / mm_rate,
                matmul_time_share_pct=100 * mm_s / wall,
                all_s=dict(step_wall=walls, device=dev_all, matmul_bench=mm_all))  # medians above; noise check
+    res["roofline"] = roofline.step_model(eng, N, context)
     bc.say(f"N={N}: step {1e3 * wall:.1f} ms, device {1e3 * dev:.1f} ms, host overhead "
            f"{res['host_overhead_pct']:.1f}%, efficiency {res['decode_efficiency_pct']:.0f}%")
     return res
@@ -311,10 +313,14 @@ def main(argv=None) -> dict:
     for N in args.running:
         rows.append(measure(model_dir, args, N))
         gc.collect()  # the previous engine's pool and weights go before the next is built
+    peaks = roofline.machine_peaks(args.dtype)
+    for r in rows:
+        r["roofline"] = roofline.attach(r["roofline"], r["step_wall_s"], peaks)
     out = dict(results=rows, model=model_dir, dtype=args.dtype, machine=bc.machine_info(),
                engine={k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"},
                note="decode-only steps; host overhead = step wall time - device-only replay of the same step")
-    print(report(out))
+    out["machine_peaks"] = peaks
+    print(report(out) + "\n\n" + roofline.report(rows, peaks))
     bc.write_json(args.json, out)
     return out
 

@@ -16,10 +16,20 @@ block manager's counters are sampled (no timing). Reported:
     request's block list).
 Block counts do not depend on the weights (EOS is ignored, lengths are drawn): `--model random:tiny`
 gives the same figures in seconds.
+
+Weights (--weight-formats, default float32 int8 fp8; --weights-only skips the KV workloads): for each
+format a fresh process loads the model (`quantization=`; the same engine settings) and reports the
+parameter bytes on the device, the KV pool bytes, and its resident set (RSS) before loading, right after
+loading (no step compiled yet) and after compiling every step shape; the goal of issue 14 is int8
+parameter bytes <= 30% of float32 and RSS after load <= int8 parameters + KV pool + 300 MB.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
 from collections import deque
 
 import numpy as np
@@ -103,6 +113,53 @@ def run(engine, wl: bc.Workload) -> Sampler:
     return s
 
 
+def weights_child(model_dir: str, args) -> dict:
+    """In a fresh process: RSS before and after loading `args.weights_child` weights, and after compiling."""
+    import psutil
+    proc = psutil.Process()
+    import jaxpaged.engine  # noqa: F401  (imports are not the model's memory)
+    before = proc.memory_info().rss
+    fmt = None if args.weights_child == "float32" else args.weights_child
+    llm = bc.build_llm(model_dir, args, quantization=fmt, warmup=False)
+    mem = llm.engine.runner.memory_per_device()
+    loaded = proc.memory_info().rss
+    llm.engine.runner.warmup(False)
+    return dict(weights=args.weights_child, param_bytes=mem["param_bytes_per_device"],
+                kv_pool_bytes=mem["kv_bytes_per_device"], rss_before_load=before, rss_after_load=loaded,
+                rss_after_compile=proc.memory_info().rss, load_seconds=llm.engine.load_seconds)
+
+
+def weights_memory(model_dir: str, args, argv: list[str]) -> dict:
+    """One fresh process per weight format (see the module docstring); the goal checks against int8."""
+    rows = {}
+    for fmt in args.weight_formats:
+        bc.say(f"weights {fmt}: loading in a fresh process")
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--model", model_dir,
+                            "--weights-child", fmt], capture_output=True, text=True)
+        if p.returncode:
+            raise SystemExit(f"weights {fmt}: the child process failed:\n{p.stderr[-3000:]}")
+        rows[fmt] = json.loads(p.stdout.strip().splitlines()[-1])
+    out = dict(formats=rows)
+    if "float32" in rows and "int8" in rows:
+        i8 = rows["int8"]
+        out["int8_over_float32"] = i8["param_bytes"] / rows["float32"]["param_bytes"]
+        out["int8_rss_over_budget_mb"] = (i8["rss_after_load"] - i8["param_bytes"] - i8["kv_pool_bytes"]) / 1e6
+    return out
+
+
+def weights_report(w: dict) -> str:
+    mb = 1e6
+    rows = [[f, r["param_bytes"] / mb, r["kv_pool_bytes"] / mb, r["rss_before_load"] / mb, r["rss_after_load"] / mb,
+             (r["rss_after_load"] - r["param_bytes"] - r["kv_pool_bytes"]) / mb, r["rss_after_compile"] / mb]
+            for f, r in w["formats"].items()]
+    t = bc.table(rows, ["weights", "params MB", "KV pool MB", "RSS before load MB", "RSS after load MB",
+                        "RSS - params - KV MB", "RSS after compile MB"])
+    if "int8_over_float32" in w:
+        t += (f"\nint8 / float32 parameter bytes: {100 * w['int8_over_float32']:.1f}% (goal <= 30%); int8 RSS "
+              f"after load - params - KV pool: {w['int8_rss_over_budget_mb']:.0f} MB (goal <= 300 MB)")
+    return t
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
@@ -112,10 +169,25 @@ def main(argv=None) -> dict:
     g.add_argument("--system-len", type=int, default=512, help="shared system prompt tokens")
     g.add_argument("--system-prompts", type=int, default=32, help="requests in the system-prompt workload")
     g.add_argument("--question-len", type=int, nargs=2, default=[16, 64], metavar=("MIN", "MAX"))
+    g = ap.add_argument_group("weights")
+    g.add_argument("--weight-formats", nargs="*", default=["float32", "int8", "fp8"],
+                   choices=["float32", "int8", "fp8"], help="weight formats to load (each in a fresh process)")
+    g.add_argument("--weights-only", action="store_true", help="only the weights section")
+    g.add_argument("--weights-child", default=None, help=argparse.SUPPRESS)
     bc.add_engine_args(ap, max_model_len=2048, num_kv_blocks=1024)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
 
     model_dir = bc.resolve_model(args.model)
+    if args.weights_child:
+        print(json.dumps(weights_child(model_dir, args)))
+        return {}
+    weights = weights_memory(model_dir, args, argv) if args.weight_formats else None
+    if args.weights_only:
+        out = dict(weights=weights, model=model_dir, machine=bc.machine_info())
+        print(weights_report(weights))
+        bc.write_json(args.json, out)
+        return out
     llm = bc.build_llm(model_dir, args, enable_prefix_caching=True)
     eng = llm.engine
     bs, L = eng.block_manager.block_size, eng.max_model_len
@@ -148,8 +220,8 @@ def main(argv=None) -> dict:
                sharing=dict(n=dict(workload=n_wl.info, **n_run.summary(bs), num_preemptions=n_run.preemptions),
                             system_prompt=dict(workload=sys_wl.info, **sys_run.summary(bs),
                                                num_preemptions=sys_run.preemptions)),
-               series=dict(paged=paged.series(bs), contiguous=c_series), machine=bc.machine_info())
-    print(report(out))
+               series=dict(paged=paged.series(bs), contiguous=c_series), machine=bc.machine_info(), weights=weights)
+    print(report(out) + ("\n\n" + weights_report(weights) if weights else ""))
     bc.write_json(args.json, out)
     return out
 

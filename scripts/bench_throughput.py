@@ -7,6 +7,8 @@ Backends:
   jaxpaged  continuous batching: a finished request's slot is refilled at the next step.
   static    the same engine (same instance, same compiled steps) with static batching: a batch of up to
             --max-num-seqs requests is queued, runs until its longest request finishes, then the next.
+  vllm      vLLM's offline LLM in a subprocess (--vllm-python; skipped with a message when vLLM is not
+            importable there): see scripts/bench_vllm.py, which says how to install it.
   hf        transformers `generate` on left-padded batches of --hf-batch-size, same weights and dtype,
             greedy, EOS suppressed (min_new_tokens = max_new_tokens). Each batch runs to its longest
             drawn output length; only each request's own drawn length is counted as output tokens
@@ -35,8 +37,9 @@ import time
 import numpy as np
 
 import bench_common as bc
+import bench_vllm
 
-BACKENDS = ("jaxpaged", "static", "hf")
+BACKENDS = ("jaxpaged", "static", "hf")  # the default set; vllm runs when asked for
 BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
     "type": "object", "required": ["name", "value"],
     "properties": {"name": {"type": "string"}, "value": {"type": "number"}}}}}}
@@ -145,12 +148,13 @@ def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", action="append", choices=BACKENDS,
+    ap.add_argument("--backend", action="append", choices=BACKENDS + ("vllm",),
                     help="repeatable; default: all of jaxpaged, static, hf")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
+    bench_vllm.add_args(ap)
     ap.add_argument("--json-fraction", type=float, default=0.0,
                     help="also run jaxpaged with this fraction of requests JSON-schema constrained")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
@@ -196,8 +200,18 @@ def main(argv=None) -> dict:
         del llm, eng
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))
+    skipped = {}
+    if "vllm" in backends:
+        skipped["vllm"] = bench_vllm.unavailable(args)
+        if skipped["vllm"] is None:
+            from jaxpaged.config import default_cache_dir
+            export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
+            run("vllm", lambda: bench_vllm.run_vllm(model_dir, wl, args, export))
+        else:
+            bc.say(skipped["vllm"])
     out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,
-               machine=bc.machine_info(), note=bc.TIMING_NOTE)
+               machine=bc.machine_info(), note=bc.TIMING_NOTE,
+               skipped={k: v for k, v in skipped.items() if v is not None})
     print(report(out))
     bc.write_json(args.json, out)
     return out
@@ -216,7 +230,8 @@ def report(out: dict) -> str:
     head = (f"workload: {wl['num_prompts']} prompts, {wl['dist']}, prompt {wl['prompt_len']} and output "
             f"{wl['output_len']} tokens, {wl['tokens']}; max_num_seqs {out['engine']['max_num_seqs']}\n"
             f"note: {out['note']}")
-    return head + "\n" + bc.table(rows, hdr)
+    skipped = "".join(f"\n{why}" for why in out.get("skipped", {}).values())
+    return head + "\n" + bc.table(rows, hdr) + skipped
 
 
 if __name__ == "__main__":

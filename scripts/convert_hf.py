@@ -1,11 +1,12 @@
 #!/usr/bin/env python
 """Convert a Hugging Face model directory or a .gguf file to jaxpaged's format (same as `jaxpaged convert`).
 
-    python scripts/convert_hf.py SRC DST [--dtype bfloat16] [--force] [--no-progress]
+    python scripts/convert_hf.py SRC DST [--dtype bfloat16] [--quantization int8|fp8] [--force] [--no-progress]
 """
 import argparse
 import sys
 
+from jaxpaged.cli import add_quantization_arg
 from jaxpaged.convert import convert
 
 
@@ -17,9 +18,11 @@ def main(argv=None) -> int:
                    help="parameter dtype stored in DST (default: bfloat16)")
     p.add_argument("--force", action="store_true", help="replace a non-empty DST")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_quantization_arg(p)
     a = p.parse_args(argv)
     try:
-        out = convert(a.src, a.dst, dtype=a.dtype, force=a.force, progress=not a.no_progress)
+        out = convert(a.src, a.dst, dtype=a.dtype, force=a.force, progress=not a.no_progress,
+                      quantization=a.quantization)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

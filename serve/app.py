@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from jaxpaged.async_engine import AsyncEngine
-from jaxpaged.cli import add_scale_out_args, scale_out_kwargs
+from jaxpaged.cli import add_quantization_arg, add_scale_out_args, scale_out_kwargs
 from serve import routes
 from serve.errors import APIError
 from serve.metrics import Metrics
@@ -116,7 +116,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
-    return add_scale_out_args(parser)
+    return add_scale_out_args(add_quantization_arg(parser))
 
 
 class _Server(uvicorn.Server):
@@ -144,7 +144,7 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_model_len", "block_size")}
+                                                     "max_model_len", "block_size", "quantization")}
     scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **scale, **(engine_kwargs or {}))

@@ -95,7 +95,7 @@ def engine_checks(path: str, out: dict) -> None:
         out[f"tp{tp}"] = r
 
 
-def logits_checks(path: str) -> dict:
+def logits_checks(path: str, quantization: str | None = None) -> dict:
     """The pure forward (one prefill step of two sequences) at each TP: max |logits - logits at TP=1|."""
     import jax
     import jax.numpy as jnp
@@ -106,7 +106,7 @@ def logits_checks(path: str) -> dict:
     from jaxpaged.models.llama import forward
     from jaxpaged.weights import load_params
     mc = ModelConfig.from_dir(path)
-    params = load_params(path, mc, "float32")
+    params = load_params(path, mc, "float32", quantization=quantization)
     lens, bs = (13, 6), 8
     T, S = sum(lens), len(lens)
     rng = np.random.default_rng(0)
@@ -144,6 +144,27 @@ def pallas_checks(workdir: str) -> dict:
     return dict(reference=[o.outputs[0].token_ids for o in want], pallas_tp2=[o.outputs[0].token_ids for o in got],
                 backend=llm.stats()["attention_backend"],
                 decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
+
+
+def int8_checks(workdir: str) -> dict:
+    """int8 weights (tied embedding, KV heads replicated at TP=4): greedy tokens and logits at each TP
+    against TP=1, bytes per device, and where each scale lives (the spec of its matrix, minus the
+    reduced axis)."""
+    from jaxpaged import LLM, SamplingParams
+    from models import make_tiny_model
+    path = make_tiny_model(os.path.join(workdir, "int8_qwen3"), "qwen3", num_heads=8, num_kv_heads=2,
+                           head_dim=8, tie=True, seed=4)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {"logits_rel_diff": logits_checks(path, "int8")}
+    for tp in TPS:
+        llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, quantization="int8", warmup=False))
+        layers, embed = llm.engine.runner.params["layers"], llm.engine.runner.params["embed"]
+        out[f"tp{tp}"] = dict(
+            greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)],
+            param_bytes_per_device=llm.stats()["param_bytes_per_device"],
+            specs={name: [list(a.q.sharding.spec), list(a.scale.sharding.spec), str(a.q.dtype)]
+                   for name, a in (("wq", layers["wq"]), ("wo", layers["wo"]), ("embed", embed))})
+    return out
 
 
 def sizing_checks(path: str) -> dict:
@@ -189,6 +210,8 @@ def main() -> None:
             out["num_blocks_from_memory"] = sizing_checks(path)
     if not only or "pallas" in only:
         out["pallas"] = pallas_checks(workdir)
+    if not only or "int8" in only:
+        out["int8"] = int8_checks(workdir)
     print(json.dumps(out))
 
 

@@ -54,7 +54,8 @@ def memory(common, out_dir):
     path = str(out_dir / "memory.json")
     out = bench_memory.main([*common, "--num-prompts", "8", "--prompt-len", "20", "40",
                              "--output-len", "2", "12", "--n", "3", "--n-prompts", "2", "--system-len", "48",
-                             "--system-prompts", "4", "--question-len", "2", "6", "--json", path])
+                             "--system-prompts", "4", "--question-len", "2", "6", "--json", path,
+                             "--weight-formats", "float32", "int8"])
     return out, path
 
 
@@ -117,6 +118,11 @@ def test_memory(memory):
         assert s["peak_used_blocks"] < s["peak_unshared_blocks"], name
         assert 0 < s["saved_pct_at_peak"] < 100, name
     assert len(out["series"]["paged"]["used_tokens"]) == p["steps"]
+    w = out["weights"]  # each format loaded in a fresh process
+    assert set(w["formats"]) == {"float32", "int8"} and w["int8_over_float32"] < 0.35
+    f32, i8 = w["formats"]["float32"], w["formats"]["int8"]
+    assert f32["kv_pool_bytes"] == i8["kv_pool_bytes"] > 0 and i8["param_bytes"] < f32["param_bytes"]
+    assert all(r["rss_after_compile"] >= r["rss_after_load"] > r["rss_before_load"] for r in (f32, i8))
 
 
 def test_contiguous_simulation():

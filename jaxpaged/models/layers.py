@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.quant import dot
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):
@@ -67,7 +68,7 @@ def activation(name: str):
 
 def gated_mlp(h, p, act):
     """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D]."""
-    return (act(h @ p["w_gate"]) * (h @ p["w_up"])) @ p["w_down"]
+    return dot(act(dot(h, p["w_gate"])) * dot(h, p["w_up"]), p["w_down"])
 
 
 def softcap(x, cap):

@@ -20,6 +20,8 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
+Matrices (and the embedding) may be `jaxpaged.quant.QArray`s (weight-only int8 / fp8); every product
+goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
 the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowing.
 
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
+from jaxpaged.quant import dot, take_rows
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
 #         scale, window, softcap) -> [T,Hq,hd]
@@ -57,8 +60,8 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
 
 def lm_logits(params, cfg: ModelConfig, h):
     """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    tied = cfg.tie_word_embeddings  # the head: embed [V, D] transposed, or lm_head [D, V]; maybe QArrays
+    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied)
     return softcap(logits, cfg.final_softcap)
 
 
@@ -82,7 +85,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     act = activation(cfg.hidden_act)
     norm = lambda x, w: rms_norm(x, w, eps, plus_one)
 
-    x = params["embed"][batch["input_ids"]]  # [T, D]
+    x = take_rows(params["embed"], batch["input_ids"])  # [T, D]
     if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     kinds = sorted(set(cfg.layer_types))
@@ -91,7 +94,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
         h = norm(x, p["attn_norm"])
-        q, k, v = h @ p["wq"], h @ p["wk"], h @ p["wv"]
+        q, k, v = dot(h, p["wq"]), dot(h, p["wk"]), dot(h, p["wv"])
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm == "flat":
@@ -110,7 +113,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"],
                     scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,
                     softcap=cfg.attn_softcap)  # [T, Hq, hd]
-        o = o.reshape(T, Hq * hd).astype(x.dtype) @ p["wo"]
+        o = dot(o.reshape(T, Hq * hd).astype(x.dtype), p["wo"])
         x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
         h = norm(x, p["mlp_norm"])
         m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act)
@@ -118,7 +121,10 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         return x, k_pool, v_pool
 
     G = L // P
-    grouped = jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), params["layers"])
+    # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
+    # weight into the loop once per step
+    grouped = params["layers"] if P == 1 else \
+        jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), params["layers"])
     hooks = sorted(set(capture) | set(steer))
     states = {}
 
@@ -135,7 +141,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         for j in range(P):
             if isinstance(g, int):  # a hooked group, unrolled
                 x = hook(x, g * P + j)
-            pj = jax.tree.map(lambda a: a[j], p)
+            pj = p if P == 1 else jax.tree.map(lambda a: a[j], p)
             x, k_pool, v_pool = layer(x, k_pool, v_pool, pj, g * P + j, cfg.layer_types[j])
         return (x, k_pool, v_pool), None
 

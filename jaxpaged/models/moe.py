@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.quant import ragged_dot
 
 
 def route(h, router, cfg: ModelConfig):
@@ -36,8 +37,9 @@ def moe_mlp(h, p, cfg: ModelConfig, act):
     token = order // k  # [T*k] the token of each sorted assignment
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E] rows per expert
     x = h[token]  # [T*k, D]
-    gate = jax.lax.ragged_dot(x, p["w_gate"], sizes)  # [T*k, F]
-    up = jax.lax.ragged_dot(x, p["w_up"], sizes)
-    y = jax.lax.ragged_dot(act(gate) * up, p["w_down"], sizes)  # [T*k, D]
+    expert = flat[order]  # [T*k] the expert of each sorted assignment (picks quantized weights' scales)
+    gate = ragged_dot(x, p["w_gate"], sizes, expert)  # [T*k, F]
+    up = ragged_dot(x, p["w_up"], sizes, expert)
+    y = ragged_dot(act(gate) * up, p["w_down"], sizes, expert)  # [T*k, D]
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((T, D), y.dtype).at[token].add(y)

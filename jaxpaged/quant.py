@@ -1,0 +1,154 @@
+"""Weight-only quantization: a quantized matrix as a small pytree, and the products that read it.
+
+`QArray(q, scale, dtype)`: `q` int8 (or float8_e4m3fn) of the matrix's shape, `scale` float32 of the
+same rank with size 1 on the reduced axis, so `q * scale` is the matrix in any layout:
+    weights [..., in, out] (stored [in, out]): one scale per output column, scale [..., 1, out];
+    the embedding [V, D]: one scale per vocabulary row, scale [V, 1] — so the tied lm_head (the
+    embedding transposed, `dot(h, embed, transpose=True)`) has one scale per output column again.
+`dtype` (static) is the engine dtype the matrix stands for. Every operation on the whole pytree that
+maps leaves (stacking, slicing a layer, sharding, replicating KV heads) treats q and scale alike.
+
+`dot(x, w)` works for plain arrays and QArrays: x @ q (q widened to x's dtype inside the product) then
+one multiply by the column scales; no dequantized copy of the matrix is built outside the product.
+Quantizing (`quantize`) runs on the host (numpy), one tensor at a time, at load or conversion.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+# format -> (storage dtype, largest representable magnitude)
+FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
+QUANTIZATIONS = (None,) + tuple(FORMATS)
+COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
+# layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
+# MoE router stay in the engine dtype
+QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    q: jax.Array       # int8 or float8_e4m3fn, the matrix's shape
+    scale: jax.Array   # float32, the matrix's rank, size 1 on the reduced axis
+    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # what it stands for
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.q.shape)
+
+    @property
+    def format(self) -> str:
+        return "int8" if np.dtype(self.q.dtype) == np.int8 else "fp8"
+
+
+def check_quantization(quantization) -> None:
+    """ValueError naming `quantization` unless it is None, "int8" or "fp8"."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
+
+
+def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32") -> QArray:
+    """Host array -> QArray of numpy arrays: symmetric, one scale per slice along `axis` reduced
+    (axis=-2: per output column of [..., in, out]; axis=-1: per row of the embedding [V, D])."""
+    check_quantization(fmt)
+    store, top = FORMATS[fmt]
+    a = np.asarray(a, np.float32)
+    amax = np.max(np.abs(a), axis=axis, keepdims=True)
+    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
+    x = a / scale
+    q = np.clip(np.rint(x), -top, top).astype(store) if fmt == "int8" else x.astype(store)
+    return QArray(q, scale, dtype)
+
+
+def dequantize(w) -> jax.Array | np.ndarray:
+    """The matrix a QArray stands for, in its dtype (a plain array is returned as it is)."""
+    if not isinstance(w, QArray):
+        return w
+    xp = np if isinstance(w.q, np.ndarray) else jnp
+    return (w.q.astype(xp.float32) * w.scale).astype(w.dtype)
+
+
+def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
+    """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
+    plain array or a QArray, the scales of the output columns applied to the product.
+
+    The result has x's dtype, or preferred_element_type when given (the logits ask for float32).
+    A wide QArray (out >= 2 * COLUMN_CHUNK, the lm_head) is multiplied COLUMN_CHUNK output columns at a
+    time in a loop, so XLA widens one chunk at a time instead of the whole matrix every step."""
+    if not isinstance(w, QArray):
+        return jnp.dot(x, w.T if transpose else w, preferred_element_type=preferred_element_type)
+    out_dtype = preferred_element_type or x.dtype
+    out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
+    contract = ((x.ndim - 1,), (1 - out_axis,))
+
+    def product(q, scale):  # q: w's columns (or rows when transposed) [.., C ..]; scale: theirs, [C]
+        y = jax.lax.dot_general(x, q.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
+        return (y * scale).astype(out_dtype)
+    n = w.q.shape[out_axis]
+    if n < 2 * COLUMN_CHUNK or n % COLUMN_CHUNK:
+        return product(w.q, w.scale.reshape(-1))
+
+    def chunk(i, y):
+        q, s = (jax.lax.dynamic_slice_in_dim(a, i * COLUMN_CHUNK, COLUMN_CHUNK, axis=out_axis)
+                for a in (w.q, w.scale))
+        return jax.lax.dynamic_update_slice_in_dim(y, product(q, s.reshape(-1)), i * COLUMN_CHUNK, axis=-1)
+    return jax.lax.fori_loop(0, n // COLUMN_CHUNK, chunk, jnp.zeros(x.shape[:-1] + (n,), out_dtype))
+
+
+def take_rows(w, ids, dtype=None):
+    """Rows ids [T] of the embedding w [V, D] (plain or a per-row QArray) -> [T, D] in the engine dtype."""
+    if not isinstance(w, QArray):
+        return w[ids]
+    return (w.q[ids].astype(jnp.float32) * w.scale[ids]).astype(dtype or w.dtype)
+
+
+def ragged_dot(x, w, group_sizes, group_ids):
+    """Grouped product of moe.py: x [M, in] rows sorted by group, w [G, in, out]; group_ids i32[M] is each
+    row's group (its expert), which picks the column scales of a QArray."""
+    if not isinstance(w, QArray):
+        return jax.lax.ragged_dot(x, w, group_sizes)
+    y = jax.lax.ragged_dot(x, w.q.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
+    return (y * w.scale[:, 0, :][group_ids]).astype(x.dtype)  # scale [G, 1, out] -> [M, out]
+
+
+def quantize_params(params: dict, fmt: str | None, dtype: str) -> dict:
+    """The parameter pytree (numpy leaves or QArrays) with its matrices in format `fmt` (None: plain
+    arrays of `dtype`), converted one leaf at a time; other leaves are returned as they are."""
+    check_quantization(fmt)
+
+    def conv(path, a):
+        axis = leaf_axis(path)
+        return a if axis is None else convert_leaf(a, fmt, axis, dtype)
+    return {k: {n: conv((k, n), a) for n, a in v.items()} if k == "layers" else conv((k,), v)
+            for k, v in params.items()}
+
+
+def convert_leaf(a, fmt: str | None, axis: int, dtype: str):
+    """One leaf (numpy array or QArray) -> the format asked for (None: a plain array of `dtype`)."""
+    if isinstance(a, QArray):
+        if fmt == a.format:
+            return QArray(a.q, a.scale, dtype)
+        a = dequantize(QArray(a.q, a.scale, "float32"))
+    if fmt is None:
+        return np.asarray(a).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype, copy=False)
+    return quantize(a, fmt, axis, dtype)
+
+
+def leaf_axis(path: tuple[str, ...]) -> int | None:
+    """The axis a parameter's scales reduce over, by its path in the pytree (None: never quantized)."""
+    name = path[-1]
+    if path == ("embed",):
+        return -1
+    if path == ("lm_head",) or (len(path) == 2 and path[0] == "layers" and name in QUANTIZED_LAYER_LEAVES):
+        return -2
+    return None
+
+
+def is_quantized_tree(d) -> bool:
+    """Whether a restored (orbax) leaf is a saved QArray: a dict holding exactly q and scale."""
+    return isinstance(d, dict) and set(d) == {"q", "scale"}

@@ -1,0 +1,99 @@
+"""bench_throughput.py --backend vllm: skipped with a message when vLLM cannot be imported, and run through
+a stand-in `vllm` package (vLLM itself is not installed here): the command, its environment, the job."""
+import json
+import os
+import sys
+
+import numpy as np
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
+sys.path.insert(0, SCRIPTS)
+
+import bench_throughput  # noqa: E402
+import bench_vllm  # noqa: E402
+from models import add_tiny_tokenizer, make_tiny_model  # noqa: E402
+
+STAND_IN = '''
+import json, os
+__version__ = "stand-in"
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class _Out:
+    def __init__(self, n):
+        self.token_ids = list(range(n))
+class _Req:
+    def __init__(self, n):
+        self.outputs = [_Out(n)]
+class LLM:
+    def __init__(self, **kw):
+        with open(os.environ["STAND_IN_LOG"], "a") as f:
+            f.write(json.dumps(dict(init=kw, omp=os.environ.get("OMP_NUM_THREADS"),
+                                    bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))) + "\\n")
+    def generate(self, prompts, params, use_tqdm=True):
+        with open(os.environ["STAND_IN_LOG"], "a") as f:
+            f.write(json.dumps(dict(prompts=prompts, params=[p.kw for p in params])) + "\\n")
+        return [_Req(p.kw["max_tokens"]) for p in params]
+'''
+
+
+def _config_only(path) -> str:
+    """A model directory with only config.json: enough for the workload and for the vllm backend."""
+    os.makedirs(path)
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               max_position_embeddings=512, rms_norm_eps=1e-6, eos_token_id=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+def _args(model, *extra):
+    return ["--model", model, "--num-prompts", "3", "--prompt-len", "4", "8", "--output-len", "2", "5",
+            "--max-num-seqs", "4", "--random-tokens", *extra]
+
+
+def test_skipped_with_a_message(tmp_path):
+    model = _config_only(tmp_path / "m")
+    out = bench_throughput.main(_args(model, "--backend", "vllm"))  # this venv has no vllm
+    assert out["results"] == {} and "`import vllm` fails under" in out["skipped"]["vllm"]
+    assert "--vllm-python" in out["skipped"]["vllm"]
+    out = bench_throughput.main(_args(model, "--backend", "vllm", "--vllm-python", str(tmp_path / "nope")))
+    assert "cannot run" in out["skipped"]["vllm"]
+
+
+def test_runs_through_a_stand_in(tmp_path, monkeypatch):
+    model = _config_only(tmp_path / "m")
+    (tmp_path / "fake" / "vllm").mkdir(parents=True)
+    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(STAND_IN)
+    log = tmp_path / "log.jsonl"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    out = bench_throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--dtype", "float32"))
+    r = out["results"]["vllm"]
+    init, warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
+    assert init["omp"] == "2" and init["bind"] == "0-1"
+    assert init["init"]["model"] == model and init["init"]["dtype"] == "float32" and init["init"]["max_num_seqs"] == 4
+    lens = [p["max_tokens"] for p in timed["params"]]
+    assert all(p["min_tokens"] == p["max_tokens"] and p["ignore_eos"] and p["temperature"] == 0
+               for p in timed["params"])
+    assert r["output_tokens"] == sum(lens) and r["num_requests"] == 3 and r["vllm_version"] == "stand-in"
+    assert len(timed["prompts"]) == 3 and all(4 <= len(p["prompt_token_ids"]) <= 8 for p in timed["prompts"])
+    cmd = bench_vllm.vllm_command("/venv/bin/python", "job.json", "out.json")
+    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("scripts/bench_vllm.py")
+    assert cmd[2:] == ["job.json", "out.json"]
+
+
+def test_converted_model_exported_for_vllm(tmp_path):
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.convert import convert
+    from jaxpaged.weights import load_params
+    src = make_tiny_model(str(tmp_path / "hf"), "llama", vocab_size=300)
+    add_tiny_tokenizer(src, 300)
+    conv = convert(src, str(tmp_path / "conv"), dtype="float32", progress=False)
+    out = bench_vllm.hf_dir_for(conv, str(tmp_path / "export"))
+    assert out != conv and {"config.json", "tokenizer.json"} <= set(os.listdir(out))
+    assert bench_vllm.hf_dir_for(src, str(tmp_path / "export")) == src
+    cfg = ModelConfig.from_dir(src)
+    a, b = load_params(src, cfg, "float32"), load_params(out, cfg, "float32")
+    np.testing.assert_array_equal(a["layers"]["wq"], b["layers"]["wq"])
