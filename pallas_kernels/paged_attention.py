@@ -137,8 +137,8 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
         seen = (k_pos < length) & (k_pos >= lowest)  # [kb, 1]
-        v = jnp.where(seen, v, 0)  # stale pool contents must not reach the output
         k, v, ks, vs = dequantize_block(k, v, ids, h, seen.reshape(1, kb), q.dtype, scale_refs)
+        v = jnp.where(seen, v, 0)  # stale pool contents must not reach the output
         return online_softmax_step(q, k, v, seen.reshape(1, kb), carry, scale, softcap, ks, vs)
 
     init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),

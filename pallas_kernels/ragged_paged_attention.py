@@ -49,8 +49,8 @@ def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, blo
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
         seen = (k_pos < kv_len) & (k_pos >= lowest)  # [kb, 1]
-        v = jnp.where(seen, v, 0)  # stale contents must not reach the output
         k, v, ks, vs = dequantize_block(k, v, ids, h, seen.reshape(1, kb), q.dtype, scale_refs)
+        v = jnp.where(seen, v, 0)  # stale contents must not reach the output
         visible = k_pos.reshape(1, kb) <= q_pos  # [M, kb] causal
         if window is not None:
             visible &= k_pos.reshape(1, kb) > q_pos - window
