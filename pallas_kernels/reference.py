@@ -41,8 +41,7 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     cb = min(chunk_blocks or max(1, 64 // bs), max_blocks)  # ~64 keys a chunk: best for CPU caches
     tables = block_tables[tile_slot]  # [N, B] each tile's row, gathered once
     qf = (q.astype(jnp.float32) * scale).reshape(N, Q, Hkv, G, D)
-    k_rows = k_pool.reshape(k_pool.shape[0], -1)  # [num_blocks, bs * Hkv * D]
-    v_rows = v_pool.reshape(v_pool.shape[0], -1)
+    k_rows, v_rows = _rows(k_pool), _rows(v_pool)  # [num_blocks, bs * Hkv * D]
     quantized = k_scale is not None
     if quantized:
         ks_rows, vs_rows = k_scale.reshape(k_scale.shape[0], -1), v_scale.reshape(v_scale.shape[0], -1)
@@ -59,8 +58,8 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
         ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
-        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
-        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
+        k = _widen(jnp.take(k_rows, ids, axis=0, mode="clip"), k_pool.dtype).reshape(N, cb * bs, Hkv, D)
+        v = _widen(jnp.take(v_rows, ids, axis=0, mode="clip"), v_pool.dtype).reshape(N, cb * bs, Hkv, D)
         k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, cb * bs)  # [N, 1, K]
         s = jnp.einsum("nqhgd,nkhd->nhgqk", qf, k, precision=_HIGHEST)  # [N, Hkv, G, Q, K]
         if quantized:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, 1, K]
@@ -91,6 +90,28 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows that saw nothing stay 0
     return out.transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
+
+
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _rows(pool):
+    """The pool as rows of whole blocks [num_blocks, bs * Hkv * D]; 8- and 16-bit floats as same-width
+    unsigned ints. XLA's CPU gather does not take bfloat16 / fp8: it widened the whole pool to float32
+    before the gather, on every call (~30x slower than a float32 pool, SmolLM2 shapes, 128 slots).
+    Integers gather natively, but XLA CPU still copies the pool for the bitcast (~10x slower than
+    float32): on CPU, int8 is the fast narrow KV cache (docs/benchmarks.md)."""
+    rows = pool.reshape(pool.shape[0], -1)
+    if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize in _BITS:
+        rows = jax.lax.bitcast_convert_type(rows, _BITS[pool.dtype.itemsize])
+    return rows
+
+
+def _widen(rows, dtype):
+    """Gathered rows of `_rows` -> float32: the narrow type is read, widened after the gather."""
+    if rows.dtype != dtype:
+        rows = jax.lax.bitcast_convert_type(rows, dtype)
+    return rows.astype(jnp.float32)
 
 
 def _check_heads(q, k_pool):
