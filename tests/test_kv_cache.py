@@ -104,3 +104,25 @@ def test_failed_step_rebuilds_quantized_pool(tiny_models, engine_kwargs):
 def test_bad_kv_cache_dtype(bad):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineConfig(kv_cache_dtype=bad)
+
+
+def test_cli_flag(tiny_models, monkeypatch):
+    """--kv-cache-dtype of `generate` and `serve` reaches the engine's config."""
+    import jaxpaged
+    import jaxpaged.replicas
+    from jaxpaged.cli import main
+    seen = {}
+
+    def fake_llm(**kw):
+        seen["generate"] = kw["kv_cache_dtype"]
+        raise ValueError("stop here")
+
+    def fake_build(cfg):
+        seen["serve"] = cfg.kv_cache_dtype  # returning None: as a multi-host follower, the server exits
+    monkeypatch.setattr(jaxpaged, "LLM", fake_llm)
+    monkeypatch.setattr(jaxpaged.replicas, "build_engine", fake_build)
+    assert main(["generate", "--prompt", "x", "--model", tiny_models["llama"], "--kv-cache-dtype", "int8"]) == 2
+    assert main(["serve", "--model", tiny_models["llama"], "--kv-cache-dtype", "float8_e4m3fn"]) == 0
+    assert seen == {"generate": "int8", "serve": "float8_e4m3fn"}
+    with pytest.raises(SystemExit):  # argparse rejects an unknown value
+        main(["generate", "--prompt", "x", "--kv-cache-dtype", "fp4"])
