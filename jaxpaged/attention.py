@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.mesh import MODEL_AXIS, POOL_SPEC, shard_map
+from jaxpaged.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 
@@ -39,7 +39,8 @@ def resolve_backend(name: str, head_dim: int, block_size: int) -> str:
 
 def make_attention(backend: str, decode_only: bool, mesh=None):
     """attn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], **options);
-    options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given.
+    options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given;
+    and for quantized pools the arrays k_scale, v_scale f32[num_blocks, bs, Hkv] (split like the pools).
 
     With a `mesh` whose "model" axis has more than one device, the function runs per head shard."""
     attn = _single_device(backend, decode_only)
@@ -47,10 +48,17 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
         return attn
     heads = P(None, MODEL_AXIS, None)  # q, out [T, Hq, hd]
 
-    def sharded(q, k_pool, v_pool, *rest, **options):  # rest (tables, lengths, ...) replicated
-        f = shard_map(functools.partial(attn, **options), mesh,
-                      in_specs=(heads, POOL_SPEC, POOL_SPEC) + (P(),) * len(rest), out_specs=heads)
-        return f(q, k_pool, v_pool, *rest)
+    def sharded(q, k_pool, v_pool, *rest, k_scale=None, v_scale=None, **options):
+        # rest (tables, lengths, ...) replicated; scale pools (if any) split by KV head like the pools
+        scales = () if k_scale is None else (k_scale, v_scale)
+
+        def local(q, k_pool, v_pool, *args):
+            n = len(args) - len(scales)
+            kw = dict(zip(("k_scale", "v_scale"), args[n:]))
+            return attn(q, k_pool, v_pool, *args[:n], **kw, **options)
+        f = shard_map(local, mesh, in_specs=(heads, POOL_SPEC, POOL_SPEC) + (P(),) * len(rest)
+                      + (SCALE_SPEC,) * len(scales), out_specs=heads)
+        return f(q, k_pool, v_pool, *rest, *scales)
     return sharded
 
 

@@ -40,7 +40,7 @@ def scale_out_kwargs(args) -> dict:
 
 def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend, quantization=args.quantization, **scale_out_kwargs(args))
     if not llm.is_leader:  # a multi-host follower: it ran process 0's steps until process 0 stopped
@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
+                   help="KV cache storage (auto: the dtype); int8 / float8_e4m3fn: one scale per token per KV head")
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=int, default=256)

@@ -166,6 +166,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (XLA's bf16 CPU dots are slow)
+    kv_cache_dtype: str = "auto"            # auto (the dtype) | bfloat16 | float8_e4m3fn | int8 (jaxpaged/kv_cache.py)
     block_size: int = 16
     num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows
     kv_cache_memory_gb: float = 2.0         # per device: with tensor parallelism each holds 1/N of a block
@@ -210,6 +211,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
+        from jaxpaged.kv_cache import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
             if self.num_kv_blocks < 2:

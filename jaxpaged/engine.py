@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -151,7 +152,8 @@ class LLMEngine:
         cfg, per_seq = self.config, -(-self.max_model_len // self.config.block_size)
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype, cfg.tensor_parallel_size)
+        per_block = kv_bytes_per_block(self.model_config, cfg.block_size, cfg.dtype, cfg.tensor_parallel_size,
+                                       cfg.kv_cache_dtype)
         n = int(cfg.kv_cache_memory_gb * 2 ** 30) // per_block
         if n < per_seq + 1:
             raise ValueError(f"kv_cache_memory_gb={cfg.kv_cache_memory_gb} holds {n} blocks, fewer than one "
@@ -329,17 +331,19 @@ class LLMEngine:
     def _rebuild_kv_pool(self) -> bool:
         """Replace pool arrays that a failed donated call deleted or poisoned by zeros of the same shape,
         dtype and sharding. Returns whether the pool's contents were lost."""
+        def gone(a) -> bool:
+            try:
+                if a.is_deleted():
+                    return True
+                a.block_until_ready()  # raises if the computation that made it failed
+                return False
+            except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
+                return True
         lost = False
         for name in ("k_pool", "v_pool"):
-            old = getattr(self.runner, name)
-            try:
-                lost_this = old.is_deleted()
-                if not lost_this:
-                    old.block_until_ready()  # raises if the computation that made it failed
-            except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
-                lost_this = True
-            if lost_this:
-                setattr(self.runner, name, jnp.zeros(old.shape, old.dtype, device=old.sharding))
+            old = getattr(self.runner, name)  # an array, or a QuantPool (values and scales: rebuilt together)
+            if any([gone(a) for a in jax.tree.leaves(old)]):
+                setattr(self.runner, name, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), old))
                 lost = True
         return lost
 

@@ -25,6 +25,7 @@ from jaxpaged.quant import QArray
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # k_pool, v_pool [L*N, bs, Hkv, hd]: split by KV head
+SCALE_SPEC = P(None, None, MODEL_AXIS)  # quantized pools' scales f32[L*N, bs, Hkv]: split like the pools
 REPLICATED = P()
 
 

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxpaged import kv_cache
 from jaxpaged.attention import make_attention, resolve_backend
 from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, make_mesh, place, place_params,
+from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
 from jaxpaged.logit_controls import LogitControls
 from jaxpaged.models.llama import decoder, lm_logits
@@ -92,10 +93,13 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt), k_pool, v_pool
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1) -> int:
-    """Bytes one KV block takes on each device (K and V, every layer, the device's share of KV heads)."""
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Bytes one KV block takes on each device (K and V, every layer, the device's share of KV heads;
+    in the kv_cache_dtype, scales included)."""
     heads = sharded_model_config(cfg, tensor_parallel_size).num_kv_heads // tensor_parallel_size
-    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * block_size * heads * kv_cache.bytes_per_token_head(kv_cache_dtype, dtype,
+                                                                                    cfg.head_dim)
 
 
 class ModelRunner:
@@ -116,11 +120,14 @@ class ModelRunner:
         self.params = place_params(params, model_cfg, self.mesh)
         self._replicated = NamedSharding(self.mesh, REPLICATED)
         self._pool_sharding = NamedSharding(self.mesh, POOL_SPEC)
+        if kv_cache.is_quantized(cfg.kv_cache_dtype):  # a QuantPool: values and scales, split by KV head
+            self._pool_sharding = kv_cache.QuantPool(self._pool_sharding, NamedSharding(self.mesh, SCALE_SPEC))
         vocab = [NamedSharding(self.mesh, P(None, MODEL_AXIS))] if vocab_sharded(model_cfg, self.tp) else []
         self._logits_shardings = tuple(vocab) + (self._replicated,)
         L, Hkv, hd = model_cfg.num_layers, self.step_cfg.num_kv_heads, model_cfg.head_dim
         pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd], Hkv split over devices
-        zeros = jax.jit(lambda: jnp.zeros(pool_shape, self.dtype), out_shardings=self._pool_sharding)
+        zeros = jax.jit(lambda: kv_cache.zeros_pool(pool_shape, cfg.kv_cache_dtype, self.dtype),
+                        out_shardings=self._pool_sharding)
         self.k_pool, self.v_pool = zeros(), zeros()
         self.buckets = token_buckets(cfg.max_num_batched_tokens)
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
@@ -285,4 +292,4 @@ class ModelRunner:
         def on_first(arrays):
             return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == dev)
         return dict(param_bytes_per_device=on_first(jax.tree.leaves(self.params)),
-                    kv_bytes_per_device=on_first([self.k_pool, self.v_pool]))
+                    kv_bytes_per_device=on_first(jax.tree.leaves((self.k_pool, self.v_pool))))

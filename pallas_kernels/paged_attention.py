@@ -25,7 +25,7 @@ try:
 except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
     plgpu = None
 
-from pallas_kernels.reference import check_options, paged_attention_reference
+from pallas_kernels.reference import QUANTIZED, check_options, check_scales, paged_attention_reference
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
@@ -45,7 +45,7 @@ def compiler_params(num_warps: int, num_stages: int):
     return cls(num_warps=num_warps, num_stages=num_stages)
 
 
-def validate(q, k_pool, v_pool, block_tables, seq_lens):
+def validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale=None, v_scale=None):
     """Check shapes and dtypes shared by both kernels; return (block_tables, seq_lens) as int32."""
     if q.ndim != 3:
         raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got shape {q.shape}")
@@ -61,9 +61,11 @@ def validate(q, k_pool, v_pool, block_tables, seq_lens):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
     if bs != _pow2(bs):
         raise ValueError(f"block_size must be a power of two, got {bs}")
-    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_pool.dtype) not in _DTYPES or k_pool.dtype != v_pool.dtype:
-        raise ValueError("q must be float32, bfloat16 or float16, and k_pool and v_pool one of them too, "
-                         f"the same; got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    pools = _DTYPES + QUANTIZED
+    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_pool.dtype) not in pools or k_pool.dtype != v_pool.dtype:
+        raise ValueError("q must be float32, bfloat16 or float16, and k_pool and v_pool one of them or int8 / "
+                         f"float8_e4m3fn, the same; got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
+    check_scales(k_pool, v_pool, k_scale, v_scale)
     if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
         raise ValueError(f"block_tables must be an integer [num_slots, max_blocks] array, got "
                          f"{block_tables.dtype}{list(block_tables.shape)}")
@@ -84,13 +86,17 @@ def pad_table(block_tables, blocks_per_iter):
     return jnp.pad(block_tables, ((0, 0), (0, pad))) if pad else block_tables
 
 
-def online_softmax_step(q, k, v, visible, carry, scale, softcap=None):
+def online_softmax_step(q, k, v, visible, carry, scale, softcap=None, k_scale=None, v_scale=None):
     """One block of keys into the running (m, l, acc); logits in base 2, soft-capped when asked.
 
     q: [M, D]; k, v: [K, D]; visible: bool broadcastable to [M, K]; carry: m [M], l [M], acc [M, D] (f32).
+    k_scale, v_scale: f32[1, K] dequantization scales of the keys (multiply the logits) and the values
+    (multiply the probabilities; zero where not visible), or None.
     """
     m, l, acc = carry
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)  # [M, K]
+    if k_scale is not None:
+        s = s * k_scale
     if softcap is None:
         s = s * (scale * _LOG2E)
     else:
@@ -99,17 +105,18 @@ def online_softmax_step(q, k, v, visible, carry, scale, softcap=None):
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp2(s - m_new[:, None]), 0.0)  # [M, K]
     alpha = jnp.exp2(m - m_new)
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+    pv = lax.dot_general((p if v_scale is None else p * v_scale).astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)  # [M, D]
     return m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + pv
 
 
-def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
-                   scale, blocks_per_iter, num_splits, window, softcap):
+def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs,
+                   scale, blocks_per_iter, num_splits, window, softcap, quantized):
     # lens_ref: i32[S]; tables_ref: i32[S, B] (B a multiple of blocks_per_iter)
     # q_ref: [M, D] queries of this slot and KV head (rows past the GQA group are padding)
-    # k_ref, v_ref: [N, bs, Hkv, D] whole pools
-    # o_ref: [M, D]; stat_refs (only when num_splits > 1): m_ref [M], l_ref [M]
+    # k_ref, v_ref: [N, bs, Hkv, D] whole pools; refs: (ks_ref, vs_ref f32[N, bs, Hkv] when quantized),
+    # o_ref [M, D], then (only when num_splits > 1) m_ref [M], l_ref [M]
+    scale_refs, (o_ref, *stat_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     s, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     M, D = q_ref.shape
     bs = k_ref.shape[1]
@@ -130,8 +137,9 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
         seen = (k_pos < length) & (k_pos >= lowest)  # [kb, 1]
+        k, v, ks, vs = dequantize_block(k, v, ids, h, seen.reshape(1, kb), q.dtype, scale_refs)
         v = jnp.where(seen, v, 0)  # stale pool contents must not reach the output
-        return online_softmax_step(q, k, v, seen.reshape(1, kb), carry, scale, softcap)
+        return online_softmax_step(q, k, v, seen.reshape(1, kb), carry, scale, softcap, ks, vs)
 
     init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),
             jnp.zeros((M, D), jnp.float32))
@@ -141,6 +149,18 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
         m_ref, l_ref = stat_refs
         m_ref[...] = m
         l_ref[...] = l
+
+
+def dequantize_block(k, v, ids, h, seen, dtype, scale_refs):
+    """Quantized pools: widen the gathered k, v [kb, D] to the dots' dtype and gather their scales
+    f32[1, kb] (value scales zeroed where not `seen` [1, kb]). Else: (k, v, None, None) as they are."""
+    if not scale_refs:
+        return k, v, None, None
+    ks_ref, vs_ref = scale_refs
+    kb = k.shape[0]
+    ks = ks_ref[ids, :, h].reshape(1, kb)
+    vs = jnp.where(seen, vs_ref[ids, :, h].reshape(1, kb), 0.0)  # stale scales may be anything, even NaN
+    return k.astype(dtype), v.astype(dtype), ks, vs
 
 
 def decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
@@ -159,13 +179,14 @@ def decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "softcap", "interpret", "blocks_per_iter", "num_splits", "num_warps", "num_stages"))
-def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, window, softcap, interpret,
-                     blocks_per_iter, num_splits, num_warps, num_stages):
+def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale, *, scale, window, softcap,
+                     interpret, blocks_per_iter, num_splits, num_warps, num_stages):
     S, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     M = max(16, _pow2(G))
-    qg = q.astype(k_pool.dtype).reshape(S, Hkv, G, D)  # the dots run in the pool's dtype
+    quantized = k_scale is not None
+    qg = q.astype(compute_dtype(q, k_pool)).reshape(S, Hkv, G, D)
     if M != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, M - G), (0, 0)))  # [S, Hkv, M, D]
     tables = pad_table(block_tables, blocks_per_iter)
@@ -183,17 +204,18 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, window
         out_shape = [jax.ShapeDtypeStruct((S, Hkv, M, D), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, M, D), row)]
     kernel = functools.partial(_decode_kernel, scale=scale, blocks_per_iter=blocks_per_iter,
-                               num_splits=num_splits, window=window, softcap=softcap)
+                               num_splits=num_splits, window=window, softcap=softcap, quantized=quantized)
+    scales = (k_scale, v_scale) if quantized else ()
     outs = pl.pallas_call(
         kernel,
         grid=(S, Hkv, num_splits),
-        in_specs=[whole, whole, pl.BlockSpec((None, None, M, D), row), whole, whole],
+        in_specs=[whole, whole, pl.BlockSpec((None, None, M, D), row), whole, whole] + [whole] * len(scales),
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="paged_attention_decode",
-    )(seq_lens, tables, qg, k_pool, v_pool)
+    )(seq_lens, tables, qg, k_pool, v_pool, *scales)
     if split:  # merge the key splits: weights l * 2^(m - max m)
         o, m, l = outs  # [J, S, Hkv, M, D], [J, S, Hkv, M], [J, S, Hkv, M]
         w = l * jnp.exp2(m - m.max(axis=0))
@@ -203,14 +225,21 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale, window
     return out[:, :, :G].reshape(S, Hq, D).astype(q.dtype)
 
 
+def compute_dtype(q, k_pool):
+    """The dots' dtype: the pools' (q is cast to it), or q's for quantized pools (widened exactly:
+    int8 and fp8 e4m3 values are exact in bfloat16 / float16)."""
+    return q.dtype if jnp.dtype(k_pool.dtype) in QUANTIZED else k_pool.dtype
+
+
 def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, window=None, softcap=None,
-                    interpret=False, **tuning):
+                    interpret=False, k_scale=None, v_scale=None, **tuning):
     """Decode attention over a paged KV pool: q [S, Hq, D] -> [S, Hq, D].
 
     Args:
       q: [num_slots, num_q_heads, head_dim], one query per slot (the slot's last token); cast to the
         pools' dtype for the dots, the output has q's dtype.
-      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks.
+      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks. int8 or
+        float8_e4m3fn pools are quantized: their values are widened to q's dtype for the dots.
       block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
       seq_lens: i32[num_slots] keys visible to each slot's query; 0 = empty slot (returns zeros).
       scale: logit scale, default head_dim ** -0.5.
@@ -218,11 +247,13 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, wi
         None for all keys.
       softcap: logits become ``softcap * tanh(logits / softcap)`` (after scaling); None for none.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      k_scale, v_scale: f32[num_blocks, block_size, num_kv_heads], the quantized pools' scales (one per
+        token per KV head; dequantized = value * scale); None for float pools.
       **tuning: keyword-only knobs, defaults from ``decode_defaults``: ``blocks_per_iter`` (blocks
         per inner step, power of two), ``num_splits`` (key splits per slot), ``num_warps``,
         ``num_stages``.
     """
-    block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens)
+    block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale)
     check_options(window, softcap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} slots but block_tables has {block_tables.shape[0]} rows")
@@ -236,7 +267,7 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, wi
     if knobs["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {knobs['num_splits']}")
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
-    return _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, scale=scale, window=window,
+    return _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale, scale=scale, window=window,
                             softcap=None if softcap is None else float(softcap),
                             interpret=bool(interpret), **knobs)
 

@@ -18,17 +18,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import (_NEG, _pow2, check_pow2, compiler_params, online_softmax_step,
-                                            pad_table, plgpu, validate)
+from pallas_kernels.paged_attention import (_NEG, _pow2, check_pow2, compiler_params, compute_dtype,
+                                            dequantize_block, online_softmax_step, pad_table, plgpu, validate)
 from pallas_kernels.reference import check_options, ragged_paged_attention_reference
 
 
-def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, block_q,
+def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, block_q,
                    blocks_per_iter, window, softcap):
     # tiles_ref: i32[4, P] per tile: slot, first row, valid rows (0 = idle tile), position of first row
     # tables_ref: i32[S, B] (B a multiple of blocks_per_iter)
     # q_ref, o_ref: [T + block_q, Hkv, Gp, D] whole arrays (rows padded so every tile slice is in bounds)
-    # k_ref, v_ref: [N, bs, Hkv, D] whole pools
+    # k_ref, v_ref: [N, bs, Hkv, D] whole pools; refs: (ks_ref, vs_ref f32[N, bs, Hkv] when quantized), o_ref
+    *scale_refs, o_ref = refs
     p, h = pl.program_id(0), pl.program_id(1)
     _, _, Gp, D = q_ref.shape
     M = block_q * Gp
@@ -47,11 +48,13 @@ def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *, scale, 
         k = k_ref[ids, :, h, :].reshape(kb, D)  # [kb, D]
         v = v_ref[ids, :, h, :].reshape(kb, D)
         k_pos = i * kb + lax.broadcasted_iota(jnp.int32, (kb, 1), 0)  # [kb, 1]
-        v = jnp.where((k_pos < kv_len) & (k_pos >= lowest), v, 0)  # stale contents must not reach the output
+        seen = (k_pos < kv_len) & (k_pos >= lowest)  # [kb, 1]
+        k, v, ks, vs = dequantize_block(k, v, ids, h, seen.reshape(1, kb), q.dtype, scale_refs)
+        v = jnp.where(seen, v, 0)  # stale contents must not reach the output
         visible = k_pos.reshape(1, kb) <= q_pos  # [M, kb] causal
         if window is not None:
             visible &= k_pos.reshape(1, kb) > q_pos - window
-        return online_softmax_step(q, k, v, visible, carry, scale, softcap)
+        return online_softmax_step(q, k, v, visible, carry, scale, softcap, ks, vs)
 
     init = (jnp.full((M,), _NEG, jnp.float32), jnp.zeros((M,), jnp.float32),
             jnp.zeros((M, D), jnp.float32))
@@ -93,13 +96,15 @@ def ragged_defaults(num_q_heads, num_kv_heads, head_dim, block_size, max_blocks)
 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "window", "softcap", "interpret", "block_q", "blocks_per_iter", "num_warps", "num_stages"))
-def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale, window,
-                            softcap, interpret, block_q, blocks_per_iter, num_warps, num_stages):
+def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, k_scale, v_scale, *,
+                            scale, window, softcap, interpret, block_q, blocks_per_iter, num_warps, num_stages):
     T, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
     Gp = _pow2(G)
-    qg = jnp.pad(q.astype(k_pool.dtype).reshape(T, Hkv, G, D), ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
+    qg = jnp.pad(q.astype(compute_dtype(q, k_pool)).reshape(T, Hkv, G, D),
+                 ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
+    scales = () if k_scale is None else (k_scale, v_scale)
     tiles = tile_layout(query_start_loc, seq_lens, T, block_q)  # [4, P]
     whole = pl.no_block_spec
     kernel = functools.partial(_ragged_kernel, scale=scale, block_q=block_q,
@@ -107,26 +112,27 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
     out = pl.pallas_call(
         kernel,
         grid=(tiles.shape[1], Hkv),
-        in_specs=[whole] * 5,
+        in_specs=[whole] * (5 + len(scales)),
         out_specs=whole,
         out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
         compiler_params=compiler_params(num_warps, num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(tiles, pad_table(block_tables, blocks_per_iter), qg, k_pool, v_pool)
+    )(tiles, pad_table(block_tables, blocks_per_iter), qg, k_pool, v_pool, *scales)
     valid = jnp.arange(T) < query_start_loc[-1]  # rows no tile wrote hold garbage: zero them
     out = jnp.where(valid[:, None, None, None], out[:T, :, :G], 0)
     return out.reshape(T, Hq, D).astype(q.dtype)
 
 
 def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,
-                           window=None, softcap=None, interpret=False, **tuning):
+                           window=None, softcap=None, interpret=False, k_scale=None, v_scale=None, **tuning):
     """Mixed prefill/decode attention over a paged KV pool: q [T, Hq, D] -> [T, Hq, D].
 
     Args:
       q: [num_tokens, num_q_heads, head_dim], queries of all slots packed by ``query_start_loc``; cast to
         the pools' dtype for the dots, the output has q's dtype.
-      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks.
+      k_pool, v_pool: [num_blocks, block_size, num_kv_heads, head_dim]; any num_blocks. int8 or
+        float8_e4m3fn pools are quantized: their values are widened to q's dtype for the dots.
       block_tables: i32[num_slots, max_blocks]; padding entries point at the null block.
       seq_lens: i32[num_slots] context length of each slot, its queries included.
       query_start_loc: i32[num_slots + 1] nondecreasing; slot i's queries are the last
@@ -137,11 +143,13 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
         blocks wholly before its first query's window), None for causal attention over all keys.
       softcap: logits become ``softcap * tanh(logits / softcap)`` (after scaling); None for none.
       interpret: run the kernel in Pallas interpret mode (CPU).
+      k_scale, v_scale: f32[num_blocks, block_size, num_kv_heads], the quantized pools' scales; None for
+        float pools.
       **tuning: keyword-only knobs, defaults from ``ragged_defaults``: ``block_q`` (query tokens per
         program, power of two), ``blocks_per_iter`` (blocks per inner step, power of two),
         ``num_warps``, ``num_stages``.
     """
-    block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens)
+    block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale)
     check_options(window, softcap)
     S = block_tables.shape[0]
     if query_start_loc.shape != (S + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
@@ -157,7 +165,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     return _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
-                                   query_start_loc.astype(jnp.int32), scale=scale, window=window,
+                                   query_start_loc.astype(jnp.int32), k_scale, v_scale, scale=scale, window=window,
                                    softcap=None if softcap is None else float(softcap),
                                    interpret=bool(interpret), **knobs)
 

@@ -23,13 +23,16 @@ _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
 
 
 def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window=None,
-                   softcap=None):
+                   softcap=None, k_scale=None, v_scale=None):
     """Online-softmax attention of query tiles over their slot's paged keys.
 
     q: [N, Q, Hq, D] — N tiles of Q query rows, all rows of a tile from one slot (tile_slot i32[N]);
     q_pos: i32[N, Q] position of each row, ascending within a tile (keys at positions <= q_pos, and
     > q_pos - window, are visible; -1 sees nothing).
     A tile's keys are gathered once for its Q rows. Returns [N, Q, Hq, D] in float32.
+    k_scale, v_scale: f32[num_blocks, bs, Hkv] for quantized pools (else None), gathered beside the
+    blocks; the narrow values are widened after the gather, the key scales multiply the logits and the
+    value scales the probabilities.
     """
     N, Q, Hq, D = q.shape
     _, bs, Hkv, _ = k_pool.shape
@@ -38,8 +41,10 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     cb = min(chunk_blocks or max(1, 64 // bs), max_blocks)  # ~64 keys a chunk: best for CPU caches
     tables = block_tables[tile_slot]  # [N, B] each tile's row, gathered once
     qf = (q.astype(jnp.float32) * scale).reshape(N, Q, Hkv, G, D)
-    k_rows = k_pool.reshape(k_pool.shape[0], -1)  # [num_blocks, bs * Hkv * D]
-    v_rows = v_pool.reshape(v_pool.shape[0], -1)
+    k_rows, v_rows = _rows(k_pool), _rows(v_pool)  # [num_blocks, bs * Hkv * D]
+    quantized = k_scale is not None
+    if quantized:
+        ks_rows, vs_rows = k_scale.reshape(k_scale.shape[0], -1), v_scale.reshape(v_scale.shape[0], -1)
     last = jnp.max(q_pos, axis=1)  # [N] (-1: an empty tile)
     if window is None:
         first_block = jnp.zeros((N,), jnp.int32)
@@ -53,10 +58,13 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
         ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
-        k = jnp.take(k_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
-        v = jnp.take(v_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv, D).astype(jnp.float32)
+        k = _widen(jnp.take(k_rows, ids, axis=0, mode="clip"), k_pool.dtype).reshape(N, cb * bs, Hkv, D)
+        v = _widen(jnp.take(v_rows, ids, axis=0, mode="clip"), v_pool.dtype).reshape(N, cb * bs, Hkv, D)
         k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, cb * bs)  # [N, 1, K]
         s = jnp.einsum("nqhgd,nkhd->nhgqk", qf, k, precision=_HIGHEST)  # [N, Hkv, G, Q, K]
+        if quantized:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, 1, K]
+            ks = jnp.take(ks_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
+            s = s * ks.transpose(0, 2, 1)[:, :, None, None, :]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
@@ -68,6 +76,9 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha + p.sum(-1)
+        if quantized:  # stale scales (even NaN) of invisible keys must not reach the output
+            vs = jnp.take(vs_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
+            p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, None, :], 0.0)
         acc_new = acc * alpha[..., None] + jnp.einsum("nhgqk,nkhd->nhgqd", p, v, precision=_HIGHEST)
         return m_new, l_new, acc_new
 
@@ -81,10 +92,50 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     return out.transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
 
 
+_BITS = {1: jnp.uint8, 2: jnp.uint16}
+
+
+def _rows(pool):
+    """The pool as rows of whole blocks [num_blocks, bs * Hkv * D]; 8- and 16-bit floats as same-width
+    unsigned ints. XLA's CPU gather does not take bfloat16 / fp8: it widened the whole pool to float32
+    before the gather, on every call (~30x slower than a float32 pool, SmolLM2 shapes, 128 slots).
+    Integers gather natively, but XLA CPU still copies the pool for the bitcast (~10x slower than
+    float32): on CPU, int8 is the fast narrow KV cache (docs/benchmarks.md)."""
+    rows = pool.reshape(pool.shape[0], -1)
+    if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize in _BITS:
+        rows = jax.lax.bitcast_convert_type(rows, _BITS[pool.dtype.itemsize])
+    return rows
+
+
+def _widen(rows, dtype):
+    """Gathered rows of `_rows` -> float32: the narrow type is read, widened after the gather."""
+    if rows.dtype != dtype:
+        rows = jax.lax.bitcast_convert_type(rows, dtype)
+    return rows.astype(jnp.float32)
+
+
 def _check_heads(q, k_pool):
     if q.shape[-2] % k_pool.shape[2]:
         raise ValueError(
             f"num_q_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({k_pool.shape[2]})")
+
+
+QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def check_scales(k_pool, v_pool, k_scale, v_scale):
+    """Quantized pools (int8 / float8_e4m3fn) need both scale pools f32[num_blocks, bs, Hkv]; others none."""
+    quantized = jnp.dtype(k_pool.dtype) in QUANTIZED
+    if (k_scale is None) != (v_scale is None) or quantized != (k_scale is not None):
+        raise ValueError(f"k_scale and v_scale must be given exactly when the pools are int8 or float8_e4m3fn "
+                         f"(pools {k_pool.dtype}, k_scale {'given' if k_scale is not None else None}, "
+                         f"v_scale {'given' if v_scale is not None else None})")
+    if quantized:
+        want = tuple(k_pool.shape[:3])
+        for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if tuple(a.shape) != want or a.dtype != jnp.float32:
+                raise ValueError(f"{name} must be float32{list(want)} (the pool's [num_blocks, block_size, "
+                                 f"num_kv_heads]), got {a.dtype}{list(a.shape)}")
 
 
 def check_options(window, softcap):
@@ -96,19 +147,20 @@ def check_options(window, softcap):
 
 
 def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, window=None,
-                              softcap=None, chunk_blocks=None):
+                              softcap=None, chunk_blocks=None, k_scale=None, v_scale=None):
     """Decode attention, one query per slot: q [S, Hq, D] -> [S, Hq, D].
 
     The query of slot i sees keys max(0, seq_lens[i] - window)..seq_lens[i]-1; a slot with seq_lens 0
-    returns zeros.
+    returns zeros. Quantized pools (int8 / fp8 values) come with k_scale, v_scale f32[num_blocks, bs, Hkv].
     """
     _check_heads(q, k_pool)
+    check_scales(k_pool, v_pool, k_scale, v_scale)
     check_options(window, softcap)
     S = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_pos = seq_lens.astype(jnp.int32)[:, None] - 1  # [S, 1]
     out = _attend_chunks(q[:, None], q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
-                         block_tables, scale, chunk_blocks, window, softcap)
+                         block_tables, scale, chunk_blocks, window, softcap, k_scale, v_scale)
     return out[:, 0].astype(q.dtype)
 
 
@@ -146,7 +198,7 @@ def query_tiles(query_start_loc, seq_lens, num_tokens, tile):
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *,
                                      scale=None, window=None, softcap=None, chunk_blocks=None,
-                                     query_tile=None):
+                                     query_tile=None, k_scale=None, v_scale=None):
     """Mixed prefill/decode attention over packed queries: q [T, Hq, D] -> [T, Hq, D].
 
     Causal within each request; rows past query_start_loc[S] are padding and return zeros.
@@ -154,8 +206,10 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     (default: 1 when T <= S, i.e. mostly decodes, else 8 — prefill rows then share their gathers).
     Measured on CPU (SmolLM2 heads, a 512-token step of 2 prefill chunks and 62 decodes): 4.2x faster
     per layer than one row per tile with 256-key chunks.
+    Quantized pools (int8 / fp8 values) come with k_scale, v_scale f32[num_blocks, bs, Hkv].
     """
     _check_heads(q, k_pool)
+    check_scales(k_pool, v_pool, k_scale, v_scale)
     check_options(window, softcap)
     T, S = q.shape[0], seq_lens.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -163,12 +217,12 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     if tile == 1:
         slot, pos = query_layout(query_start_loc, seq_lens, T)
         out = _attend_chunks(q[:, None], pos[:, None], slot, k_pool, v_pool, block_tables, scale,
-                             chunk_blocks, window, softcap)
+                             chunk_blocks, window, softcap, k_scale, v_scale)
         return out[:, 0].astype(q.dtype)
     rows, slot, pos = query_tiles(query_start_loc, seq_lens, T, tile)
     q_tiles = jnp.take(q, rows, axis=0, mode="clip")  # [N, tile, Hq, D]
     out = _attend_chunks(q_tiles, pos, slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window,
-                         softcap)
+                         softcap, k_scale, v_scale)
     out = jnp.zeros(q.shape, jnp.float32).at[rows.reshape(-1)].set(
         out.reshape(-1, *q.shape[1:]), mode="drop")  # rows == T (not queries) are dropped
     return out.astype(q.dtype)

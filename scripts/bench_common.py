@@ -51,6 +51,7 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
                    help="model directory, or random:smollm2-135m / random:tiny (random weights, real shapes); "
                         "default: the embedded default model, SmolLM2-135M-Instruct")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float8_e4m3fn", "int8"])
     g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
     g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
     g.add_argument("--max-model-len", type=int, default=max_model_len,
@@ -115,7 +116,8 @@ def make_random_model(preset: str, root: str | None = None) -> str:
 
 
 def engine_kwargs(args, **over) -> dict:
-    kw = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
               attention_backend=args.attention_backend, seed=args.seed, show_progress=False,
               quantization=getattr(args, "quantization", None))

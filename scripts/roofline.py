@@ -77,10 +77,9 @@ def step_model(engine, N: int, context: float) -> dict:
     if not mc.tie_word_embeddings:  # only N rows of the embedding are gathered
         embed = sum(a.nbytes for a in jax.tree.leaves(runner.params["embed"]))
         weights += N * embed / mc.vocab_size - embed
-    pools = [a for a in jax.tree.leaves(vars(runner)) if isinstance(a, jax.Array)
-             and a.ndim >= 2 and a.shape[:2] == runner.k_pool.shape[:2]]  # k_pool, v_pool (and their scales)
+    pools = jax.tree.leaves((runner.k_pool, runner.v_pool))  # values (and scales of a quantized KV cache)
     bs = runner.block_size
-    kv_per_token = sum(a.nbytes for a in pools) / (runner.k_pool.shape[0] * bs) * mc.num_layers
+    kv_per_token = sum(a.nbytes for a in pools) / (pools[0].shape[0] * bs) * mc.num_layers
     read_tokens = -(-context // bs) * bs
     flops = N * (2 * matmul_params_per_token(mc) + 4 * mc.num_layers * mc.num_heads * mc.head_dim * context)
     return dict(flops=float(flops), weight_bytes=float(weights), kv_read_bytes=float(N * read_tokens * kv_per_token),

@@ -111,6 +111,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and KV cache (default: bfloat16 on GPU, float32 on CPU, where "
                         "bfloat16 matmuls are slow)")
+    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
+                        help="KV cache storage (default auto: the dtype); int8 / float8_e4m3fn with one scale "
+                        "per token per KV head")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
@@ -144,7 +147,8 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_model_len", "block_size", "quantization")}
+                                                     "max_model_len", "block_size", "quantization",
+                                                     "kv_cache_dtype")}
     scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **scale, **(engine_kwargs or {}))

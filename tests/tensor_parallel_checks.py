@@ -167,6 +167,37 @@ def int8_checks(workdir: str) -> dict:
     return out
 
 
+def kv_int8_checks(workdir: str) -> dict:
+    """int8 KV under tensor parallelism (`... WORKDIR kv_int8`): greedy tokens through the forced paths at
+    TP 1, 2, 4 (qwen3's 2 KV heads replicated at TP 4, their scales with them), the scale pools' local
+    shards, and the Pallas kernels (interpret mode) under shard_map at TP 2 against the reference at TP 1."""
+    import jax
+    from jaxpaged import LLM, SamplingParams
+    from models import make_tiny_model
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    out = {}
+    for name, (family, hq, hkv, tie) in MODELS.items():
+        path = make_tiny_model(os.path.join(workdir, f"int8_{name}"), family, num_heads=hq, num_kv_heads=hkv,
+                               head_dim=16, tie=tie, seed=hkv)
+        for tp in TPS:
+            llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, kv_cache_dtype="int8"))
+            r = dict(greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)])
+            k = llm.engine.runner.k_pool
+            r["values_local"] = list(k.values.addressable_shards[0].data.shape)
+            r["scale_local"] = list(k.scale.addressable_shards[0].data.shape)
+            r["scale_devices"] = len(k.scale.sharding.device_set)
+            r.update({s: llm.stats()[s] for s in ("num_preemptions", "prefix_cache_hit_rate")})
+            out[f"{name}_tp{tp}"] = r
+        if name == "llama_8q4kv":
+            kw = engine_kwargs(num_kv_blocks=40, warmup=False, kv_cache_dtype="int8")
+            llm = LLM(model=path, **{**kw, "attention_backend": "pallas", "tensor_parallel_size": 2})
+            out["pallas_tp2"] = dict(
+                tokens=[o.outputs[0].token_ids for o in llm.generate(workload()[:3], greedy, use_tqdm=False)],
+                decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
+    out["num_devices"] = len(jax.devices())
+    return out
+
+
 def sizing_checks(path: str) -> dict:
     """Blocks the engine sizes from kv_cache_memory_gb (per device) at each TP; no step is compiled."""
     from jaxpaged.config import EngineConfig, ModelConfig
@@ -212,6 +243,8 @@ def main() -> None:
         out["pallas"] = pallas_checks(workdir)
     if not only or "int8" in only:
         out["int8"] = int8_checks(workdir)
+    if "kv_int8" in only:  # its own run (tests/test_tensor_parallel.py::test_int8_kv_cache)
+        out["kv_int8"] = kv_int8_checks(workdir)
     print(json.dumps(out))
 
 

@@ -285,7 +285,17 @@ def _kernel_lowerings():
     return [("decode", lambda *a: paged_attention(*a, num_splits=1), (b(64, 32, 128), pool, pool, i(64, 256), i(64))),
             ("decode_split", paged_attention, (b(4, 32, 128), pool, pool, i(4, 256), i(4))),
             ("ragged", ragged_paged_attention, (b(1088, 32, 128), pool, pool, i(66, 256), i(66), i(67))),
-            ("ragged_f32", ragged_paged_attention, (f(100, 6, 64), fpool, fpool, i(8, 16), i(8), i(9)))]
+            ("ragged_f32", ragged_paged_attention, (f(100, 6, 64), fpool, fpool, i(8, 16), i(8), i(9)))] + [
+        # quantized pools (kv_cache_dtype int8 / float8_e4m3fn) with their scales f32[N, bs, Hkv]
+        (f"{name}_{dt.__name__}", fn, (q, jax.ShapeDtypeStruct((1000, 16, 8, 128), dt),
+                                      jax.ShapeDtypeStruct((1000, 16, 8, 128), dt), f(1000, 16, 8),
+                                      f(1000, 16, 8)) + rest)
+        for dt in (jnp.int8, jnp.float8_e4m3fn)
+        for name, fn, q, rest in (
+            ("decode", lambda q, k, v, ks, vs, t, n: paged_attention(q, k, v, t, n, k_scale=ks, v_scale=vs),
+             b(64, 32, 128), (i(64, 256), i(64))),
+            ("ragged", lambda q, k, v, ks, vs, t, n, c: ragged_paged_attention(
+                q, k, v, t, n, c, k_scale=ks, v_scale=vs), b(1088, 32, 128), (i(66, 256), i(66), i(67))))]
 
 
 def test_triton_compiles_the_kernels(tmp_path, monkeypatch):

@@ -18,17 +18,38 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPS = (1, 2, 4)
 
 
-@pytest.fixture(scope="module")
-def facts(tmp_path_factory):
+def _checks(workdir, *only) -> dict:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tensor_parallel_checks.py"),
-                           str(tmp_path_factory.mktemp("tp"))], env=env, capture_output=True, text=True,
-                          timeout=900)
+                           str(workdir), *only], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["num_devices"] == 8
     return out
+
+
+@pytest.fixture(scope="module")
+def facts(tmp_path_factory):
+    return _checks(tmp_path_factory.mktemp("tp"))
+
+
+@pytest.mark.slow
+def test_int8_kv_cache(tmp_path):
+    """int8 KV pools split by KV head with their scales: the same tokens at TP 1, 2, 4 through preemption,
+    chunked prefill and prefix hits, and the Pallas kernels under shard_map agree with the reference."""
+    f = _checks(tmp_path, "kv_int8")["kv_int8"]
+    for name, hkv in (("llama_8q4kv", 4), ("qwen3_8q2kv", 2)):
+        one = f[f"{name}_tp1"]
+        assert one["num_preemptions"] > 0 and one["prefix_cache_hit_rate"] > 0
+        for tp in TPS:
+            r = f[f"{name}_tp{tp}"]
+            assert r["greedy"] == one["greedy"], (name, tp)
+            local = max(hkv, tp) // tp  # KV heads per device (replicated when fewer than devices)
+            assert r["values_local"][2] == local and r["scale_local"] == r["values_local"][:3], (name, tp, r)
+            assert r["scale_devices"] == tp
+    p = f["pallas_tp2"]
+    assert p["decode_variant_used"] and p["tokens"] == [t[:8] for t in f["llama_8q4kv_tp1"]["greedy"][:3]]
 
 
 MODELS = ("llama_8q4kv", "qwen3_8q2kv")

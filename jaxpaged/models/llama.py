@@ -27,7 +27,8 @@ the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowin
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the
-attention functions see an ordinary pool.
+attention functions see an ordinary pool. A quantized pool (`kv_cache.QuantPool`) carries its values and
+scales f32[L * N, block_size, Hkv]: K/V are quantized at the write, the scales handed to attention.
 """
 from __future__ import annotations
 
@@ -37,13 +38,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxpaged import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
 from jaxpaged.quant import dot, take_rows
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
-#         scale, window, softcap) -> [T,Hq,hd]
+#         scale, window, softcap, k_scale=None, v_scale=None) -> [T,Hq,hd]  (scales: quantized pools)
 AttnFn = Callable[..., jax.Array]
 
 
@@ -79,8 +81,8 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
-    blocks_per_layer = k_pool.shape[0] // L
-    bs = k_pool.shape[1]
+    blocks_per_layer, bs = kv_cache.pool_values(k_pool).shape[:2]
+    blocks_per_layer //= L
     eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
     act = activation(cfg.hidden_act)
     norm = lambda x, w: rms_norm(x, w, eps, plus_one)
@@ -107,12 +109,12 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         # write this step's K/V into the layer's blocks, in place (the pool is the scan carry)
         flat = batch["slot_mapping"] + l * blocks_per_layer * bs  # [T]
         blk, off = flat // bs, flat % bs
-        k_pool = k_pool.at[blk, off].set(k.astype(k_pool.dtype))
-        v_pool = v_pool.at[blk, off].set(v.astype(v_pool.dtype))
+        k_pool, v_pool = kv_cache.write(k_pool, blk, off, k), kv_cache.write(v_pool, blk, off, v)
         tables = batch["block_tables"] + l * blocks_per_layer  # [S, B]
-        o = attn_fn(q, k_pool, v_pool, tables, batch["seq_lens"], batch["query_start_loc"],
+        k_vals, v_vals, scales = kv_cache.attention_args(k_pool, v_pool)
+        o = attn_fn(q, k_vals, v_vals, tables, batch["seq_lens"], batch["query_start_loc"],
                     scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,
-                    softcap=cfg.attn_softcap)  # [T, Hq, hd]
+                    softcap=cfg.attn_softcap, **scales)  # [T, Hq, hd]
         o = dot(o.reshape(T, Hq * hd).astype(x.dtype), p["wo"])
         x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
         h = norm(x, p["mlp_norm"])
