@@ -37,10 +37,13 @@ class Request:
     logprobs: list[dict[int, float]] | None = None
     first_token_time: float | None = None
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.stop_ids = frozenset(self.params.stop_token_ids).union(
+            () if self.params.ignore_eos else self.eos_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
 
@@ -59,3 +62,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+class ListPrefix:
+    """`items[start:end]` of a list that changes only past `end` (a request's token ids, its logprobs),
+    copied when first read: an output built every step costs O(1) until someone reads it."""
+    __slots__ = ("items", "start", "end")
+
+    def __init__(self, items: list, start: int, end: int):
+        self.items, self.start, self.end = items, start, end
+
+    def copy(self) -> list:
+        return self.items[self.start:self.end]

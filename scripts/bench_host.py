@@ -131,7 +131,8 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     for i in range(N):
         sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True,
                             stop=["never seen: stop string"] if args.stop_strings else None)
-        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp)
+        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp,
+                        **({"stream": False} if args.final_only else {}))
     while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
         eng.step()
     for _ in range(args.warmup_steps):
@@ -294,6 +295,8 @@ def main(argv=None) -> dict:
                     help="a device step that returns at once with fake tokens: report host time only")
     ap.add_argument("--repeats", type=int, default=5, help="--null-device: timed runs of --steps (medians)")
     ap.add_argument("--stop-strings", action="store_true", help="--null-device: every request has a stop string")
+    ap.add_argument("--final-only", action="store_true", help="--null-device: requests added with stream=False "
+                    "(as LLM.generate does: no intermediate outputs); default: streamed, as by the server")
     ap.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
                     help="the engine's async_scheduling (auto: its default for the platform)")
     bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
