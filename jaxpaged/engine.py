@@ -373,8 +373,9 @@ class LLMEngine:
         return None
 
     def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
-        """The group's cumulative output (its samples' text caught up first: see `_process`)."""
-        detokenize(group.detoks, [r.token_ids for r in group.samples])
+        """The group's cumulative output (the text of one detokenized only now caught up first)."""
+        if not group.text_each_step:
+            detokenize(group.detoks, [r.token_ids for r in group.samples])
         outs = [CompletionOutput(r.index, d.visible_text(r.is_finished),
                                  ListPrefix(r.token_ids, len(r.prompt_token_ids), len(r.token_ids)),
                                  ListPrefix(r.logprobs, 0, len(r.logprobs)) if r.logprobs is not None else None,
