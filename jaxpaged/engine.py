@@ -86,10 +86,9 @@ class _Group:
     stream: bool = True                # an output every step it advances (else only the final one)
     finished_time: float | None = None
 
-    @property
-    def text_each_step(self) -> bool:
-        """Detokenize every step (streamed text, stop strings), or only when the final output is built."""
-        return self.stream or bool(self.samples[0].params.stop)
+    def __post_init__(self):
+        # detokenize every step (streamed text, stop strings), or only when the final output is built
+        self.text_each_step = self.stream or bool(self.samples[0].params.stop)
 
 
 def _needs_last_token(req: Request) -> bool:
