@@ -23,7 +23,7 @@ from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, detokenize, generation_eos_ids
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
 from jaxpaged.validation import check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params
 
@@ -289,25 +289,23 @@ class LLMEngine:
     def _process(self, got: list[Request]) -> list[RequestOutput]:
         """Stop checks and the outputs of the groups that changed (streamed ones) or finished.
 
-        Only requests that stream or have stop strings are detokenized here (in one batch); the others
-        when their final output is built."""
+        Only requests that stream or have stop strings are detokenized here; the others when their final
+        output is built."""
         now, groups = time.monotonic(), self.groups
-        texts = [r for r in got if groups[r.group_id].text_each_step]
-        hits = {r for r, hit in zip(texts, detokenize([groups[r.group_id].detoks[r.index] for r in texts],
-                                                      [r.token_ids for r in texts])) if hit}
         touched: dict[str, _Group] = {}
         for req in got:
+            group = groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            reason = self._check_stop(req, req in hits)
+            stop_string = group.text_each_step and group.detoks[req.index].catch_up(req.token_ids)
+            reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
-            group = groups[req.group_id]
             if reason or group.stream:
                 touched[req.group_id] = group
         outputs = []
         for group in touched.values():
-            finished = all(r.is_finished for r in group.samples)
+            finished = all([r.status is RequestStatus.FINISHED for r in group.samples])
             if finished:
                 group.finished_time = now
                 del groups[group.request_id]
@@ -374,7 +372,8 @@ class LLMEngine:
     def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
         """The group's cumulative output (the text of one detokenized only now caught up first)."""
         if not group.text_each_step:
-            detokenize(group.detoks, [r.token_ids for r in group.samples])
+            for r, d in zip(group.samples, group.detoks):
+                d.catch_up(r.token_ids)
         outs = [CompletionOutput(r.index, d.visible_text(r.is_finished),
                                  ListPrefix(r.token_ids, len(r.prompt_token_ids), len(r.token_ids)),
                                  ListPrefix(r.logprobs, 0, len(r.logprobs)) if r.logprobs is not None else None,

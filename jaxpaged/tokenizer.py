@@ -140,9 +140,9 @@ class IncrementalDetokenizer:
     trailing U+FFFD (an incomplete multi-byte character waits for its next byte-token). Stop strings
     are searched in the new text; a match truncates the text before the stop string.
 
-    It follows a request's token list (prompt + output) and may fall behind it: `detokenize` catches
-    it up, one token at a time, so the text is the same whenever it is asked for (the engine catches up
-    every step only requests that stream or have stop strings).
+    It follows a request's token list (prompt + output) and may fall behind it: `catch_up` feeds it the
+    tokens it has not seen, one at a time, so the text is the same whenever it is asked for (the engine
+    catches up every step only requests that stream or have stop strings).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str],
@@ -161,6 +161,15 @@ class IncrementalDetokenizer:
         """Append one token; return True if a stop string now ends the text."""
         self.next += 1
         return self.tok is not None and self._add(token_id)
+
+    def catch_up(self, token_ids: list[int]) -> bool:
+        """Add the tokens of `token_ids` (the followed prompt + output) not seen yet, up to the first not
+        read back yet (negative; usually there is one new token); return True if a stop string now ends
+        the text. (The library's decode_batch was measured slower than this, one window at a time.)"""
+        hit, n = False, len(token_ids)
+        while self.next < n and not hit and token_ids[self.next] >= 0:
+            hit = self.add(token_ids[self.next])
+        return hit
 
     def _add(self, token_id: int) -> bool:
         self.ids.append(token_id)
@@ -185,15 +194,3 @@ class IncrementalDetokenizer:
             return self.text
         return self.text[:max(0, len(self.text) - self.max_stop + 1)]
 
-
-def detokenize(detoks: list[IncrementalDetokenizer], token_lists: list[list[int]]) -> list[bool]:
-    """Catch each `detoks[i]` up with `token_lists[i]` (its request's prompt + output token ids, up to
-    the first not read back yet: negative); return whether a stop string now ends each text. (The
-    library's decode_batch was measured slower here than this loop for one short window per request.)"""
-    stops = []
-    for d, ids in zip(detoks, token_lists):
-        hit, n = False, len(ids)
-        while d.next < n and not hit and ids[d.next] >= 0:
-            hit = d.add(ids[d.next])
-        stops.append(hit)
-    return stops

@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.sampling import _filter, _penalize
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, detokenize
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
 from models import add_tiny_tokenizer, make_tiny_model
 
 
@@ -148,13 +148,13 @@ def test_detokenizer_caught_up_late_equals_token_by_token(tok_model):
         ids, texts, hits = list(prompt), [], []
         for t in out:
             ids.append(t)
-            hits.append(detokenize([each], [ids])[0])
+            hits.append(each.catch_up(ids))
             texts.append(each.text)
             if hits[-1]:
                 break
         cuts = sorted({int(c) for c in rng.integers(1, len(texts) + 1, 3)} | {len(texts)})
         for c in cuts:
-            assert detokenize([late], [prompt + out[:c] + [-1, 7]]) == [hits[c - 1]]  # -1: still on the device
+            assert late.catch_up(prompt + out[:c] + [-1, 7]) == hits[c - 1]  # -1: still on the device
             assert late.text == texts[c - 1] and late.next == len(prompt) + c
 
 
