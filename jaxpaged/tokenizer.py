@@ -193,4 +193,3 @@ class IncrementalDetokenizer:
         if finished or not self.stop:
             return self.text
         return self.text[:max(0, len(self.text) - self.max_stop + 1)]
-
