@@ -31,8 +31,8 @@ class PersistentBatch:
         S = self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.block_tables = np.zeros((S, max_blocks_per_seq), np.int32)  # [S, B]
-        self._row_owner: list = [None] * S   # (request, blocks_epoch) whose blocks row s holds
-        self._row_len = [0] * S
+        self._row_owner: list = [(None, -1)] * S  # (request, blocks_epoch) whose blocks row s holds
+        self._row_len = [0] * S              # entries of row s written
         self.static = {k: np.full(S, v, t) for k, (t, v) in _STATIC.items()}  # each [S]
         self.banned = np.full((S, NUM_BANNED), -1, np.int32)  # [S, NB] while below min_tokens
         self.min_tokens = np.zeros(S, np.int32)               # [S]
@@ -94,11 +94,14 @@ class PersistentBatch:
         ids: list[int] = []
         prev_at: list[int] = []  # (index into slots) of pending tokens
         penalties, owner = self.penalties, self._owner
+        row_len = self._row_len
         for i, (req, n) in enumerate(scheduled):
             s, c = req.slot, req.num_computed_tokens
             if owner[s] is not req:
                 self._join(s, req)
-            self._sync_blocks(s, req)
+            row_req, row_epoch = self._row_owner[s]
+            if len(req.block_ids) != row_len[s] or row_req is not req or row_epoch != req.blocks_epoch:
+                self._sync_blocks(s, req)  # else the row is up to date (most decode steps)
             slots.append(s)
             starts.append(c)
             counts.append(n)

@@ -7,7 +7,7 @@ import time
 
 
 def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Tensor / data parallelism and multi-host flags (shared by generate and serve)."""
+    """Tensor / data parallelism, multi-host and async-scheduling flags (shared by generate and serve)."""
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="devices one model is split over")
     parser.add_argument("--data-parallel-size", type=int, default=1, help="replicas, each on its own "
                         "--tensor-parallel-size devices, behind one front (routed by load and prefix)")
@@ -18,6 +18,9 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "and serves, the others follow)")
     parser.add_argument("--distributed-timeout", type=float, default=60.0, help="multi-host: seconds a step "
                         "may take before the leader declares a follower lost (default %(default)s)")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="prepare step t+1 while step t runs on the device (default: on for GPU/TPU, off "
+                        "on CPU; see docs/architecture.md)")
     return parser
 
 
@@ -29,9 +32,10 @@ def add_quantization_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def scale_out_kwargs(args) -> dict:
-    """EngineConfig fields from the scale-out flags; starts jax.distributed first when multi-host."""
+    """EngineConfig fields from the scale-out (and async-scheduling) flags; starts jax.distributed first
+    when multi-host."""
     kw = {k: getattr(args, k) for k in ("tensor_parallel_size", "data_parallel_size", "coordinator_address",
-                                        "num_processes", "process_id", "distributed_timeout")}
+                                        "num_processes", "process_id", "distributed_timeout", "async_scheduling")}
     if kw["num_processes"] > 1:
         from jaxpaged.multihost import initialize
         initialize(kw["coordinator_address"], kw["num_processes"], kw["process_id"])

@@ -21,12 +21,12 @@ from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.logit_controls import bad_words_token_ids
 from jaxpaged.mesh import kv_head_replication, make_mesh
 from jaxpaged.research import check_layers, check_params, completion_hidden
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.request import ListPrefix, Request, RequestStatus
 from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.scheduler import Scheduler
 from jaxpaged.structured import StructuredOutputs
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, add_tokens, generation_eos_ids
+from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
 from jaxpaged.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.weights import count_tensors, load_params, release_host_memory
 
@@ -45,6 +45,25 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" | None while running
     hidden_states: np.ndarray | None = None  # f32[num_generated, nL, D] (return_hidden_states; final output)
+
+
+def _copied_when_read(name: str) -> property:
+    """A dataclass field that may be given a ListPrefix, which becomes a list when first read."""
+    attr = "_" + name
+
+    def get(self):
+        v = self.__dict__[attr]
+        if isinstance(v, ListPrefix):
+            v = self.__dict__[attr] = v.copy()
+        return v
+
+    def set_(self, v):
+        self.__dict__[attr] = v
+    return property(get, set_)
+
+
+CompletionOutput.token_ids = _copied_when_read("token_ids")
+CompletionOutput.logprobs = _copied_when_read("logprobs")
 
 
 @dataclass
@@ -71,7 +90,12 @@ class _Group:
     samples: list[Request]
     detoks: list[IncrementalDetokenizer]
     arrival: float
+    stream: bool = True                # an output every step it advances (else only the final one)
     finished_time: float | None = None
+
+    def __post_init__(self):
+        # detokenize every step (streamed text, stop strings), or only when the final output is built
+        self.text_each_step = self.stream or bool(self.samples[0].params.stop)
 
 
 def _needs_last_token(req: Request) -> bool:
@@ -168,11 +192,13 @@ class LLMEngine:
                     num_eos_ids=len(self.eos_token_ids))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
         """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id.
 
         Everything the step will use is checked here (SamplingParams, then `validation.check_request`
-        against the model), so a request that is accepted cannot make a step fail."""
+        against the model), so a request that is accepted cannot make a step fail. stream=False: `step`
+        returns only the request's final output, and its intermediate outputs and text are never built
+        (what `LLM.generate` wants; the final output is the same)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -202,7 +228,7 @@ class LLMEngine:
                           arrival=now, sibling=samples[0] if samples else None, bad_words_token_ids=bad_words)
             samples.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens))
-        self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now)
+        self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now, bool(stream))
         for req in samples:
             self.runner.track(req)
             self.scheduler.add(req)
@@ -280,24 +306,30 @@ class LLMEngine:
         return self._process(got)
 
     def _process(self, got: list[Request]) -> list[RequestOutput]:
-        """Stop checks (detokenization batched over the requests) and outputs of the groups that changed."""
-        now = time.monotonic()
-        stops = add_tokens([self.groups[r.group_id].detoks[r.index] for r in got], [r.token_ids[-1] for r in got])
+        """Stop checks and the outputs of the groups that changed (streamed ones) or finished.
+
+        Only requests that stream or have stop strings are detokenized here; the others when their final
+        output is built."""
+        now, groups = time.monotonic(), self.groups
         touched: dict[str, _Group] = {}
-        for req, stop_string in zip(got, stops):
-            touched[req.group_id] = self.groups[req.group_id]
+        for req in got:
+            group = groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
+            stop_string = group.text_each_step and group.detoks[req.index].catch_up(req.token_ids)
             reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
+            if reason or group.stream:
+                touched[req.group_id] = group
         outputs = []
         for group in touched.values():
-            finished = all(r.is_finished for r in group.samples)
+            finished = all([r.status is RequestStatus.FINISHED for r in group.samples])
             if finished:
                 group.finished_time = now
-                del self.groups[group.request_id]
-            outputs.append(self._output(group, finished))
+                del groups[group.request_id]
+            if finished or group.stream:
+                outputs.append(self._output(group, finished))
         return outputs
 
     def _step_failed(self, out, error: Exception) -> list[RequestOutput]:
@@ -348,20 +380,25 @@ class LLMEngine:
         return lost
 
     def _check_stop(self, req: Request, stop_string: bool) -> str | None:
-        p, tok = req.params, req.token_ids[-1]
-        if req.num_output_tokens >= p.min_tokens:
-            if (tok in req.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids or stop_string:
-                return "stop"
-        if self.structured.is_complete(req):  # the grammar allows no further token
+        p, tok, length = req.params, req.token_ids[-1], len(req.token_ids)
+        num_output = length - len(req.prompt_token_ids)
+        if (tok in req.stop_ids or stop_string) and num_output >= p.min_tokens:
             return "stop"
-        if req.num_output_tokens >= p.max_tokens or len(req.token_ids) >= self.max_model_len:
+        if p.structured_outputs is not None and self.structured.is_complete(req):  # no further token allowed
+            return "stop"
+        if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 
     def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
-        outs = [CompletionOutput(r.index, d.visible_text(r.is_finished), r.output_token_ids,
-                                 list(r.logprobs) if r.logprobs is not None else None, r.finish_reason,
-                                 completion_hidden(r) if finished and error is None else None)
+        """The group's cumulative output (the text of one detokenized only now caught up first)."""
+        if not group.text_each_step:
+            for r, d in zip(group.samples, group.detoks):
+                d.catch_up(r.token_ids)
+        outs = [CompletionOutput(r.index, d.visible_text(r.is_finished),
+                                 ListPrefix(r.token_ids, len(r.prompt_token_ids), len(r.token_ids)),
+                                 ListPrefix(r.logprobs, 0, len(r.logprobs)) if r.logprobs is not None else None,
+                                 r.finish_reason, completion_hidden(r) if finished and error is None else None)
                 for r, d in zip(group.samples, group.detoks)]
         first = [r.first_token_time for r in group.samples if r.first_token_time is not None]
         metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
@@ -453,7 +490,7 @@ class LLM:
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p in zip(ids, prompts, params):
-                eng.add_request(rid, prompt, p)
+                eng.add_request(rid, prompt, p, stream=False)
         except ValueError:
             for rid in ids:
                 eng.abort_request(rid)

@@ -77,14 +77,14 @@ class Replicas:
 
     # -- the LLMEngine interface --------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
         """Route and queue a request; ValueError (nothing queued) if it is invalid. Returns its id."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         _, ids = prompt_ids(prompt, self.tokenizer, self.engines[0].model_dir)
         r = self.route(ids)
-        self.engines[r].add_request(request_id, prompt, params, arrival_time)
+        self.engines[r].add_request(request_id, prompt, params, arrival_time, stream)
         self._owner[request_id] = r
         return request_id
 

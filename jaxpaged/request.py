@@ -41,10 +41,13 @@ class Request:
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        self.stop_ids = frozenset(self.params.stop_token_ids).union(
+            () if self.params.ignore_eos else self.eos_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.return_hidden_states and self.hidden_states is None:
@@ -72,3 +75,15 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+class ListPrefix:
+    """`items[start:end]` of a list that changes only past `end` (a request's token ids, its logprobs),
+    copied when first read: an output built every step costs O(1) until someone reads it."""
+    __slots__ = ("items", "start", "end")
+
+    def __init__(self, items: list, start: int, end: int):
+        self.items, self.start, self.end = items, start, end
+
+    def copy(self) -> list:
+        return self.items[self.start:self.end]

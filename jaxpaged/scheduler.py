@@ -89,12 +89,18 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         steps: dict[int, tuple[Request, int]] = {}
+        capacity = self.bm.block_size
+        windowed = self.bm.sliding_window is not None  # blocks may go behind the window at any step
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            if req.num_computed_tokens + n <= len(req.block_ids) * capacity and not windowed:
+                steps[req.slot] = (req, n)  # its blocks hold this step already (most decode steps)
+                budget -= n
+                continue
             while not self.bm.allocate(req, req.num_computed_tokens + n):
                 victim = self.running[-1]
                 steps.pop(victim.slot, None)
@@ -138,11 +144,13 @@ class Scheduler:
         placeholder PLACEHOLDER, its index and slot kept in `out.placeholders` for the engine to fill.
         """
         got = []
+        block_size, caching = self.bm.block_size, self.bm.enable_prefix_caching
         for req, n in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += n
-            self.bm.cache_blocks(req)
+            if caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
+                self.bm.cache_blocks(req)  # a block filled up
             if req.num_computed_tokens == len(req.token_ids):
                 if sampled is None:
                     out.placeholders.append((req, req.slot, len(req.token_ids)))

@@ -139,6 +139,10 @@ class IncrementalDetokenizer:
     Decodes a window of recent tokens and emits only the part past the previous window, and never a
     trailing U+FFFD (an incomplete multi-byte character waits for its next byte-token). Stop strings
     are searched in the new text; a match truncates the text before the stop string.
+
+    It follows a request's token list (prompt + output) and may fall behind it: `catch_up` feeds it the
+    tokens it has not seen, one at a time, so the text is the same whenever it is asked for (the engine
+    catches up every step only requests that stream or have stop strings).
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str],
@@ -151,16 +155,27 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.skip = skip_special_tokens
         self.max_stop = max((len(s) for s in stop), default=0)
+        self.next = len(prompt_ids)  # index of the next token to decode in the followed token list
 
     def add(self, token_id: int) -> bool:
         """Append one token; return True if a stop string now ends the text."""
-        return add_tokens([self], [token_id])[0]
+        self.next += 1
+        return self.tok is not None and self._add(token_id)
 
-    def _windows(self, token_id: int) -> tuple[list[int], list[int]]:
+    def catch_up(self, token_ids: list[int]) -> bool:
+        """Add the tokens of `token_ids` (the followed prompt + output) not seen yet, up to the first not
+        read back yet (negative; usually there is one new token); return True if a stop string now ends
+        the text. (The library's decode_batch was measured slower than this, one window at a time.)"""
+        hit, n = False, len(token_ids)
+        while self.next < n and not hit and token_ids[self.next] >= 0:
+            hit = self.add(token_ids[self.next])
+        return hit
+
+    def _add(self, token_id: int) -> bool:
         self.ids.append(token_id)
-        return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
-
-    def _accept(self, prefix: str, full: str) -> bool:
+        tok, skip = self.tok, self.skip
+        prefix = tok.decode_window(self.ids[self.prefix_offset:self.read_offset], skip)
+        full = tok.decode_window(self.ids[self.prefix_offset:], skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             new = full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -178,16 +193,3 @@ class IncrementalDetokenizer:
         if finished or not self.stop:
             return self.text
         return self.text[:max(0, len(self.text) - self.max_stop + 1)]
-
-
-def add_tokens(detoks: list[IncrementalDetokenizer], tokens: list[int]) -> list[bool]:
-    """`detoks[i].add(tokens[i])` for every i, in one pass; returns the stop flags. (The library's
-    decode_batch was measured slower here than this loop for one short window per request.)"""
-    stops = []
-    for d, token_id in zip(detoks, tokens):
-        if d.tok is None:
-            stops.append(False)
-            continue
-        prefix, full = d._windows(token_id)
-        stops.append(d._accept(d.tok.decode_window(prefix, d.skip), d.tok.decode_window(full, d.skip)))
-    return stops

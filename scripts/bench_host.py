@@ -7,7 +7,12 @@
 device and returns fixed fake tokens at once, through the same engine code. Then the whole step is host
 time: host_ms_per_step, null_steps_per_s (the ceiling of any accelerator's decode step rate under this
 host), split into schedule / prepare / transfer / update / detokenize (the rest of LLMEngine.step:
-stop checks, detokenization, outputs), medians of --repeats runs of --steps steps.
+stop checks, detokenization, outputs), medians of --repeats runs of --steps steps; also the process's
+CPU time per step (less disturbed than wall time by other processes on a shared machine). Requests
+stream (an output every step, as the server's) unless --final-only (as LLM.generate). With
+--device-ms D every step takes D ms on a simulated in-order device that uses no CPU (SimulatedDevice):
+unhidden_host_ms_per_step = wall time per step - D is the host time the device waits for (with async
+scheduling, what the overlap does not hide).
 
 For each count N of running requests, an engine with max_num_seqs = N (and a token budget of at least
 2N) is filled with N requests (distinct random prompts of --context tokens; early ones decode while
@@ -90,17 +95,49 @@ def replay(runner, captured: dict, reps: int) -> list[float]:
     return times[1:]  # the same K/V are written again: the engine's state is unchanged
 
 
-def null_step(S: int, num_logprobs: int):
+def null_step(S: int, num_logprobs: int, vocab_size: int):
     """A compiled-step stand-in with the step's signature: takes the same inputs (so they are moved to
-    the device by the same call), computes nothing, returns fixed fake tokens (never EOS: ignore_eos)."""
+    the device by the same call), computes nothing, returns fixed fake tokens (never EOS: ignore_eos).
+    The tokens are ordinary ones from the middle of the vocabulary: a special token decodes to nothing
+    and makes the detokenizer's window grow, a cost that real text does not have."""
     import jax
     import jax.numpy as jnp
+    first = min(1000, vocab_size // 2)
 
     def fn(params, k, v, *inputs):
-        tokens = jnp.arange(S, dtype=jnp.int32) % 97 + 3
+        tokens = jnp.arange(S, dtype=jnp.int32) % min(97, vocab_size - first) + first
         return ((tokens, jnp.zeros(S, jnp.float32), jnp.zeros((S, num_logprobs), jnp.float32),
                  jnp.zeros((S, num_logprobs), jnp.int32)), ()), k, v  # no prompt logprobs asked
     return jax.jit(fn, donate_argnums=(1, 2))
+
+
+class SimulatedDevice:
+    """An in-order device whose every step takes `seconds` (--device-ms): a step starts when it is
+    launched and the previous one has ended; its outputs become `Pending` arrays, whose reading waits
+    for the step's end (sleeping, then spinning the last 0.2 ms for precision). No CPU is used meanwhile,
+    as with an accelerator, so the host time not hidden behind the device is wall time - `seconds`."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.free_at = seconds, 0.0
+
+    def run(self, outputs):
+        self.free_at = max(time.perf_counter(), self.free_at) + self.seconds
+        return tuple(Pending(a, self.free_at) for a in outputs)
+
+
+class Pending:
+    """An output array of a simulated step (see SimulatedDevice)."""
+
+    def __init__(self, array, ready_at: float):
+        self.array, self.ready_at = array, ready_at
+
+    def __array__(self, dtype=None, copy=None):
+        wait = self.ready_at - time.perf_counter()
+        if wait > 2e-4:
+            time.sleep(wait - 2e-4)
+        while time.perf_counter() < self.ready_at:
+            pass
+        return np.asarray(self.array, dtype)
 
 
 def measure_null(model_dir: str, args, N: int) -> dict:
@@ -113,13 +150,19 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     llm = bc.build_llm(model_dir, args, max_num_seqs=N, max_num_batched_tokens=budget, max_model_len=max_len,
                        num_kv_blocks=args.num_kv_blocks or N * per_seq + 1, warmup=False, **async_kw(args))
     eng, runner, sch = llm.engine, llm.engine.runner, llm.engine.scheduler
-    fake = null_step(N, runner.num_logprobs)
+    fake = null_step(N, runner.num_logprobs, eng.model_config.vocab_size)
+    device = SimulatedDevice(args.device_ms / 1e3) if args.device_ms else None
     transfer: list[float] = []
 
-    def timed_fake(*a):  # the call moves the step's host inputs to the device: its time is "transfer"
+    def timed_fake(params, k, v, packed, extra):  # the call moves the step's host inputs to the device
         t = time.perf_counter()
         try:
-            return fake(*a)
+            if device is None:
+                return fake(params, k, v, packed, extra)
+            extra = {n: a.array if isinstance(a, Pending) else a for n, a in extra.items()}
+            (tokens, *lps), k, v = fake(params, k, v, packed, extra)
+            tokens, *lps = device.run((tokens, *lps))
+            return (tokens, *lps), k, v
         finally:
             transfer.append(time.perf_counter() - t)
     runner.compiled_step = lambda key: timed_fake
@@ -129,7 +172,8 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     for i in range(N):
         sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True,
                             stop=["never seen: stop string"] if args.stop_strings else None)
-        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp)
+        eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp,
+                        **({"stream": False} if args.final_only else {}))
     while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
         eng.step()
     for _ in range(args.warmup_steps):
@@ -143,11 +187,12 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     for _ in range(args.repeats):
         timers = {n: Timed(o, n) for o, n in parts}
         transfer.clear()
-        walls = []
+        walls, cpus = [], []
         for _ in range(args.steps):
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             eng.step()
             walls.append(time.perf_counter() - t)
+            cpus.append(time.process_time() - c)
         for tm in timers.values():
             tm.remove()
         if len(sch.running) != N:
@@ -155,7 +200,10 @@ def measure_null(model_dir: str, args, N: int) -> dict:
         med = {n: statistics.median(tm.times) for n, tm in timers.items()}
         wall, xfer = statistics.median(walls), statistics.median(transfer)
         run = med.get("execute", 0.0)
-        rep = dict(host_ms_per_step=1e3 * wall, schedule_ms=1e3 * med["schedule"],
+        rep = dict(host_ms_per_step=1e3 * wall, host_cpu_ms_per_step=1e3 * statistics.median(cpus),
+                   # a simulated device catches up after a host stall: some steps look short, so the mean
+                   unhidden_host_ms_per_step=1e3 * (statistics.mean(walls) if device else wall) - args.device_ms,
+                   schedule_ms=1e3 * med["schedule"],
                    transfer_ms=1e3 * xfer, update_ms=1e3 * med["update_from_output"])
         if "prepare" in med:  # the persistent batch: prepare, pack (+ transfer), read back
             rep["prepare_ms"] = 1e3 * med["prepare"]
@@ -291,6 +339,11 @@ def main(argv=None) -> dict:
                     help="a device step that returns at once with fake tokens: report host time only")
     ap.add_argument("--repeats", type=int, default=5, help="--null-device: timed runs of --steps (medians)")
     ap.add_argument("--stop-strings", action="store_true", help="--null-device: every request has a stop string")
+    ap.add_argument("--device-ms", type=float, default=0.0, help="--null-device: every step takes this long on a "
+                    "simulated in-order device (no CPU used); host_ms_per_step is then the step's wall time and "
+                    "unhidden_host_ms_per_step what exceeds the device's")
+    ap.add_argument("--final-only", action="store_true", help="--null-device: requests added with stream=False "
+                    "(as LLM.generate does: no intermediate outputs); default: streamed, as by the server")
     ap.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
                     help="the engine's async_scheduling (auto: its default for the platform)")
     bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
@@ -303,10 +356,11 @@ def main(argv=None) -> dict:
         out = dict(results=rows, model=model_dir, machine=bc.machine_info(), null_device=True,
                    note="null device: the step only transfers its inputs and returns fake tokens; "
                         "medians of --repeats runs")
-        print(bc.table([[r["running"], r["host_ms_per_step"], r["null_steps_per_s"], r["schedule_ms"],
-                         r["prepare_ms"], r["transfer_ms"], r["update_ms"], r["detokenize_ms"]] for r in rows],
-                       ["running", "host ms/step", "null steps/s", "schedule", "prepare", "transfer",
-                        "update", "detokenize"]))
+        print(bc.table([[r["running"], r["host_ms_per_step"], r["null_steps_per_s"], r["host_cpu_ms_per_step"],
+                         r["unhidden_host_ms_per_step"], r["schedule_ms"], r["prepare_ms"], r["transfer_ms"],
+                         r["update_ms"], r["detokenize_ms"]]
+                        for r in rows], ["running", "host ms/step", "null steps/s", "cpu ms/step", "unhidden ms",
+                                         "schedule", "prepare", "transfer", "update", "detokenize"]))
         bc.write_json(args.json, out)
         return out
     rows = []

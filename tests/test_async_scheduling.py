@@ -49,16 +49,18 @@ def _count_fed_on_device(engine) -> dict:
     return fed
 
 
-def _run(engine: LLMEngine, tag: str, abort_at: dict) -> dict:
+def _run(engine: LLMEngine, tag: str, abort_at: dict, stream: bool = True) -> dict:
     """Drive the engine to the end; abort request id `r` right after step abort_at[r]. Returns
-    id -> what the caller saw last (for aborted ids: None, and nothing may come after the abort)."""
+    id -> what the caller saw last (for aborted ids: None, and nothing may come after the abort).
+    stream=False: the engine must return only final outputs."""
     prompts, params = _workload()
     for i, (p, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(f"{tag}{i}", p, sp)
+        engine.add_request(f"{tag}{i}", p, sp, stream=stream)
     seen, step = {}, 0
     while engine.has_unfinished_requests():
         for o in engine.step():
             assert o.request_id not in seen or not seen[o.request_id]["finished"]
+            assert stream or o.finished
             seen[o.request_id] = dict(finished=o.finished, outs=[
                 (c.token_ids, c.text, c.finish_reason, c.logprobs) for c in o.outputs])
         step += 1
@@ -83,6 +85,7 @@ def test_async_outputs_equal_sync(model, compile_cache, forced):
         fed = _count_fed_on_device(eng)
         first = _run(eng, "a", {})
         again = _run(eng, "b", {"2": 4, "6": 9})  # prefix cache hits; aborts in flight
+        _assert_same(again, _run(eng, "c", {"2": 4, "6": 9}, stream=False))  # final outputs only: the same
         results[mode] = (first, again, eng.stats())
         assert (fed["steps"] > 10) == mode  # async: tokens did go from step to step on the device
         assert all(v["finished"] for v in first.values())
@@ -155,3 +158,19 @@ def _generate(engine, prompts, params):
     while engine.has_unfinished_requests():
         done += [o for o in engine.step() if o.finished]
     return done
+
+
+def test_async_scheduling_flag():
+    """`--async-scheduling` / `--no-async-scheduling` reach EngineConfig; without either, the platform's
+    default (None: off on this CPU)."""
+    import argparse
+
+    from jaxpaged.cli import add_scale_out_args, scale_out_kwargs
+    from serve.app import add_serve_args
+    for add in (add_scale_out_args, add_serve_args):
+        parse = add(argparse.ArgumentParser()).parse_args
+        for argv, want, resolved in (([], None, False), (["--async-scheduling"], True, True),
+                                     (["--no-async-scheduling"], False, False)):
+            kw = scale_out_kwargs(parse(argv))
+            assert kw["async_scheduling"] is want
+            assert EngineConfig(**kw).async_scheduling is resolved

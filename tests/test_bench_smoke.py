@@ -166,6 +166,25 @@ def test_host(host):
     assert _json(path)["results"][0]["running"] == 4
 
 
+@pytest.mark.parametrize("mode", ["off", "on"])
+def test_host_null_device(common, out_dir, mode):
+    """--null-device with a simulated 1 ms device step: every field; a synchronous step waits for its device
+    step, so it takes at least that long (async overlaps it, and may show less on a median)."""
+    import bench_host
+    path = str(out_dir / f"host_null_{mode}.json")
+    out = bench_host.main([*common, "--null-device", "--running", "4", "--context", "12", "--steps", "6",
+                           "--repeats", "2", "--warmup-steps", "1", "--device-ms", "1", "--async-scheduling", mode,
+                           "--final-only", "--json", path])
+    (r,) = out["results"]
+    assert r["running"] == 4 and r["async_scheduling"] == (mode == "on") and len(r["repeats"]) == 2
+    for k in ("schedule_ms", "prepare_ms", "transfer_ms", "readback_ms", "update_ms", "detokenize_ms",
+              "host_cpu_ms_per_step", "null_steps_per_s"):
+        assert r[k] > 0, k
+    if mode == "off":  # nothing overlaps: every step waits out its device step, and the host's time is on top
+        assert r["host_ms_per_step"] >= 1.0 and r["unhidden_host_ms_per_step"] > 0
+    assert _json(path)["null_device"] is True
+
+
 def test_startup(tmp_path):
     import bench_startup
     from models import make_tiny_model

@@ -134,6 +134,51 @@ def test_incremental_detokenizer_multibyte(tok_model):
     assert d.text == text
 
 
+def test_detokenizer_caught_up_late_equals_token_by_token(tok_model):
+    """A detokenizer that falls behind (a request not streamed) and catches up at any point has the text
+    and stop decisions of one fed every token; it stops at a token not read back yet (negative)."""
+    tok = Tokenizer.from_dir(tok_model)
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        prompt = [int(t) for t in rng.integers(0, 300, rng.integers(1, 9))]
+        out = tok.encode("café 東京 😀 naïve. the end")[:rng.integers(1, 12)] + \
+            [int(t) for t in rng.integers(0, 300, 30)]  # random ids: special ones, split characters
+        stop = [] if trial % 2 else ["e", "東"]
+        each, late = (IncrementalDetokenizer(tok, prompt, stop) for _ in range(2))
+        ids, texts, hits = list(prompt), [], []
+        for t in out:
+            ids.append(t)
+            hits.append(each.catch_up(ids))
+            texts.append(each.text)
+            if hits[-1]:
+                break
+        cuts = sorted({int(c) for c in rng.integers(1, len(texts) + 1, 3)} | {len(texts)})
+        for c in cuts:
+            assert late.catch_up(prompt + out[:c] + [-1, 7]) == hits[c - 1]  # -1: still on the device
+            assert late.text == texts[c - 1] and late.next == len(prompt) + c
+
+
+def test_streamed_outputs_are_snapshots_and_final_only_the_same(llm):
+    """Each streamed output keeps the tokens and text it had when it was returned (they are copied only
+    when read); a request added with stream=False returns only its final output, equal to the streamed one."""
+    eng = llm.engine
+    kw = dict(max_tokens=24, temperature=0.8, seed=5, logprobs=2, ignore_eos=True)
+    eng.add_request("s", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(**kw))
+    eng.add_request("f", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(**kw), stream=False)
+    outs = {"s": [], "f": []}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            outs[o.request_id].append(o)
+    assert len(outs["f"]) == 1 and outs["f"][0].finished and len(outs["s"]) == 24
+    final = outs["s"][-1].outputs[0]
+    assert (outs["f"][0].outputs[0].token_ids, outs["f"][0].outputs[0].text) == (final.token_ids, final.text)
+    assert outs["f"][0].outputs[0].logprobs == final.logprobs
+    for i, o in enumerate(outs["s"]):  # read only now, after the request went on
+        c = o.outputs[0]
+        assert c.token_ids == final.token_ids[:i + 1] and len(c.logprobs) == i + 1
+        assert final.text.startswith(c.text) and o.finished == (i == 23)
+
+
 @pytest.mark.parametrize("kw, match", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"), (dict(n=0), "n"), (dict(min_p=2), "min_p"),
