@@ -1,6 +1,8 @@
 """jaxpaged: a small LLM inference engine on JAX (paged KV cache, continuous batching, Pallas kernels)."""
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.engine import LLM, CompletionOutput, LLMEngine, RequestOutput
+from jaxpaged.engine import LLMEngine
+from jaxpaged.llm import LLM
+from jaxpaged.outputs import CompletionOutput, RequestOutput
 from jaxpaged.sampling import SamplingParams
 from jaxpaged.structured import StructuredOutputsParams
 

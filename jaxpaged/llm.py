@@ -1,0 +1,126 @@
+"""LLM: offline generation, scoring and weight updates over an engine (one LLMEngine, replicas, or a
+multi-host job's leader)."""
+from __future__ import annotations
+
+import itertools
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.outputs import RequestOutput
+from jaxpaged.sampling import SamplingParams
+from jaxpaged.tokenizer import Tokenizer
+
+
+class LLM:
+    """Offline generation: `LLM(model=DIR, ...).generate(prompts, SamplingParams(...))`.
+
+    Keyword arguments are EngineConfig fields (model, dtype, block_size, num_kv_blocks, max_num_seqs,
+    max_num_batched_tokens, max_model_len, enable_prefix_caching, attention_backend, tensor_parallel_size,
+    ...). With no model, the embedded default model (SmolLM2-135M-Instruct) is fetched and converted once.
+
+    Scale-out (docs/scale-out.md): `data_parallel_size=M` runs M replicas behind this one object;
+    `coordinator_address`, `num_processes`, `process_id` (as in `jax.distributed.initialize`) make one
+    engine over every process's devices, process 0 generating and the others following.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs):
+        if kwargs.get("num_processes", 1) > 1:  # before anything starts JAX's backends
+            from jaxpaged.multihost import initialize
+            initialize(kwargs.get("coordinator_address"), kwargs["num_processes"], kwargs.get("process_id", 0))
+        from jaxpaged.replicas import build_engine
+        self.engine = build_engine(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine) -> "LLM":
+        """`LLM`'s generate/chat around an engine built by hand (e.g. `LLMEngine(config, devices)`)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm._ids = engine, itertools.count()
+        return llm
+
+    @property
+    def is_leader(self) -> bool:
+        """False on a follower process of a multi-host job: its LLM(...) ran the leader's steps and returned
+        when the leader stopped; it cannot generate."""
+        return self.engine is not None
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._leader().tokenizer
+
+    def _leader(self):
+        if self.engine is None:
+            raise RuntimeError("this process follows process 0 of a multi-host job; only process 0 generates")
+        return self.engine
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for each prompt (string, token-id list or {'prompt_token_ids': [...]}), in input order.
+
+        Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                               and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        eng = self._leader()
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        try:
+            for rid, prompt, p in zip(ids, prompts, params):
+                eng.add_request(rid, prompt, p, stream=False)
+        except ValueError:
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
+        from tqdm.auto import tqdm
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="generating", unit="req",
+                  disable=not (use_tqdm and eng.config.show_progress)) as bar:
+            while len(done) < len(ids) and eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def score(self, prompts, continuations) -> list[list[float]]:
+        """The logprob of each token of each continuation after its prompt: one list per pair, as long as
+        the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
+        special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.scoring`),
+        with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
+        from jaxpaged.scoring import score
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int))
+        if one:
+            prompts, continuations = [prompts], [continuations]
+        eng = self._leader()
+        return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))
+
+    def chat(self, messages_list, sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations (lists of {'role', 'content'}) through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model directory has none")
+        if messages_list and isinstance(messages_list[0], dict):
+            messages_list = [messages_list]
+        prompts = [{"prompt_token_ids": self.tokenizer.apply_chat_template(m)} for m in messages_list]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def stats(self) -> dict:
+        """Engine counters; with data_parallel_size > 1 the sums, and `replicas`: each replica's."""
+        return self._leader().stats()
+
+    def get_weights(self) -> dict:
+        """The engine's parameter pytree (device arrays; with data_parallel_size > 1, replica 0's)."""
+        return self._leader().get_weights()
+
+    def update_weights(self, weights) -> None:
+        """Load new weights into the running engine, without recompiling (docs/research.md).
+
+        `weights`: an iterable of (Hugging Face tensor name, array) pairs, as vLLM's `load_weights` takes
+        them (any subset of the checkpoint's tensors), or (part of) the pytree `get_weights` returns.
+        Shapes and dtypes must match the engine's (ValueError naming the tensor; nothing changes). Device
+        arrays with the engine's sharding are adopted without a copy. The prefix cache is flushed. Refused
+        (RuntimeError) while requests are unfinished: call it between `generate` calls."""
+        self._leader().update_weights(weights)
