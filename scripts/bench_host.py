@@ -160,9 +160,8 @@ def measure_null(model_dir: str, args, N: int) -> dict:
             if device is None:
                 return fake(params, k, v, packed, extra)
             extra = {n: a.array if isinstance(a, Pending) else a for n, a in extra.items()}
-            (tokens, *lps), k, v = fake(params, k, v, packed, extra)
-            tokens, *lps = device.run((tokens, *lps))
-            return (tokens, *lps), k, v
+            (sampled, prompt), k, v = fake(params, k, v, packed, extra)
+            return (device.run(sampled), prompt), k, v
         finally:
             transfer.append(time.perf_counter() - t)
     runner.compiled_step = lambda key: timed_fake
