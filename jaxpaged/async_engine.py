@@ -66,7 +66,7 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.max_step_failures = max_step_failures  # consecutive failed steps that stop the loop
         self._cv = threading.Condition()
-        self._inbox: list[tuple] = []           # ("add", streams, prompts, params, arrival, future) | ("abort", id)
+        self._inbox: list[tuple] = []           # ("add", streams, prompts, params, arrival, stream, future) | ("abort", id)
         self._pending = 0                       # samples in the inbox not yet added (guarded by _cv)
         self._stopping = False
         self._error: BaseException | None = None
@@ -116,9 +116,11 @@ class AsyncEngine:
         return streams[0]
 
     async def add_requests(self, requests: list[tuple[str, object]], params: SamplingParams,
-                           arrival_time: float | None = None) -> list[AsyncIterator[RequestOutput]]:
+                           arrival_time: float | None = None,
+                           stream: bool = True) -> list[AsyncIterator[RequestOutput]]:
         """Queue several (request id, prompt) with the same params, all or none: if one is invalid,
-        raise its ValueError and queue nothing. Returns one output iterator per request, in order."""
+        raise its ValueError and queue nothing. Returns one output iterator per request, in order;
+        with `stream` False each iterator yields only the final output (no intermediate ones are built)."""
         loop = asyncio.get_running_loop()
         streams = [_Stream(str(rid), params.n, loop) for rid, _ in requests]
         prompts = [p for _, p in requests]
@@ -134,7 +136,7 @@ class AsyncEngine:
                 if self._pending + self._stats["num_waiting"] >= self.max_waiting + free_slots:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += samples
-            self._inbox.append(("add", streams, prompts, params, arrival, fut))
+            self._inbox.append(("add", streams, prompts, params, arrival, stream, fut))
             self._cv.notify()
         try:
             await asyncio.wrap_future(fut)
@@ -226,12 +228,12 @@ class AsyncEngine:
                     self.engine.abort_request(cmd[1])
                     _post(stream.loop, stream.queue.put_nowait, _END)
                 continue
-            _, streams, prompts, params, arrival, fut = cmd
+            _, streams, prompts, params, arrival, stream_outputs, fut = cmd
             samples = params.n * len(streams)
             done = []
             try:
                 for i, (stream, prompt) in enumerate(zip(streams, prompts)):
-                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, stream=stream_outputs)
                     done.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 -- ValueError for bad input; anything else also goes back
                 for request_id in done:  # all or nothing: no step ran since they were added
@@ -273,7 +275,7 @@ class AsyncEngine:
             self._pending = 0
         for cmd in commands:
             if cmd[0] == "add":
-                _resolve(cmd[5], EngineDeadError("the engine stopped"))
+                _resolve(cmd[-1], EngineDeadError("the engine stopped"))
         for stream in self._streams.values():
             item = _END if error is None else error
             _post(stream.loop, stream.queue.put_nowait, item)

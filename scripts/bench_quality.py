@@ -1,7 +1,7 @@
 """Quality of quantized weights (and KV caches) against the model's own float32 run, on the golden prompts.
 
     python scripts/bench_quality.py --weights float32 int8 fp8 --json docs/results/quality.json
-    python scripts/bench_quality.py --kv-cache-dtype auto int8      # an engine with kv_cache_dtype
+    python scripts/bench_quality.py --kv auto int8      # an engine with kv_cache_dtype
 
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
 default model (tests/test_default_model.py: four texts, three chats; --max-tokens each, EOS ignored).
@@ -12,7 +12,7 @@ the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
   - mean / max |delta logprob| of the float32 token: its logprob there minus float32's own (computed
     the same teacher-forced way). A float32 token outside the configuration's top logprobs counts with
     the smallest logprob listed (an underestimate of |delta|; counted as `outside_top`).
-Each configuration row: weights (--weights: float32, int8, fp8) x KV cache dtype (--kv-cache-dtype,
+Each configuration row: weights (--weights: float32, int8, fp8) x KV cache dtype (--kv,
 passed to the engine as the `kv_cache_dtype` keyword when not `auto`).
 """
 from __future__ import annotations
@@ -83,7 +83,7 @@ def run(model_dir: str, args) -> dict:
     del llm
     rows = []
     for w in args.weights:
-        for kv in args.kv_cache_dtype:
+        for kv in args.kv:
             bc.say(f"weights {w}, KV cache {kv}")
             got = ref if (w, kv) == ("float32", "auto") else \
                 teacher_forced(engine(model_dir, args, w, kv), prompts, tokens, args.top_logprobs)
@@ -102,8 +102,8 @@ def report(out: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"], choices=["float32", "int8", "fp8"])
-    ap.add_argument("--kv-cache-dtype", nargs="+", default=["auto"],
-                    help="KV cache dtypes (engines that support kv_cache_dtype): auto, bfloat16, int8, ...")
+    ap.add_argument("--kv", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
+                    help="KV cache dtypes, one row each (the engine's kv_cache_dtype)")
     ap.add_argument("--max-tokens", type=int, default=48, help="float32 tokens per golden prompt")
     ap.add_argument("--top-logprobs", type=int, default=20)
     bc.add_engine_args(ap, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=256)

@@ -41,11 +41,12 @@ class Job:
         self.status = "ok"
         self.closed = False
 
-    async def start(self, prompts: list, params: SamplingParams) -> None:
-        """Queue every prompt, or none (a bad one is a 400 and nothing runs)."""
+    async def start(self, prompts: list, params: SamplingParams, stream: bool = True) -> None:
+        """Queue every prompt, or none (a bad one is a 400 and nothing runs). A response that is not
+        streamed (`stream` False) gets only each request's final output from the engine."""
         ids = [self.id if len(prompts) == 1 else f"{self.id}-{i}" for i in range(len(prompts))]
         try:
-            self.streams = await self.st.engine.add_requests(list(zip(ids, prompts)), params, self.arrival)
+            self.streams = await self.st.engine.add_requests(list(zip(ids, prompts)), params, self.arrival, stream)
         except ValueError as e:
             raise from_value_error(e, self.rename) from None
         except QueueFullError as e:

@@ -104,7 +104,7 @@ async def completions(request: Request) -> Response:
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     job = Job(request, "cmpl", rename)
-    await job.start(prompts, params)
+    await job.start(prompts, params, stream=req.stream)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
     st, n, k = job.st, req.n, req.logprobs
 
@@ -184,7 +184,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = chat_prompt(st.engine, req.messages, use_tools)
     named = req.tool_choice.function.name if mode == "named" else None
     job = Job(request, "chatcmpl", rename)
-    await job.start([prompt], params)
+    await job.start([prompt], params, stream=req.stream)
     text = fmt.TokenText(st.engine.tokenizer)
 
     def lp(ids, lps):
