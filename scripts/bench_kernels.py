@@ -8,6 +8,11 @@ guarded and results are rewritten after each measurement: ``results.json`` and `
 
     python scripts/bench_kernels.py --out DIR [--time-budget 300]   # GPU
     python scripts/bench_kernels.py --cpu-smoke --out DIR            # tiny shapes, interpret mode
+    python scripts/bench_kernels.py --kv-dtype float8_e4m3fn --out DIR   # decode over a quantized pool
+
+With --kv-dtype int8 / float8_e4m3fn the pool holds quantized values with one float32 scale per token
+per KV head (jaxpaged/kv_cache.py): only the decode grid runs (the shipped kernel and the ragged kernel's
+timing are for the model dtype's pool), and the bytes read count the narrow values plus the scales.
 """
 from __future__ import annotations
 
@@ -70,10 +75,16 @@ def jax_shipped_kernel():
 
 
 def make_pool(cfg, num_blocks, key):
+    """(k_pool, v_pool) of random values, and {k_scale, v_scale} when cfg["kv_dtype"] is quantized."""
     bs, hkv, d = cfg["block_size"], cfg["num_kv_heads"], cfg["head_dim"]
     kk, kv = jax.random.split(key)
     shape = (num_blocks, bs, hkv, d)
-    return (jax.random.normal(kk, shape, cfg["dtype"]), jax.random.normal(kv, shape, cfg["dtype"]))
+    k, v = jax.random.normal(kk, shape, cfg["dtype"]), jax.random.normal(kv, shape, cfg["dtype"])
+    if not cfg.get("kv_dtype"):
+        return (k, v), {}
+    from jaxpaged.kv_cache import quantize
+    (k, ks), (v, vs) = quantize(k, cfg["kv_dtype"]), quantize(v, cfg["kv_dtype"])
+    return (k, v), dict(k_scale=ks, v_scale=vs)
 
 
 def decode_case(cfg, batch, ctx, num_blocks, key):
@@ -87,15 +98,18 @@ def decode_case(cfg, batch, ctx, num_blocks, key):
 
 
 def kv_bytes(cfg, tokens):
-    return tokens * cfg["num_kv_heads"] * cfg["head_dim"] * 2 * jnp.dtype(cfg["dtype"]).itemsize
+    """K and V bytes of `tokens` tokens: values (in the pool's dtype) and, when quantized, their scales."""
+    per_head = cfg["head_dim"] * jnp.dtype(cfg.get("kv_dtype") or cfg["dtype"]).itemsize + 4 * bool(cfg.get("kv_dtype"))
+    return tokens * cfg["num_kv_heads"] * 2 * per_head
 
 
 def bench_decode(cfg, pool, batch, ctx, key, interpret, peak, shipped, tuning=None):
-    k_pool, v_pool = pool
+    (k_pool, v_pool), scales = pool
     q, tables, lens = decode_case(cfg, batch, ctx, k_pool.shape[0], key)
-    rec = dict(batch=batch, context=ctx, kv_bytes=kv_bytes(cfg, batch * ctx), tuning=tuning or "default")
-    ours = jax.jit(lambda *a: paged_attention(*a, interpret=interpret, **(tuning or {})))
-    ref = jax.jit(paged_attention_reference)
+    rec = dict(batch=batch, context=ctx, kv_bytes=kv_bytes(cfg, batch * ctx), tuning=tuning or "default",
+               kv_dtype=cfg.get("kv_dtype") or cfg["dtype"])
+    ours = jax.jit(lambda *a: paged_attention(*a, interpret=interpret, **scales, **(tuning or {})))
+    ref = jax.jit(lambda *a: paged_attention_reference(*a, **scales))
     out = ours(q, k_pool, v_pool, tables, lens)
     expect = ref(q, k_pool, v_pool, tables, lens)
     rec["max_abs_err_vs_ref"] = float(jnp.abs(out.astype(jnp.float32) - expect.astype(jnp.float32)).max())
@@ -110,7 +124,7 @@ def bench_decode(cfg, pool, batch, ctx, key, interpret, peak, shipped, tuning=No
             pages = ctx // cfg["block_size"]
             splits = max(s for s in (1, 2, 4, 8, 16) if pages % s == 0)
             fn = jax.jit(lambda q, k, v, t, l: shipped(q, k, v, t, l, k_splits=splits, interpret=interpret))
-            kp, vp = (jnp.transpose(x, (2, 0, 1, 3)) for x in pool)  # [Hkv, N, bs, D]
+            kp, vp = (jnp.transpose(x, (2, 0, 1, 3)) for x in pool[0])  # [Hkv, N, bs, D]
             qs = (q.astype(jnp.float32) * cfg["head_dim"] ** -0.5).astype(q.dtype)  # it does not scale
             theirs = fn(qs, kp, vp, tables, lens)
             rec["jax_max_abs_diff"] = float(jnp.abs(theirs.astype(jnp.float32) - out.astype(jnp.float32)).max())
@@ -120,7 +134,7 @@ def bench_decode(cfg, pool, batch, ctx, key, interpret, peak, shipped, tuning=No
 
 
 def bench_ragged(cfg, pool, key, interpret, peak):
-    k_pool, v_pool = pool
+    (k_pool, v_pool), _ = pool  # the model dtype's pool (main skips this with --kv-dtype)
     r, bs = cfg["ragged"], cfg["block_size"]
     ctxs = [r["decode_ctx"]] * r["decodes"] + [c for _, c in r["prefills"]]
     qlens = [1] * r["decodes"] + [n for n, _ in r["prefills"]]
@@ -199,8 +213,10 @@ def main(argv=None):
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes in interpret mode (CI)")
     ap.add_argument("--time-budget", type=float, default=300.0, help="seconds; later shapes are skipped")
+    ap.add_argument("--kv-dtype", choices=["int8", "float8_e4m3fn"], default=None,
+                    help="a quantized pool (decode grid only); default: the model dtype's pool")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.cpu_smoke else GPU)
+    cfg = dict(SMOKE if args.cpu_smoke else GPU, kv_dtype=args.kv_dtype)
     interpret = args.cpu_smoke or jax.default_backend() != "gpu"
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -239,11 +255,11 @@ def main(argv=None):
         res["errors"].append(f"pool of {blocks} blocks: {type(e).__name__}: {e}")
         save()
         return res
-    shipped = jax_shipped_kernel()
-    if shipped is None:
+    shipped = jax_shipped_kernel() if not args.kv_dtype else None
+    if shipped is None and not args.kv_dtype:
         res["errors"].append("jax.experimental.pallas.ops.gpu.paged_attention not importable")
-    todo = ([("ragged", None)] + [("decode", s) for s in shapes]
-            + [("sweep", (*cfg["sweep_shape"], t)) for t in cfg["sweep"]])
+    todo = [("decode", s) for s in shapes] if args.kv_dtype else \
+        ([("ragged", None)] + [("decode", s) for s in shapes] + [("sweep", (*cfg["sweep_shape"], t)) for t in cfg["sweep"]])
     for i, (kind, shape) in enumerate(todo):
         if time.perf_counter() - start > args.time_budget:
             res["skipped"] += [f"{k} {s}" for k, s in todo[i:]]

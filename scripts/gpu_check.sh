@@ -5,6 +5,7 @@
 # OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
 #   env.txt, pytest.txt, pytest.xml   the GPU test run (pytest -m gpu tests/test_kernels.py)
 #   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
+#   kv_float8/, kv_int8/              the decode kernel over quantized pools (--kv-dtype), bytes/s vs copy
 #   tp_check.json, tp_check.log       TP=2 correctness (>= 2 GPUs; skipped on one)
 #   tp_throughput.json, tp_throughput.log   TP=1 vs TP=2 throughput, random llama-8h preset, bfloat16
 #   host_sync.json, host_async.json, host.log   default model, 64 running, bf16: decode step rate and GPU
@@ -15,6 +16,7 @@
 # pytest runs with --noconftest: the kernel tests need nothing from tests/conftest.py (which imports the
 # engine and its model-test dependencies, perhaps absent on the GPU machine).
 # Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300),
+# KV_BUDGET (s per quantized KV dtype, default 60),
 # TP_MODEL (default random:llama-8h: random weights, needs torch + transformers), TP_TIMEOUT (s, default 900),
 # HOST_MODEL (default: the embedded default model; random:smollm2-135m works offline), HOST_TIMEOUT (s, default 600).
 set -u
@@ -48,6 +50,13 @@ timeout $(( ${BENCH_BUDGET:-300} + 240 )) "$PY" scripts/bench_kernels.py --out "
   --time-budget "${BENCH_BUDGET:-300}" >"$OUT_DIR/bench.log" 2>&1
 bench_rc=$?
 echo "bench: exit $bench_rc"
+kv_status=""
+for kv in float8_e4m3fn int8; do
+  timeout $(( ${KV_BUDGET:-60} + 120 )) "$PY" scripts/bench_kernels.py --kv-dtype "$kv" --out "$OUT_DIR/kv_${kv%%_*}" \
+    --time-budget "${KV_BUDGET:-60}" >"$OUT_DIR/kv_${kv%%_*}.log" 2>&1
+  kv_status="$kv_status $kv: exit $?;"
+done
+echo "quantized KV decode:$kv_status"
 
 num_gpus=$("$PY" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))" 2>/dev/null || echo 0)
 if [ "${num_gpus:-0}" -ge 2 ]; then
@@ -100,6 +109,9 @@ echo "host path (64 running):$host_status"
   echo "Benchmark: exit $bench_rc"
   echo
   if [ -f "$OUT_DIR/results.md" ]; then cat "$OUT_DIR/results.md"; else tail -n 40 "$OUT_DIR/bench.log"; fi
+  echo
+  echo "Decode kernel over quantized KV pools (bf16 pool above):$kv_status"
+  for d in kv_float8 kv_int8; do [ -f "$OUT_DIR/$d/results.md" ] && { echo "### $d"; cat "$OUT_DIR/$d/results.md"; }; done
   echo
   echo "Tensor parallelism: $tp_status"
   if [ -f "$OUT_DIR/tp_throughput.log" ]; then echo '```'; tail -n 6 "$OUT_DIR/tp_throughput.log"; echo '```'; fi

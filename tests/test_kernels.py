@@ -339,3 +339,19 @@ def test_bench_smoke(tmp_path):
     for rec in res["decode"] + res["ragged"]:
         assert rec["max_abs_err_vs_ref"] < 2e-2 and rec["ours_s"] > 0
     assert "| batch |" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_smoke_quantized_pool(tmp_path):
+    """--kv-dtype: the decode grid over an int8 pool with its scales, bytes counted narrow."""
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--cpu-smoke", "--kv-dtype", "int8", "--out", str(tmp_path)])
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert not res["errors"] and res["decode"] and not res["ragged"]
+    cfg = res["config"]
+    for rec in res["decode"]:
+        assert rec["kv_dtype"] == "int8" and rec["max_abs_err_vs_ref"] < 2e-2 and rec["ours_s"] > 0
+        tokens = rec["batch"] * rec["context"]
+        assert rec["kv_bytes"] == tokens * cfg["num_kv_heads"] * 2 * (cfg["head_dim"] + 4)
