@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -97,17 +96,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if args.model is None:
-        from jaxpaged.default_model import default_model_dir
-        args.model = default_model_dir()
-    res = kv_quality(args.model, args.kv, max_tokens=args.max_tokens)
+    import bench_common as bc
+    res = kv_quality(bc.resolve_model(args.model), args.kv, max_tokens=args.max_tokens)
     print("| kv_cache_dtype | greedy agreement | mean abs dlogprob | max abs dlogprob |")
     print("| --- | --- | --- | --- |")
     for kv, r in res.items():
         print(f"| {kv} | {100 * r['agreement']:.1f}% | {r['mean_abs_dlogprob']:.4f} | {r['max_abs_dlogprob']:.4f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    bc.write_json(args.json, res)
     return res
 
 
