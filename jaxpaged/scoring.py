@@ -113,5 +113,5 @@ def _compiled(runner):
         sharding = NamedSharding(runner.mesh, POOL_SPEC) if runner.mesh.shape[MODEL_AXIS] > 1 else None
         fn = runner._score_fn = jax.jit(functools.partial(
             dense_logprobs, cfg=runner.step_cfg, attn_fn=make_attention(runner.backend, False, runner.mesh),
-            block_size=runner.block_size, pool_sharding=sharding))
+            block_size=runner.block_size, pool_sharding=sharding), compiler_options=runner.compiler_options)
     return fn

@@ -92,18 +92,16 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     return out.transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
 
 
-_BITS = {1: jnp.uint8, 2: jnp.uint16}
-
-
 def _rows(pool):
-    """The pool as rows of whole blocks [num_blocks, bs * Hkv * D]; 8- and 16-bit floats as same-width
-    unsigned ints. XLA's CPU gather does not take bfloat16 / fp8: it widened the whole pool to float32
-    before the gather, on every call (~30x slower than a float32 pool, SmolLM2 shapes, 128 slots).
-    Integers gather natively, but XLA CPU still copies the pool for the bitcast (~10x slower than
-    float32): on CPU, int8 is the fast narrow KV cache (docs/benchmarks.md)."""
+    """The pool as rows of whole blocks [num_blocks, bs * Hkv * D]; 8-bit floats as uint8.
+    XLA's CPU gather does not take fp8: it widened the whole pool to float32 before the gather, on every
+    call. As uint8 it gathers natively, but XLA CPU still copies the pool for the bitcast (~10x slower
+    than float32): on CPU, int8 is the fast 8-bit KV cache (docs/benchmarks.md). bfloat16 gathers
+    natively once XLA's bf16 float normalization is off, as the engine compiles its CPU steps
+    (runner.step_compiler_options); with it on, the pool is widened on every call (slow, still right)."""
     rows = pool.reshape(pool.shape[0], -1)
-    if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize in _BITS:
-        rows = jax.lax.bitcast_convert_type(rows, _BITS[pool.dtype.itemsize])
+    if jnp.issubdtype(pool.dtype, jnp.floating) and pool.dtype.itemsize == 1:
+        rows = jax.lax.bitcast_convert_type(rows, jnp.uint8)
     return rows
 
 

@@ -189,7 +189,7 @@ def main(argv=None) -> dict:
         engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
                            attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
         suffix = (f"-tp{tp}" if len(tp_sizes) > 1 else "") + (f"-dp{dp}" if len(dp_sizes) > 1 else "")
-        for b in (b for b in backends if b != "hf"):
+        for b in (b for b in backends if b in ("jaxpaged", "static")):
             run(b + suffix, lambda: run_engine(llm, wl, static=b == "static"))
         if args.json_fraction > 0 and "jaxpaged" in backends:
             from jaxpaged import StructuredOutputsParams
