@@ -57,3 +57,17 @@ def test_missing_tensor_named(tmp_path, f32_dir):
     save_file(tensors, str(d / "model.safetensors"))
     with pytest.raises(ValueError, match="missing tensors: model.layers.1.mlp.up_proj.weight"):
         load_params(str(d), ModelConfig.from_dir(str(d)), "float32")
+
+
+def test_bfloat16_cpu_step_reads_weights_and_pool_as_stored(f32_dir, engine_kwargs):
+    """On CPU the compiled bfloat16 step neither widens the stacked layer weights nor the KV pool to
+    float32 (XLA's bf16 float normalization is off for it: runner.step_compiler_options)."""
+    llm = LLM(model=f32_dir, **{**engine_kwargs, "dtype": "bfloat16"})
+    r, mc = llm.engine.runner, llm.engine.model_config
+    assert r.compiler_options == {"xla_disable_hlo_passes": "float-normalization-bf16"}
+    text = r.compiled_step((r.buckets[0], False)).as_text()
+    L, D, F = mc.num_layers, mc.hidden_size, mc.intermediate_size
+    for shape in (f"f32[{L},{D},{F}]", f"f32[{L},{F},{D}]", "f32[" + ",".join(map(str, r.k_pool.shape)) + "]"):
+        assert shape not in text, shape
+    out = llm.generate([[5, 9, 13]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
