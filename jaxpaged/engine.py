@@ -267,8 +267,8 @@ class LLMEngine:
 
         Only requests that stream or have stop strings are detokenized here; the others when their final
         output is built."""
-        now, groups = time.monotonic(), self.groups
-        touched: dict[str, _Group] = {}
+        now, groups, outputs = time.monotonic(), self.groups, []
+        touched: dict[str, _Group] = {}  # groups of n > 1 samples: one output for all that advanced
         for req in got:
             group = groups[req.group_id]
             if req.first_token_time is None:
@@ -277,9 +277,15 @@ class LLMEngine:
             reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
-            if reason or group.stream:
-                touched[req.group_id] = group
-        outputs = []
+            if len(group.samples) > 1:
+                if reason or group.stream:
+                    touched[req.group_id] = group
+            elif reason:  # one sample (the usual case): finished with it
+                group.finished_time = now
+                del groups[group.request_id]
+                outputs.append(self._output(group, True))
+            elif group.stream:
+                outputs.append(self._output(group, False))
         for group in touched.values():
             finished = all([r.status is RequestStatus.FINISHED for r in group.samples])
             if finished:
@@ -357,9 +363,11 @@ class LLMEngine:
                                  ListPrefix(r.logprobs, 0, len(r.logprobs)) if r.logprobs is not None else None,
                                  r.finish_reason, completion_hidden(r) if finished and error is None else None)
                 for r, d in zip(group.samples, group.detoks)]
-        first = [r.first_token_time for r in group.samples if r.first_token_time is not None]
-        metrics = dict(arrival_time=group.arrival, first_token_time=min(first) if first else None,
-                       finished_time=group.finished_time)
+        if len(group.samples) == 1:
+            first = group.samples[0].first_token_time
+        else:
+            first = min([r.first_token_time for r in group.samples if r.first_token_time is not None], default=None)
+        metrics = dict(arrival_time=group.arrival, first_token_time=first, finished_time=group.finished_time)
         plp = group.samples[0].prompt_logprobs
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              group.samples[0].num_cached_tokens, metrics, error,
