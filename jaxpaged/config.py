@@ -165,7 +165,7 @@ class EngineConfig:
     """How to run a model. Every field is checked in __post_init__; errors name the field."""
 
     model: str | None = None
-    dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (bfloat16: faster on AVX512-BF16)
+    dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (see README)
     kv_cache_dtype: str = "auto"            # auto (the dtype) | bfloat16 | float8_e4m3fn | int8 (jaxpaged/kv_cache.py)
     block_size: int = 16
     num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows

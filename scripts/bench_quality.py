@@ -102,7 +102,8 @@ def report(out: dict) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"], choices=["float32", "bfloat16", "int8", "fp8"])
+    ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"],
+                    choices=["float32", "bfloat16", "int8", "fp8"])
     ap.add_argument("--kv", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
                     help="KV cache dtypes, one row each (the engine's kv_cache_dtype)")
     ap.add_argument("--max-tokens", type=int, default=48, help="float32 tokens per golden prompt")
