@@ -277,23 +277,22 @@ class LLMEngine:
             reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
-            if len(group.samples) > 1:
-                if reason or group.stream:
-                    touched[req.group_id] = group
-            elif reason:  # one sample (the usual case): finished with it
-                group.finished_time = now
-                del groups[group.request_id]
-                outputs.append(self._output(group, True))
-            elif group.stream:
-                outputs.append(self._output(group, False))
+            if len(group.samples) == 1:  # the usual case: its output now, no second pass
+                self._group_output(group, bool(reason), now, outputs)
+            elif reason or group.stream:
+                touched[req.group_id] = group
         for group in touched.values():
-            finished = all([r.status is RequestStatus.FINISHED for r in group.samples])
-            if finished:
-                group.finished_time = now
-                del groups[group.request_id]
-            if finished or group.stream:
-                outputs.append(self._output(group, finished))
+            self._group_output(group, all([r.status is RequestStatus.FINISHED for r in group.samples]), now,
+                               outputs)
         return outputs
+
+    def _group_output(self, group: _Group, finished: bool, now: float, outputs: list) -> None:
+        """Append the group's output if it finished (and forget the group) or if it streams."""
+        if finished:
+            group.finished_time = now
+            del self.groups[group.request_id]
+        if finished or group.stream:
+            outputs.append(self._output(group, finished))
 
     def _step_failed(self, out, error: Exception) -> list[RequestOutput]:
         """The runner raised: the step's requests (whole groups) finish with "error", the rest go on.

@@ -84,8 +84,8 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
     out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
     contract = ((x.ndim - 1,), (1 - out_axis,))  # w.T is never built: it made XLA CPU copy the matrix
     if not isinstance(w, QArray):
-        wide = jnp.float32 if _cpu() and jnp.dtype(x.dtype).itemsize < 4 else out_dtype
-        return jax.lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=wide).astype(out_dtype)
+        return jax.lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=_accumulator(x, out_dtype)
+                                   ).astype(out_dtype)
 
     def product(q, scale):  # q: w's columns (or rows when transposed) [.., C ..]; scale: theirs, [C]
         y = jax.lax.dot_general(x, q.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
@@ -101,13 +101,15 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
     return jax.lax.fori_loop(0, n // COLUMN_CHUNK, chunk, jnp.zeros(x.shape[:-1] + (n,), out_dtype))
 
 
-def _cpu() -> bool:
-    """On XLA CPU a bfloat16 / float16 product asked for in its own type is widened to float32 whole
-    (both matrices converted, then a float32 product). Asked for a float32 result it runs natively
-    (bf16 dot-product units: ~1.8x the float32 rate on this project's AVX512-BF16 CPU), so 16-bit
-    products on CPU accumulate in float32 and are rounded after (see also runner.compiler_options).
-    Other backends keep their own choice."""
-    return jax.default_backend() == "cpu"
+def _accumulator(x, out_dtype):
+    """The result type a plain product asks for. On XLA CPU a bfloat16 / float16 product asked for in its
+    own type is widened to float32 whole (both matrices converted, then a float32 product); asked for a
+    float32 result it runs natively (bf16 dot-product units: ~1.8x the float32 rate on this project's
+    AVX512-BF16 CPU). So 16-bit products on CPU accumulate in float32 and are rounded after (see also
+    runner.step_compiler_options); other backends keep their own choice."""
+    if jax.default_backend() == "cpu" and jnp.dtype(x.dtype).itemsize < 4:
+        return jnp.float32
+    return out_dtype
 
 
 def take_rows(w, ids, dtype=None):

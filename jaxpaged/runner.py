@@ -109,8 +109,8 @@ def step_compiler_options(dtype, kv_cache_dtype: str = "auto") -> dict | None:
     (and each layer's slice back) on every step, and attention the whole KV pool (SmolLM2-135M, decode at
     64 running, bfloat16 weights and KV: 862 -> 153 ms a step). The other thing the pass ensures,
     products in float32, every product on CPU already asks for (`quant.dot`, attention in float32)."""
-    bf16 = jnp.dtype(dtype) == jnp.bfloat16 if kv_cache_dtype == "auto" else kv_cache_dtype == "bfloat16"
-    if jax.default_backend() == "cpu" and (jnp.dtype(dtype) == jnp.bfloat16 or bf16):
+    pool_dtype = kv_cache.storage_dtype(kv_cache_dtype, dtype)
+    if jax.default_backend() == "cpu" and jnp.bfloat16 in (jnp.dtype(dtype), pool_dtype):
         return {"xla_disable_hlo_passes": "float-normalization-bf16"}
     return None
 
