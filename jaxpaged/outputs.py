@@ -8,7 +8,7 @@ import numpy as np
 from jaxpaged.request import ListPrefix
 
 
-@dataclass
+@dataclass(init=False)
 class CompletionOutput:
     index: int
     text: str
@@ -16,6 +16,13 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" | None while running
     hidden_states: np.ndarray | None = None  # f32[num_generated, nL, D] (return_hidden_states; final output)
+
+    def __init__(self, index: int, text: str, token_ids, logprobs=None, finish_reason: str | None = None,
+                 hidden_states: np.ndarray | None = None):
+        # token_ids and logprobs may be ListPrefixes, stored as given (one is built for every streamed
+        # request every step: the properties' setters would cost a call each)
+        self.index, self.text, self.finish_reason, self.hidden_states = index, text, finish_reason, hidden_states
+        self.__dict__["_token_ids"], self.__dict__["_logprobs"] = token_ids, logprobs
 
 
 def _copied_when_read(name: str) -> property:

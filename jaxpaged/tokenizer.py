@@ -30,6 +30,7 @@ class Tokenizer:
         self.cleanup = bool(config.get("clean_up_tokenization_spaces", False))
         self._template = None
         self._short: dict[tuple, str] = {}  # decodes of 1-2 token windows: the detokenizer's usual case
+        self._steps: dict[tuple, str | None] = {}  # (skip, a, b) -> text b adds after a (see `step_text`)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> "Tokenizer | None":
@@ -73,6 +74,23 @@ class Tokenizer:
                 self._short.clear()
             text = self._short[key] = self.decode(ids, skip_special_tokens)
         return text
+
+    def step_text(self, prev: int, token: int, skip_special_tokens: bool = True) -> str | None:
+        """The text `token` adds after `prev` (decode([prev, token]) past decode([prev])), or None if it
+        adds nothing yet (nothing, or an incomplete character). Remembered: a pure function of its ids,
+        and the incremental detokenizer's usual step."""
+        key = (skip_special_tokens, prev, token)
+        try:
+            return self._steps[key]
+        except KeyError:
+            pass
+        prefix = self.decode_window([prev], skip_special_tokens)
+        full = self.decode_window([prev, token], skip_special_tokens)
+        new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
+        if len(self._steps) >= 1 << 18:
+            self._steps.clear()
+        self._steps[key] = new
+        return new
 
     def convert_ids_to_tokens(self, ids):
         return [self.backend.id_to_token(i) for i in ids]
@@ -166,26 +184,34 @@ class IncrementalDetokenizer:
         """Add the tokens of `token_ids` (the followed prompt + output) not seen yet, up to the first not
         read back yet (negative; usually there is one new token); return True if a stop string now ends
         the text. (The library's decode_batch was measured slower than this, one window at a time.)"""
-        hit, n = False, len(token_ids)
+        hit, n, has_tok = False, len(token_ids), self.tok is not None
         while self.next < n and not hit and token_ids[self.next] >= 0:
-            hit = self.add(token_ids[self.next])
+            self.next += 1
+            hit = has_tok and self._add(token_ids[self.next - 1])
         return hit
 
     def _add(self, token_id: int) -> bool:
-        self.ids.append(token_id)
-        tok, skip = self.tok, self.skip
-        prefix = tok.decode_window(self.ids[self.prefix_offset:self.read_offset], skip)
-        full = tok.decode_window(self.ids[self.prefix_offset:], skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            start = max(0, len(self.text) - self.max_stop + 1)
+        ids, tok, skip = self.ids, self.tok, self.skip
+        ids.append(token_id)
+        p, r = self.prefix_offset, self.read_offset
+        if r - p == 1 and len(ids) - r == 1:  # the usual window: the last token shown, then this one
+            new = tok.step_text(ids[p], token_id, skip)
+        else:
+            prefix = tok.decode_window(ids[p:r], skip)
+            full = tok.decode_window(ids[p:], skip)
+            new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
+        if new is None:
+            return False
+        self.prefix_offset, self.read_offset = r, len(ids)
+        if not self.stop:
             self.text += new
-            if self.stop:
-                hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-                if hits:
-                    self.text = self.text[:min(hits)]
-                    return True
+            return False
+        start = max(0, len(self.text) - self.max_stop + 1)
+        self.text += new
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            return True
         return False
 
     def visible_text(self, finished: bool) -> str:

@@ -174,3 +174,35 @@ def test_async_scheduling_flag():
             kw = scale_out_kwargs(parse(argv))
             assert kw["async_scheduling"] is want
             assert EngineConfig(**kw).async_scheduling is resolved
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_has_no_reference_cycles(model, compile_cache, async_scheduling):
+    """The engine freezes the start-up heap out of the collector's reach (engine._freeze_startup_heap),
+    which is safe only because a dropped engine is freed by reference counting alone, after it has run
+    (steps in flight, finished and aborted requests): its weights and pool go without the collector."""
+    import gc
+    import weakref
+    engine = LLMEngine(EngineConfig(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32,
+                                    max_model_len=64, compilation_cache_dir=compile_cache, show_progress=False,
+                                    async_scheduling=async_scheduling))
+    assert gc.get_freeze_count() > 0
+    engine.add_request("a", "hello world", SamplingParams(max_tokens=6, temperature=0, stop=["zz"]))
+    engine.add_request("b", "hello there", SamplingParams(max_tokens=20, n=2, temperature=1.0, seed=3))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("b")
+    while engine.has_unfinished_requests():
+        engine.step()
+    refs = [weakref.ref(x) for x in (engine, engine.runner, engine.scheduler, engine.block_manager)]
+    pool = engine.runner.k_pool
+    pool = weakref.ref(pool) if not hasattr(pool, "values") else weakref.ref(pool.values)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del engine
+        assert [r() is None for r in refs] == [True] * len(refs)
+        assert pool() is None
+    finally:
+        if was_enabled:
+            gc.enable()

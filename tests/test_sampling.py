@@ -134,6 +134,27 @@ def test_incremental_detokenizer_multibyte(tok_model):
     assert d.text == text
 
 
+def test_detokenizer_remembered_steps_equal_decoding_each_window(tok_model):
+    """The detokenizer's remembered two-token steps (`Tokenizer.step_text`) give the text of decoding every
+    window afresh (the algorithm without any memo), on ids that split characters and include special ones."""
+    tok = Tokenizer.from_dir(tok_model)
+    rng = np.random.default_rng(1)
+    pool = tok.encode("café 東京 😀 naïve. the end") + list(range(0, 40))
+    for skip in (True, False):
+        for trial in range(30):
+            prompt = [int(t) for t in rng.choice(pool, rng.integers(0, 8))]
+            out = [int(t) for t in rng.choice(pool, 40)]
+            d = IncrementalDetokenizer(tok, prompt, [], skip)
+            ids, p, r, text = list(prompt[-6:]), 0, len(prompt[-6:]), ""  # the same algorithm, no memo
+            for t in out:
+                d.add(t)
+                ids.append(t)
+                prefix, full = tok.decode(ids[p:r], skip), tok.decode(ids[p:], skip)
+                if len(full) > len(prefix) and not full.endswith("\ufffd"):
+                    text, p, r = text + full[len(prefix):], r, len(ids)
+                assert d.text == text, (skip, trial, ids)
+
+
 def test_detokenizer_caught_up_late_equals_token_by_token(tok_model):
     """A detokenizer that falls behind (a request not streamed) and catches up at any point has the text
     and stop decisions of one fed every token; it stops at a token not read back yet (negative)."""
