@@ -56,12 +56,6 @@ class _Group:
         self.text_each_step = self.stream or bool(self.samples[0].params.stop)
 
 
-def _needs_last_token(req: Request) -> bool:
-    """The host needs the request's last sampled token to prepare its next step (penalty history,
-    grammar matcher), so that token cannot stay on the device."""
-    return req.params.uses_penalties or req.params.structured_outputs is not None or bool(req.params.bad_words)
-
-
 def _freeze_startup_heap() -> None:
     """Move every object alive now (modules, tokenizer, compiled steps: ~140k with the default model) out
     of the collector's reach, as vLLM does after start-up. Otherwise each full collection walks them all:
@@ -248,7 +242,7 @@ class LLMEngine:
         """Start step t+1, then read back step t (its tokens already fed to t+1 on the device)."""
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = []
-        if prev is not None and (out.is_empty or any(_needs_last_token(r) and r in prev.pending
+        if prev is not None and (out.is_empty or any(r.needs_last_token and r in prev.pending
                                                       for r, _ in out.scheduled)):
             outputs, prev = self._complete(prev), None  # penalties, grammars need the token on the host first
             _drop_finished(out)
@@ -301,7 +295,10 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(req, reason)
             if len(group.samples) == 1:  # the usual case: its output now, no second pass
-                self._group_output(group, bool(reason), now, outputs)
+                if reason:
+                    self._group_output(group, True, now, outputs)
+                elif group.stream:
+                    outputs.append(self._output(group, False))
             elif reason or group.stream:
                 touched[req.group_id] = group
         for group in touched.values():

@@ -42,12 +42,17 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
+    # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
+    # bad words), so with async scheduling that token cannot stay on the device
+    needs_last_token: bool = field(init=False, default=False)
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids).union(
             () if self.params.ignore_eos else self.eos_token_ids)
+        p = self.params
+        self.needs_last_token = p.uses_penalties or p.structured_outputs is not None or bool(p.bad_words)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         if self.params.return_hidden_states and self.hidden_states is None:

@@ -58,6 +58,7 @@ class Launched:
     hidden_plan: tuple = ()  # what to read back of them (SlotHooks.plan)
     prompt: tuple = ()     # prompt logprobs: next token f32[T], top f32[T, K], top ids i32[T, K]
     prompt_rows: list = field(default_factory=list)  # prompt_logprobs.targets: the requests that asked
+    any_logprobs: bool = True  # some scheduled request asked for logprobs (else none are read back)
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -265,7 +266,7 @@ class ModelRunner:
             self.params, self.k_pool, self.v_pool, *inputs)
         plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
         return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
-                        prompt=prompt, prompt_rows=rows)
+                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]))
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
@@ -273,10 +274,11 @@ class ModelRunner:
         if step.hidden_plan:
             read_hidden(step.hidden_plan, step.hidden)
         collect(step.prompt_rows, step.prompt)  # read back only when some request asked
-        want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
-        if want_lp:
-            tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
         result = {s: (tokens[s], None) for s in step.slots}
+        if not step.any_logprobs:
+            return result
+        want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
+        tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
         for req, s in want_lp:
             k = req.params.logprobs
             lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
