@@ -138,9 +138,11 @@ class PersistentBatch:
         qsl[1:] = np.cumsum(per_slot)
         logits_idx = np.zeros(S, np.int32)
         logits_idx[slots] = ends - 1
+        sample_slots = np.full(min(S, T), S, np.int32)  # [R]: at most T slots advance in a T-token step
+        sample_slots[:k] = slots
         batch = dict(input_ids=input_ids, positions=pos, slot_mapping=slot_mapping, prev_index=prev_index,
                      block_tables=self.block_tables, seq_lens=seq_lens, query_start_loc=qsl,
-                     logits_indices=logits_idx)
+                     logits_indices=logits_idx, sample_slots=sample_slots)
         return batch, self.sampling(slots, lens)
 
     def sampling(self, slots, lens) -> dict:

@@ -100,6 +100,25 @@ def test_async_outputs_equal_sync(model, compile_cache, forced):
     assert {"stop", "length"} <= reasons  # the stop paths were taken
 
 
+def test_outputs_do_not_depend_on_the_number_of_slots(model, compile_cache):
+    """Logits and sampling run only over the rows of the slots a step advances (R = min(S, T) rows):
+    with 32 slots, the 8- and 16-token steps sample 8 and 16 rows, padded, in slot order; every output
+    (greedy, seeded, penalties, logprobs, stop strings, n > 1) equals that of an engine of 8 slots."""
+    kw = dict(model=model, dtype="float32", max_num_batched_tokens=64, max_model_len=128,
+              compilation_cache_dir=compile_cache, show_progress=False)
+    narrow = _run(LLMEngine(EngineConfig(max_num_seqs=8, **kw)), "a", {})
+    wide_engine = LLMEngine(EngineConfig(max_num_seqs=32, **kw))
+    rows = []
+    launch = wide_engine.runner.launch
+
+    def counting(out, prev=None, pending=frozenset()):
+        rows.append((len(out.scheduled), min(32, wide_engine.runner.bucket_for(out.num_tokens))))
+        return launch(out, prev, pending)
+    wide_engine.runner.launch = counting
+    _assert_same(narrow, _run(wide_engine, "a", {}))
+    assert any(r < 32 and k < r for k, r in rows)  # steps of fewer rows than slots, some of them padding
+
+
 def _assert_same(sync: dict, asyn: dict) -> None:
     """Token ids, text and finish reasons equal; logprobs over the same ids, equal to float32 rounding
     (a different batch around a request changes the step's float sums in the last bits)."""

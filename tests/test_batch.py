@@ -58,10 +58,11 @@ def test_persistent_batch_equals_rebuilt(data):
         out = sched.schedule()
         if out.is_empty:
             continue
-        T = 64
+        T = out.num_tokens + rnd.choice([0, 1, 5, 64])  # a bucket: fewer rows than slots, or more
         got_b, got_s = persistent.prepare(out.scheduled, T)
         want_b, want_s = PersistentBatch(S, -(-M // bs), M, bs).prepare(out.scheduled, T)
         slots = [r.slot for r, _ in out.scheduled]
+        assert got_b["sample_slots"].tolist() == slots + [S] * (min(S, T) - len(slots))  # R = min(S, T) rows
         for name, a in want_b.items():
             if name == "block_tables":
                 for r, _ in out.scheduled:
