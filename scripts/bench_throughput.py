@@ -105,7 +105,7 @@ def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
     if args.hf_threads:
         torch.set_num_threads(args.hf_threads)
     bc.say("loading the transformers model")
-    model = load_hf_model(model_dir, args.dtype)
+    model = load_hf_model(model_dir, args.hf_dtype or args.dtype)
     pad = model.config.pad_token_id
     pad = pad if pad is not None else 0
 
@@ -140,7 +140,7 @@ def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
     elapsed = time.monotonic() - t0
     rec = bc.RunRecord(elapsed, 0, [len(r.prompt_ids) for r in reqs], [r.output_len for r in reqs], ttft, lat)
     res = bc.summarize(rec)
-    res.update(hf_batch_size=B, torch_threads=torch.get_num_threads(),
+    res.update(hf_batch_size=B, hf_dtype=args.hf_dtype or args.dtype, torch_threads=torch.get_num_threads(),
                note="batches run to their longest request; output tokens counted are each request's drawn length")
     del model
     return res
@@ -152,6 +152,9 @@ def main(argv=None) -> dict:
                     help="repeatable; default: all of jaxpaged, static, hf")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
+    ap.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="hf's dtype (default: --dtype), e.g. --dtype bfloat16 --hf-dtype float32 (jaxpaged's "
+                    "fast CPU dtype against transformers' usual one)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
     bench_vllm.add_args(ap)
