@@ -13,7 +13,8 @@ the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
     the same teacher-forced way). A float32 token outside the configuration's top logprobs counts with
     the smallest logprob listed (an underestimate of |delta|; counted as `outside_top`).
 Each configuration row: weights (--weights: float32, bfloat16 (the engine dtype: weights and activations),
-int8, fp8) x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
+int8, fp8 (weight-only, float32 activations), bfloat16-int8 (int8 weights, bfloat16 activations and KV))
+x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
 `auto` is the engine dtype).
 """
 from __future__ import annotations
@@ -38,10 +39,13 @@ def golden_prompts(tokenizer) -> list[list[int]]:
 
 
 def engine(model_dir: str, args, weights: str, kv: str):
-    over = dict(quantization=None if weights in ("float32", "bfloat16") else weights, max_logprobs=args.top_logprobs)
+    dtype, _, quant = weights.rpartition("-") if "-" in weights else (None, None, weights)
+    if quant in ("float32", "bfloat16"):  # a plain engine dtype
+        dtype, quant = quant, None
+    over = dict(quantization=quant, max_logprobs=args.top_logprobs)
     if kv != "auto":
         over["kv_cache_dtype"] = kv
-    return bc.build_llm(model_dir, args, dtype="bfloat16" if weights == "bfloat16" else "float32", **over)
+    return bc.build_llm(model_dir, args, dtype=dtype or "float32", **over)
 
 
 def teacher_forced(llm, prompts: list[list[int]], tokens: list[list[int]], top: int) -> dict:
@@ -103,7 +107,7 @@ def report(out: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"],
-                    choices=["float32", "bfloat16", "int8", "fp8"])
+                    choices=["float32", "bfloat16", "int8", "fp8", "bfloat16-int8"])
     ap.add_argument("--kv", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
                     help="KV cache dtypes, one row each (the engine's kv_cache_dtype)")
     ap.add_argument("--max-tokens", type=int, default=48, help="float32 tokens per golden prompt")
