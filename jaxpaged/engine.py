@@ -295,10 +295,7 @@ class LLMEngine:
             if reason:
                 self.scheduler.finish(req, reason)
             if len(group.samples) == 1:  # the usual case: its output now, no second pass
-                if reason:
-                    self._group_output(group, True, now, outputs)
-                elif group.stream:
-                    outputs.append(self._output(group, False))
+                self._group_output(group, bool(reason), now, outputs)
             elif reason or group.stream:
                 touched[req.group_id] = group
         for group in touched.values():
@@ -379,14 +376,12 @@ class LLMEngine:
             for r, d in zip(samples, detoks):
                 d.catch_up(r.token_ids)
         hidden = finished and error is None
-        if len(samples) == 1:  # the usual case (built for every streamed request every step): no loops
-            r = samples[0]
-            outs = [_completion(r, detoks[0], hidden)]
+        outs = [_completion(r, d, hidden) for r, d in zip(samples, detoks)]
+        r = samples[0]
+        if len(samples) == 1:
             first = r.first_token_time
         else:
-            outs = [_completion(r, d, hidden) for r, d in zip(samples, detoks)]
             first = min([r.first_token_time for r in samples if r.first_token_time is not None], default=None)
-        r = samples[0]
         plp = r.prompt_logprobs
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              r.num_cached_tokens,

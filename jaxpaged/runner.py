@@ -92,7 +92,7 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     # sees the full [R, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
-    drawn = sample(logits, slot_rows(sp, at), num_logprobs)  # a row's draw depends on its slot's seed only
+    drawn = sample(logits, slot_rows(sp, at, S), num_logprobs)  # a row's draw depends on its slot's seed only
     tokens, tok_lp, top_lp, top_ids = (jnp.zeros((S,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,

@@ -216,15 +216,10 @@ def _filter(scaled, sp):
     return jnp.where(scaled >= thresh, scaled, _NEG_INF)
 
 
-# the sampler's per-slot inputs (leading axis S); the others are flags (0-d)
-PER_SLOT = ("temperature", "top_k", "top_p", "min_p", "seed", "gen_index", "banned", "history", "prompt_len",
-            "history_len", "presence_penalty", "frequency_penalty", "repetition_penalty", "bitmask", "bias_ids",
-            "bias_values")
-
-
-def slot_rows(sp: dict, at) -> dict:
-    """The sampler's inputs for rows of the slots `at` i32[R] (the per-slot arrays gathered, flags kept)."""
-    return {k: v[at] if k in PER_SLOT else v for k, v in sp.items()}
+def slot_rows(sp: dict, at, num_slots: int) -> dict:
+    """The sampler's inputs for rows of the slots `at` i32[R]: every per-slot array (leading axis
+    num_slots) gathered, the flags (0-d) kept."""
+    return {k: v[at] if jnp.ndim(v) and v.shape[0] == num_slots else v for k, v in sp.items()}
 
 
 def sample(logits, sp, num_logprobs: int):

@@ -84,9 +84,8 @@ class Tokenizer:
             return self._steps[key]
         except KeyError:
             pass
-        prefix = self.decode_window([prev], skip_special_tokens)
-        full = self.decode_window([prev, token], skip_special_tokens)
-        new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
+        new = _text_past(self.decode_window([prev], skip_special_tokens),
+                         self.decode_window([prev, token], skip_special_tokens))
         if len(self._steps) >= 1 << 18:
             self._steps.clear()
         self._steps[key] = new
@@ -129,6 +128,12 @@ def _compile_template(source: str):
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+def _text_past(prefix: str, full: str) -> str | None:
+    """What `full` (a window's text) adds past `prefix` (its first tokens' text); None while that is
+    nothing or ends in an incomplete character (U+FFFD waiting for its next byte-token)."""
+    return full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
 
 
 def _clean_up(text: str) -> str:
@@ -184,10 +189,9 @@ class IncrementalDetokenizer:
         """Add the tokens of `token_ids` (the followed prompt + output) not seen yet, up to the first not
         read back yet (negative; usually there is one new token); return True if a stop string now ends
         the text. (The library's decode_batch was measured slower than this, one window at a time.)"""
-        hit, n, has_tok = False, len(token_ids), self.tok is not None
+        hit, n = False, len(token_ids)
         while self.next < n and not hit and token_ids[self.next] >= 0:
-            self.next += 1
-            hit = has_tok and self._add(token_ids[self.next - 1])
+            hit = self.add(token_ids[self.next])
         return hit
 
     def _add(self, token_id: int) -> bool:
@@ -197,9 +201,7 @@ class IncrementalDetokenizer:
         if r - p == 1 and len(ids) - r == 1:  # the usual window: the last token shown, then this one
             new = tok.step_text(ids[p], token_id, skip)
         else:
-            prefix = tok.decode_window(ids[p:r], skip)
-            full = tok.decode_window(ids[p:], skip)
-            new = full[len(prefix):] if len(full) > len(prefix) and not full.endswith("\ufffd") else None
+            new = _text_past(tok.decode_window(ids[p:r], skip), tok.decode_window(ids[p:], skip))
         if new is None:
             return False
         self.prefix_offset, self.read_offset = r, len(ids)

@@ -39,7 +39,7 @@ def golden_prompts(tokenizer) -> list[list[int]]:
 
 
 def engine(model_dir: str, args, weights: str, kv: str):
-    dtype, _, quant = weights.rpartition("-") if "-" in weights else (None, None, weights)
+    dtype, _, quant = weights.rpartition("-")  # "bfloat16-int8", or one name
     if quant in ("float32", "bfloat16"):  # a plain engine dtype
         dtype, quant = quant, None
     over = dict(quantization=quant, max_logprobs=args.top_logprobs)
