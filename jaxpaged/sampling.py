@@ -231,15 +231,11 @@ def sample(logits, sp, num_logprobs: int):
     bitmask i32[S, ceil(V/32)] (grammar and allowed_token_ids masks: 0 bits are masked, all ones when
     unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
     any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
-    Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K].
+    Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
+    zeros when no slot asked for logprobs: any_logprobs false).
     """
     S, V = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
-    top_lp, top_ids = jax.lax.cond(  # top-k over [S, V] is costly on CPU: only when someone asks
-        sp["any_logprobs"], lambda x: tuple(jax.lax.top_k(x, num_logprobs)),
-        lambda x: (jnp.zeros((S, num_logprobs), x.dtype), jnp.zeros((S, num_logprobs), jnp.int32)),
-        raw_logprobs)
-
+    raw = logits
     logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
                           sp["bias_values"])
     logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
@@ -261,5 +257,15 @@ def sample(logits, sp, num_logprobs: int):
         return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
 
     tokens = jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits).astype(jnp.int32)
-    tok_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    return tokens, tok_lp, top_lp, top_ids.astype(jnp.int32)
+
+    def logprobs(raw, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids.astype(jnp.int32)
+
+    def none(raw, tokens):
+        return (jnp.zeros((S,), raw.dtype), jnp.zeros((S, num_logprobs), raw.dtype),
+                jnp.zeros((S, num_logprobs), jnp.int32))
+
+    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, none, raw, tokens)
+    return tokens, tok_lp, top_lp, top_ids

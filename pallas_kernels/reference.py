@@ -43,7 +43,8 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     # keys a chunk: ~64 for tiles of several rows, ~32 for one row (less of the last chunk wasted)
     cb = min(chunk_blocks or max(1, (32 if Q == 1 else 64) // bs), max_blocks)
     tables = block_tables[tile_slot]  # [N, B] each tile's row, gathered once
-    qf = (q.astype(jnp.float32) * scale).reshape(N, Q, Hkv, G, D)
+    R = G * Q  # a KV head's query rows in a tile, g-major: every tile size runs the same batched dots
+    qf = q.astype(jnp.float32).reshape(N, Q, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(N, Hkv, R, D)
     k_rows, v_rows = _rows(k_pool), _rows(v_pool)  # [num_blocks, bs * Hkv * D]
     quantized = k_scale is not None
     if quantized:
@@ -57,7 +58,7 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     n_chunks = jnp.max(jnp.maximum(last + 1 - first_block * bs, 0) + cb * bs - 1) // (cb * bs)
 
     def body(c, carry):
-        m, l, acc = carry  # [N, Hkv, G, Q], [N, Hkv, G, Q], [N, Hkv, G, Q, D]
+        m, l, acc = carry  # [N, Hkv, R], [N, Hkv, R], [N, Hkv, R, D]
         col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
         ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
@@ -67,16 +68,16 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         # dots for every tile size, so that a row rounds alike whatever tile it is in (LLM.score vs the
         # logprobs generate reports, within 1e-5). For one-row tiles a multiply-and-sum, which XLA CPU
         # fuses with the gather, was 1.2x faster, but it rounds differently from the dots (1.3e-5 apart).
-        s = jnp.einsum("nqhgd,nkhd->nhgqk", qf, k, precision=_HIGHEST)  # [N, Hkv, G, Q, K]
+        s = jnp.einsum("nhrd,nkhd->nhrk", qf, k, precision=_HIGHEST) * scale  # [N, Hkv, R, K]
         if quantized:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, 1, K]
             ks = jnp.take(ks_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
-            s = s * ks.transpose(0, 2, 1)[:, :, None, None, :]
+            s = s * ks.transpose(0, 2, 1)[:, :, None, :]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
         if window is not None:
             visible &= k_pos > q_pos[:, :, None] - window
-        visible = visible[:, None, None]  # [N, 1, 1, Q, K]
+        visible = jnp.broadcast_to(visible[:, None, None], (N, 1, G, Q, cb * bs)).reshape(N, 1, R, cb * bs)
         s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
@@ -84,19 +85,19 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         l_new = l * alpha + p.sum(-1)
         if quantized:  # stale scales (even NaN) of invisible keys must not reach the output
             vs = jnp.take(vs_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
-            p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, None, :], 0.0)
-        pv = jnp.einsum("nhgqk,nkhd->nhgqd", p, v, precision=_HIGHEST)
-        acc_new = acc * alpha[..., None] + pv  # [N, Hkv, G, Q, D]
+            p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, :], 0.0)
+        pv = jnp.einsum("nhrk,nkhd->nhrd", p, v, precision=_HIGHEST)
+        acc_new = acc * alpha[..., None] + pv  # [N, Hkv, R, D]
         return m_new, l_new, acc_new
 
     init = (
-        jnp.full((N, Hkv, G, Q), _NEG, jnp.float32),
-        jnp.zeros((N, Hkv, G, Q), jnp.float32),
-        jnp.zeros((N, Hkv, G, Q, D), jnp.float32),
+        jnp.full((N, Hkv, R), _NEG, jnp.float32),
+        jnp.zeros((N, Hkv, R), jnp.float32),
+        jnp.zeros((N, Hkv, R, D), jnp.float32),
     )
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows that saw nothing stay 0
-    return out.transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
+    return out.reshape(N, Hkv, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
 
 
 def _rows(pool):

@@ -85,8 +85,10 @@ def test_prefix_hit_and_preemption(llama, llm, engine_kwargs):
 
 
 def test_score_equals_generate_and_hf(llama, llm):
-    """score(prompt, generated tokens) == the logprobs generate reported for them (float32, within 1e-5),
-    and == transformers' log_softmax; continuations as token ids."""
+    """score(prompt, generated tokens) == the logprobs generate reported for them (float32, within 2e-5),
+    and == transformers' log_softmax; continuations as token ids. Decode steps round differently from a
+    dense forward (XLA CPU's matmul sums in an order that depends on the number of rows, docs/research.md):
+    over 6 seeds x 2 tiny models the largest difference measured was 1.24e-5."""
     prompts = [_prompt(7, 5), _prompt(8, 11), _prompt(9, 1)]
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=1.0, seed=5, logprobs=0,
                                                 ignore_eos=True))
@@ -98,7 +100,7 @@ def test_score_equals_generate_and_hf(llama, llm):
         worst = max(worst, float(np.abs(np.subtract(s, gen)).max()))
         want = hf_logprobs(llama, p + c)[np.arange(len(p) - 1, len(p) + len(c) - 1), c]
         np.testing.assert_allclose(s, want, rtol=1e-5, atol=1e-4)
-    assert worst <= 1e-5, worst
+    assert worst <= 2e-5, worst
     print(f"largest |score - generate logprob|: {worst:.2e}")
     with pytest.raises(ValueError, match="continuations"):
         llm.score(prompts, conts[:2])
