@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.layers import glu
 from jaxpaged.quant import ragged_dot
 
 
@@ -40,6 +41,6 @@ def moe_mlp(h, p, cfg: ModelConfig, act):
     expert = flat[order]  # [T*k] the expert of each sorted assignment (picks quantized weights' scales)
     gate = ragged_dot(x, p["w_gate"], sizes, expert)  # [T*k, F]
     up = ragged_dot(x, p["w_up"], sizes, expert)
-    y = ragged_dot(act(gate) * up, p["w_down"], sizes, expert)  # [T*k, D]
+    y = ragged_dot(glu(act, gate, up, h.dtype), p["w_down"], sizes, expert)  # [T*k, D]
     y = y * w.reshape(-1)[order][:, None]
     return jnp.zeros((T, D), y.dtype).at[token].add(y)
