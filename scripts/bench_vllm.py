@@ -39,6 +39,8 @@ def add_args(ap) -> None:
                    help="interpreter that can `import vllm` (e.g. a separate venv's bin/python)")
     g.add_argument("--vllm-threads", type=int, default=2, help="OMP_NUM_THREADS for vLLM (default 2)")
     g.add_argument("--vllm-cpu-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (default 0-1)")
+    g.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="vLLM's dtype (default: --dtype), e.g. --dtype bfloat16 --vllm-dtype float32")
 
 
 def vllm_env(args) -> dict:
@@ -86,7 +88,8 @@ def hf_dir_for(model_dir: str, export_root: str) -> str:
 def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
     """Run the workload through vLLM in a subprocess; the summary as the other backends give it."""
     import bench_common as bc
-    job = dict(model=hf_dir_for(model_dir, export_root), dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    dtype = args.vllm_dtype or args.dtype
+    job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
                max_num_batched_tokens=args.max_num_batched_tokens,
                prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
@@ -107,7 +110,7 @@ def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
         with open(out_path) as f:
             got = json.load(f)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
-    return dict(bc.summarize(rec), vllm_version=got["version"], omp_num_threads=args.vllm_threads,
+    return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, omp_num_threads=args.vllm_threads,
                 cpu_bind=args.vllm_cpu_bind, note="all requests submitted at once to vllm.LLM.generate; "
                 "no per-request times")
 
