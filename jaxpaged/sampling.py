@@ -235,7 +235,7 @@ def sample(logits, sp, num_logprobs: int):
     zeros when no slot asked for logprobs: any_logprobs false).
     """
     S, V = logits.shape
-    raw = logits
+    raw = logits  # logprobs are the model's: before bias, penalties, masks and temperature
     logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
                           sp["bias_values"])
     logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
@@ -263,9 +263,9 @@ def sample(logits, sp, num_logprobs: int):
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids.astype(jnp.int32)
 
-    def none(raw, tokens):
+    def not_asked(raw, tokens):
         return (jnp.zeros((S,), raw.dtype), jnp.zeros((S, num_logprobs), raw.dtype),
                 jnp.zeros((S, num_logprobs), jnp.int32))
 
-    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, none, raw, tokens)
+    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, raw, tokens)
     return tokens, tok_lp, top_lp, top_ids

@@ -42,6 +42,7 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     max_blocks = block_tables.shape[1]
     # keys a chunk: ~64 for tiles of several rows, ~32 for one row (less of the last chunk wasted)
     cb = min(chunk_blocks or max(1, (32 if Q == 1 else 64) // bs), max_blocks)
+    K = cb * bs  # keys a chunk
     tables = block_tables[tile_slot]  # [N, B] each tile's row, gathered once
     # A KV head's G x Q query rows of a tile, g-major, as the rows of one matrix: every tile size runs the
     # same batched dot, scaled after it. (With Q as its own axis, XLA put a one-row tile's keys on the left
@@ -58,29 +59,28 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     else:  # the first block the tile's first query's window reaches
         first = jnp.min(jnp.where(q_pos >= 0, q_pos, last[:, None]), axis=1)  # [N]
         first_block = jnp.maximum(first - window + 1, 0) // bs
-    n_chunks = jnp.max(jnp.maximum(last + 1 - first_block * bs, 0) + cb * bs - 1) // (cb * bs)
+    n_chunks = jnp.max(jnp.maximum(last + 1 - first_block * bs, 0) + K - 1) // K
 
     def body(c, carry):
         m, l, acc = carry  # [N, Hkv, R], [N, Hkv, R], [N, Hkv, R, D]
         col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
         ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
         # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
-        k = _widen(jnp.take(k_rows, ids, axis=0, mode="clip"), k_pool.dtype).reshape(N, cb * bs, Hkv, D)
-        v = _widen(jnp.take(v_rows, ids, axis=0, mode="clip"), v_pool.dtype).reshape(N, cb * bs, Hkv, D)
-        k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, cb * bs)  # [N, 1, K]
+        k = _widen(jnp.take(k_rows, ids, axis=0, mode="clip"), k_pool.dtype).reshape(N, K, Hkv, D)
+        v = _widen(jnp.take(v_rows, ids, axis=0, mode="clip"), v_pool.dtype).reshape(N, K, Hkv, D)
+        k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, K)  # [N, 1, K]
         # dots for every tile size, so that a row rounds alike whatever tile it is in (LLM.score vs the
         # logprobs generate reports, within 2e-5). For one-row tiles a multiply-and-sum, which XLA CPU
         # fuses with the gather, was 1.2x faster, but it rounds differently from the dots (1.3e-5 apart).
         s = jnp.einsum("nhrd,nkhd->nhrk", qf, k, precision=_HIGHEST) * scale  # [N, Hkv, R, K]
         if quantized:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, K]
-            ks = jnp.take(ks_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
+            ks = jnp.take(ks_rows, ids, axis=0, mode="clip").reshape(N, K, Hkv)
             s = s * ks.transpose(0, 2, 1)[:, :, None, :]
         if softcap is not None:
             s = softcap * jnp.tanh(s / softcap)
         visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
         if window is not None:
             visible &= k_pos > q_pos[:, :, None] - window
-        K = cb * bs
         visible = jnp.broadcast_to(visible[:, None, None], (N, 1, G, Q, K)).reshape(N, 1, R, K)  # [N, 1, R, K]
         s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, s.max(-1))
@@ -88,7 +88,7 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha + p.sum(-1)
         if quantized:  # stale scales (even NaN) of invisible keys must not reach the output
-            vs = jnp.take(vs_rows, ids, axis=0, mode="clip").reshape(N, cb * bs, Hkv)
+            vs = jnp.take(vs_rows, ids, axis=0, mode="clip").reshape(N, K, Hkv)
             p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, :], 0.0)
         pv = jnp.einsum("nhrk,nkhd->nhrd", p, v, precision=_HIGHEST)
         acc_new = acc * alpha[..., None] + pv  # [N, Hkv, R, D]
