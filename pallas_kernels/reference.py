@@ -4,9 +4,11 @@ Pool layout (every kernel shares it): ``k_pool``, ``v_pool``: ``[num_blocks, blo
 head_dim]``. A slot's keys are the first ``seq_lens[i]`` positions of the blocks listed in its row of
 ``block_tables``; padding entries point at the null block (0), so every gather index is valid.
 
-Keys are visited in chunks of ``chunk_blocks`` blocks inside a ``while`` loop whose trip count is the
-longest context in the batch, with an online softmax across chunks: the work is proportional to the
-blocks in use, not to the width of the block table, and one compilation serves every context length.
+Keys are visited in chunks of ``chunk_blocks`` blocks inside a ``while`` loop, with an online softmax across
+chunks: single query rows (decodes) as a work list of (row, chunk) pairs, so the trips follow the sum of
+the rows' contexts; tiles of several rows each as far as the longest tile of the call. The work is
+proportional to the blocks in use, not to the width of the block table, and one compilation serves every
+context length.
 
 Options shared by every kernel (keyword-only, static): ``scale`` (logit scale, default
 ``head_dim ** -0.5``), ``window`` (sliding window: a query at position p sees keys p - window < k <= p;
@@ -24,6 +26,60 @@ _NEG = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
 
 
+def _chunk_logits(qf, k, ks, k_pos, q_pos, scale, window, softcap, G):
+    """A chunk's masked logits. qf: [N, Hkv, R, D] (R = G x Q query rows, g-major); k: [N, K, Hkv, D]
+    float32; ks: [N, K, Hkv] key scales or None; k_pos: [N, 1, K]; q_pos: [N, Q].
+    Returns (logits [N, Hkv, R, K], _NEG where not visible; visible bool[N, 1, R, K])."""
+    N, Q = q_pos.shape
+    K = k.shape[1]
+    # dots for every tile size, so that a row rounds alike whatever tile it is in (LLM.score vs the
+    # logprobs generate reports, within 2e-5). For one-row tiles a multiply-and-sum, which XLA CPU
+    # fuses with the gather, was 1.2x faster, but it rounds differently from the dots (1.3e-5 apart).
+    s = jnp.einsum("nhrd,nkhd->nhrk", qf, k, precision=_HIGHEST) * scale  # [N, Hkv, R, K]
+    if ks is not None:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, K]
+        s = s * ks.transpose(0, 2, 1)[:, :, None, :]
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
+    if window is not None:
+        visible &= k_pos > q_pos[:, :, None] - window
+    visible = jnp.broadcast_to(visible[:, None, None], (N, 1, G, Q, K)).reshape(N, 1, G * Q, K)
+    return jnp.where(visible, s, _NEG), visible
+
+
+def _chunk_values(p, v, vs, visible):
+    """p [N, Hkv, R, K] (probabilities, 0 where not visible) times the chunk's values v [N, K, Hkv, D]
+    (float32; vs [N, K, Hkv] value scales or None) -> [N, Hkv, R, D]."""
+    if vs is not None:  # stale scales (even NaN) of invisible keys must not reach the output
+        p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, :], 0.0)
+    return jnp.einsum("nhrk,nkhd->nhrd", p, v, precision=_HIGHEST)
+
+
+def _gather_chunk(ids, rows, scale_rows, dtype, shape):
+    """Whole blocks ids [N, cb] of a pool as `_rows` -> float32 [N, K, Hkv, D] (shape), and their scales
+    [N, K, Hkv] (None for a pool without). Blocks as rows of a 2-D view, clipped: XLA's CPU gather is
+    ~2.5x faster this way."""
+    x = _widen(jnp.take(rows, ids, axis=0, mode="clip"), dtype).reshape(shape)
+    if scale_rows is None:
+        return x, None
+    return x, jnp.take(scale_rows, ids, axis=0, mode="clip").reshape(shape[:3])
+
+
+def _first_block(q_pos, window, bs):
+    """The first block each tile's first query's window reaches (0 without a window): q_pos [N, Q]."""
+    if window is None:
+        return jnp.zeros(q_pos.shape[:1], jnp.int32)
+    last = jnp.max(q_pos, axis=1)
+    first = jnp.min(jnp.where(q_pos >= 0, q_pos, last[:, None]), axis=1)  # [N]
+    return jnp.maximum(first - window + 1, 0) // bs
+
+
+def _scale_rows(k_scale, v_scale):
+    if k_scale is None:
+        return None, None
+    return k_scale.reshape(k_scale.shape[0], -1), v_scale.reshape(v_scale.shape[0], -1)
+
+
 def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window=None,
                    softcap=None, k_scale=None, v_scale=None):
     """Online-softmax attention of query tiles over their slot's paged keys.
@@ -31,7 +87,8 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     q: [N, Q, Hq, D] — N tiles of Q query rows, all rows of a tile from one slot (tile_slot i32[N]);
     q_pos: i32[N, Q] position of each row, ascending within a tile (keys at positions <= q_pos, and
     > q_pos - window, are visible; -1 sees nothing).
-    A tile's keys are gathered once for its Q rows. Returns [N, Q, Hq, D] in float32.
+    A tile's keys are gathered once for its Q rows; every tile runs as many chunks as the longest.
+    Returns [N, Q, Hq, D] in float32.
     k_scale, v_scale: f32[num_blocks, bs, Hkv] for quantized pools (else None), gathered beside the
     blocks; the narrow values are widened after the gather, the key scales multiply the logits and the
     value scales the probabilities.
@@ -50,48 +107,24 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     R = G * Q
     qf = q.astype(jnp.float32).reshape(N, Q, Hkv, G, D).transpose(0, 2, 3, 1, 4).reshape(N, Hkv, R, D)
     k_rows, v_rows = _rows(k_pool), _rows(v_pool)  # [num_blocks, bs * Hkv * D]
-    quantized = k_scale is not None
-    if quantized:
-        ks_rows, vs_rows = k_scale.reshape(k_scale.shape[0], -1), v_scale.reshape(v_scale.shape[0], -1)
+    ks_rows, vs_rows = _scale_rows(k_scale, v_scale)
     last = jnp.max(q_pos, axis=1)  # [N] (-1: an empty tile)
-    if window is None:
-        first_block = jnp.zeros((N,), jnp.int32)
-    else:  # the first block the tile's first query's window reaches
-        first = jnp.min(jnp.where(q_pos >= 0, q_pos, last[:, None]), axis=1)  # [N]
-        first_block = jnp.maximum(first - window + 1, 0) // bs
+    first_block = _first_block(q_pos, window, bs)
     n_chunks = jnp.max(jnp.maximum(last + 1 - first_block * bs, 0) + K - 1) // K
 
     def body(c, carry):
         m, l, acc = carry  # [N, Hkv, R], [N, Hkv, R], [N, Hkv, R, D]
         col = first_block[:, None] + c * cb + jnp.arange(cb)  # [N, cb] (past the table: clipped, masked)
         ids = jnp.take_along_axis(tables, jnp.minimum(col, max_blocks - 1), axis=1)  # [N, cb]
-        # whole blocks as rows of a 2-D view, clipped: XLA's CPU gather is ~2.5x faster this way
-        k = _widen(jnp.take(k_rows, ids, axis=0, mode="clip"), k_pool.dtype).reshape(N, K, Hkv, D)
-        v = _widen(jnp.take(v_rows, ids, axis=0, mode="clip"), v_pool.dtype).reshape(N, K, Hkv, D)
+        k, ks = _gather_chunk(ids, k_rows, ks_rows, k_pool.dtype, (N, K, Hkv, D))
+        v, vs = _gather_chunk(ids, v_rows, vs_rows, v_pool.dtype, (N, K, Hkv, D))
         k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, K)  # [N, 1, K]
-        # dots for every tile size, so that a row rounds alike whatever tile it is in (LLM.score vs the
-        # logprobs generate reports, within 2e-5). For one-row tiles a multiply-and-sum, which XLA CPU
-        # fuses with the gather, was 1.2x faster, but it rounds differently from the dots (1.3e-5 apart).
-        s = jnp.einsum("nhrd,nkhd->nhrk", qf, k, precision=_HIGHEST) * scale  # [N, Hkv, R, K]
-        if quantized:  # per key and KV head: [N, K, Hkv] -> [N, Hkv, 1, K]
-            ks = jnp.take(ks_rows, ids, axis=0, mode="clip").reshape(N, K, Hkv)
-            s = s * ks.transpose(0, 2, 1)[:, :, None, :]
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
-        visible = k_pos <= q_pos[:, :, None]  # [N, Q, K]
-        if window is not None:
-            visible &= k_pos > q_pos[:, :, None] - window
-        visible = jnp.broadcast_to(visible[:, None, None], (N, 1, G, Q, K)).reshape(N, 1, R, K)  # [N, 1, R, K]
-        s = jnp.where(visible, s, _NEG)
+        s, visible = _chunk_logits(qf, k, ks, k_pos, q_pos, scale, window, softcap, G)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l_new = l * alpha + p.sum(-1)
-        if quantized:  # stale scales (even NaN) of invisible keys must not reach the output
-            vs = jnp.take(vs_rows, ids, axis=0, mode="clip").reshape(N, K, Hkv)
-            p = jnp.where(visible, p * vs.transpose(0, 2, 1)[:, :, None, :], 0.0)
-        pv = jnp.einsum("nhrk,nkhd->nhrd", p, v, precision=_HIGHEST)
-        acc_new = acc * alpha[..., None] + pv  # [N, Hkv, R, D]
+        acc_new = acc * alpha[..., None] + _chunk_values(p, v, vs, visible)  # [N, Hkv, R, D]
         return m_new, l_new, acc_new
 
     init = (
@@ -102,6 +135,65 @@ def _attend_chunks(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chu
     _, l, acc = jax.lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows that saw nothing stay 0
     return out.reshape(N, Hkv, G, Q, D).transpose(0, 3, 1, 2, 4).reshape(N, Q, Hq, D)
+
+
+def _attend_rows(q, q_pos, row_slot, k_pool, v_pool, block_tables, scale, chunk_blocks, window=None,
+                 softcap=None, k_scale=None, v_scale=None):
+    """Attention of single query rows (decodes) over their slot's paged keys, by a work list of
+    (row, chunk) pairs: q [N, Hq, D], q_pos i32[N] (-1 sees nothing), row_slot i32[N] -> [N, Hq, D]
+    float32. Options and scales as `_attend_chunks`.
+
+    Each row has its own number of chunks; the pairs of all rows, row after row, are attended N at a
+    time, so a step costs the sum of its rows' contexts, not N times the longest (the 128-request
+    workload's 64-row steps: 57 %). A pair's chunk gives partial softmax sums (its max, sum and
+    weighted values), merged into its row by scatter; a row's pairs may span two trips.
+    """
+    N, Hq, D = q.shape
+    _, bs, Hkv, _ = k_pool.shape
+    G = Hq // Hkv
+    max_blocks = block_tables.shape[1]
+    cb = min(chunk_blocks or max(1, 32 // bs), max_blocks)
+    K = cb * bs  # keys a chunk
+    qf = q.astype(jnp.float32).reshape(N, Hkv, G, D)  # one row: R = G
+    k_rows, v_rows = _rows(k_pool), _rows(v_pool)  # [num_blocks, bs * Hkv * D]
+    ks_rows, vs_rows = _scale_rows(k_scale, v_scale)
+    first_block = _first_block(q_pos[:, None], window, bs)  # [N]
+    chunks = (jnp.maximum(q_pos + 1 - first_block * bs, 0) + K - 1) // K  # [N] chunks of each row
+    ends = jnp.cumsum(chunks)  # [N] one past each row's last pair
+    total = ends[-1]
+
+    def body(i, carry):
+        m, l, acc = carry  # each row's merged sums: [N, Hkv, G], [N, Hkv, G], [N, Hkv, G, D]
+        j = i * N + jnp.arange(N)  # this trip's pairs
+        row = jnp.minimum(jnp.searchsorted(ends, j, side="right"), N - 1).astype(jnp.int32)  # [N]
+        valid = j < total
+        c = j - (ends[row] - chunks[row])  # the pair's chunk within its row
+        col = first_block[row][:, None] + c[:, None] * cb + jnp.arange(cb)  # [N, cb]
+        ids = block_tables[row_slot[row][:, None], jnp.minimum(col, max_blocks - 1)]  # [N, cb]
+        k, ks = _gather_chunk(ids, k_rows, ks_rows, k_pool.dtype, (N, K, Hkv, D))
+        v, vs = _gather_chunk(ids, v_rows, vs_rows, v_pool.dtype, (N, K, Hkv, D))
+        k_pos = (col[:, :, None] * bs + jnp.arange(bs)).reshape(N, 1, K)
+        pos = jnp.where(valid, q_pos[row], -1)[:, None]  # [N, 1]: a pair past the list sees nothing
+        s, visible = _chunk_logits(qf[row], k, ks, k_pos, pos, scale, window, softcap, G)
+        m_pair = s.max(-1)  # [N, Hkv, G]
+        p = jnp.where(visible, jnp.exp(s - m_pair[..., None]), 0.0)
+        pv = _chunk_values(p, v, vs, visible)  # [N, Hkv, G, D]
+        into = jnp.where(valid, row, N)  # pairs past the list are dropped
+        m_new = m.at[into].max(m_pair, mode="drop")
+        w = jnp.exp(m_pair - m_new[row])  # the pair's sums rescaled to its row's new max
+        alpha = jnp.exp(m - m_new)
+        l_new = (l * alpha).at[into].add(p.sum(-1) * w, mode="drop")
+        acc_new = (acc * alpha[..., None]).at[into].add(pv * w[..., None], mode="drop")
+        return m_new, l_new, acc_new
+
+    init = (
+        jnp.full((N, Hkv, G), _NEG, jnp.float32),
+        jnp.zeros((N, Hkv, G), jnp.float32),
+        jnp.zeros((N, Hkv, G, D), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, (total + N - 1) // N, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # rows that saw nothing stay 0
+    return out.reshape(N, Hq, D)
 
 
 def _rows(pool):
@@ -169,9 +261,9 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scal
     S = q.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q_pos = seq_lens.astype(jnp.int32)[:, None] - 1  # [S, 1]
-    out = _attend_chunks(q[:, None], q_pos, jnp.arange(S, dtype=jnp.int32), k_pool, v_pool,
-                         block_tables, scale, chunk_blocks, window, softcap, k_scale, v_scale)
-    return out[:, 0].astype(q.dtype)
+    out = _attend_rows(q, q_pos[:, 0], jnp.arange(S, dtype=jnp.int32), k_pool, v_pool, block_tables, scale,
+                       chunk_blocks, window, softcap, k_scale, v_scale)
+    return out.astype(q.dtype)
 
 
 def query_layout(query_start_loc, seq_lens, num_tokens):
@@ -232,12 +324,12 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     T, S = q.shape[0], seq_lens.shape[0]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     tile = query_tile or (1 if T <= S else 8)
-    attend = functools.partial(_attend_chunks, k_pool=k_pool, v_pool=v_pool, block_tables=block_tables,
-                               scale=scale, chunk_blocks=chunk_blocks, window=window, softcap=softcap,
-                               k_scale=k_scale, v_scale=v_scale)
+    options = dict(k_pool=k_pool, v_pool=v_pool, block_tables=block_tables, scale=scale,
+                   chunk_blocks=chunk_blocks, window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale)
+    attend, attend_rows = (functools.partial(f, **options) for f in (_attend_chunks, _attend_rows))
     if tile == 1:
         slot, pos = query_layout(query_start_loc, seq_lens, T)
-        return attend(q[:, None], pos[:, None], slot)[:, 0].astype(q.dtype)
+        return attend_rows(q, pos, slot).astype(q.dtype)
     # A mixed step: slots with one row (decodes) as one row a tile, S tiles at once; the others (prefill
     # chunks) in tiles of `tile` rows, TILE_GROUP tiles at a time for as many groups as are in use, each
     # group as far as its own last key. Vectorized over a fixed bound of tiles, every tile would cost the
@@ -246,7 +338,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     single = n_rows == 1
     row1 = jnp.minimum(query_start_loc[:S], T - 1)  # each slot's first row
     pos1 = jnp.where(single, seq_lens - 1, -1).astype(jnp.int32)
-    out1 = attend(q[row1][:, None], pos1[:, None], jnp.arange(S, dtype=jnp.int32))[:, 0]  # [S, Hq, D]
+    out1 = attend_rows(q[row1], pos1, jnp.arange(S, dtype=jnp.int32))  # [S, Hq, D]
     out = jnp.zeros(q.shape, jnp.float32).at[jnp.where(single, row1, T)].set(out1, mode="drop")
     rows, slot, pos, in_use = query_tiles(query_start_loc, seq_lens, T, tile, include=~single)
     N = -(-rows.shape[0] // TILE_GROUP) * TILE_GROUP  # the bound, padded to whole groups
