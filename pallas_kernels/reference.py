@@ -274,7 +274,8 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     (default: 1 when T <= S, i.e. mostly decodes, else 8 — prefill rows then share their gathers, and
     slots with a single row still go one row a tile). Measured on CPU (SmolLM2 heads, a 512-token step
     of 2 prefill chunks of 224 and 62 decodes): 18.6 -> 10.9 ms a layer for the split into decodes and
-    groups of prefill tiles, which was itself 4.2x faster than one row per tile with 256-key chunks.
+    groups of prefill tiles, which was itself 4.2x faster than one row per tile with 256-key chunks; the
+    work list of `_attend_tiles` then took 0.87x of the grouped tiles' time.
     Quantized pools (int8 / fp8 values) come with k_scale, v_scale f32[num_blocks, bs, Hkv].
     """
     _check_heads(q, k_pool)
