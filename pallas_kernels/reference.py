@@ -4,11 +4,10 @@ Pool layout (every kernel shares it): ``k_pool``, ``v_pool``: ``[num_blocks, blo
 head_dim]``. A slot's keys are the first ``seq_lens[i]`` positions of the blocks listed in its row of
 ``block_tables``; padding entries point at the null block (0), so every gather index is valid.
 
-Keys are visited in chunks of ``chunk_blocks`` blocks inside a ``while`` loop, with an online softmax across
-chunks: single query rows (decodes) as a work list of (row, chunk) pairs, so the trips follow the sum of
-the rows' contexts; tiles of several rows each as far as the longest tile of the call. The work is
-proportional to the blocks in use, not to the width of the block table, and one compilation serves every
-context length.
+Keys are visited in chunks of ``chunk_blocks`` blocks inside a ``while`` loop over a work list of (query
+tile, chunk) pairs, each tile only as far as its own context, with softmax sums merged across chunks: the
+work is proportional to the blocks in use (the sum of the tiles' contexts), not to the width of the block
+table or the longest context, and one compilation serves every context length.
 
 Options shared by every kernel (keyword-only, static): ``scale`` (logit scale, default
 ``head_dim ** -0.5``), ``window`` (sliding window: a query at position p sees keys p - window < k <= p;
@@ -75,6 +74,7 @@ def _first_block(q_pos, window, bs):
 
 
 def _scale_rows(k_scale, v_scale):
+    """Scale pools f32[num_blocks, bs, Hkv] as rows of whole blocks (None, None without scales)."""
     if k_scale is None:
         return None, None
     return k_scale.reshape(k_scale.shape[0], -1), v_scale.reshape(v_scale.shape[0], -1)
@@ -139,8 +139,9 @@ def _attend_tiles(q, q_pos, tile_slot, k_pool, v_pool, block_tables, scale, chun
         first = valid & jnp.concatenate([jnp.ones(1, bool), tile[1:] != tile[:-1]])  # a tile's first pair here
         once = jnp.where(first, tile, N)
         m_new = m.at[into].max(m_pair, mode="drop")
-        alpha = jnp.exp(m[tile] - m_new[tile])  # the tile's old sums to its new max
-        w = jnp.exp(m_pair - m_new[tile])  # the pair's sums to its tile's new max
+        m_tile = m_new[tile]  # [W, Hkv, R] each pair's tile's new max
+        alpha = jnp.exp(m[tile] - m_tile)  # the tile's old sums to its new max
+        w = jnp.exp(m_pair - m_tile)  # the pair's sums to its tile's new max
         l = l.at[once].multiply(alpha, mode="drop").at[into].add(p.sum(-1) * w, mode="drop")
         acc = acc.at[once].multiply(alpha[..., None], mode="drop").at[into].add(pv * w[..., None], mode="drop")
         return m_new, l, acc
@@ -244,8 +245,8 @@ def query_tiles(query_start_loc, seq_lens, num_tokens, tile, include=None):
     where `include` bool[S] is true, when given).
 
     Returns (rows i32[N, tile] (num_tokens where a tile runs past its slot), slot i32[N],
-    position i32[N, tile] (-1 for rows that are not queries), number of tiles in use i32[]),
-    N = num_tokens // tile + S (a bound); the tiles in use come first.
+    position i32[N, tile] (-1 for rows that are not queries)), N = num_tokens // tile + S (a bound); the
+    tiles in use come first.
     """
     S = seq_lens.shape[0]
     n_rows = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -258,10 +259,10 @@ def query_tiles(query_start_loc, seq_lens, num_tokens, tile, include=None):
     rows = query_start_loc[slot][:, None] + (j - tile_start[slot])[:, None] * tile + jnp.arange(tile)
     valid = (rows < query_start_loc[slot][:, None] + n_rows[slot][:, None]) & (j < tile_start[S])[:, None]
     pos = seq_lens[slot][:, None] - (query_start_loc[slot + 1][:, None] - rows)
-    return jnp.where(valid, rows, num_tokens), slot, jnp.where(valid, pos, -1).astype(jnp.int32), tile_start[S]
+    return jnp.where(valid, rows, num_tokens), slot, jnp.where(valid, pos, -1).astype(jnp.int32)
 
 
-TILE_GROUP = 16  # (tile, chunk) pairs a trip for tiles of several rows
+PREFILL_PAIRS = 16  # (tile, chunk) pairs a trip for tiles of several rows
 
 
 def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *,
@@ -291,7 +292,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
         slot, pos = query_layout(query_start_loc, seq_lens, T)
         return attend(q[:, None], pos[:, None], slot)[:, 0].astype(q.dtype)
     # A mixed step: slots with one row (decodes) as one row a tile, S tiles; the others (prefill chunks)
-    # in tiles of `tile` rows, TILE_GROUP (tile, chunk) pairs a trip. Each tile attends only as far as its
+    # in tiles of `tile` rows, PREFILL_PAIRS (tile, chunk) pairs a trip. Each tile attends only as far as its
     # own last key (61 decodes of 32-500 keys and 3 prefill chunks of 150: 0.87x the time of groups of 16
     # tiles each as far as its longest, which was itself 2x faster than one call over all tiles).
     n_rows = query_start_loc[1:] - query_start_loc[:-1]  # [S]
@@ -300,7 +301,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     pos1 = jnp.where(single, seq_lens - 1, -1).astype(jnp.int32)
     out1 = attend(q[row1][:, None], pos1[:, None], jnp.arange(S, dtype=jnp.int32))[:, 0]  # [S, Hq, D]
     out = jnp.zeros(q.shape, jnp.float32).at[jnp.where(single, row1, T)].set(out1, mode="drop")
-    rows, slot, pos, _ = query_tiles(query_start_loc, seq_lens, T, tile, include=~single)
-    o = attend(jnp.take(q, rows, axis=0, mode="clip"), pos, slot, tiles_per_trip=TILE_GROUP)  # [N, tile, Hq, D]
+    rows, slot, pos = query_tiles(query_start_loc, seq_lens, T, tile, include=~single)
+    o = attend(jnp.take(q, rows, axis=0, mode="clip"), pos, slot, tiles_per_trip=PREFILL_PAIRS)  # [N, tile, Hq, D]
     out = out.at[rows.reshape(-1)].set(o.reshape(-1, *q.shape[1:]), mode="drop")  # rows == T: dropped
     return out.astype(q.dtype)
