@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.validation import InvalidParam
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.validation import InvalidParam
 
 log = logging.getLogger("jaxpaged.async_engine")
 

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpaged.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, moe_fields, positive_or_none,
+from jaxpaged.models.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, moe_fields, positive_or_none,
                                 rope_fields, rope_param, window_fields)
 
 # HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
@@ -166,7 +166,7 @@ class EngineConfig:
 
     model: str | None = None
     dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (see README)
-    kv_cache_dtype: str = "auto"            # auto (the dtype) | bfloat16 | float8_e4m3fn | int8 (jaxpaged/kv_cache.py)
+    kv_cache_dtype: str = "auto"            # auto (the dtype) | bfloat16 | float8_e4m3fn | int8 (jaxpaged/step/kv_cache.py)
     block_size: int = 16
     num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows
     kv_cache_memory_gb: float = 2.0         # per device: with tensor parallelism each holds 1/N of a block
@@ -211,7 +211,7 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
-        from jaxpaged.kv_cache import check_kv_cache_dtype
+        from jaxpaged.step.kv_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.num_kv_blocks is not None:
             positive("num_kv_blocks")
@@ -221,7 +221,7 @@ class EngineConfig:
             positive("max_model_len")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {self.attention_backend!r}")
-        from jaxpaged.quant import check_quantization
+        from jaxpaged.models.quant import check_quantization
         check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")

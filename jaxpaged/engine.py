@@ -17,20 +17,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.block_manager import BlockManager
+from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.logit_controls import bad_words_token_ids
-from jaxpaged.mesh import kv_head_replication, make_mesh
-from jaxpaged.outputs import CompletionOutput, RequestOutput
-from jaxpaged.research import check_layers, check_params, completion_hidden
-from jaxpaged.request import ListPrefix, Request, RequestStatus
-from jaxpaged.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.scheduler import Scheduler
-from jaxpaged.structured import StructuredOutputs
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
-from jaxpaged.validation import InvalidParam, check_request, prompt_ids
-from jaxpaged.weights import count_tensors, load_params, release_host_memory
+from jaxpaged.core.logit_controls import bad_words_token_ids
+from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
+from jaxpaged.core.outputs import CompletionOutput, RequestOutput
+from jaxpaged.step.research import check_layers, check_params, completion_hidden
+from jaxpaged.core.request import ListPrefix, Request, RequestStatus
+from jaxpaged.step.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.structured import StructuredOutputs
+from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
+from jaxpaged.core.validation import InvalidParam, check_request, prompt_ids
+from jaxpaged.checkpoints.weights import count_tensors, load_params, release_host_memory
 
 log = logging.getLogger("jaxpaged.engine")
 
@@ -91,7 +91,7 @@ class LLMEngine:
         self.config = cfg = config
         model_dir = cfg.model
         if model_dir is None:
-            from jaxpaged.default_model import default_model_dir
+            from jaxpaged.checkpoints.default_model import default_model_dir
             model_dir = default_model_dir()
         if not os.path.isdir(model_dir):
             raise ValueError(f"model directory {model_dir!r} does not exist")
@@ -395,8 +395,8 @@ class LLMEngine:
 
     def update_weights(self, weights) -> None:
         """Replace parameters between steps, without recompiling: (HF name, array) pairs or (part of) the
-        `get_weights` pytree; see jaxpaged/weight_update.py."""
-        from jaxpaged.weight_update import update_weights
+        `get_weights` pytree; see jaxpaged/checkpoints/weight_update.py."""
+        from jaxpaged.checkpoints.weight_update import update_weights
         update_weights(self, weights)
 
     def stats(self) -> dict:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import itertools
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.outputs import RequestOutput
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.tokenizer import Tokenizer
+from jaxpaged.core.outputs import RequestOutput
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.tokenizer import Tokenizer
 
 
 class LLM:
@@ -24,9 +24,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs):
         if kwargs.get("num_processes", 1) > 1:  # before anything starts JAX's backends
-            from jaxpaged.multihost import initialize
+            from jaxpaged.parallel.multihost import initialize
             initialize(kwargs.get("coordinator_address"), kwargs["num_processes"], kwargs.get("process_id", 0))
-        from jaxpaged.replicas import build_engine
+        from jaxpaged.parallel.replicas import build_engine
         self.engine = build_engine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -87,9 +87,9 @@ class LLM:
     def score(self, prompts, continuations) -> list[list[float]]:
         """The logprob of each token of each continuation after its prompt: one list per pair, as long as
         the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
-        special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.scoring`),
+        special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.step.scoring`),
         with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
-        from jaxpaged.scoring import score
+        from jaxpaged.step.scoring import score
         one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                    and isinstance(prompts[0], int))
         if one:

@@ -80,7 +80,7 @@ def add_workload_args(ap, *, num_prompts, prompt_len, output_len):
 def resolve_model(spec: str | None) -> str:
     """A model directory: the default model (fetched and converted once), a random preset, or a path."""
     if spec is None:
-        from jaxpaged.default_model import default_model_dir
+        from jaxpaged.checkpoints.default_model import default_model_dir
         return default_model_dir(verbose=True)
     if spec.startswith("random:"):
         return make_random_model(spec.split(":", 1)[1])
@@ -190,7 +190,7 @@ def prompt_ids(rng: np.random.Generator, n_tokens: int, tokenizer, vocab_size: i
 def model_vocab_and_tokenizer(model_dir: str, random_tokens: bool = False):
     """(vocab size, tokenizer or None) of a model directory, without building an engine."""
     from jaxpaged.config import ModelConfig
-    from jaxpaged.tokenizer import Tokenizer
+    from jaxpaged.core.tokenizer import Tokenizer
     return ModelConfig.from_dir(model_dir).vocab_size, None if random_tokens else Tokenizer.from_dir(model_dir)
 
 
@@ -328,3 +328,32 @@ def table(rows: list[list], headers: list[str]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in cells]
     return "\n".join([lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
+
+
+def load_hf_model(model_dir: str, dtype: str):
+    """The same weights as a transformers model (HF directories directly; converted ones by name map)."""
+    import torch
+    import transformers as tf
+
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.checkpoints.weights import HF_LAYER_NAMES, HF_TOP_NAMES, is_orbax_dir, load_params
+    tdtype = getattr(torch, dtype)
+    if not is_orbax_dir(model_dir):
+        return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
+    mc = ModelConfig.from_dir(model_dir)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
+    params = load_params(model_dir, mc, "float32")
+
+    def tensor(a, transpose):
+        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
+    state = {hf: tensor(params[ours], t) for hf, (ours, t) in HF_TOP_NAMES.items() if ours in params}
+    for rest, (ours, t) in HF_LAYER_NAMES.items():
+        if ours in params["layers"]:
+            for i in range(mc.num_layers):
+                state[f"model.layers.{i}.{rest}"] = tensor(params["layers"][ours][i], t)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
+    if missing or unexpected:
+        raise RuntimeError(f"{model_dir}: weights do not map onto transformers' model "
+                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.to(tdtype).eval()

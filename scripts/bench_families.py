@@ -81,10 +81,10 @@ def bench_moe() -> dict:
 
 def bench_window(window=4096, bs=16, budget=512, prompt=16384, new=512, n=8) -> dict:
     import random
-    from jaxpaged.block_manager import BlockManager
-    from jaxpaged.request import Request
-    from jaxpaged.sampling import SamplingParams
-    from jaxpaged.scheduler import Scheduler
+    from jaxpaged.core.block_manager import BlockManager
+    from jaxpaged.core.request import Request
+    from jaxpaged.core.sampling_params import SamplingParams
+    from jaxpaged.core.scheduler import Scheduler
     out = {}
     for name, w in (("without_freeing", None), ("with_freeing", window)):
         bm = BlockManager(10 ** 6, bs, enable_prefix_caching=True, sliding_window=w)

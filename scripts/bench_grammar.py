@@ -5,7 +5,7 @@
 1. Both libraries (xgrammar only if installed) under one nested JSON schema (enums, bounds, arrays): one
    matcher walks the tokens of a conforming document; per token, the time to fill the mask over the whole
    vocabulary and to accept the token. Also each library's import, tokenizer setup and schema compile time.
-2. `jaxpaged.structured.StructuredOutputs.bitmask_arrays` with --slots constrained requests advancing
+2. `jaxpaged.core.structured.StructuredOutputs.bitmask_arrays` with --slots constrained requests advancing
    together, as in a decode step: host milliseconds per step and microseconds per constrained token.
 """
 from __future__ import annotations
@@ -88,9 +88,9 @@ def bench_xgrammar(model_dir: str, V: int, eos_token: str, ids) -> dict | None:
 
 
 def bench_engine_masks(model_dir: str, V: int, eos: int, ids, slots: int) -> dict:
-    from jaxpaged.request import Request
-    from jaxpaged.sampling import SamplingParams
-    from jaxpaged.structured import StructuredOutputs, StructuredOutputsParams
+    from jaxpaged.core.request import Request
+    from jaxpaged.core.sampling_params import SamplingParams
+    from jaxpaged.core.structured import StructuredOutputs, StructuredOutputsParams
     so = StructuredOutputs(f"{model_dir}/tokenizer.json", V, slots, [eos])
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     reqs = []
@@ -118,9 +118,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     from jaxpaged.config import ModelConfig
-    from jaxpaged.tokenizer import Tokenizer
+    from jaxpaged.core.tokenizer import Tokenizer
     if args.model is None:
-        from jaxpaged.default_model import default_model_dir
+        from jaxpaged.checkpoints.default_model import default_model_dir
         args.model = default_model_dir()
     V, tok = ModelConfig.from_dir(args.model).vocab_size, Tokenizer.from_dir(args.model)
     ids = tok.encode(json.dumps(DOC), add_special_tokens=False)

@@ -11,7 +11,7 @@ guarded and results are rewritten after each measurement: ``results.json`` and `
     python scripts/bench_kernels.py --kv-dtype float8_e4m3fn --out DIR   # decode over a quantized pool
 
 With --kv-dtype int8 / float8_e4m3fn the pool holds quantized values with one float32 scale per token
-per KV head (jaxpaged/kv_cache.py): only the decode grid runs (the shipped kernel and the ragged kernel's
+per KV head (jaxpaged/step/kv_cache.py): only the decode grid runs (the shipped kernel and the ragged kernel's
 timing are for the model dtype's pool), and the bytes read count the narrow values plus the scales.
 """
 from __future__ import annotations
@@ -82,7 +82,7 @@ def make_pool(cfg, num_blocks, key):
     k, v = jax.random.normal(kk, shape, cfg["dtype"]), jax.random.normal(kv, shape, cfg["dtype"])
     if not cfg.get("kv_dtype"):
         return (k, v), {}
-    from jaxpaged.kv_cache import quantize
+    from jaxpaged.step.kv_cache import quantize
     (k, ks), (v, vs) = quantize(k, cfg["kv_dtype"]), quantize(v, cfg["kv_dtype"])
     return (k, v), dict(k_scale=ks, v_scale=vs)
 

@@ -192,7 +192,7 @@ def main(argv=None) -> dict:
     eng = llm.engine
     bs, L = eng.block_manager.block_size, eng.max_model_len
     budget_blocks = eng.num_blocks - 1
-    from jaxpaged.runner import kv_bytes_per_block
+    from jaxpaged.step.runner import kv_bytes_per_block
     budget = dict(num_kv_blocks=budget_blocks, block_size=bs, tokens=budget_blocks * bs, max_model_len=L,
                   max_num_seqs=eng.config.max_num_seqs,
                   gib=budget_blocks * kv_bytes_per_block(eng.model_config, bs, args.dtype) / 2 ** 30)

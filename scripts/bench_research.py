@@ -40,10 +40,10 @@ class _Asking:
 
 def hf_pairs(model_dir: str, dtype: str) -> list:
     """The checkpoint as (HF name, numpy array) pairs: safetensors, or the default model's GGUF."""
-    from jaxpaged.weights import NP_DTYPES, is_orbax_dir, read_safetensors, safetensors_files
+    from jaxpaged.checkpoints.weights import NP_DTYPES, is_orbax_dir, read_safetensors, safetensors_files
     if is_orbax_dir(model_dir):
-        from jaxpaged.default_model import default_gguf_path
-        from jaxpaged.gguf import GGUFModel
+        from jaxpaged.checkpoints.default_model import default_gguf_path
+        from jaxpaged.checkpoints.gguf import GGUFModel
         tensors = GGUFModel(default_gguf_path()).tensors()
     else:
         tensors = (t for f in safetensors_files(model_dir) for t in read_safetensors(f))

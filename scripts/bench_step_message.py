@@ -25,7 +25,7 @@ def main(argv=None) -> dict:
     bc.add_workload_args(ap, num_prompts=48, prompt_len=(600, 600), output_len=(32, 32))
     bc.add_engine_args(ap, max_num_seqs=64, max_model_len=4096)
     args = ap.parse_args(argv)
-    from jaxpaged.multihost import decode_step, encode_step
+    from jaxpaged.parallel.multihost import decode_step, encode_step
 
     model_dir = bc.resolve_model(args.model)
     wl = bc.make_workload(args, model_dir)

@@ -45,35 +45,6 @@ BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items":
     "properties": {"name": {"type": "string"}, "value": {"type": "number"}}}}}}
 
 
-def load_hf_model(model_dir: str, dtype: str):
-    """The same weights as a transformers model (HF directories directly; converted ones by name map)."""
-    import torch
-    import transformers as tf
-
-    from jaxpaged.config import ModelConfig
-    from jaxpaged.weights import HF_LAYER_NAMES, HF_TOP_NAMES, is_orbax_dir, load_params
-    tdtype = getattr(torch, dtype)
-    if not is_orbax_dir(model_dir):
-        return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()
-    mc = ModelConfig.from_dir(model_dir)
-    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.from_pretrained(model_dir), dtype=torch.float32)
-    params = load_params(model_dir, mc, "float32")
-
-    def tensor(a, transpose):
-        return torch.from_numpy(np.ascontiguousarray(a.T if transpose else a))
-    state = {hf: tensor(params[ours], t) for hf, (ours, t) in HF_TOP_NAMES.items() if ours in params}
-    for rest, (ours, t) in HF_LAYER_NAMES.items():
-        if ours in params["layers"]:
-            for i in range(mc.num_layers):
-                state[f"model.layers.{i}.{rest}"] = tensor(params["layers"][ours][i], t)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if not (k == "lm_head.weight" and mc.tie_word_embeddings)]
-    if missing or unexpected:
-        raise RuntimeError(f"{model_dir}: weights do not map onto transformers' model "
-                           f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return model.to(tdtype).eval()
-
-
 def run_engine(llm, wl: bc.Workload, static: bool) -> dict:
     eng = llm.engine
     replicas = bc.replica_engines(eng)
@@ -105,7 +76,7 @@ def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
     if args.hf_threads:
         torch.set_num_threads(args.hf_threads)
     bc.say("loading the transformers model")
-    model = load_hf_model(model_dir, args.hf_dtype or args.dtype)
+    model = bc.load_hf_model(model_dir, args.hf_dtype or args.dtype)
     pad = model.config.pad_token_id
     pad = pad if pad is not None else 0
 

@@ -67,14 +67,14 @@ def unavailable(args) -> str | None:
 
 def hf_dir_for(model_dir: str, export_root: str) -> str:
     """A directory vLLM can load: model_dir itself, or (converted models) a safetensors export of it."""
-    from jaxpaged.convert import TOKENIZER_FILES
-    from jaxpaged.weights import is_orbax_dir
+    from jaxpaged.checkpoints.convert import TOKENIZER_FILES
+    from jaxpaged.checkpoints.weights import is_orbax_dir
     if not is_orbax_dir(model_dir):
         return model_dir
     out = os.path.join(export_root, os.path.basename(os.path.normpath(model_dir)))
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    from bench_throughput import load_hf_model
+    from bench_common import load_hf_model
     os.makedirs(export_root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=export_root)
     load_hf_model(model_dir, "float32").save_pretrained(tmp, safe_serialization=True)

@@ -6,8 +6,8 @@
 import argparse
 import sys
 
-from jaxpaged.cli import add_quantization_arg
-from jaxpaged.convert import convert
+from jaxpaged.args import add_quantization_arg
+from jaxpaged.checkpoints.convert import convert
 
 
 def main(argv=None) -> int:

@@ -44,7 +44,7 @@ def teacher_forced_logprobs(params, cfg, token_ids: list[int], kv_cache_dtype: s
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kv_cache_dtype", "num_blocks", "block_size"))
 def _forward_all(params, batch, *, cfg, kv_cache_dtype, num_blocks, block_size):
-    from jaxpaged import kv_cache
+    from jaxpaged.step import kv_cache
     from jaxpaged.models.llama import decoder, lm_logits
     from pallas_kernels.reference import ragged_paged_attention_reference
     shape = (cfg.num_layers * num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)  # block 0: the null block
@@ -59,7 +59,7 @@ def kv_quality(model_dir: str, kv_dtypes=("bfloat16", "int8", "float8_e4m3fn"), 
     """kv dtype -> {agreement, mean_abs_dlogprob, max_abs_dlogprob, positions} against the float32 pool."""
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import ModelConfig
-    from jaxpaged.weights import load_params
+    from jaxpaged.checkpoints.weights import load_params
     llm = LLM(model=model_dir, dtype="float32", max_num_seqs=8, max_model_len=512, show_progress=False,
               warmup=False)
     if prompts is None:

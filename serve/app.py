@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from jaxpaged.async_engine import AsyncEngine
-from jaxpaged.cli import add_quantization_arg, add_scale_out_args, scale_out_kwargs
+from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
 from serve import routes
 from serve.errors import APIError
 from serve.metrics import Metrics
@@ -143,7 +143,7 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get `grace_period` seconds
     to finish, then are aborted. Returns normally (exit status 0)."""
     from jaxpaged.config import EngineConfig
-    from jaxpaged.replicas import build_engine
+    from jaxpaged.parallel.replicas import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",

@@ -14,7 +14,7 @@ from starlette.responses import StreamingResponse
 
 from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from jaxpaged.engine import RequestOutput
-from jaxpaged.sampling import SamplingParams
+from jaxpaged.core.sampling_params import SamplingParams
 from serve.errors import APIError, from_value_error
 from serve.protocol import ErrorInfo
 

@@ -14,8 +14,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxpaged.logit_controls import MAX_LOGIT_BIAS
-from jaxpaged.sampling import FLOAT32_MAX
+from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
+from jaxpaged.core.sampling_params import FLOAT32_MAX
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 MAX_LOGPROBS = 20
@@ -23,7 +23,7 @@ MAX_LOGPROBS = 20
 
 def limit(kind: str) -> dict:
     """A bound that depends on the served model: `serve.openapi` writes its value into the schema as
-    `maximum`; the engine enforces it (`jaxpaged.validation.check_request`)."""
+    `maximum`; the engine enforces it (`jaxpaged.core.validation.check_request`)."""
     return {"json_schema_extra": {"x-limit": kind}}
 
 

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from jaxpaged.sampling import SamplingParams
+from jaxpaged.core.sampling_params import SamplingParams
 from serve import outputs as fmt
 from serve import tools
 from serve.errors import APIError, from_validation_error, from_value_error

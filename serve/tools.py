@@ -13,8 +13,8 @@ import json
 import re
 import uuid
 
-from jaxpaged.structured import StructuredOutputsParams
-from jaxpaged.validation import InvalidParam
+from jaxpaged.core.structured import StructuredOutputsParams
+from jaxpaged.core.validation import InvalidParam
 from serve.errors import APIError
 from serve.protocol_tools import FunctionCall, ToolCall
 

@@ -69,7 +69,7 @@ def engine_checks(path: str, out: dict) -> None:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine import LLMEngine
-    from jaxpaged.runner import kv_bytes_per_block
+    from jaxpaged.step.runner import kv_bytes_per_block
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     seeded = [SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=100 + i, logprobs=2,
                              ignore_eos=True) for i in range(len(workload()))]
@@ -100,11 +100,11 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jaxpaged.attention import make_attention
+    from jaxpaged.step.attention import make_attention
     from jaxpaged.config import ModelConfig
-    from jaxpaged.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
+    from jaxpaged.parallel.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
     from jaxpaged.models.llama import forward
-    from jaxpaged.weights import load_params
+    from jaxpaged.checkpoints.weights import load_params
     mc = ModelConfig.from_dir(path)
     params = load_params(path, mc, "float32", quantization=quantization)
     lens, bs = (13, 6), 8
@@ -202,7 +202,7 @@ def sizing_checks(path: str) -> dict:
     """Blocks the engine sizes from kv_cache_memory_gb (per device) at each TP; no step is compiled."""
     from jaxpaged.config import EngineConfig, ModelConfig
     from jaxpaged.engine import LLMEngine
-    from jaxpaged.runner import kv_bytes_per_block
+    from jaxpaged.step.runner import kv_bytes_per_block
     per_block = kv_bytes_per_block(ModelConfig.from_dir(path), 8, "float32")
     gb = 12 * per_block / 2 ** 30  # 12 blocks at TP=1
     return {f"tp{tp}": LLMEngine(EngineConfig(model=path, **engine_kwargs(

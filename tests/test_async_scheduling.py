@@ -184,7 +184,7 @@ def test_async_scheduling_flag():
     default (None: off on this CPU)."""
     import argparse
 
-    from jaxpaged.cli import add_scale_out_args, scale_out_kwargs
+    from jaxpaged.args import add_scale_out_args, scale_out_kwargs
     from serve.app import add_serve_args
     for add in (add_scale_out_args, add_serve_args):
         parse = add(argparse.ArgumentParser()).parse_args

@@ -6,11 +6,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.batch import NUM_BANNED, PersistentBatch, layout, pack
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.request import Request
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.core.batch import NUM_BANNED, PersistentBatch, layout, pack
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request import Request
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.scheduler import Scheduler
 
 
 def _params(rnd: random.Random) -> SamplingParams:

@@ -202,8 +202,8 @@ def test_startup(tmp_path):
 def test_hf_model_from_converted_dir(model, tmp_path):
     """The hf backend loads the engine's converted format onto transformers' model: same logits."""
     import torch
-    from bench_throughput import load_hf_model
-    from jaxpaged.convert import convert
+    from bench_common import load_hf_model
+    from jaxpaged.checkpoints.convert import convert
     dst = convert(model, str(tmp_path / "converted"), dtype="float32", progress=False)
     ids = torch.tensor([[5, 17, 33, 2, 90]])
     with torch.no_grad():

@@ -86,8 +86,8 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
 
 def test_converted_model_exported_for_vllm(tmp_path):
     from jaxpaged.config import ModelConfig
-    from jaxpaged.convert import convert
-    from jaxpaged.weights import load_params
+    from jaxpaged.checkpoints.convert import convert
+    from jaxpaged.checkpoints.weights import load_params
     src = make_tiny_model(str(tmp_path / "hf"), "llama", vocab_size=300)
     add_tiny_tokenizer(src, 300)
     conv = convert(src, str(tmp_path / "conv"), dtype="float32", progress=False)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import ModelConfig
-from jaxpaged.convert import TOKENIZER_FILES, convert
-from jaxpaged.weights import load_params
+from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
+from jaxpaged.checkpoints.weights import load_params
 from models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
@@ -191,7 +191,7 @@ def _hf_gguf_state(gguf_path):
                                           ("llama", "Q8_0"), ("llama", "Q4_0"), ("llama", "Q4_1"),
                                           ("qwen2", "Q8_0"), ("qwen3", "F32")])
 def test_gguf_tensors_match_transformers(tmp_path, family, qtype):
-    from jaxpaged.gguf import GGUFModel
+    from jaxpaged.checkpoints.gguf import GGUFModel
     src = _hf_dir(tmp_path / "hf", family)
     os.makedirs(tmp_path / "gguf")
     path = write_gguf(src, str(tmp_path / "gguf" / "m.gguf"), qtype)
@@ -215,7 +215,7 @@ def test_gguf_new_families_match_transformers(tmp_path, family, qtype):
     """Gemma 2 (norm scales stored as 1 + w, window and soft-caps from the metadata) and Phi-3 (fused
     qkv and gate_up tensors, split at load): tensors as transformers' GGUF loader reads them, and the
     converted model's config and parameters as the HF directory's."""
-    from jaxpaged.gguf import GGUFModel
+    from jaxpaged.checkpoints.gguf import GGUFModel
     # llama.cpp's Gemma 2 is tied, and scales queries by head_dim ** -0.5 (but the 46-layer 27B)
     kw = dict(tie=True, query_pre_attn_scalar=16) if family == "gemma2" else {}
     src = _hf_dir(tmp_path / "hf", family, **kw)
@@ -241,7 +241,7 @@ def test_gguf_new_families_match_transformers(tmp_path, family, qtype):
 def test_gguf_tokenizer_matches_transformers(tmp_path, llama_dir):
     from transformers import AutoTokenizer
 
-    from jaxpaged.tokenizer import Tokenizer
+    from jaxpaged.core.tokenizer import Tokenizer
     os.makedirs(tmp_path / "g")
     path = write_gguf(llama_dir, str(tmp_path / "g" / "m.gguf"), "Q8_0")
     dst = convert(path, str(tmp_path / "dst"), progress=False)
@@ -374,7 +374,7 @@ def test_dst_not_empty_refused_then_forced(tmp_path, llama_dir):
 
 
 def test_disk_full(tmp_path, llama_dir, monkeypatch):
-    import jaxpaged.convert as conv
+    import jaxpaged.checkpoints.convert as conv
 
     def full(params, out):
         with open(os.path.join(out, "partial"), "wb") as f:

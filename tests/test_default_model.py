@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxpaged.default_model import default_gguf_path, default_model_dir, fetch_default
+from jaxpaged.checkpoints.default_model import default_gguf_path, default_model_dir, fetch_default
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_fresh_cache_converts_quietly_on_stdout(model_dir, tmp_path, capfd):
 
 
 def test_prompt_ids_match_transformers(model_dir, hf_tokenizer):
-    from jaxpaged.tokenizer import Tokenizer
+    from jaxpaged.core.tokenizer import Tokenizer
     tok = Tokenizer.from_dir(model_dir)
     for text in TEXTS + ["Ünïcödé 東京 😀 <|im_start|>x"]:
         assert tok.encode(text) == hf_tokenizer.encode(text), text

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.mesh import param_partition_specs
-from jaxpaged.weights import param_shapes
+from jaxpaged.parallel.mesh import param_partition_specs
+from jaxpaged.checkpoints.weights import param_shapes
 from models import NEW_FAMILIES, WINDOW, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 from test_oracle import _forward_last_logits, _prompts
@@ -188,8 +188,8 @@ def test_convert_keeps_params(family_models, tmp_path, family):
     """`jaxpaged convert` of the new families (fused Phi-3 tensors split, experts stacked, Gemma's extra
     norms): the orbax directory restores to the very arrays the HF directory loads to."""
     import jax
-    from jaxpaged.convert import convert
-    from jaxpaged.weights import load_params
+    from jaxpaged.checkpoints.convert import convert
+    from jaxpaged.checkpoints.weights import load_params
     src = family_models[family]
     dst = convert(src, str(tmp_path / "dst"), dtype="float32", progress=False)
     cfg = ModelConfig.from_dir(dst)

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jaxpaged import __version__
-from jaxpaged.runner import NUM_BANNED
+from jaxpaged.step.runner import NUM_BANNED
 from models import make_tiny_model
 from serve.openapi import openapi_schema
 from test_server import Server, make_tokenizer, wait_idle

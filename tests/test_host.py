@@ -4,10 +4,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.request import Request, RequestStatus
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.scheduler import Scheduler
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.scheduler import Scheduler
 
 
 def _check_invariants(bm: BlockManager, live: list[Request]):

@@ -9,7 +9,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine
-from jaxpaged.kv_cache import QuantPool
+from jaxpaged.step.kv_cache import QuantPool
 from test_engine_paths import _workload
 from test_step_failure import GREEDY as FAILURE_GREEDY, _prompts, assert_all_free, run
 
@@ -109,7 +109,7 @@ def test_bad_kv_cache_dtype(bad):
 def test_cli_flag(tiny_models, monkeypatch):
     """--kv-cache-dtype of `generate` and `serve` reaches the engine's config."""
     import jaxpaged
-    import jaxpaged.replicas
+    import jaxpaged.parallel.replicas
     from jaxpaged.cli import main
     seen = {}
 
@@ -120,7 +120,7 @@ def test_cli_flag(tiny_models, monkeypatch):
     def fake_build(cfg):
         seen["serve"] = cfg.kv_cache_dtype  # returning None: as a multi-host follower, the server exits
     monkeypatch.setattr(jaxpaged, "LLM", fake_llm)
-    monkeypatch.setattr(jaxpaged.replicas, "build_engine", fake_build)
+    monkeypatch.setattr(jaxpaged.parallel.replicas, "build_engine", fake_build)
     assert main(["generate", "--prompt", "x", "--model", tiny_models["llama"], "--kv-cache-dtype", "int8"]) == 2
     assert main(["serve", "--model", tiny_models["llama"], "--kv-cache-dtype", "float8_e4m3fn"]) == 0
     assert seen == {"generate": "int8", "serve": "float8_e4m3fn"}

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 def test_kv_cache_quality_goals():
     from kv_quality import kv_quality
 
-    from jaxpaged.default_model import default_model_dir
+    from jaxpaged.checkpoints.default_model import default_model_dir
     res = kv_quality(default_model_dir(), ("bfloat16", "int8"), max_tokens=32)
     assert res["bfloat16"]["positions"] == 4 * 32
     assert res["bfloat16"]["mean_abs_dlogprob"] <= 0.005, res

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.weights import load_params
+from jaxpaged.checkpoints.weights import load_params
 from models import make_tiny_model
 
 

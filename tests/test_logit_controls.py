@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
+from jaxpaged.core.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
 from models import add_tiny_tokenizer, make_tiny_model
 from oracle import hf_model
 

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.attention import make_attention
+from jaxpaged.step.attention import make_attention
 from jaxpaged.models.llama import forward
-from jaxpaged.weights import load_params
+from jaxpaged.checkpoints.weights import load_params
 from models import FAMILIES, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 

@@ -115,8 +115,8 @@ def test_dense_logprobs_recipe(llama, llm):
     """docs/research.md's call of the pure function, against transformers."""
     import jax
 
-    from jaxpaged.attention import make_attention
-    from jaxpaged.scoring import dense_logprobs
+    from jaxpaged.step.attention import make_attention
+    from jaxpaged.step.scoring import dense_logprobs
     r = llm.engine.runner
     tokens = np.array([[1, 2, 3, 4, 5, 0, 0, 0]], np.int32)
     lp = jax.jit(lambda p, t: dense_logprobs(p, r.step_cfg, t, make_attention(r.backend, False),

@@ -1,4 +1,4 @@
-"""Weight-only quantization (jaxpaged/quant.py): the round trip, the products against float, every
+"""Weight-only quantization (jaxpaged/models/quant.py): the round trip, the products against float, every
 family's step against float32 and against its own dequantized weights, loading and conversion."""
 import jax
 import jax.numpy as jnp
@@ -8,9 +8,9 @@ import pytest
 from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import forward
-from jaxpaged.attention import make_attention
-from jaxpaged.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
-from jaxpaged.weights import load_params
+from jaxpaged.step.attention import make_attention
+from jaxpaged.models.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
+from jaxpaged.checkpoints.weights import load_params
 from models import make_tiny_model
 
 RNG = np.random.default_rng(0)
@@ -37,7 +37,7 @@ def test_round_trip_error_bounded(fmt):
 
 
 def test_products_match_dequantized(monkeypatch):
-    import jaxpaged.quant as quant
+    import jaxpaged.models.quant as quant
     monkeypatch.setattr(quant, "COLUMN_CHUNK", 16)  # wide matrices (>= 32 columns) go through the loop
     x = jnp.asarray(RNG.standard_normal((5, 40)), jnp.float32)
     w = _w(40, 24)
@@ -62,7 +62,7 @@ def test_products_match_dequantized(monkeypatch):
 
 
 def test_bad_quantization_names_the_argument(tmp_path):
-    from jaxpaged.convert import convert
+    from jaxpaged.checkpoints.convert import convert
     for call in (lambda: EngineConfig(quantization="int4"), lambda: quantize(np.ones((2, 2)), "q4", -2),
                  lambda: convert(str(tmp_path), str(tmp_path / "o"), quantization="Q4_1")):
         with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'fp8'"):
@@ -117,7 +117,7 @@ def _dir_bytes(path):
 def test_gguf_to_int8(tmp_path, qtype):
     """A Q8_0 / Q4_1 GGUF converts straight to int8 (tensors widened one at a time): within half an int8
     step of the GGUF's own values, a third of the float32 checkpoint's bytes."""
-    from jaxpaged.convert import convert
+    from jaxpaged.checkpoints.convert import convert
     from test_convert import _hf_dir, write_gguf
     gguf = write_gguf(_hf_dir(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
     f32 = convert(gguf, str(tmp_path / "f32"), dtype="float32", progress=False)
@@ -165,7 +165,7 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     each layer's slice is widened inside the layer loop, the head chunk by chunk), and never copies the
     stacked weights into the loop (the scan reads them where they are)."""
     import re
-    import jaxpaged.quant as quant
+    import jaxpaged.models.quant as quant
     monkeypatch.setattr(quant, "COLUMN_CHUNK", 64)  # the tiny vocabulary (256) takes the wide-head path
     path = make_tiny_model(str(tmp_path / "m"), "llama", tie=True, num_layers=3, seed=2)
     llm = LLM(model=path, quantization=quantization, warmup=False, **engine_kwargs)

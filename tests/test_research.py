@@ -124,7 +124,7 @@ def test_bad_input_names_the_field(llm, paths, engine_kwargs):
                        (dict(steering_vectors={0: [np.nan] * 64}), "steering_vectors")]:
         with pytest.raises(ValueError, match=field):
             llm.generate(p, SamplingParams(**bad), use_tqdm=False)
-    from jaxpaged.research import check_params
+    from jaxpaged.step.research import check_params
     with pytest.raises(ValueError, match="return_prompt_hidden_states.*hidden_state_layers"):
         check_params(SamplingParams(return_prompt_hidden_states=True), (), STEER, 64)  # capture not compiled
     o, = llm.generate(p, SamplingParams(max_tokens=3), use_tqdm=False)  # still serving
@@ -138,9 +138,9 @@ def test_hooks_inside_a_layer_pattern(tmp_path):
     import torch
 
     from jaxpaged import ModelConfig
-    from jaxpaged.attention import make_attention
+    from jaxpaged.step.attention import make_attention
     from jaxpaged.models.llama import decoder
-    from jaxpaged.weights import load_params
+    from jaxpaged.checkpoints.weights import load_params
     path = make_tiny_model(str(tmp_path / "gemma3"), "gemma3", seed=3)
     cfg = ModelConfig.from_dir(path)
     assert cfg.layer_period == 3 and cfg.num_layers == 4
@@ -173,7 +173,7 @@ def test_hooks_inside_a_layer_pattern(tmp_path):
 def test_update_weights(llm, paths, engine_kwargs):
     """Swap in another random model's weights (HF names, then the pytree back, then a partial update):
     outputs equal a fresh LLM on those weights, with no recompilation."""
-    from jaxpaged.weights import read_safetensors, safetensors_files
+    from jaxpaged.checkpoints.weights import read_safetensors, safetensors_files
     prompts = [{"prompt_token_ids": _prompt(11, 30)}, {"prompt_token_ids": _prompt(12, 7)}]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

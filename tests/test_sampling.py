@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.sampling import _filter, _penalize
-from jaxpaged.tokenizer import IncrementalDetokenizer, Tokenizer
+from jaxpaged.step.sampler import _filter, _penalize
+from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from models import add_tiny_tokenizer, make_tiny_model
 
 

@@ -10,8 +10,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from jaxpaged.default_model import default_model_dir
-from jaxpaged.structured import StructuredOutputsParams
+from jaxpaged.checkpoints.default_model import default_model_dir
+from jaxpaged.core.structured import StructuredOutputsParams
 from serve import tools
 from models import add_tiny_tokenizer, make_tiny_model
 from test_server import Server
@@ -184,10 +184,10 @@ def test_matcher_state_survives_recompute():
     """The matcher follows the request's output tokens, so dropping the KV (preemption, prefix hit)
     and recomputing cannot change it: feed the same tokens twice, masks equal."""
     import numpy as np
-    from jaxpaged.request import Request
-    from jaxpaged.sampling import SamplingParams
-    from jaxpaged.structured import StructuredOutputs
-    from jaxpaged.tokenizer import Tokenizer
+    from jaxpaged.core.request import Request
+    from jaxpaged.core.sampling_params import SamplingParams
+    from jaxpaged.core.structured import StructuredOutputs
+    from jaxpaged.core.tokenizer import Tokenizer
     d = default_model_dir()
     tok = Tokenizer.from_dir(d)
     so = StructuredOutputs(d + "/tokenizer.json", 49152, 2, [tok.eos_token_id])

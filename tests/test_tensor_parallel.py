@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.mesh import (device_groups, kv_head_replication, make_mesh, param_partition_specs,
+from jaxpaged.parallel.mesh import (device_groups, kv_head_replication, make_mesh, param_partition_specs,
                            replicate_kv_heads, sharded_model_config)
-from jaxpaged.weights import param_shapes
+from jaxpaged.checkpoints.weights import param_shapes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPS = (1, 2, 4)

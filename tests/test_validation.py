@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from jaxpaged import SamplingParams
 from jaxpaged.engine import EngineConfig, LLMEngine
-from jaxpaged.runner import NUM_BANNED
-from jaxpaged.validation import InvalidParam
+from jaxpaged.step.runner import NUM_BANNED
+from jaxpaged.core.validation import InvalidParam
 from models import add_tiny_tokenizer, make_tiny_model
 
 V, L, MAX_TOKENS = 320, 256, 5

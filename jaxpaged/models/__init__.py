@@ -1,0 +1,1 @@
+"""Pure model functions: the decoder, its layers, MoE, quantized products, reading HF configs."""

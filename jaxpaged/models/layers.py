@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.quant import dot
+from jaxpaged.models.quant import dot
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):

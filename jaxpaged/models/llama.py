@@ -20,10 +20,10 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
-Matrices (and the embedding) may be `jaxpaged.quant.QArray`s (weight-only int8 / fp8); every product
+Matrices (and the embedding) may be `jaxpaged.models.quant.QArray`s (weight-only int8 / fp8); every product
 goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
-the E axis (see partition specs in `jaxpaged/mesh.py`) without the layers knowing.
+the E axis (see partition specs in `jaxpaged/parallel/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the
@@ -38,11 +38,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpaged import kv_cache
+from jaxpaged.step import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
-from jaxpaged.quant import dot, take_rows
+from jaxpaged.models.quant import dot, take_rows
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
 #         scale, window, softcap, k_scale=None, v_scale=None) -> [T,Hq,hd]  (scales: quantized pools)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.layers import glu
-from jaxpaged.quant import ragged_dot
+from jaxpaged.models.quant import ragged_dot
 
 
 def route(h, router, cfg: ModelConfig):

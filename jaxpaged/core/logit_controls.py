@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from jaxpaged.validation import InvalidParam, check_text
+from jaxpaged.core.validation import InvalidParam, check_text
 
 MAX_LOGIT_BIAS = 300
 MAX_ABS_BIAS = 1e9

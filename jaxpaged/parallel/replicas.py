@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.sampling import SamplingParams
-from jaxpaged.validation import prompt_ids
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.validation import prompt_ids
 
 AFFINITY_SLACK_STEPS = 4     # affinity yields when the cached replica is this many full steps behind
 AFFINITY_MAP_SIZE = 1 << 16  # first blocks remembered by the router (least recently routed dropped first)
@@ -32,7 +32,7 @@ class Replicas:
     """`config.data_parallel_size` engines on `mesh.device_groups(tp, dp, devices)`, one front."""
 
     def __init__(self, config: EngineConfig, devices: list | None = None):
-        from jaxpaged.mesh import device_groups
+        from jaxpaged.parallel.mesh import device_groups
         groups = device_groups(config.tensor_parallel_size, config.data_parallel_size, devices)
         self.engines = [LLMEngine(config, devices=g) for g in groups]
         first = self.engines[0]
@@ -160,7 +160,7 @@ def build_engine(config: EngineConfig):
     job (num_processes > 1, after `multihost.initialize`) the leader's engine, or None on a follower once
     the leader has stopped."""
     if config.num_processes > 1:
-        from jaxpaged import multihost
+        from jaxpaged.parallel import multihost
         return multihost.build_engine(config)
     if config.data_parallel_size > 1:
         return Replicas(config)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 
-from jaxpaged.request import Request
+from jaxpaged.core.request import Request
 
 
 class BlockManager:

@@ -107,7 +107,7 @@ class GGUFModel:
         """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
         import gguf
         from jaxpaged.config import ModelConfig
-        from jaxpaged.weights import HF_TOP_NAMES, layer_name_map
+        from jaxpaged.checkpoints.weights import HF_TOP_NAMES, layer_name_map
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         n_layers = self.config["num_hidden_layers"]
         name_map = gguf.get_tensor_name_map(arch_enum, n_layers)

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxpaged.attention import make_attention
-from jaxpaged.mesh import MODEL_AXIS, POOL_SPEC
+from jaxpaged.step.attention import make_attention
+from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC
 from jaxpaged.models.llama import decoder, lm_logits
-from jaxpaged.validation import InvalidParam, check_text, prompt_ids
+from jaxpaged.core.validation import InvalidParam, check_text, prompt_ids
 
 
 def dense_logprobs(params, cfg, tokens, attn_fn, *, block_size: int, pool_sharding=None):

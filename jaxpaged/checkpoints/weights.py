@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.quant import FORMATS, QArray, check_quantization, convert_leaf, is_quantized_tree, leaf_axis, \
+from jaxpaged.models.quant import FORMATS, QArray, check_quantization, convert_leaf, is_quantized_tree, leaf_axis, \
     quantize
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -184,7 +184,7 @@ def map_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]
 def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
                               source: str = "checkpoint", progress=None, quantization: str | None = None) -> dict:
     """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time;
-    with `quantization` ("int8", "fp8") each matrix is quantized as it arrives (jaxpaged/quant.py)."""
+    with `quantization` ("int8", "fp8") each matrix is quantized as it arrives (jaxpaged/models/quant.py)."""
     np_dtype = NP_DTYPES[dtype]
     out = empty_params(cfg, dtype, quantization)
     seen = set()
@@ -331,7 +331,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, quantization: str | None = None) -> dict:
     """Numpy parameter pytree from an orbax (converted) or Hugging Face directory; with `quantization`
-    its matrices are QArrays (jaxpaged/quant.py)."""
+    its matrices are QArrays (jaxpaged/models/quant.py)."""
     if is_orbax_dir(model_dir):
         params = load_orbax_params(model_dir, cfg, dtype, quantization)
         if progress is not None:

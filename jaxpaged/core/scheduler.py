@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from jaxpaged.block_manager import BlockManager
-from jaxpaged.request import Request, RequestStatus
+from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.request import Request, RequestStatus
 
 
 PLACEHOLDER = -1  # a token sampled on the device, not read back yet (async scheduling)

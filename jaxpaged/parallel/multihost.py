@@ -26,9 +26,9 @@ import numpy as np
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import FatalStepError
-from jaxpaged.runner import ModelRunner
+from jaxpaged.step.runner import ModelRunner
 
-log = logging.getLogger("jaxpaged.multihost")
+log = logging.getLogger("jaxpaged.parallel.multihost")
 
 STEP_KEY = "jaxpaged/step/"
 CONFIG_KEY = "jaxpaged/config/"
@@ -263,7 +263,7 @@ def build_engine(config: EngineConfig):
     from jaxpaged.engine import LLMEngine
     model_dir = config.model
     if model_dir is None:
-        from jaxpaged.default_model import default_model_dir
+        from jaxpaged.checkpoints.default_model import default_model_dir
         model_dir = default_model_dir()
     check_same_config(config, model_dir)
     devices = jax.devices()

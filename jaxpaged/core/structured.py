@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxpaged.logit_controls import allowed_row
-from jaxpaged.validation import InvalidParam
+from jaxpaged.core.logit_controls import allowed_row
+from jaxpaged.core.validation import InvalidParam
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 

@@ -19,9 +19,9 @@ import functools
 import jax
 import numpy as np
 
-from jaxpaged.mesh import kv_head_replication, replicate_kv_heads
-from jaxpaged.quant import QArray, quantize
-from jaxpaged.weights import NP_DTYPES, map_named_tensors
+from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
+from jaxpaged.models.quant import QArray, quantize
+from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
 
 
 def _put(arr: np.ndarray, sharding) -> jax.Array:

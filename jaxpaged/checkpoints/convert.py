@@ -14,8 +14,8 @@ import sys
 import tempfile
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.quant import check_quantization
-from jaxpaged.weights import NP_DTYPES, count_tensors, params_from_named_tensors, read_safetensors, \
+from jaxpaged.models.quant import check_quantization
+from jaxpaged.checkpoints.weights import NP_DTYPES, count_tensors, params_from_named_tensors, read_safetensors, \
     safetensors_files, save_orbax_params
 
 # Files of a HF directory that travel with the weights (whichever exist).
@@ -29,7 +29,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
     """Convert SRC (HF model directory or .gguf file) into DST in the engine's format; return DST.
 
     quantization: None, or "int8" / "fp8": the matrices are quantized one tensor at a time (per output
-    channel; the embedding per row) and DST holds the quantized pytree (jaxpaged/quant.py), which loads
+    channel; the embedding per row) and DST holds the quantized pytree (jaxpaged/models/quant.py), which loads
     without a float copy of the model. GGUF tensors (Q8_0, Q4_0, Q4_1, ...) are widened one at a time.
 
     Raises ValueError, naming the file, for a missing or unreadable SRC, an unsupported architecture
@@ -94,7 +94,7 @@ def _convert_hf(src: str, out: str, dtype: str, progress: bool, quantization: st
 
 
 def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: str | None) -> None:
-    from jaxpaged.gguf import GGUFModel
+    from jaxpaged.checkpoints.gguf import GGUFModel
     g = GGUFModel(src)
     cfg = ModelConfig.from_hf_dict(g.config, source=src)
     tok = g.tokenizer()

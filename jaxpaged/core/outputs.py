@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpaged.request import ListPrefix
+from jaxpaged.core.request import ListPrefix
 
 
 @dataclass(init=False)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.validation import InvalidParam
+from jaxpaged.core.validation import InvalidParam
 
 
 def check_layers(name: str, layers, num_layers: int, upper: int) -> tuple[int, ...]:

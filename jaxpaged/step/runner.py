@@ -4,9 +4,9 @@ Every step has the same shapes except the token count T, padded up to a bucket (
 `max_num_batched_tokens`); each bucket (and, with the Pallas backend, a decode-only variant of the
 small ones) is compiled ahead of time at start-up, so a running engine never compiles.
 
-The runner owns a mesh (see `jaxpaged/mesh.py`): params sharded by their partition specs, the pools
+The runner owns a mesh (see `jaxpaged/parallel/mesh.py`): params sharded by their partition specs, the pools
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
-Its host inputs come from the persistent batch (`jaxpaged/batch.py`) and go to the device as one packed
+Its host inputs come from the persistent batch (`jaxpaged/core/batch.py`) and go to the device as one packed
 buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
 next `launch` in between).
 """
@@ -22,19 +22,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxpaged import kv_cache
-from jaxpaged.attention import make_attention, resolve_backend
-from jaxpaged.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
+from jaxpaged.step import kv_cache
+from jaxpaged.step.attention import make_attention, resolve_backend
+from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
+from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
-from jaxpaged.logit_controls import LogitControls
+from jaxpaged.core.logit_controls import LogitControls
 from jaxpaged.models.llama import decoder, lm_logits
-from jaxpaged.prompt_logprobs import collect, step_prompt_logprobs, targets
-from jaxpaged.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
-from jaxpaged.sampling import sample, slot_rows
-from jaxpaged.scheduler import SchedulerOutput
-from jaxpaged.structured import StructuredOutputs
+from jaxpaged.step.prompt_logprobs import collect, step_prompt_logprobs, targets
+from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
+from jaxpaged.step.sampler import sample, slot_rows
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.structured import StructuredOutputs
 
 
 

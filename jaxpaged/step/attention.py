@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxpaged.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
+from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
 from pallas_kernels.reference import ragged_paged_attention_reference
 
 

@@ -1,0 +1,1 @@
+"""Weights in and out: safetensors / orbax / GGUF loading, conversion, the default model, weight updates."""

@@ -1,0 +1,116 @@
+"""The pure batched sampler that runs inside the step (the host half, SamplingParams, is
+`jaxpaged/core/sampling_params.py`).
+
+Every slot carries its own parameters. A slot's random key is `fold_in(key(seed), index of the token
+being generated)`, so a request's samples depend only on its own seed and tokens, never on the batch.
+Logprobs are those of the model's raw distribution (log_softmax of the logits, before penalties,
+temperature and filtering), as in vLLM.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_NEG_INF = -jnp.inf
+
+
+def _penalize(logits, h):
+    """vLLM's penalties from the token history: repetition over prompt+output, the others output only."""
+    S, V = logits.shape
+    hist, plen, hlen = h["history"], h["prompt_len"], h["history_len"]  # [S, M], [S], [S]
+    pos = jnp.arange(hist.shape[1])[None, :]
+    ids = jnp.where((pos < hlen[:, None]) & (hist >= 0), hist, V)  # V = dropped
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
+    is_out = (pos >= plen[:, None]).astype(jnp.int32)
+    counts = jnp.zeros((S, V), jnp.int32).at[rows, ids].add(is_out, mode="drop")  # output counts
+    seen = jnp.zeros((S, V), jnp.bool_).at[rows, ids].set(True, mode="drop")  # prompt or output
+    rep = h["repetition_penalty"][:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - h["frequency_penalty"][:, None] * counts
+    return logits - h["presence_penalty"][:, None] * (counts > 0)
+
+
+def _apply_bitmask(logits, bitmask):
+    """Mask to -inf the tokens whose bit is 0. bitmask i32[S, W]: bit j of word w is token 32*w + j."""
+    S, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(S, -1)[:, :V].astype(jnp.bool_)  # [S, V]
+    return jnp.where(allowed, logits, _NEG_INF)
+
+
+def _apply_bias(logits, ids, values):
+    """Add values f32[S, NB] to the logits of ids i32[S, NB] (-1 = none): logit_bias and bad-word bans."""
+    S, V = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], ids.shape)
+    return logits.at[rows, jnp.where(ids >= 0, ids, V)].add(values, mode="drop")
+
+
+def _filter(scaled, sp):
+    """Mask tokens outside top_k / top_p / min_p (per slot) to -inf. scaled: [S, V] logits/temperature."""
+    V = scaled.shape[1]
+    srt = -jnp.sort(-scaled, axis=-1)  # [S, V] descending
+    k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)  # [S, 1]
+    probs = jax.nn.softmax(srt, axis=-1)
+    cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
+    keep_sorted = cum < sp["top_p"][:, None]
+    n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
+    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+    mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # p >= min_p * p_max
+    thresh = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sp["min_p"][:, None] > 0, mth, -jnp.inf))
+    return jnp.where(scaled >= thresh, scaled, _NEG_INF)
+
+
+def slot_rows(sp: dict, at, num_slots: int) -> dict:
+    """The sampler's inputs for rows of the slots `at` i32[R]: every per-slot array (leading axis
+    num_slots) gathered, the flags (0-d) kept."""
+    return {k: v[at] if jnp.ndim(v) and v.shape[0] == num_slots else v for k, v in sp.items()}
+
+
+def sample(logits, sp, num_logprobs: int):
+    """Sample one token per slot.
+
+    logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
+    min_p f32[S], seed u32[S], gen_index i32[S], banned i32[S, NB] (ids masked, -1 = none),
+    history i32[S, M], prompt_len/history_len i32[S], presence/frequency/repetition_penalty f32[S],
+    bitmask i32[S, ceil(V/32)] (grammar and allowed_token_ids masks: 0 bits are masked, all ones when
+    unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
+    any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
+    Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
+    zeros when no slot asked for logprobs: any_logprobs false).
+    """
+    S, V = logits.shape
+    raw = logits  # logprobs are the model's: before bias, penalties, masks and temperature
+    logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
+                          sp["bias_values"])
+    logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
+    banned = sp["banned"]
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)
+    logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
+    logits = jax.lax.cond(sp["any_mask"], _apply_bitmask, lambda l, m: l, logits, sp["bitmask"])
+    greedy_tok = jnp.argmax(logits, axis=-1)
+
+    def sampled(logits):
+        temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
+        scaled = logits / temp[:, None]
+        scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, scaled, sp)
+
+        def one(seed, idx, row):
+            key = jax.random.fold_in(jax.random.key(seed), idx)
+            return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype))
+        drawn = jax.vmap(one)(sp["seed"], sp["gen_index"], scaled)
+        return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
+
+    tokens = jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits).astype(jnp.int32)
+
+    def logprobs(raw, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
+        lp = jax.nn.log_softmax(raw, axis=-1)
+        top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
+        return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids.astype(jnp.int32)
+
+    def not_asked(raw, tokens):
+        return (jnp.zeros((S,), raw.dtype), jnp.zeros((S, num_logprobs), raw.dtype),
+                jnp.zeros((S, num_logprobs), jnp.int32))
+
+    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, raw, tokens)
+    return tokens, tok_lp, top_lp, top_ids

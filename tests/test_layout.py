@@ -1,0 +1,154 @@
+"""The walls of the layout (docs/architecture.md), held by check rather than by prose:
+- every module of `jaxpaged/core/` imports in a fresh interpreter where jax cannot be imported;
+- no import cycle among the modules of jaxpaged/, serve/, pallas_kernels/ and scripts/, counting every
+  import statement, also the ones inside functions;
+- `from jaxpaged import ...` still gives the public API, without importing jax until a name is used.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("jaxpaged", "serve", "pallas_kernels")
+
+BLOCK_JAX = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('jax', 'jaxlib', 'flax', 'orbax'):
+            raise ImportError(f'{name} is blocked: jaxpaged.core must not import it')
+sys.meta_path.insert(0, Block())
+"""
+
+
+def _modules(root_dir: str, package: str | None) -> dict[str, str]:
+    """{dotted module name: path} of the .py files under root_dir (package=None: top-level scripts)."""
+    out = {}
+    for dirpath, _, files in os.walk(root_dir):
+        if "__pycache__" in dirpath:
+            continue
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
+            if package is None:
+                rel = rel[1:]  # scripts/x.py is imported as x (scripts put their folder on sys.path)
+            if rel[-1] == "__init__":
+                rel = rel[:-1]
+            out[".".join(rel)] = os.path.join(dirpath, f)
+    return out
+
+
+def _core_modules() -> list[str]:
+    return sorted(m for m in _modules(os.path.join(ROOT, "jaxpaged", "core"), "jaxpaged") if m != "jaxpaged.core")
+
+
+@pytest.mark.parametrize("module", _core_modules())
+def test_core_imports_without_jax(module):
+    code = BLOCK_JAX + f"import {module}\nassert 'jax' not in sys.modules\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"{module} needs jax (or fails to import):\n{r.stderr[-2000:]}"
+
+
+def test_the_block_catches_jax():
+    """The check above can fail: a module that imports jax is refused under the same block."""
+    r = subprocess.run([sys.executable, "-c", BLOCK_JAX + "import jaxpaged.step.sampler\n"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "blocked" in r.stderr
+
+
+def test_public_api_is_lazy():
+    code = BLOCK_JAX + "import jaxpaged\nassert sorted(jaxpaged.__all__) == sorted(%r)\n" % [
+        "LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
+        "CompletionOutput", "StructuredOutputsParams"]
+    code += "from jaxpaged import SamplingParams, RequestOutput, StructuredOutputsParams\nSamplingParams(max_tokens=3)\n"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import jaxpaged
+    from jaxpaged import LLM, LLMEngine, EngineConfig, ModelConfig  # noqa: F401 -- the names resolve
+    assert jaxpaged.LLM is LLM
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        jaxpaged.nope  # noqa: B018
+
+
+def _imports(path: str, module: str, known: set[str]) -> set[str]:
+    """The known modules `path` imports anywhere in its body (absolute and relative imports)."""
+    tree = ast.parse(open(path).read(), path)
+    is_pkg = path.endswith("__init__.py")
+    out = set()
+
+    def add(name: str) -> None:
+        while name and name not in known:  # `import a.b.c` of a module under a package: keep the module
+            name = name.rpartition(".")[0]
+        if name and name != module:
+            out.add(name)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                add(a.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".")[: len(module.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(parts + ([base] if base else []))
+            for a in node.names:  # `from pkg import mod` imports the module pkg.mod
+                add(f"{base}.{a.name}" if f"{base}.{a.name}" in known else base)
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state, stack = {}, []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = {}
+    for p in PACKAGES:
+        mods.update(_modules(os.path.join(ROOT, p), p))
+    mods.update(_modules(os.path.join(ROOT, "scripts"), None))
+    known = set(mods)
+    return {m: _imports(path, m, known) for m, path in mods.items()}
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "jaxpaged.core.scheduler" in graph and "bench_throughput" in graph
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_check_can_fail():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_core_imports_nothing_above_it():
+    """core/ is the floor: it imports only other core modules (and jaxpaged's package file)."""
+    graph = import_graph()
+    for m, deps in graph.items():
+        if m.startswith("jaxpaged.core."):
+            above = sorted(d for d in deps if d.startswith(PACKAGES) and not d.startswith("jaxpaged.core")
+                           and d != "jaxpaged")
+            assert not above, f"{m} imports {above}"
