@@ -115,7 +115,7 @@ def ready(ring, stage, first_pos, length, hint):
     if ring.ks_ref is None:
         pl.when(first_pos + kb > length)(lambda: _zero_rows(v_tile, v_tile, first_pos, length, hint))
         return k_tile, v_tile, None, None
-    ring.k_wide[...] = in_layout(k_tile[...], plgpu.Layout.WGMMA, hint).astype(ring.k_wide.dtype)
+    ring.k_wide[...] = _widen(in_layout(k_tile[...], plgpu.Layout.WGMMA, hint), ring.k_wide.dtype)
     _zero_rows(v_tile, ring.v_wide, first_pos, length, hint)
     plgpu.commit_smem()
     col = plgpu.Layout.WGMMA.reduce(0)
@@ -125,9 +125,16 @@ def ready(ring, stage, first_pos, length, hint):
     return ring.k_wide, ring.v_wide, ks, jnp.where(pos < length, vs, 0.0)
 
 
+def _widen(x, dtype):
+    """x cast to `dtype`; fp8 through float16 (exact: e4m3 fits f16), the cast sm_90a converts directly."""
+    if x.dtype == jnp.float8_e4m3fn and dtype != jnp.float16:
+        x = x.astype(jnp.float16)
+    return x.astype(dtype)
+
+
 def _zero_rows(src, dst, first_pos, length, hint):
     """dst [kb, D] = src with the rows at positions >= length zeroed (cast to dst's dtype)."""
-    v = in_layout(src[...], plgpu.Layout.WGMMA, hint).astype(dst.dtype)  # [kb, D]
+    v = _widen(in_layout(src[...], plgpu.Layout.WGMMA, hint), dst.dtype)  # [kb, D]
     rows = iota(src.shape, 0, hint) + first_pos
     dst[...] = jnp.where(rows < length, v, jnp.zeros_like(v))
 

@@ -45,12 +45,30 @@ def _wgmma(*, token, device_id, grid_point_coords, thread_id, acc_allocation_key
     return token
 
 
+_JAX_WGMMA = cb.wgmma
+
+
 @contextlib.contextmanager
-def transposed_wgmma():
-    """Within the block, interpreted WGMMAs accept a transposed shared-memory operand."""
-    original = cb.wgmma
-    cb.wgmma = _wgmma
+def _callback(fn):
+    saved, cb.wgmma = cb.wgmma, fn
     try:
         yield
     finally:
-        cb.wgmma = original
+        cb.wgmma = saved
+
+
+def transposed_wgmma():
+    """Within the block, interpreted WGMMAs accept a transposed shared-memory operand."""
+    return _callback(_wgmma)
+
+
+@contextlib.contextmanager
+def original_wgmma():
+    """Within the block, JAX's own WGMMA callback (to show what it rejects); the interpreter's state is
+    reset on the way out, as it must be after an error inside an interpreted kernel."""
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+    try:
+        with _callback(_JAX_WGMMA):
+            yield
+    finally:
+        reset_gpu_interpret_mode_state()
