@@ -3,8 +3,16 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
 .PHONY: demo test test-fast clean
+
+# demo: the package alone (no test tools, no CUDA compile toolchain)
+$(DEMO_STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -12,7 +20,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/jaxpaged fetch-default
 	$(BIN)/jaxpaged generate --prompt "The three primary colors are" --max-tokens 48
 	$(BIN)/jaxpaged generate --chat --prompt "Write a haiku about the sea." \

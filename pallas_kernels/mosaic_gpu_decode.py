@@ -84,13 +84,14 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb, 
 
 
 def mosaic_decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
-    """Tuning defaults: 64 keys per step (32 at head_dim 256), 3 stages, splits to fill ~2 programs/SM."""
+    """Tuning defaults: 64 keys per step (32 at head_dim 256); 3 stages at head_dim <= 64, else 2 (two programs
+    an SM fit in shared memory at head_dim 128: ~104 KB each); splits to fill ~2 programs an SM."""
     keys = 64 if head_dim <= 128 else 32
     nb = max(keys // block_size, pl.cdiv(16, block_size), 1)
     nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
     iters = pl.cdiv(max_blocks, nb)
     splits = max(1, min(_TARGET_PROGRAMS // (num_slots * num_kv_heads), iters, 32))
-    return dict(blocks_per_iter=nb, num_splits=splits, num_stages=3)
+    return dict(blocks_per_iter=nb, num_splits=splits, num_stages=3 if head_dim <= 64 else 2)
 
 
 @functools.partial(jax.jit, static_argnames=(

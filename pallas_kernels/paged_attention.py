@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +38,24 @@ def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
+# JAX 0.11 deprecates the Pallas Triton backend and warns at every Triton lowering, which happens when the
+# jit around the caller's step compiles, after our call has returned: a filter scoped to the call cannot see
+# it. Triton stays the backend below sm_90 while JAX ships it, so the warning is ours to carry, not the
+# user's; it is ignored process-wide (this message, this category only) once a Triton kernel is built.
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated"
+
+
+@functools.cache
+def quiet_triton_deprecation() -> None:
+    """Ignore JAX's Triton-deprecation DeprecationWarning from now on (idempotent)."""
+    warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
 def compiler_params(num_warps: int, num_stages: int):
     """Triton compiler parameters (the class was renamed across JAX releases)."""
     if plgpu is None:
         raise NotImplementedError("this JAX has no Pallas Triton backend; use the reference attention")
+    quiet_triton_deprecation()
     cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
     return cls(num_warps=num_warps, num_stages=num_stages)
 

@@ -44,7 +44,8 @@ def kernels(cases: list[dict], dumps: dict) -> list[dict]:
     """Compile each kernel case for one H100 and read its registers, spills and shared memory.
 
     A case: backend (triton | mosaic), kernel (decode | ragged), kv (bfloat16 | int8 | float8_e4m3fn), hq,
-    hkv, head_dim, block_size, slots, max_blocks, num_blocks, tokens (ragged), plus any labels."""
+    hkv, head_dim, block_size, slots, max_blocks, num_blocks, tokens (ragged), optional tuning (the kernel's
+    knobs), plus any labels."""
     sharding = NamedSharding(cuda_mesh(1), P())
     seen_xla, seen_mosaic = set(), set()
     out = []
@@ -53,9 +54,9 @@ def kernels(cases: list[dict], dumps: dict) -> list[dict]:
         quantized = case["kv"] != "bfloat16"
         n = 6 if case["kernel"] == "ragged" else 5
 
-        def call(*a, fn=fn, n=n, quantized=quantized):
+        def call(*a, fn=fn, n=n, quantized=quantized, tuning=case.get("tuning", {})):
             scales = dict(k_scale=a[n], v_scale=a[n + 1]) if quantized else {}
-            return fn(*a[:n], **scales)
+            return fn(*a[:n], **scales, **tuning)
         t0 = time.perf_counter()
         jax.jit(call).lower(*_kernel_args(case, sharding)).compile()
         seconds = time.perf_counter() - t0

@@ -1,0 +1,69 @@
+"""Compiled for an H100 / H200 (sm_90a) on this CPU-only machine: both kernel backends and the engine's
+whole step, through the jax-cuda plugin's compile-only client and ptxas (scripts/gpu_compile.py).
+
+Every compile runs in a fresh ``JAX_PLATFORMS=cpu`` subprocess, so this process never starts the CUDA
+plugin. Skips with the reason when the plugin or ptxas is not installed (the ``test`` extra brings both).
+The full table (every model shape x KV dtype x backend) is ``scripts/compile_table.py``'s.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+import gpu_compile  # noqa: E402
+
+SMEM_PER_BLOCK = 232448  # sm_90a's opt-in shared memory per block (the spec's shared_memory_per_block_optin)
+needs_toolchain = pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
+
+
+def _case(backend, kernel, kv, hq, hkv, head_dim, **kw):
+    return dict(dict(backend=backend, kernel=kernel, kv=kv, hq=hq, hkv=hkv, head_dim=head_dim, block_size=16,
+                     slots=64, max_blocks=128, num_blocks=4096, tokens=256), **kw)
+
+
+@needs_toolchain
+def test_kernels_compile_for_sm90a():
+    """The default model's shape (9 q / 3 kv heads, head_dim 64) in bf16 and Llama-3-8B's (32 / 8, 128) with
+    int8 and fp8 pools, both kernels, both backends: real cubins, within sm_90a's limits."""
+    cases = [_case(b, k, "bfloat16", 9, 3, 64) for b in ("triton", "mosaic") for k in ("decode", "ragged")]
+    cases += [_case(b, k, kv, 32, 8, 128) for b, k, kv in [("mosaic", "decode", "int8"), ("mosaic", "ragged",
+              "float8_e4m3fn"), ("triton", "decode", "float8_e4m3fn"), ("triton", "ragged", "int8")]]
+    got = gpu_compile.run("kernels", dict(cases=cases))
+    assert len(got) == len(cases)
+    for rec in got:
+        label = f"{rec['backend']} {rec['kernel']} {rec['kv']} {rec['hq']}/{rec['hkv']}x{rec['head_dim']}"
+        assert rec["target"] == "sm_90a", label
+        assert 0 < rec["registers"] <= 255, label
+        assert 0 < rec["smem_bytes"] <= SMEM_PER_BLOCK, label
+
+
+@needs_toolchain
+def test_oversized_tuning_fails_like_a_real_h100():
+    """The compile is real: shared memory beyond sm_90a's 227 KiB a block is refused, by XLA for the Triton
+    kernel (as on the device), by Mosaic GPU's lowering for its kernel."""
+    big = dict(backend="mosaic", kernel="decode", kv="bfloat16", hq=32, hkv=8, head_dim=256, block_size=16,
+               slots=8, max_blocks=64, num_blocks=1024, tokens=64, tuning=dict(num_stages=8, blocks_per_iter=4))
+    too_big = "exceeds available shared memory: smem_bytes=\\d+ > max_smem_bytes=232448"
+    with pytest.raises(RuntimeError, match=too_big):
+        gpu_compile.run("kernels", dict(cases=[big]))
+    big.update(backend="triton", tuning=dict(num_stages=4, blocks_per_iter=32, num_splits=1))
+    with pytest.raises(RuntimeError, match="Shared memory size limit exceeded: requested \\d+, available: 232448"):
+        gpu_compile.run("kernels", dict(cases=[big]))
+
+
+def test_triton_deprecation_is_quiet_for_users():
+    """JAX 0.11's Triton-deprecation warning (raised when the caller's jit lowers the kernel) is filtered,
+    that message only."""
+    from pallas_kernels.paged_attention import quiet_triton_deprecation
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        quiet_triton_deprecation.cache_clear()
+        quiet_triton_deprecation()
+        warnings.warn("The Pallas Triton backend is deprecated and will be removed in a future JAX version.",
+                      DeprecationWarning)
+        warnings.warn("something else", DeprecationWarning)
+    assert [str(w.message) for w in seen] == ["something else"]
