@@ -30,6 +30,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels import (paged_attention, paged_attention_reference,  # noqa: E402
                             ragged_paged_attention, ragged_paged_attention_reference)
+from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention  # noqa: E402
+from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention  # noqa: E402
+
+# --backend: (decode, ragged) kernels and the decode tuning sweep of each
+KERNELS = {"triton": (paged_attention, ragged_paged_attention), "mosaic": (mosaic_paged_attention,
+                                                                          mosaic_ragged_paged_attention)}
+MOSAIC_SWEEP = [dict(blocks_per_iter=2), dict(blocks_per_iter=8), dict(num_stages=3), dict(num_stages=4),
+                dict(num_splits=2)]
 
 GPU = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16",
            batches=[1, 8, 32, 64, 128, 256], contexts=[512, 4096, 32768], max_tokens=1 << 21,
@@ -108,7 +116,8 @@ def bench_decode(cfg, pool, batch, ctx, key, interpret, peak, shipped, tuning=No
     q, tables, lens = decode_case(cfg, batch, ctx, k_pool.shape[0], key)
     rec = dict(batch=batch, context=ctx, kv_bytes=kv_bytes(cfg, batch * ctx), tuning=tuning or "default",
                kv_dtype=cfg.get("kv_dtype") or cfg["dtype"])
-    ours = jax.jit(lambda *a: paged_attention(*a, interpret=interpret, **scales, **(tuning or {})))
+    decode = KERNELS[cfg["backend"]][0]
+    ours = jax.jit(lambda *a: decode(*a, interpret=interpret, **scales, **(tuning or {})))
     ref = jax.jit(lambda *a: paged_attention_reference(*a, **scales))
     out = ours(q, k_pool, v_pool, tables, lens)
     expect = ref(q, k_pool, v_pool, tables, lens)
@@ -148,7 +157,8 @@ def bench_ragged(cfg, pool, key, interpret, peak):
     q = jax.random.normal(kq, (T, cfg["num_q_heads"], cfg["head_dim"]), cfg["dtype"])
     rec = dict(decodes=r["decodes"], decode_ctx=r["decode_ctx"], prefills=r["prefills"], tokens=T,
                kv_bytes=kv_bytes(cfg, sum(ctxs)))
-    ours = jax.jit(lambda *a: ragged_paged_attention(*a, interpret=interpret))
+    ragged = KERNELS[cfg["backend"]][1]
+    ours = jax.jit(lambda *a: ragged(*a, interpret=interpret))
     ref = jax.jit(ragged_paged_attention_reference)
     args = (q, k_pool, v_pool, tables, lens, qsl)
     out, expect = ours(*args), ref(*args)
@@ -215,8 +225,14 @@ def main(argv=None):
     ap.add_argument("--time-budget", type=float, default=300.0, help="seconds; later shapes are skipped")
     ap.add_argument("--kv-dtype", choices=["int8", "float8_e4m3fn"], default=None,
                     help="a quantized pool (decode grid only); default: the model dtype's pool")
+    ap.add_argument("--backend", choices=sorted(KERNELS), default="triton",
+                    help="the kernels' implementation: Pallas Triton, or Mosaic GPU (sm_90a)")
     args = ap.parse_args(argv)
-    cfg = dict(SMOKE if args.cpu_smoke else GPU, kv_dtype=args.kv_dtype)
+    if args.backend == "mosaic" and args.cpu_smoke:
+        ap.error("--backend mosaic runs on an sm_90 GPU; its interpret-mode check is tests/test_mosaic_gpu_kernels.py")
+    cfg = dict(SMOKE if args.cpu_smoke else GPU, kv_dtype=args.kv_dtype, backend=args.backend)
+    if args.backend == "mosaic" and not args.cpu_smoke:
+        cfg["sweep"] = MOSAIC_SWEEP
     interpret = args.cpu_smoke or jax.default_backend() != "gpu"
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]

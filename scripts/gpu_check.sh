@@ -1,102 +1,109 @@
 #!/usr/bin/env bash
-# GPU check for the Pallas kernels: native kernel tests, then the kernel benchmark; on >= 2 GPUs also
-# tensor parallelism: TP=2 greedy tokens against TP=1 (scripts/check_tp.py) and TP=2 vs TP=1 throughput.
-# No installs, no network. Usage (from anywhere): scripts/gpu_check.sh [OUT_DIR]
-# OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
-#   env.txt, pytest.txt, pytest.xml   the GPU test run (pytest -m gpu tests/test_kernels.py)
-#   bench.log, results.json, results.md   scripts/bench_kernels.py (rewritten after every measurement)
-#   kv_float8/, kv_int8/              the decode kernel over quantized pools (--kv-dtype), bytes/s vs copy
-#   tp_check.json, tp_check.log       TP=2 correctness (>= 2 GPUs; skipped on one)
-#   tp_throughput.json, tp_throughput.log   TP=1 vs TP=2 throughput, random llama-8h preset, bfloat16
-#   host_sync.json, host_async.json, host.log   default model, 64 running, bf16: decode step rate and GPU
-#                                     idle share (step wall - device-only replay, / step wall), async off vs on
-#   host_null.json                    host-only ceiling: the null device at 8 / 64 / 256 running
-#   summary.md                        test outcome + benchmark tables
-# Each part is guarded: a failing or missing part is recorded and the next one still runs.
-# pytest runs with --noconftest: the kernel tests need nothing from tests/conftest.py (which imports the
-# engine and its model-test dependencies, perhaps absent on the GPU machine).
-# Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 240), BENCH_BUDGET (s, default 300),
-# KV_BUDGET (s per quantized KV dtype, default 60),
-# TP_MODEL (default random:llama-8h: random weights, needs torch + transformers), TP_TIMEOUT (s, default 900),
-# HOST_MODEL (default: the embedded default model; random:smollm2-135m works offline), HOST_TIMEOUT (s, default 600).
+# GPU check, one script, under 10 minutes on an H100 / H200: both attention backends (Pallas Triton and
+# Mosaic GPU) measured on the device, then the engine end to end with each.
+# No installs, no network. Usage (from anywhere): scripts/gpu_check.sh [OUT_DIR]   (DRY_RUN=1: print the
+# plan, run nothing; any machine). OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
+#   env.txt                            jax, devices, nvidia-smi
+#   kernels_{triton,mosaic}/           scripts/bench_kernels.py --backend B, bf16 pool: decode grid (batch x
+#                                      context) and one mixed step, bytes/s against a device copy measured in
+#                                      the same run, max error against the reference for every shape
+#   kernels_{triton,mosaic}_fp8/       the decode grid over a float8_e4m3fn pool (scales included in bytes)
+#   e2e_{triton,mosaic_gpu}_{bf16,fp8}.json   scripts/bench_host.py: the engine, decode at 1 / 64 / 256
+#                                      running, bfloat16 weights, KV bf16 or fp8: step time, device time,
+#                                      roofline share
+#   summary.md                         every table above, and each part's exit status
+# With EXTRA=1 (beyond the 10 minutes): tensor parallelism on >= 2 GPUs (TP=2 tokens vs TP=1, throughput)
+# and the host path at 64 running, sync vs async scheduling (tp_*.json, host_*.json).
+# Each part is guarded: a failing part is recorded and the next one still runs.
+# Environment: PYTHON (default python3), KERNEL_BUDGET (s per bf16 benchmark, default 75), FP8_BUDGET (s per
+# fp8 benchmark, default 30), E2E_TIMEOUT (s per engine run, default 100), E2E_MODEL (default
+# random:smollm2-135m: the default model's shapes, random weights, offline), TP_MODEL, HOST_MODEL, TP_TIMEOUT,
+# HOST_TIMEOUT (EXTRA).
 set -u
 OUT_DIR="${1:-${OUT:-gpu_check_out}}"
-mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+DRY="${DRY_RUN:-0}"
+if [ "$DRY" != 1 ]; then mkdir -p "$OUT_DIR" && OUT_DIR="$(cd "$OUT_DIR" && pwd)"; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the benchmark sizes its own pool
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the benchmarks size their own pools
+STATUS=""
 
-{
-  date -u
-  "$PY" --version
-  "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
-  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>/dev/null
-} >"$OUT_DIR/env.txt" 2>&1
-cat "$OUT_DIR/env.txt"
+# part NAME TIMEOUT LOG CMD...: run CMD (in scripts/ when it names a scripts/ file) under TIMEOUT, log to LOG
+part() {
+  local name="$1" limit="$2" log="$3"; shift 3
+  if [ "$DRY" = 1 ]; then echo "[dry run] $name: timeout $limit $* > $log"; STATUS="$STATUS
+- $name: dry run"; return 0; fi
+  timeout "$limit" "$@" >"$log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc"
+  STATUS="$STATUS
+- $name: exit $rc"
+}
 
-test_status="not run"
-if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout "${TEST_TIMEOUT:-240}" "$PY" -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider --noconftest \
-    --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.txt" 2>&1
-  rc=$?
-  test_status="exit $rc: $(tail -n 1 "$OUT_DIR/pytest.txt")"
-else
-  test_status="pytest not installed: skipped (the benchmark still checks every shape against the reference)"
+if [ "$DRY" != 1 ]; then
+  {
+    date -u
+    "$PY" --version
+    "$PY" -c "import jax, jaxlib; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__); print(jax.devices())"
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>/dev/null
+  } >"$OUT_DIR/env.txt" 2>&1
+  cat "$OUT_DIR/env.txt"
 fi
-echo "tests: $test_status"
 
-timeout $(( ${BENCH_BUDGET:-300} + 240 )) "$PY" scripts/bench_kernels.py --out "$OUT_DIR" \
-  --time-budget "${BENCH_BUDGET:-300}" >"$OUT_DIR/bench.log" 2>&1
-bench_rc=$?
-echo "bench: exit $bench_rc"
-kv_status=""
-for kv in float8_e4m3fn int8; do
-  timeout $(( ${KV_BUDGET:-60} + 120 )) "$PY" scripts/bench_kernels.py --kv-dtype "$kv" --out "$OUT_DIR/kv_${kv%%_*}" \
-    --time-budget "${KV_BUDGET:-60}" >"$OUT_DIR/kv_${kv%%_*}.log" 2>&1
-  kv_status="$kv_status $kv: exit $?;"
+KB="${KERNEL_BUDGET:-75}"
+FB="${FP8_BUDGET:-30}"
+for backend in triton mosaic; do
+  part "kernels $backend bf16" $((KB + 90)) "$OUT_DIR/kernels_$backend.log" \
+    "$PY" scripts/bench_kernels.py --backend "$backend" --out "$OUT_DIR/kernels_$backend" --time-budget "$KB"
+  part "kernels $backend fp8" $((FB + 60)) "$OUT_DIR/kernels_${backend}_fp8.log" \
+    "$PY" scripts/bench_kernels.py --backend "$backend" --kv-dtype float8_e4m3fn \
+    --out "$OUT_DIR/kernels_${backend}_fp8" --time-budget "$FB"
 done
-echo "quantized KV decode:$kv_status"
 
-num_gpus=$("$PY" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))" 2>/dev/null || echo 0)
-if [ "${num_gpus:-0}" -ge 2 ]; then
-  (cd scripts && timeout "${TP_TIMEOUT:-900}" "$PY" check_tp.py --tensor-parallel-size 2 --model "${TP_MODEL:-random:llama-8h}" \
-    --json "$OUT_DIR/tp_check.json" >"$OUT_DIR/tp_check.log" 2>&1)
-  tp_status="TP=2 tokens vs TP=1: exit $? ($(tail -n 1 "$OUT_DIR/tp_check.log" | cut -c1-300))"
-  (cd scripts && timeout "${TP_TIMEOUT:-900}" "$PY" bench_throughput.py --model "${TP_MODEL:-random:llama-8h}" --backend jaxpaged \
-    --dtype bfloat16 --num-prompts 256 --max-num-seqs 64 --tensor-parallel-size 1 --tensor-parallel-size 2 \
-    --json "$OUT_DIR/tp_throughput.json" >"$OUT_DIR/tp_throughput.log" 2>&1)
-  tp_status="$tp_status; throughput: exit $?"
-else
-  tp_status="skipped: $num_gpus GPU(s), tensor parallelism needs 2"
+for backend in triton mosaic_gpu; do
+  for kv in bf16 fp8; do
+    kvd=$([ "$kv" = fp8 ] && echo float8_e4m3fn || echo auto)
+    part "engine $backend KV $kv" "${E2E_TIMEOUT:-100}" "$OUT_DIR/e2e_${backend}_$kv.log" \
+      "$PY" scripts/bench_host.py --model "${E2E_MODEL:-random:smollm2-135m}" --running 1 64 256 --steps 16 \
+      --replays 4 --dtype bfloat16 --kv-cache-dtype "$kvd" --attention-backend "$backend" \
+      --json "$OUT_DIR/e2e_${backend}_$kv.json"
+  done
+done
+
+if [ "${EXTRA:-0}" = 1 ]; then
+  num_gpus=$("$PY" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))" 2>/dev/null || echo 0)
+  if [ "${num_gpus:-0}" -ge 2 ]; then
+    part "TP=2 tokens vs TP=1" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_check.log" "$PY" scripts/check_tp.py \
+      --tensor-parallel-size 2 --model "${TP_MODEL:-random:llama-8h}" --json "$OUT_DIR/tp_check.json"
+    part "TP throughput" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_throughput.log" "$PY" scripts/bench_throughput.py \
+      --model "${TP_MODEL:-random:llama-8h}" --backend jaxpaged --dtype bfloat16 --num-prompts 256 \
+      --max-num-seqs 64 --tensor-parallel-size 1 --tensor-parallel-size 2 --json "$OUT_DIR/tp_throughput.json"
+  fi
+  for mode in off on; do
+    part "host path, async scheduling $mode" "${HOST_TIMEOUT:-600}" "$OUT_DIR/host_$mode.log" \
+      "$PY" scripts/bench_host.py --running 64 --steps 64 --replays 16 --dtype bfloat16 \
+      ${HOST_MODEL:+--model "$HOST_MODEL"} --async-scheduling "$mode" --json "$OUT_DIR/host_$mode.json"
+  done
 fi
-echo "tensor parallelism: $tp_status"
 
-host_status=""
-for mode in off on; do
-  name=$([ "$mode" = on ] && echo async || echo sync)
-  (cd scripts && timeout "${HOST_TIMEOUT:-600}" "$PY" bench_host.py --running 64 --steps 64 --replays 16 --dtype bfloat16 \
-    ${HOST_MODEL:+--model "$HOST_MODEL"} --async-scheduling "$mode" --json "$OUT_DIR/host_$name.json" >>"$OUT_DIR/host.log" 2>&1)
-  host_status="$host_status $name: exit $?;"
-done
-(cd scripts && timeout "${HOST_TIMEOUT:-600}" "$PY" bench_host.py --null-device --running 8 64 256 \
-  ${HOST_MODEL:+--model "$HOST_MODEL"} --json "$OUT_DIR/host_null.json" >>"$OUT_DIR/host.log" 2>&1)
-host_status="$host_status null device: exit $?"
-host_table=$("$PY" - "$OUT_DIR" <<'PYEOF' 2>&1
+if [ "$DRY" = 1 ]; then echo "[dry run] summary.md from the parts above"; exit 0; fi
+e2e_table=$("$PY" - "$OUT_DIR" <<'PYEOF' 2>&1
 import json, os, sys
 d = sys.argv[1]
-print("| mode | steps/s | step ms | device ms | unhidden host ms | GPU idle share |")
+print("| backend | KV | running | step ms | device ms | tok/s |")
 print("| --- | --- | --- | --- | --- | --- |")
-for name in ("sync", "async"):
-    p = os.path.join(d, f"host_{name}.json")
-    if os.path.exists(p):
-        r = json.load(open(p))["results"][0]
-        print(f"| {name} | {1 / r['step_wall_s']:.0f} | {1e3 * r['step_wall_s']:.2f} | {1e3 * r['device_s']:.2f} | "
-              f"{r['unhidden_host_ms_per_step']:.3f} | {max(r['host_overhead_pct'], 0):.1f}% |")
+for b in ("triton", "mosaic_gpu"):
+    for kv in ("bf16", "fp8"):
+        p = os.path.join(d, f"e2e_{b}_{kv}.json")
+        if not os.path.exists(p):
+            print(f"| {b} | {kv} | (no result) | | | |")
+            continue
+        for r in json.load(open(p))["results"]:
+            print(f"| {b} | {kv} | {r['running']} | {1e3 * r['step_wall_s']:.2f} | {1e3 * r['device_s']:.2f} | "
+                  f"{r['running'] / r['step_wall_s']:.0f} |")
 PYEOF
 )
-echo "host path (64 running):$host_status"
-
 {
   echo "# GPU check"
   echo
@@ -104,20 +111,15 @@ echo "host path (64 running):$host_status"
   cat "$OUT_DIR/env.txt"
   echo '```'
   echo
-  echo "Tests (pytest -m gpu tests/test_kernels.py): $test_status"
+  echo "Parts:$STATUS"
+  for d in kernels_triton kernels_mosaic kernels_triton_fp8 kernels_mosaic_fp8; do
+    echo
+    echo "## $d"
+    if [ -f "$OUT_DIR/$d/results.md" ]; then cat "$OUT_DIR/$d/results.md"; else tail -n 20 "$OUT_DIR/$d.log"; fi
+  done
   echo
-  echo "Benchmark: exit $bench_rc"
+  echo "## Engine end to end (decode-only steps)"
   echo
-  if [ -f "$OUT_DIR/results.md" ]; then cat "$OUT_DIR/results.md"; else tail -n 40 "$OUT_DIR/bench.log"; fi
-  echo
-  echo "Decode kernel over quantized KV pools (bf16 pool above):$kv_status"
-  for d in kv_float8 kv_int8; do [ -f "$OUT_DIR/$d/results.md" ] && { echo "### $d"; cat "$OUT_DIR/$d/results.md"; }; done
-  echo
-  echo "Tensor parallelism: $tp_status"
-  if [ -f "$OUT_DIR/tp_throughput.log" ]; then echo '```'; tail -n 6 "$OUT_DIR/tp_throughput.log"; echo '```'; fi
-  echo
-  echo "Host path, default model, 64 running, sync vs async scheduling:$host_status"
-  echo
-  echo "$host_table"
+  echo "$e2e_table"
 } >"$OUT_DIR/summary.md"
 cat "$OUT_DIR/summary.md"
