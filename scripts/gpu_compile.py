@@ -14,7 +14,7 @@ XLA, Mosaic GPU kernels through LLVM, PTX and ``ptxas`` in the plugin. What is r
 
 The dump switches are read when the plugin loads, so every compile runs in a fresh subprocess
 (``run``), which also keeps the CUDA plugin away from the test process. Jobs are functions in
-``compile_jobs.py``; this module is their harness.
+``compile_jobs.py`` (also the subprocess's entry point); this module is their harness.
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def run(job: str, args: dict, timeout: float = 600) -> dict:
                    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")]))
         out = os.path.join(tmp, "result.json")
         payload = json.dumps(dict(args, dumps=dumps))
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), job, payload, out], cwd=ROOT, env=env,
+        worker = os.path.join(ROOT, "scripts", "compile_jobs.py")
+        proc = subprocess.run([sys.executable, worker, job, payload, out], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"compile job {job} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -98,12 +99,10 @@ def parse_ptxas(text: str) -> dict:
                 spill_load_bytes=int(spills.group(2)))
 
 
-def new_files(directory: str, seen: set) -> list[str]:
-    """Files of `directory` not in `seen` (which is updated): what the last compile dumped."""
-    now = set(glob.glob(os.path.join(directory, "*")))
-    fresh = sorted(now - seen)
-    seen |= now
-    return fresh
+def new_files(directory: str, since: float) -> list[str]:
+    """Files of `directory` written at or after time `since`: what the last compile dumped (dump names
+    can repeat across compiles, so new names alone would miss a rewritten file)."""
+    return sorted(p for p in glob.glob(os.path.join(directory, "*")) if os.path.getmtime(p) >= since)
 
 
 def triton_stats(files: list[str], kernel: str) -> dict:
@@ -126,7 +125,8 @@ def triton_stats(files: list[str], kernel: str) -> dict:
 
 def mosaic_stats(files: list[str], kernel: str) -> dict:
     """Statistics of Mosaic GPU kernel `kernel` from one compile's Mosaic dump files."""
-    logs = [p for p in files if os.path.basename(p).startswith(kernel) and p.endswith(".ptxas")]
+    logs = sorted((p for p in files if os.path.basename(p).startswith(kernel) and p.endswith(".ptxas")),
+                  key=os.path.getmtime, reverse=True)  # the newest
     if not logs:
         raise ValueError(f"no ptxas log for {kernel} among {len(files)} dump files")
     stats = parse_ptxas(open(logs[0]).read())
@@ -138,12 +138,3 @@ def mosaic_stats(files: list[str], kernel: str) -> dict:
     return stats
 
 
-def _main(job: str, payload: str, out: str) -> None:
-    import compile_jobs
-    result = getattr(compile_jobs, job)(**json.loads(payload))
-    with open(out, "w") as f:
-        json.dump(result, f)
-
-
-if __name__ == "__main__":
-    _main(*sys.argv[1:4])
