@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -35,7 +34,8 @@ def smem(shape, dtype):
 
 def check_mosaic(q, k_pool, block_size, blocks_per_iter, num_stages):
     """The Mosaic GPU kernels' own limits (on top of ``validate``): 16-bit q and pools (or int8 / fp8 pools
-    under a 16-bit q), block_size >= 8, blocks_per_iter * block_size a multiple of 16 keys."""
+    under a 16-bit q), block_size >= 8, blocks_per_iter * block_size = 64 keys a step (or a multiple of 64,
+    at most 256: the V tile is row-masked in the WGMMA layout, 64 rows a tile)."""
     pools = FLOATS + QUANTIZED
     if jnp.dtype(q.dtype) not in FLOATS or jnp.dtype(k_pool.dtype) not in pools:
         raise ValueError("the Mosaic GPU kernels need q in bfloat16 / float16 and pools in bfloat16 / float16 / "
@@ -46,8 +46,8 @@ def check_mosaic(q, k_pool, block_size, blocks_per_iter, num_stages):
     if block_size < 8:
         raise ValueError(f"block_size must be >= 8 for the Mosaic GPU kernels (one TMA tile), got {block_size}")
     kb = blocks_per_iter * block_size
-    if kb % 16 or kb > 256:
-        raise ValueError(f"blocks_per_iter * block_size must be a multiple of 16 keys, at most 256; got {kb}")
+    if kb % ROWS or kb > 256:
+        raise ValueError(f"blocks_per_iter * block_size must be a multiple of {ROWS} keys, at most 256; got {kb}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be >= 1, got {num_stages}")
 

@@ -21,7 +21,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, fetch, gather_scales, init_carry,
                                               interpret_params, iota, kernel_with_scratch as _kernel_with_scratch,
                                               ready, ring_scratch, smem)
-from pallas_kernels.paged_attention import _pow2, check_pow2, compute_dtype, pad_table, validate
+from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.reference import check_options
 
 _TARGET_PROGRAMS = 264  # two programs per SM of a 132-SM H100 / H200
@@ -84,11 +84,9 @@ def _decode_kernel(lens_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb, 
 
 
 def mosaic_decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
-    """Tuning defaults: 64 keys per step (32 at head_dim 256); 3 stages at head_dim <= 64, else 2 (two programs
-    an SM fit in shared memory at head_dim 128: ~104 KB each); splits to fill ~2 programs an SM."""
-    keys = 64 if head_dim <= 128 else 32
-    nb = max(keys // block_size, pl.cdiv(16, block_size), 1)
-    nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
+    """Tuning defaults: 64 keys per step; 3 stages at head_dim <= 64, else 2 (two programs an SM fit in
+    shared memory at head_dim 128: ~106 KB each); splits to fill ~2 programs an SM."""
+    nb = max(ROWS // block_size, 1)
     iters = pl.cdiv(max_blocks, nb)
     splits = max(1, min(_TARGET_PROGRAMS // (num_slots * num_kv_heads), iters, 32))
     return dict(blocks_per_iter=nb, num_splits=splits, num_stages=3 if head_dim <= 64 else 2)

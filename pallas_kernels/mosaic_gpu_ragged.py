@@ -74,10 +74,10 @@ def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb,
 
 def mosaic_ragged_defaults(num_q_heads, num_kv_heads, head_dim, block_size, max_blocks):
     """Tuning defaults: 64 query rows (block_q tokens x the padded group), 64 keys per step; 3 stages at
-    head_dim <= 64, else 2 (two programs an SM fit in shared memory at head_dim 128)."""
+    head_dim <= 64, else 2 (two programs an SM fit in shared memory at head_dim 128); max_blocks does not
+    matter (the key loop stops at each tile's last position)."""
     Gp = _pow2(num_q_heads // num_kv_heads)
-    nb = max(64 // block_size, 1)
-    nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
+    nb = max(ROWS // block_size, 1)
     return dict(block_q=max(ROWS // Gp, 1), blocks_per_iter=nb, num_stages=3 if head_dim <= 64 else 2)
 
 

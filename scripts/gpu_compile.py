@@ -138,3 +138,54 @@ def mosaic_stats(files: list[str], kernel: str) -> dict:
     return stats
 
 
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+          "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+KERNEL_TARGETS = ("mosaic_gpu_v2", "__gpu$xla.gpu.triton")
+
+
+def type_bytes(text: str) -> int:
+    """Bytes of every array type written in `text` (e.g. 'bf16[8,16]{1,0}', tuples included)."""
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z\d]*)\[([\d,]*)\]", text):
+        if dtype in _BYTES:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * _BYTES[dtype]
+    return total
+
+
+def kernel_call_bytes(hlo_text: str) -> int:
+    """Operand + result bytes of every attention-kernel custom call in an optimized HLO module: what XLA's
+    cost analysis counts for them (whole pools), not what they read (the blocks in use)."""
+    total = 0
+    for line in hlo_text.splitlines():
+        if "custom-call(" in line and any(f'custom_call_target="{t}"' in line for t in KERNEL_TARGETS):
+            result = line.split("=", 1)[1].split("custom-call(", 1)[0]
+            operands = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+            total += type_bytes(result) + (type_bytes(operands.group(1)) if operands else 0)
+    return total
+
+
+def step_costs(compiled) -> dict:
+    """flops, bytes accessed (XLA's HLO cost analysis of the optimized module, read with the CPU client:
+    the compile-only executable has no cost_analysis) and the attention kernels' operand bytes in it."""
+    from jax._src import xla_bridge
+    from jax._src.lib import xla_client
+    module = compiled.runtime_executable().hlo_modules()[0]
+    cost = xla_client._xla.hlo_module_cost_analysis(xla_bridge.get_backend("cpu"), module)
+    return dict(flops=float(cost["flops"]), bytes_accessed=float(cost["bytes accessed"]),
+                kernel_operand_bytes=float(kernel_call_bytes(module.to_string())))
+
+
+def memory(compiled) -> dict:
+    """memory_analysis() of a compiled step, per device."""
+    m = compiled.memory_analysis()
+    return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+                alias_bytes=m.alias_size_in_bytes, temp_bytes=m.temp_size_in_bytes)
+
+
+# XLA's while loops (the layer scan) count once in its cost analysis; a cost-only compile unrolls them
+FULL_UNROLL = {"xla_gpu_enable_while_loop_unrolling": "WHILE_LOOP_UNROLLING_FULL_UNROLL"}
