@@ -80,6 +80,63 @@ def kernels(cases: list[dict], dumps: dict) -> list[dict]:
     return out
 
 
+# Llama-3 shapes (HF config.json fields), random weights never made: the compile needs shapes only
+LLAMA3 = {"8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                     num_key_value_heads=8),
+          "70B": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                      num_key_value_heads=8)}
+
+
+def model_config(size: str, num_layers: int | None = None):
+    """A Llama-3-`size`-shaped ModelConfig (num_layers overrides the depth, for quick checks)."""
+    from jaxpaged.config import ModelConfig
+    d = dict(LLAMA3[size], architectures=["LlamaForCausalLM"], vocab_size=128256, max_position_embeddings=8192,
+             rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False)
+    if num_layers:
+        d["num_hidden_layers"] = num_layers
+    return ModelConfig.from_hf_dict(d)
+
+
+def steps(configs: list[dict], dumps: dict) -> list[dict]:
+    """Compile the engine's whole step for H100 meshes (jaxpaged/step/aot.py) and report, per variant:
+    memory_analysis(), and for the `cost_variants` the HLO cost of a fully unrolled compile (XLA counts a
+    while loop's body once).
+
+    A config: size (8B | 70B), num_layers (optional), tp, kv_cache_dtype, max_num_seqs,
+    max_num_batched_tokens, max_model_len, num_blocks (per layer), variants (list of [T, decode_only], or
+    None for all), cost_variants (list of [T, decode_only]), plus labels."""
+    del dumps
+    from jaxpaged.config import EngineConfig
+    from jaxpaged.step.aot import abstract_runner, compile_steps
+    from gpu_compile import FULL_UNROLL, memory, step_costs
+    out = []
+    for c in configs:
+        mc = model_config(c["size"], c.get("num_layers"))
+        cfg = EngineConfig(dtype="bfloat16", kv_cache_dtype=c["kv_cache_dtype"], block_size=16,
+                           max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
+                           max_model_len=c["max_model_len"], tensor_parallel_size=c["tp"],
+                           attention_backend=c.get("attention_backend", "auto"), compilation_cache_dir=None,
+                           show_progress=False)
+        mesh = cuda_mesh(c["tp"], ("data", "model"), (1, c["tp"]))
+        runner = abstract_runner(mc, cfg, mesh, num_blocks=c["num_blocks"])
+        variants = [tuple(v) for v in c["variants"]] if c.get("variants") else runner.variants()
+        for v in variants:
+            t0 = time.perf_counter()
+            exe = compile_steps(runner, [v])[v]
+            rec = dict(c, tokens=v[0], decode_only=v[1], backend=runner.backend, layers=mc.num_layers,
+                       compile_s=round(time.perf_counter() - t0, 2), **memory(exe))
+            if [v[0], v[1]] in [list(x) for x in c.get("cost_variants", [])]:
+                t0 = time.perf_counter()
+                runner.compiler_options = dict(runner.compiler_options or {}, **FULL_UNROLL)
+                runner._compiled.pop(v, None)
+                rec.update(step_costs(compile_steps(runner, [v])[v]), cost_compile_s=round(time.perf_counter() - t0, 2))
+                runner.compiler_options = None if runner.compiler_options == FULL_UNROLL else {
+                    k: x for k, x in runner.compiler_options.items() if k not in FULL_UNROLL}
+                runner._compiled.pop(v, None)
+            out.append(rec)
+    return out
+
+
 if __name__ == "__main__":
     job, payload, out = sys.argv[1:4]
     with open(out, "w") as f:

@@ -29,6 +29,9 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = os.path.join(ROOT, "scripts", "targets", "h100_sxm.txtpb")
+# What a compile without a device cannot do: autotune (XLA's default kernel choices instead), and size
+# CUB's radix-sort scratch (large sorts, the sampler's top-k over the vocabulary, take XLA's own sort)
+DEVICELESS_FLAGS = "--xla_gpu_autotune_level=0 --xla_gpu_enable_cub_radix_sort=false"
 # H200 (the machine the predictions are for): same sm_90a die as the H100 spec, HBM3e
 H200 = dict(hbm_bytes=141e9, hbm_bytes_per_s=4.8e12, bf16_flops_per_s=989e12)
 
@@ -64,7 +67,7 @@ def run(job: str, args: dict, timeout: float = 600) -> dict:
         dumps = {"xla": os.path.join(tmp, "xla"), "mosaic": os.path.join(tmp, "mosaic")}
         for d in dumps.values():
             os.makedirs(d)
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dumps['xla']}",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dumps['xla']} {DEVICELESS_FLAGS}",
                    MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dumps["mosaic"],
                    PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")]))
         out = os.path.join(tmp, "result.json")

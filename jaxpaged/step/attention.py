@@ -134,22 +134,49 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
     return sharded
 
 
-def _triton(decode_only: bool, interpret: bool):
-    """The Pallas Triton kernels: the decode kernel for decode-only steps, the ragged kernel otherwise."""
-    from pallas_kernels import paged_attention, ragged_paged_attention
-    if not decode_only:
-        return functools.partial(ragged_paged_attention, interpret=interpret)
-
+def _decode_rows(paged):
+    """The decode-only step's attention from a decode kernel `paged(q [S, Hq, hd], k_pool, v_pool, tables,
+    lens, **options)`: slot i's single query is row query_start_loc[i] (empty slots: seq_lens 0)."""
     def decode(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, **options):
-        # decode-only: slot i's single query is row query_start_loc[i] (empty slots: seq_lens 0)
         S, T = seq_lens.shape[0], q.shape[0]
         rows = jnp.minimum(query_start_loc[:S], T - 1)
-        out = paged_attention(q[rows], k_pool, v_pool, block_tables, seq_lens, interpret=interpret, **options)
+        out = paged(q[rows], k_pool, v_pool, block_tables, seq_lens, **options)
         slot_of_row = jnp.searchsorted(query_start_loc[1:], jnp.arange(T), side="right")
         valid = jnp.arange(T) < query_start_loc[S]
         return jnp.where(valid[:, None, None], out[jnp.minimum(slot_of_row, S - 1)], 0).astype(q.dtype)
     return decode
 
 
+def _triton(decode_only: bool, interpret: bool):
+    """The Pallas Triton kernels: the decode kernel for decode-only steps, the ragged kernel otherwise."""
+    from pallas_kernels import paged_attention, ragged_paged_attention
+    kernel = paged_attention if decode_only else ragged_paged_attention
+    attn = functools.partial(kernel, interpret=interpret)
+    return _decode_rows(attn) if decode_only else attn
+
+
+def _mosaic_gpu(decode_only: bool, interpret: bool):
+    """The Mosaic GPU kernels (Hopper, sm_90a): TMA and WGMMA. WGMMA multiplies 16-bit (and 8-bit)
+    values, so a float32 model or pool, a block_size under 8 or (ragged) a GQA group over 64 takes the
+    Triton kernels instead, chosen per call from the shapes. JAX 0.10's Mosaic GPU interpret mode cannot
+    run a construct the kernels use (a transposed WGMMA operand; docs/kernels.md), so a CPU target is
+    refused: 'triton' or 'reference' run there."""
+    if interpret:
+        raise ValueError("attention_backend='mosaic_gpu' cannot run on a CPU target: Mosaic GPU's interpret "
+                         "mode in this JAX cannot run the kernels' transposed WGMMA operand; use 'triton' "
+                         "(interpret mode) or 'reference'")
+    from pallas_kernels.mosaic_gpu_common import FLOATS, ROWS
+    from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
+    from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
+    fallback = _triton(decode_only, interpret)
+    mosaic = _decode_rows(mosaic_paged_attention) if decode_only else mosaic_ragged_paged_attention
+
+    def attn(q, k_pool, v_pool, *rest, **options):
+        fits = (jnp.dtype(q.dtype) in FLOATS and k_pool.dtype != jnp.float32 and k_pool.shape[1] >= 8
+                and (decode_only or q.shape[1] // k_pool.shape[2] <= ROWS))
+        return (mosaic if fits else fallback)(q, k_pool, v_pool, *rest, **options)
+    return attn
+
+
 # implementation name -> factory(decode_only, interpret) -> attention function with make_attention's signature
-KERNELS = {"triton": _triton}
+KERNELS = {"triton": _triton, "mosaic_gpu": _mosaic_gpu}
