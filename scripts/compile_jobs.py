@@ -108,7 +108,7 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
     del dumps
     from jaxpaged.config import EngineConfig
     from jaxpaged.step.aot import abstract_runner, compile_steps
-    from gpu_compile import FULL_UNROLL, memory, step_costs
+    from gpu_compile import FULL_UNROLL, KERNEL_TARGETS, memory, step_costs
     out = []
     for c in configs:
         mc = model_config(c["size"], c.get("num_layers"))
@@ -123,8 +123,13 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
         for v in variants:
             t0 = time.perf_counter()
             exe = compile_steps(runner, [v])[v]
+            hlo = exe.runtime_executable().hlo_modules()[0].to_string()
             rec = dict(c, tokens=v[0], decode_only=v[1], backend=runner.backend, layers=mc.num_layers,
-                       compile_s=round(time.perf_counter() - t0, 2), **memory(exe))
+                       compile_s=round(time.perf_counter() - t0, 2), **memory(exe),
+                       kernel_calls={t: hlo.count(f'custom_call_target="{t}"') for t in KERNEL_TARGETS},
+                       collectives=sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter",
+                                                         "all-to-all", "collective-permute")
+                                   if f" {op}(" in hlo or f" {op}-start(" in hlo}))
             if [v[0], v[1]] in [list(x) for x in c.get("cost_variants", [])]:
                 t0 = time.perf_counter()
                 runner.compiler_options = dict(runner.compiler_options or {}, **FULL_UNROLL)

@@ -55,6 +55,23 @@ def test_oversized_tuning_fails_like_a_real_h100():
         gpu_compile.run("kernels", dict(cases=[big]))
 
 
+@needs_toolchain
+@pytest.mark.parametrize("tp, variant", [(1, [8, True]), (8, [16, False])])
+def test_whole_step_compiles_for_h100(tp, variant):
+    """The engine's whole jitted step (jaxpaged/step/aot.py), Llama-3-8B-shaped (2 of its 32 layers: the
+    layer scan compiles one body whatever the depth), for one H100 and for an 8-device H100 topology
+    (tensor parallelism, with its collectives): the Mosaic GPU kernel inside, the pools updated in place.
+    Every bucket at full depth is scripts/compile_table.py's."""
+    cfg = dict(config="test", size="8B", num_layers=2, tp=tp, kv_cache_dtype="auto", max_num_seqs=16,
+               max_num_batched_tokens=32, max_model_len=1024, num_blocks=256, variants=[variant])
+    (rec,) = gpu_compile.run("steps", dict(configs=[cfg]))
+    assert rec["backend"] == "mosaic_gpu" and rec["kernel_calls"]["mosaic_gpu_v2"] >= 1
+    pool = 2 * 256 * 16 * (8 // tp) * 128 * 2 * 2  # K and V, 2 layers, the device's KV heads, bf16
+    assert rec["alias_bytes"] >= pool  # both pools donated: updated in place
+    assert rec["argument_bytes"] > pool and rec["temp_bytes"] > 0
+    assert bool(rec["collectives"]) == (tp > 1)  # the sharded step reduces across devices
+
+
 def test_triton_deprecation_is_quiet_for_users():
     """JAX 0.11's Triton-deprecation warning (raised when the caller's jit lowers the kernel) is filtered,
     that message only."""
