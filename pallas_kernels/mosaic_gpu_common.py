@@ -207,11 +207,10 @@ def gather_scales(scale_pool, tables):
     return jnp.transpose(g, (0, 3, 1, 2)).reshape(S, g.shape[3], B * g.shape[2])
 
 
-def kernel_with_scratch(kernel, *refs, **kw):
-    """Call `kernel(*refs, scratch_dict, **kw)`: plgpu.kernel passes keyword scratch as keywords; the
-    kernels take it as one dict after their refs."""
-    names = [k for k in kw if k.endswith(("_smem", "_bar", "_wide"))]
-    scratch = {k: kw.pop(k) for k in names}
+def kernel_with_scratch(kernel, scratch_names, *refs, **kw):
+    """Call `kernel(*refs, scratch_dict, **static)`: plgpu.kernel passes a dict of scratch types as
+    keyword refs (the `scratch_names`), mixed here with the kernel's static keywords."""
+    scratch = {k: kw.pop(k) for k in scratch_names}
     return kernel(*refs, scratch, **kw)
 
 

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, fetch, gather_scales, init_carry,
-                                              interpret_params, iota, kernel_with_scratch as _kernel_with_scratch,
+                                              interpret_params, iota, kernel_with_scratch,
                                               ready, ring_scratch, smem)
 from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.reference import check_options
@@ -118,9 +118,9 @@ def _mosaic_decode(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale, 
     if split:
         scratch["stat_smem"] = plgpu.SMEM((2, ROWS), jnp.float32)
     scales = () if k_scale is None else (gather_scales(k_scale, tables), gather_scales(v_scale, tables))
-    kernel = functools.partial(_kernel_with_scratch, _decode_kernel, scale=scale, nb=blocks_per_iter, stages=num_stages,
-                               num_splits=num_splits, tiles=tiles, window=window, softcap=softcap,
-                               quantized=k_scale is not None, hint=not interpret)
+    kernel = functools.partial(kernel_with_scratch, _decode_kernel, tuple(scratch), scale=scale, nb=blocks_per_iter,
+                               stages=num_stages, num_splits=num_splits, tiles=tiles, window=window,
+                               softcap=softcap, quantized=k_scale is not None, hint=not interpret)
     outs = plgpu.kernel(
         kernel, out_type=out_type, scratch_types=scratch, grid=(S, T, num_splits), grid_names=("s", "t", "j"),
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -99,7 +99,7 @@ def _mosaic_ragged(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, k
                    o_smem=smem((ROWS, D), q.dtype), q_bar=plgpu.Barrier(num_barriers=1),
                    **ring_scratch(num_stages, kb, D, k_pool.dtype, qg.dtype, blocks_per_iter))
     scales = () if k_scale is None else (gather_scales(k_scale, tables), gather_scales(v_scale, tables))
-    kernel = functools.partial(kernel_with_scratch, _ragged_kernel, scale=scale, nb=blocks_per_iter,
+    kernel = functools.partial(kernel_with_scratch, _ragged_kernel, tuple(scratch), scale=scale, nb=blocks_per_iter,
                                stages=num_stages, group=Gp, window=window, softcap=softcap,
                                quantized=k_scale is not None, hint=not interpret)
     out = plgpu.kernel(

@@ -120,11 +120,11 @@ def step_table(rows: list[dict]) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         p = r.get("prediction") or {}
+        nan = float("nan")
         out.append(f"| {r['config']} | {r['tp']} | {r['tokens']}, {r['decode_only']} | {r.get('running', '')} | "
                    f"{r['argument_bytes'] / 1e9:.1f} | {r['temp_bytes'] / 1e9:.2f} | {r['fits_h200']} | "
-                   f"{p.get('predicted_flops', float('nan')) / 1e9:.1f} | {p.get('predicted_bytes', float('nan')) / 1e9:.2f} | "
-                   f"{p.get('predicted_ms', float('nan')):.2f} | {p.get('bound', '')} | "
-                   f"{p.get('tokens_per_s', float('nan')):.0f} |")
+                   f"{p.get('predicted_flops', nan) / 1e9:.1f} | {p.get('predicted_bytes', nan) / 1e9:.2f} | "
+                   f"{p.get('predicted_ms', nan):.2f} | {p.get('bound', '')} | {p.get('tokens_per_s', nan):.0f} |")
     return "\n".join(out)
 
 

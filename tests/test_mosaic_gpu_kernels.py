@@ -150,3 +150,20 @@ def test_limits_are_value_errors():
         mosaic_ragged_paged_attention(**rag, interpret=True, block_q=8)
     with pytest.raises(ValueError, match="unknown tuning knobs"):
         mosaic_ragged_paged_attention(**rag, interpret=True, num_warps=4)
+
+
+def test_engine_factory(monkeypatch):
+    """attention_backend='mosaic_gpu': refused on a CPU target; on a GPU target the Mosaic GPU kernels take
+    16-bit q over 16-bit or 8-bit pools and hand float32 (WGMMA multiplies no float32) to Triton."""
+    from jaxpaged.step import attention
+    with pytest.raises(ValueError, match="cannot run on a CPU target"):
+        attention.KERNELS["mosaic_gpu"](True, True)
+    handed = []
+    monkeypatch.setattr(attention, "_triton", lambda decode_only, interpret: lambda *a, **k: handed.append(a[0].dtype))
+    attn = attention.KERNELS["mosaic_gpu"](False, False)
+    case, _ = ragged_case(38)
+    attn(*case.values())  # float32: Triton's
+    assert handed == [jnp.float32]
+    bf16 = {k: v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v for k, v in case.items()}
+    out = jax.eval_shape(attn, *bf16.values())  # traced through the Mosaic GPU kernel
+    assert out.shape == case["q"].shape and handed == [jnp.float32]
