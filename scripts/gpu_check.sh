@@ -15,8 +15,9 @@
 # With EXTRA=1 (beyond the 10 minutes): tensor parallelism on >= 2 GPUs (TP=2 tokens vs TP=1, throughput)
 # and the host path at 64 running, sync vs async scheduling (tp_*.json, host_*.json).
 # Each part is guarded: a failing part is recorded and the next one still runs.
-# Environment: PYTHON (default python3), KERNEL_BUDGET (s per bf16 benchmark, default 75), FP8_BUDGET (s per
-# fp8 benchmark, default 30), E2E_TIMEOUT (s per engine run, default 100), E2E_MODEL (default
+# Time: 2 x (50 + 20) s of kernel benchmarks plus their compiles, 4 engine runs of at most 90 s each: ~10 min.
+# Environment: PYTHON (default python3), KERNEL_BUDGET (s per bf16 benchmark, default 50), FP8_BUDGET (s per
+# fp8 benchmark, default 20), E2E_TIMEOUT (s per engine run, default 90), E2E_MODEL (default
 # random:smollm2-135m: the default model's shapes, random weights, offline), TP_MODEL, HOST_MODEL, TP_TIMEOUT,
 # HOST_TIMEOUT (EXTRA).
 set -u
@@ -51,8 +52,8 @@ if [ "$DRY" != 1 ]; then
   cat "$OUT_DIR/env.txt"
 fi
 
-KB="${KERNEL_BUDGET:-75}"
-FB="${FP8_BUDGET:-30}"
+KB="${KERNEL_BUDGET:-50}"
+FB="${FP8_BUDGET:-20}"
 for backend in triton mosaic; do
   part "kernels $backend bf16" $((KB + 90)) "$OUT_DIR/kernels_$backend.log" \
     "$PY" scripts/bench_kernels.py --backend "$backend" --out "$OUT_DIR/kernels_$backend" --time-budget "$KB"
@@ -64,7 +65,7 @@ done
 for backend in triton mosaic_gpu; do
   for kv in bf16 fp8; do
     kvd=$([ "$kv" = fp8 ] && echo float8_e4m3fn || echo auto)
-    part "engine $backend KV $kv" "${E2E_TIMEOUT:-100}" "$OUT_DIR/e2e_${backend}_$kv.log" \
+    part "engine $backend KV $kv" "${E2E_TIMEOUT:-90}" "$OUT_DIR/e2e_${backend}_$kv.log" \
       "$PY" scripts/bench_host.py --model "${E2E_MODEL:-random:smollm2-135m}" --running 1 64 256 --steps 16 \
       --replays 4 --dtype bfloat16 --kv-cache-dtype "$kvd" --attention-backend "$backend" \
       --json "$OUT_DIR/e2e_${backend}_$kv.json"
