@@ -84,3 +84,19 @@ def test_triton_deprecation_is_quiet_for_users():
                       DeprecationWarning)
         warnings.warn("something else", DeprecationWarning)
     assert [str(w.message) for w in seen] == ["something else"]
+
+
+def test_gpu_check_script_dry_runs(tmp_path):
+    """scripts/gpu_check.sh parses, and DRY_RUN=1 lays out its parts (both backends' kernels in bf16 and fp8,
+    the engine per backend and KV dtype) without running any."""
+    import subprocess
+    script = os.path.join(gpu_compile.ROOT, "scripts", "gpu_check.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    out = subprocess.run(["bash", script, str(tmp_path)], env=dict(os.environ, DRY_RUN="1"), capture_output=True,
+                         text=True, check=True).stdout
+    for backend in ("triton", "mosaic"):
+        assert f"--backend {backend} --out" in out and f"--backend {backend} --kv-dtype float8_e4m3fn" in out
+    for backend in ("triton", "mosaic_gpu"):
+        for kv in ("auto", "float8_e4m3fn"):
+            assert "--running 1 64 256" in out and f"--kv-cache-dtype {kv} --attention-backend {backend}" in out
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
