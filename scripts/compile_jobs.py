@@ -97,10 +97,30 @@ def model_config(size: str, num_layers: int | None = None):
     return ModelConfig.from_hf_dict(d)
 
 
+MAX_UNROLLED = 40  # deeper models: costs extrapolated from unrolled 2- and 4-layer compiles
+
+
+def _costs(c: dict, cfg, mesh, variant, layers: int) -> dict:
+    """HLO costs of `variant` with the layer scan fully unrolled (XLA counts a while body once). Past
+    MAX_UNROLLED layers (a very long compile), flops from 2- and 4-layer compiles, extrapolated linearly
+    (exact for a stack of identical layers); bytes are then not reported."""
+    from jaxpaged.step.aot import abstract_runner, compile_steps
+    from gpu_compile import FULL_UNROLL, step_costs
+
+    def unrolled(num_layers):
+        runner = abstract_runner(model_config(c["size"], num_layers), cfg, mesh, num_blocks=c["num_blocks"])
+        runner.compiler_options = dict(runner.compiler_options or {}, **FULL_UNROLL)
+        return step_costs(compile_steps(runner, [variant])[variant])
+    if layers <= MAX_UNROLLED:
+        return dict(unrolled(layers), cost_method="fully unrolled")
+    two, four = unrolled(2), unrolled(4)
+    return dict(flops=two["flops"] + (layers - 2) / 2 * (four["flops"] - two["flops"]), bytes_accessed=None,
+                kernel_operand_bytes=None, cost_method="2 and 4 layers unrolled, extrapolated")
+
+
 def steps(configs: list[dict], dumps: dict) -> list[dict]:
     """Compile the engine's whole step for H100 meshes (jaxpaged/step/aot.py) and report, per variant:
-    memory_analysis(), and for the `cost_variants` the HLO cost of a fully unrolled compile (XLA counts a
-    while loop's body once).
+    memory_analysis(), and for the `cost_variants` the HLO costs of an unrolled compile (`_costs`).
 
     A config: size (8B | 70B), num_layers (optional), tp, kv_cache_dtype, max_num_seqs,
     max_num_batched_tokens, max_model_len, num_blocks (per layer), variants (list of [T, decode_only], or
@@ -108,7 +128,7 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
     del dumps
     from jaxpaged.config import EngineConfig
     from jaxpaged.step.aot import abstract_runner, compile_steps
-    from gpu_compile import FULL_UNROLL, KERNEL_TARGETS, memory, step_costs
+    from gpu_compile import KERNEL_TARGETS, memory
     out = []
     for c in configs:
         mc = model_config(c["size"], c.get("num_layers"))
@@ -132,12 +152,7 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
                                    if f" {op}(" in hlo or f" {op}-start(" in hlo}))
             if [v[0], v[1]] in [list(x) for x in c.get("cost_variants", [])]:
                 t0 = time.perf_counter()
-                runner.compiler_options = dict(runner.compiler_options or {}, **FULL_UNROLL)
-                runner._compiled.pop(v, None)
-                rec.update(step_costs(compile_steps(runner, [v])[v]), cost_compile_s=round(time.perf_counter() - t0, 2))
-                runner.compiler_options = None if runner.compiler_options == FULL_UNROLL else {
-                    k: x for k, x in runner.compiler_options.items() if k not in FULL_UNROLL}
-                runner._compiled.pop(v, None)
+                rec.update(_costs(c, cfg, mesh, v, mc.num_layers), cost_compile_s=round(time.perf_counter() - t0, 2))
             out.append(rec)
     return out
 
