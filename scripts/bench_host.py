@@ -231,7 +231,7 @@ def stop_strings(kind: str | None) -> list[str] | None:
         return ["never seen: stop string"]
     if kind == "max":
         return [f"never seen {i:02d}:".ljust(MAX_STOP_CHARS // MAX_STOP_STRINGS, "~") for i in range(MAX_STOP_STRINGS)]
-    short = [chr(1 + i) for i in range(MAX_STOP_STRINGS - 1)]  # control characters: never in the text
+    short = [chr(0xE000 + i) for i in range(MAX_STOP_STRINGS - 1)]  # private-use characters: never in the text
     return short + ["never seen:".ljust(MAX_STOP_CHARS - len(short), "~")]
 
 

@@ -36,11 +36,19 @@ def nesting_depth(text: str) -> int:
     return int(np.cumsum(step, dtype=np.int32).max(initial=0))
 
 
+def _too_deep(text: str) -> int:
+    """The nesting depth of `text` if over MAX_JSON_DEPTH, else 0 (few brackets in all: not even counted)."""
+    if text.count("[") + text.count("{") <= MAX_JSON_DEPTH:  # most bodies: 1 µs instead of 50
+        return 0
+    depth = nesting_depth(text)
+    return depth if depth > MAX_JSON_DEPTH else 0
+
+
 def loads(text: str):
     """`json.loads`, but a ValueError (before any parsing) for text nested deeper than MAX_JSON_DEPTH: for
     JSON that arrives inside strings (tool-call arguments in a request, tool calls in the model's output)."""
-    depth = nesting_depth(text)
-    if depth > MAX_JSON_DEPTH:
+    depth = _too_deep(text)
+    if depth:
         raise ValueError(f"JSON nested {depth} levels deep; the limit is {MAX_JSON_DEPTH}")
     return json.loads(text)
 
@@ -57,11 +65,11 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
     try:
-        text = bytes(body).decode(json.detect_encoding(body), "surrogatepass")  # as json.loads(bytes) does
+        text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads(bytes) does
     except UnicodeDecodeError as e:
         raise APIError(400, f"malformed JSON body: {e}") from None
-    depth = nesting_depth(text)
-    if depth > MAX_JSON_DEPTH:
+    depth = _too_deep(text)
+    if depth:
         raise APIError(400, f"the JSON body is nested too deeply: {depth} levels of arrays and objects; the "
                        f"limit is {MAX_JSON_DEPTH}", code="nested_too_deeply")
     try:

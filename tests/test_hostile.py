@@ -72,7 +72,8 @@ AT_BOUNDS = {
     "stop_at_bound": (CHAT, body(CHAT, stop=STOPS_AT_BOUND)),
     "seed_min": (CMPL, body(CMPL, seed=-2 ** 63, temperature=1.0)),
     "seed_max": (CHAT, body(CHAT, seed=2 ** 63 - 1, temperature=1.0)),
-    "deep_tool_arguments": (CHAT, json.dumps({"max_tokens": 4, "ignore_eos": True, "messages": [  # JSON in a string: text to us
+    # JSON inside a string (an earlier tool call's arguments) is text to the server
+    "deep_tool_arguments": (CHAT, json.dumps({"max_tokens": 4, "ignore_eos": True, "messages": [
         *USER, {"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": nest(5000)}}]},
         {"role": "tool", "tool_call_id": "c", "content": "ok"}]})),
 }
