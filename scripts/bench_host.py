@@ -170,7 +170,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     vocab = eng.model_config.vocab_size
     for i in range(N):
         sp = SamplingParams(max_tokens=max_len - args.context, temperature=0.0, ignore_eos=True,
-                            stop=["never seen: stop string"] if args.stop_strings else None)
+                            stop=stop_strings(args.stop_strings))
         eng.add_request(f"h{i}", [int(t) for t in rng.integers(3, vocab, args.context)], sp,
                         **({"stream": False} if args.final_only else {}))
     while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
@@ -218,6 +218,21 @@ def measure_null(model_dir: str, args, N: int) -> dict:
                async_scheduling=getattr(eng, "async_scheduling", False), repeats=reps)
     bc.say(f"N={N}: host {res['host_ms_per_step']:.3f} ms/step, {res['null_steps_per_s']:.0f} null steps/s")
     return res
+
+
+def stop_strings(kind: str | None) -> list[str] | None:
+    """Stop strings that never match (--stop-strings): one; or at the bound of SamplingParams, as
+    MAX_STOP_STRINGS strings of equal length ("max") or one long string and one-character ones ("long"),
+    MAX_STOP_CHARS characters in all either way."""
+    from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+    if kind is None:
+        return None
+    if kind == "one":
+        return ["never seen: stop string"]
+    if kind == "max":
+        return [f"never seen {i:02d}:".ljust(MAX_STOP_CHARS // MAX_STOP_STRINGS, "~") for i in range(MAX_STOP_STRINGS)]
+    short = [chr(0xE000 + i) for i in range(MAX_STOP_STRINGS - 1)]  # private-use characters: never in the text
+    return short + ["never seen:".ljust(MAX_STOP_CHARS - len(short), "~")]
 
 
 def matmul_times(mc, rows: int, dtype: str, reps: int) -> list[float]:
@@ -337,7 +352,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--null-device", action="store_true",
                     help="a device step that returns at once with fake tokens: report host time only")
     ap.add_argument("--repeats", type=int, default=5, help="--null-device: timed runs of --steps (medians)")
-    ap.add_argument("--stop-strings", action="store_true", help="--null-device: every request has a stop string")
+    ap.add_argument("--stop-strings", nargs="?", const="one", choices=["one", "max", "long"], default=None,
+                    help="--null-device: every request has stop strings that never match: one (the default "
+                    "when given alone), or at the bound, 16 strings of 64 characters (max) or 15 of one and one "
+                    "of 1009 (long)")
     ap.add_argument("--device-ms", type=float, default=0.0, help="--null-device: every step takes this long on a "
                     "simulated in-order device (no CPU used); host_ms_per_step is then the step's wall time and "
                     "unhidden_host_ms_per_step what exceeds the device's")

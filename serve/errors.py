@@ -32,7 +32,9 @@ def from_validation_error(e: ValidationError) -> APIError:
     errs = e.errors(include_url=False)
     field = str(errs[0]["loc"][0]) if errs and errs[0]["loc"] else None
     mine = [x for x in errs if x["loc"] and str(x["loc"][0]) == field] or errs
-    first = next((x for x in mine if x["type"] == "string_unicode" or _float_int(x)), mine[0])
+    # of a union's errors, the member of the input's own type speaks (stop: too many strings, not "not a string")
+    first = next((x for x in mine if x["type"] == "string_unicode" or _float_int(x)), None) or next(
+        (x for x in mine if not x["type"].endswith("_type")), mine[0])
     # pydantic names union members in the location (e.g. "list[constrained-int]"): keep fields and indices
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
         "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))

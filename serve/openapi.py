@@ -3,18 +3,24 @@
 Built from the pydantic models of `serve/protocol.py`, then completed with what depends on the served
 model and the server: the bounds marked with `limit` (vocabulary, max_model_len, max_logprobs), the
 model name, the rules that tie fields together (`if`/`then`), and the bearer scheme only when an API key
-is set. The few rules JSON Schema cannot state (they depend on tokenization or compare two fields) are
-listed per operation under `x-request-rules`, each with the `code` of its 400.
+is set. The few rules JSON Schema cannot state (they depend on tokenization, compare two fields, or
+measure the whole body or field: nesting depth, the stop strings' total length) are listed per operation
+under `x-request-rules`, each with the `code` of its 400.
 """
 from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
+from jaxpaged.core.sampling_params import MAX_STOP_CHARS
+from serve.body import MAX_JSON_DEPTH
 from serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
                             CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [
+    {"code": "nested_too_deeply", "rule": f"the JSON body nests arrays and objects at most {MAX_JSON_DEPTH} "
+     "levels deep (the body itself is level 1)"},
+    {"code": "stop_too_long", "rule": f"the stop strings together have at most {MAX_STOP_CHARS} characters"},
     {"code": "integer_required", "rule": "integers (token ids, counts) are written as JSON integers: 2, "
      "not 2.0 (which JSON Schema also calls an integer)"},
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "

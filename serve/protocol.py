@@ -15,7 +15,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
-from jaxpaged.core.sampling_params import FLOAT32_MAX
+from jaxpaged.core.sampling_params import (FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END,
+                                           SEED_MIN)
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 MAX_LOGPROBS = 20
@@ -33,6 +34,7 @@ NonEmptyText = Annotated[str, Field(min_length=1)]
 TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
 Float = Annotated[float, Field(le=FLOAT32_MAX)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id written as a JSON object key
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # all of them: MAX_STOP_CHARS
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no bool/float/str as int
 
 
@@ -49,8 +51,10 @@ class _SamplingRequest(BaseModel):
     temperature: Float | None = Field(None, ge=0, description="0 is greedy; default 1")
     top_p: float | None = Field(None, gt=0, le=1)
     n: int = Field(1, ge=1, le=128)
-    stop: NonEmptyText | list[NonEmptyText] | None = None
-    seed: int | None = Field(None, description="any integer; the engine uses seed mod 2**32")
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
+        None, description=f"at most {MAX_STOP_STRINGS} strings, {MAX_STOP_CHARS} characters in all")
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END, description="an integer in [-2**63, 2**63) "
+                             "(int64); the engine uses seed mod 2**32")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     stream: bool = False

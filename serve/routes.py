@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hmac
-import json
 
 from pydantic import ValidationError
 from starlette.requests import Request
@@ -12,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from jaxpaged.core.sampling_params import SamplingParams
 from serve import outputs as fmt
 from serve import tools
+from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
 from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
@@ -22,24 +22,10 @@ from serve.protocol_tools import DeltaFunction, DeltaToolCall
 
 # -- request plumbing ---------------------------------------------------------------------------
 async def parse(request: Request, model_cls):
-    """Auth, size limit, JSON, schema and model name; any failure is an APIError."""
+    """Auth, the body (size limit, JSON, nesting depth), schema and model name; any failure is an APIError."""
     st = request.app.state.server
     check_auth(request)
-    limit = st.max_body_bytes
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limit:
-        raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-    try:
-        data = json.loads(body, parse_constant=_no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object")
+    data = await read_json(request, st.max_body_bytes)
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:
@@ -50,10 +36,6 @@ async def parse(request: Request, model_cls):
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON (numbers must be finite)")
 
 
 def check_auth(request: Request) -> None:

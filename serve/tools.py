@@ -15,6 +15,7 @@ import uuid
 
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
+from serve.body import loads
 from serve.errors import APIError
 from serve.protocol_tools import FunctionCall, ToolCall
 
@@ -112,7 +113,7 @@ def render_messages(messages, tools, template: str | None) -> tuple[list[dict], 
 
 def _loads_or_text(s: str):
     try:
-        return json.loads(s)
+        return loads(s)
     except ValueError:
         return s
 
@@ -129,14 +130,14 @@ def parse(mode: str | None, text: str, named: str | None) -> tuple[str | None, l
         return None, [new_call(named, text)]
     if mode == "required":
         try:
-            return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in json.loads(text)]
+            return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in loads(text)]
         except (ValueError, TypeError, KeyError):
             return text, []
     if mode == "auto":
         calls = []
         for block in _BLOCK.findall(text):
             try:
-                got = json.loads(block)
+                got = loads(block)
                 for c in got if isinstance(got, list) else [got]:
                     args = c.get("arguments", c.get("parameters", {}))
                     calls.append(new_call(c["name"], args if isinstance(args, str) else json.dumps(args)))

@@ -179,6 +179,26 @@ def test_detokenizer_caught_up_late_equals_token_by_token(tok_model):
             assert late.text == texts[c - 1] and late.next == len(prompt) + c
 
 
+def test_stop_strings_of_mixed_lengths_cut_at_the_first_match(tok_model):
+    """Each stop string is searched only where a match of it would end in the new text: the text still
+    stops at the first token after which the text holds any of them, cut before the earliest, however long
+    the others are (against the whole text after each token)."""
+    tok = Tokenizer.from_dir(tok_model)
+    rng = np.random.default_rng(2)
+    ids = tok.encode("the cat sat on the mat; café 東京 naïve, the end of the cat story " * 3)
+    whole, texts = IncrementalDetokenizer(tok, [], []), []
+    for t in ids:
+        whole.add(t)
+        texts.append(whole.text)
+    for trial in range(40):
+        picks = [int(i) for i in rng.integers(0, len(texts[-1]) - 1, rng.integers(1, 5))]
+        stop = [texts[-1][i:i + int(rng.integers(1, 40))] for i in picks]  # lengths 1 to 39, mixed
+        k = next(k for k, x in enumerate(texts) if any(s in x for s in stop))
+        want = texts[k][:min(texts[k].find(s) for s in stop if s in texts[k])]
+        d = IncrementalDetokenizer(tok, [], stop)
+        assert [d.add(t) for t in ids[:k + 1]] == [False] * k + [True] and d.text == want, (stop, d.text)
+
+
 def test_streamed_outputs_are_snapshots_and_final_only_the_same(llm):
     """Each streamed output keeps the tokens and text it had when it was returned (they are copied only
     when read); a request added with stream=False returns only its final output, equal to the streamed one."""

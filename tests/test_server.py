@@ -362,10 +362,12 @@ def test_several_prompts_all_or_nothing(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
-def test_any_integer_seed_reduced_mod_2_32(client):
+def test_int64_seed_reduced_mod_2_32(client):
+    """Seeds are int64 (beyond: tests/test_hostile.py); equal residues mod 2**32, equal samples."""
     sample = dict(model="tiny", prompt="the quick", max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
-    texts = [client.completions.create(seed=s, **sample).choices[0].text for s in (-1, 2 ** 32 - 1, 2 ** 64 + 2 ** 32 - 1)]
-    assert texts[0] == texts[1] == texts[2]
+    texts = {client.completions.create(seed=s, **sample).choices[0].text
+             for s in (-1, 2 ** 32 - 1, 2 ** 63 - 1, -2 ** 63 + 2 ** 32 - 1)}
+    assert len(texts) == 1
 
 
 def test_schema_states_the_limits_and_security(server):

@@ -8,12 +8,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged import SamplingParams
+from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from jaxpaged.engine import EngineConfig, LLMEngine
 from jaxpaged.step.runner import NUM_BANNED
 from jaxpaged.core.validation import InvalidParam
 from models import add_tiny_tokenizer, make_tiny_model
 
 V, L, MAX_TOKENS = 320, 256, 5
+# as many stop strings as allowed, as many characters in all as allowed, none of them ever generated
+STOPS_AT_BOUND = [f"{i:02d}" + "\x00" * (MAX_STOP_CHARS // MAX_STOP_STRINGS - 2) for i in range(MAX_STOP_STRINGS)]
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +39,11 @@ def valid_requests(draw):
     max_tokens = draw(st.integers(1, MAX_TOKENS))
     kw = dict(n=draw(st.integers(1, 3)), temperature=draw(st.sampled_from([0.0, 0.7]) | real(0, 5)),
               top_p=draw(real(0.01, 1)), top_k=draw(st.integers(-1, V)), min_p=draw(real(0, 1)),
-              seed=draw(st.none() | st.integers(-2 ** 80, 2 ** 80)),
+              seed=draw(st.none() | st.integers(-2 ** 63, 2 ** 63 - 1)),
               presence_penalty=draw(real(-2, 2)), frequency_penalty=draw(real(-2, 2)),
               repetition_penalty=draw(real(0.5, 2)), max_tokens=max_tokens,
               min_tokens=draw(st.integers(0, max_tokens)),
-              stop=draw(st.none() | st.lists(st.text(min_size=1, max_size=3), max_size=2)),
+              stop=draw(st.none() | st.lists(st.text(min_size=1, max_size=3), max_size=2) | st.just(STOPS_AT_BOUND)),
               stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=5)),
               ignore_eos=draw(st.booleans()), logprobs=draw(st.none() | st.integers(0, 5)))
     prompt = draw(st.text(min_size=1, max_size=30) | st.lists(st.integers(0, V - 1), min_size=1, max_size=20)
@@ -56,12 +59,13 @@ BAD = {
     "top_p": [0, 1.1, math.nan],
     "top_k": [-2, V + 1, 2 ** 31, 2 ** 40, True, 3.0],
     "min_p": [-0.1, 1.1, math.nan],
-    "seed": [1.5, True, "3"],
+    "seed": [1.5, True, "3", 2 ** 63, -2 ** 63 - 1, 2 ** 70, -2 ** 70],
     "presence_penalty": [2.1, math.nan, -math.inf],
     "repetition_penalty": [0, -1, math.inf],
     "max_tokens": [0, -3, 2.0, True, L],
     "min_tokens": [-1, True, MAX_TOKENS + 1],
-    "stop": ["", [""], ["ok", 3], ["\ud800"], 5],
+    "stop": ["", [""], ["ok", 3], ["\ud800"], 5, ["s"] * 10_000, STOPS_AT_BOUND + ["x"], "z" * (MAX_STOP_CHARS + 1),
+             STOPS_AT_BOUND[:-1] + [STOPS_AT_BOUND[-1] + "z"]],
     "stop_token_ids": [[V], [-1], [True], [2 ** 31], [1.0], list(range(3, 3 + NUM_BANNED + 1))],
     "logprobs": [-1, 21, True],
     "ignore_eos": [1, "yes"],
@@ -105,7 +109,8 @@ def test_valid_requests_complete(engine, req):
     assert s["kv_blocks_free"] == s["kv_blocks_total"]
 
 
-@pytest.mark.parametrize("field,value", [(f, v) for f in BAD for v in BAD[f]], ids=repr)
+@pytest.mark.parametrize("field,value", [(f, v) for f in BAD for v in BAD[f]],
+                         ids=lambda v: repr(v)[:40])
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
           phases=[Phase.explicit, Phase.reuse, Phase.generate])  # no shrinking: the failing field is known
 @given(req=valid_requests(), keep=valid_requests())

@@ -17,6 +17,11 @@ from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam, check_text
 
 INT32_MAX = 2 ** 31 - 1
+SEED_MIN, SEED_END = -2 ** 63, 2 ** 63  # seeds are int64 (as vLLM's); the engine uses seed % 2**32
+# Every running request with stop strings searches its new text for each of them on every step, and
+# holds back (when streaming) a tail as long as its longest one: a bound on count and total length.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024  # all stop strings together, in characters (Unicode code points)
 FLOAT32_MAX = 3.4028234663852886e38  # floats reach the step as float32: larger ones would become inf
 
 
@@ -34,8 +39,9 @@ class SamplingParams:
     again by `LLMEngine.add_request`, which also checks them against the model: vocabulary, lengths).
 
     Limits beyond vLLM's: integers stored by the step (top_k, token ids) fit int32; floats are finite
-    and at most float32's largest value (3.4e38). `seed` takes any integer; the engine uses
-    `seed % 2**32` (deterministic: equal seeds, equal samples).
+    and at most float32's largest value (3.4e38). `seed` is an integer in [-2**63, 2**63) (int64); the
+    engine uses `seed % 2**32` (deterministic: equal seeds, equal samples). `stop`: at most
+    MAX_STOP_STRINGS (16) strings, MAX_STOP_CHARS (1024) characters in all.
     """
 
     n: int = 1
@@ -92,8 +98,8 @@ class SamplingParams:
         integer("top_k", -1)
         real("min_p", 0, 1)
         if self.seed is not None:
-            if not _is_int(self.seed):
-                bad("seed", "must be an integer or None")
+            if not _is_int(self.seed) or not SEED_MIN <= self.seed < SEED_END:
+                bad("seed", "must be None or an integer in [-2**63, 2**63) (int64)")
             self.seed = int(self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
             real(name, -2, 2)
@@ -109,6 +115,13 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         self.stop = list(self.stop)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidParam("stop", f"SamplingParams.stop has {len(self.stop)} strings; the limit is "
+                                       f"{MAX_STOP_STRINGS}")
+        chars = sum(len(s) for s in self.stop)
+        if chars > MAX_STOP_CHARS:
+            raise InvalidParam("stop", f"SamplingParams.stop has {chars} characters in all; the limit is "
+                                       f"{MAX_STOP_CHARS}", "stop_too_long")
         for s in self.stop:
             check_text("stop", s)
         ids = self.stop_token_ids if self.stop_token_ids is not None else []
