@@ -38,8 +38,8 @@ class HostAdapter:
     """One adapter in the slot layout (numpy): a[leaf] [L, in, R], b[leaf] [L, R, out] (scaled)."""
     a: dict
     b: dict
-    scaling: float  # applied to b already; update_lora's HF-named weights use it again
-    rank: int
+    scaling: float  # of the adapter's config, applied to b already (update_lora's PEFT-named weights too)
+    rank: int       # of the adapter's config: what update_lora's PEFT-named weights must have
 
     def nbytes(self) -> int:
         return sum(x.nbytes for d in (self.a, self.b) for x in d.values())

@@ -116,18 +116,18 @@ class LoRASlots:
             raise ValueError(f"update_lora: lora_int_id {lora_int_id} is not registered")
         cur = self._host(lora_int_id)
         if isinstance(weights, dict) and set(weights) == {"a", "b"}:
-            new = self._from_pytree(weights)
+            new = self._from_pytree(weights, cur)
         else:
             pairs = weights.items() if isinstance(weights, dict) else weights
             new = host_adapter(self.cfg, ((n, np.asarray(x)) for n, x in pairs), cur.rank, cur.scaling,
                                self.max_lora_rank, self.dtype, "update_lora")
-            new = HostAdapter(new.a, new.b, cur.scaling, cur.rank)
         self._cache(lora_int_id, new)
         self.pinned.add(lora_int_id)
         if lora_int_id in self.device:
             self._put(self.device[lora_int_id], new)
 
-    def _from_pytree(self, weights: dict) -> HostAdapter:
+    def _from_pytree(self, weights: dict, cur: HostAdapter) -> HostAdapter:
+        """The slot-layout pytree, padded to max_lora_rank; rank and scaling stay the adapter's config's."""
         shapes, L, R = param_shapes(self.cfg)["layers"], self.cfg.num_layers, self.max_lora_rank
         out = {"a": {}, "b": {}}
         for which in ("a", "b"):
@@ -146,7 +146,7 @@ class LoRASlots:
                                          f"max_lora_rank ({R})")
                     full[(slice(None), slice(None), slice(0, r)) if which == "a" else (slice(None), slice(0, r))] = x
                 out[which][t] = full.astype(jnp.dtype(self.dtype))
-        return HostAdapter(out["a"], out["b"], 1.0, R)
+        return HostAdapter(out["a"], out["b"], cur.scaling, cur.rank)
 
     def _load(self, lora: LoRARequest) -> HostAdapter:
         t0 = time.perf_counter()
