@@ -71,7 +71,9 @@ def test_update_lora_in_place(setup, tmp_path):
     p = [int(t) for t in np.random.default_rng(9).integers(3, 256, size=13)]
     sp = SamplingParams(max_tokens=N_NEW, temperature=0, ignore_eos=True)
     lr = LoRARequest("u", 9, adapters[0])
-    run = lambda: list(llm.generate([{"prompt_token_ids": p}], sp, lora_request=lr)[0].outputs[0].token_ids)  # noqa: E731
+
+    def run():
+        return list(llm.generate([{"prompt_token_ids": p}], sp, lora_request=lr)[0].outputs[0].token_ids)
     assert run() == peft_greedy(base, adapters[0], p, N_NEW)
     n = llm.stats()["num_compilations"]
     other = load_file(f"{adapters[0]}/adapter_model.safetensors")

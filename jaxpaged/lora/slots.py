@@ -54,8 +54,9 @@ class LoRASlots:
         shapes, NS, R = param_shapes(cfg)["layers"], max_loras + 1, max_lora_rank
         L = cfg.num_layers
         out = {t: shapes[t][-1] * (self.kv_repeat if t in ("wk", "wv") else 1) for t in self.targets}
-        abstract_arrays = {"a": {t: jax.ShapeDtypeStruct((L, NS, shapes[t][-2], R), jnp.dtype(dtype)) for t in self.targets},
-                           "b": {t: jax.ShapeDtypeStruct((L, NS, R, out[t]), jnp.dtype(dtype)) for t in self.targets}}
+        dt = jnp.dtype(dtype)
+        abstract_arrays = {"a": {t: jax.ShapeDtypeStruct((L, NS, shapes[t][-2], R), dt) for t in self.targets},
+                           "b": {t: jax.ShapeDtypeStruct((L, NS, R, out[t]), dt) for t in self.targets}}
         specs = slot_specs(self.targets, tp)
         self.shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
         if abstract:
