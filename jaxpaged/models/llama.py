@@ -20,6 +20,8 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
+    lora (optional, LoRA on; jaxpaged/lora/slots.py): a {leaf: [L, NS, in, R]}, b {leaf: [L, NS, R, out]},
+            read per token through batch["lora_index"] i32[T] (jaxpaged/lora/product.py)
 Matrices (and the embedding) may be `jaxpaged.models.quant.QArray`s (weight-only int8 / fp8); every product
 goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
