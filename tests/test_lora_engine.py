@@ -50,6 +50,8 @@ def test_mixed_batch_matches_peft(setup):
             for _ in range(5):
                 done.update({o.request_id: o for o in eng.step() if o.finished})
             assert llm.add_lora(reqs[4])  # loaded now, used by no request
+            with pytest.raises(ValueError, match="is not a directory"):  # refused; nothing in flight is lost
+                llm.add_lora(LoRARequest("bad", 40, "/nonexistent/adapter"))
         eng.add_request(str(k), {"prompt_token_ids": p}, sp, lora_request=reqs[lid] if lid else None)
     with pytest.raises(ValueError, match="lora_int_id 1 is used by"):
         llm.remove_lora(1)
@@ -91,6 +93,14 @@ def test_update_lora_in_place(setup, tmp_path):
         llm.update_lora(9, {next(iter(other)): np.zeros((3, 3), np.float32)})
     with pytest.raises(ValueError, match="not registered"):
         llm.update_lora(99, other)
+
+
+def test_logit_controls_with_an_adapter(setup):
+    """Per-request logit controls still apply to a request that runs with an adapter."""
+    base, adapters, llm = setup
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={77: 100.0})
+    out = llm.generate([[5, 6, 7]], sp, lora_request=LoRARequest("a1", 2, adapters[1]))
+    assert list(out[0].outputs[0].token_ids) == [77] * 4
 
 
 def test_bad_requests(setup, tmp_path):
