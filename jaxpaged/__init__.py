@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "jaxpaged.core.outputs",
     "CompletionOutput": "jaxpaged.core.outputs",
     "StructuredOutputsParams": "jaxpaged.core.structured",
+    "LoRARequest": "jaxpaged.lora.request",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

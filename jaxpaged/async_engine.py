@@ -107,6 +107,17 @@ class AsyncEngine:
         return s
 
     # -- requests (call from an asyncio event loop) -----------------------------------------
+    async def call(self, fn):
+        """Run `fn(engine)` on the engine thread between steps (e.g. `add_lora`); return its result or
+        raise its exception."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self.is_alive():
+                raise EngineDeadError("the engine is not running")
+            self._inbox.append(("call", fn, fut))
+            self._cv.notify()
+        return await asyncio.wrap_future(fut)
+
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request and return the async iterator of its outputs.
@@ -117,10 +128,10 @@ class AsyncEngine:
 
     async def add_requests(self, requests: list[tuple[str, object]], params: SamplingParams,
                            arrival_time: float | None = None,
-                           stream: bool = True) -> list[AsyncIterator[RequestOutput]]:
-        """Queue several (request id, prompt) with the same params, all or none: if one is invalid,
-        raise its ValueError and queue nothing. Returns one output iterator per request, in order;
-        with `stream` False each iterator yields only the final output (no intermediate ones are built)."""
+                           stream: bool = True, lora_request=None) -> list[AsyncIterator[RequestOutput]]:
+        """Queue several (request id, prompt) with the same params (and LoRA adapter), all or none: if one
+        is invalid, raise its ValueError and queue nothing. Returns one output iterator per request, in
+        order; with `stream` False each iterator yields only the final output (no intermediate ones are built)."""
         loop = asyncio.get_running_loop()
         streams = [_Stream(str(rid), params.n, loop) for rid, _ in requests]
         prompts = [p for _, p in requests]
@@ -136,7 +147,7 @@ class AsyncEngine:
                 if self._pending + self._stats["num_waiting"] >= self.max_waiting + free_slots:
                     raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
             self._pending += samples
-            self._inbox.append(("add", streams, prompts, params, arrival, stream, fut))
+            self._inbox.append(("add", streams, prompts, params, arrival, stream, lora_request, fut))
             self._cv.notify()
         try:
             await asyncio.wrap_future(fut)
@@ -228,12 +239,19 @@ class AsyncEngine:
                     self.engine.abort_request(cmd[1])
                     _post(stream.loop, stream.queue.put_nowait, _END)
                 continue
-            _, streams, prompts, params, arrival, stream_outputs, fut = cmd
+            if cmd[0] == "call":
+                try:
+                    cmd[2].set_result(cmd[1](self.engine))
+                except Exception as e:  # noqa: BLE001 -- back to the caller
+                    cmd[2].set_exception(e)
+                continue
+            _, streams, prompts, params, arrival, stream_outputs, lora, fut = cmd
             samples = params.n * len(streams)
             done = []
             try:
                 for i, (stream, prompt) in enumerate(zip(streams, prompts)):
-                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, stream=stream_outputs)
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, stream=stream_outputs,
+                                            **({} if lora is None else dict(lora_request=lora)))
                     done.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 -- ValueError for bad input; anything else also goes back
                 for request_id in done:  # all or nothing: no step ran since they were added

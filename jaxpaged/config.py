@@ -189,6 +189,11 @@ class EngineConfig:
     # research hooks compiled into the step (docs/research.md); indices as transformers' output_hidden_states
     hidden_state_layers: list[int] | None = None  # residual-stream states captured (0..num_layers)
     steering_layers: list[int] | None = None      # where per-request steering vectors are added (0..num_layers-1)
+    # LoRA adapters (jaxpaged/lora/): device slots, the rank they are padded to, the host cache (None: max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # scale-out beyond one engine (docs/scale-out.md)
     data_parallel_size: int = 1             # replicas, each on its own tensor_parallel_size devices
     coordinator_address: str | None = None  # multi-host: HOST:PORT of process 0 (jax.distributed)
@@ -230,6 +235,7 @@ class EngineConfig:
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self._check_scale_out(positive)
+        self._check_lora(positive)
         for name in ("hidden_state_layers", "steering_layers"):  # ranges: at load (research.check_layers)
             v = getattr(self, name)
             if v is not None and not isinstance(v, (list, tuple)):
@@ -237,6 +243,18 @@ class EngineConfig:
         if self.steering_layers and self.num_processes > 1:
             raise ValueError("steering_layers is not supported with num_processes > 1 (the followers "
                              "would not see the per-slot vectors)")
+
+    def _check_lora(self, positive) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            positive(name)
+        if self.max_cpu_loras is not None:
+            positive("max_cpu_loras")
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and (self.num_processes > 1 or self.data_parallel_size > 1):
+            raise ValueError("enable_lora is not supported with num_processes > 1 or data_parallel_size > 1")
 
     def _check_scale_out(self, positive) -> None:
         for name in ("data_parallel_size", "num_processes"):

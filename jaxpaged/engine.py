@@ -135,7 +135,8 @@ class LLMEngine:
         window = mc.sliding_window if mc.all_layers_windowed else None
         self.block_manager = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                           sliding_window=window)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.max_loras if cfg.enable_lora else None)
         self.groups: dict[str, _Group] = {}
         self._rng = np.random.default_rng(cfg.seed)
         self._ids = itertools.count()
@@ -166,13 +167,14 @@ class LLMEngine:
                     num_eos_ids=len(self.eos_token_ids))
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> str:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None) -> str:
         """Queue a request; raise ValueError (nothing queued) if it is invalid. Returns its id.
 
         Everything the step will use is checked here (SamplingParams, then `validation.check_request`
         against the model), so a request that is accepted cannot make a step fail. stream=False: `step`
         returns only the request's final output, and its intermediate outputs and text are never built
-        (what `LLM.generate` wants; the final output is the same)."""
+        (what `LLM.generate` wants; the final output is the same). `lora_request`: a LoRARequest the
+        request runs with (registered and loaded now when new: `add_lora`)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -181,6 +183,7 @@ class LLMEngine:
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
+        lora_int_id = self._lora_id(lora_request)
         self.structured.check(params)
         check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
                      self.model_config.hidden_size)
@@ -199,7 +202,8 @@ class LLMEngine:
             req = Request(request_id=request_id if params.n == 1 else f"{request_id}#{i}", group_id=request_id,
                           index=i, prompt_token_ids=ids, params=params,
                           seed=(base_seed + i * 0x9E3779B9) % 2 ** 32, eos_token_ids=self.eos_token_ids,
-                          arrival=now, sibling=samples[0] if samples else None, bad_words_token_ids=bad_words)
+                          arrival=now, sibling=samples[0] if samples else None, bad_words_token_ids=bad_words,
+                          lora_int_id=lora_int_id)
             samples.append(req)
             detoks.append(IncrementalDetokenizer(self.tokenizer, ids, params.stop, params.skip_special_tokens))
         self.groups[request_id] = _Group(request_id, text, ids, samples, detoks, now, bool(stream))
@@ -389,6 +393,50 @@ class LLMEngine:
                              error, r.prompt_hidden_states if finished else None,
                              prompt_logprobs=list(plp) if plp is not None else None)
 
+    # -- LoRA adapters (jaxpaged/lora/) ---------------------------------------------------------
+    def _lora_slots(self):
+        if self.runner.lora is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        return self.runner.lora
+
+    def _lora_id(self, lora_request) -> int:
+        if lora_request is None:
+            return 0
+        self.add_lora(lora_request)
+        return lora_request.lora_int_id
+
+    def add_lora(self, lora_request) -> bool:
+        """Register and load a LoRARequest's PEFT adapter (checked now: ValueError naming what is wrong);
+        False if it is registered already."""
+        return self._lora_slots().add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if unknown. ValueError while unfinished requests use it."""
+        users = [r for r in self.scheduler.running + list(self.scheduler.waiting) if r.lora_int_id == lora_int_id]
+        if users:
+            raise ValueError(f"lora_int_id {lora_int_id} is used by {len(users)} unfinished requests")
+        removed = self._lora_slots().remove(lora_int_id)
+        if removed:  # the id may come back with other weights: no block of this one may serve it
+            self.block_manager.reset_prefix_cache()
+        return removed
+
+    def list_loras(self) -> list[int]:
+        """The registered adapters' lora_int_ids."""
+        return sorted(self._lora_slots().registered)
+
+    def lora_requests(self) -> list:
+        """The registered adapters' LoRARequests (in lora_int_id order)."""
+        slots = self._lora_slots()
+        return [slots.registered[i] for i in sorted(slots.registered)]
+
+    def update_lora(self, lora_int_id: int, weights) -> None:
+        """Replace a registered adapter's A/B in place, without recompiling (see `LoRASlots.update`);
+        the prefix cache is flushed. Refused (RuntimeError) while requests are unfinished."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("update_lora: requests are unfinished; call it between generate calls")
+        self._lora_slots().update(lora_int_id, weights)
+        self.block_manager.reset_prefix_cache()
+
     def get_weights(self) -> dict:
         """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py)."""
         return self.runner.params
@@ -409,4 +457,5 @@ class LLMEngine:
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
                     num_step_failures=self.num_step_failures,
                     load_seconds=self.load_seconds, attention_backend=self.runner.backend,
-                    tensor_parallel_size=self.runner.tp, **self.runner.memory_per_device())
+                    tensor_parallel_size=self.runner.tp, **self.runner.memory_per_device(),
+                    **(self.runner.lora.stats() if self.runner.lora is not None else {}))

@@ -53,8 +53,9 @@ class LLM:
         return self.engine
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
         """Generate for each prompt (string, token-id list or {'prompt_token_ids': [...]}), in input order.
+        `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
@@ -64,11 +65,14 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         eng = self._leader()
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
-            for rid, prompt, p in zip(ids, prompts, params):
-                eng.add_request(rid, prompt, p, stream=False)
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+                eng.add_request(rid, prompt, p, stream=False, **({} if lora is None else dict(lora_request=lora)))
         except ValueError:
             for rid in ids:
                 eng.abort_request(rid)
@@ -110,6 +114,25 @@ class LLM:
     def stats(self) -> dict:
         """Engine counters; with data_parallel_size > 1 the sums, and `replicas`: each replica's."""
         return self._leader().stats()
+
+    def add_lora(self, lora_request) -> bool:
+        """Register and load a LoRA adapter (a LoRARequest naming a PEFT directory); False if known."""
+        return self._leader().add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (ValueError while unfinished requests use it); False if unknown."""
+        return self._leader().remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[int]:
+        """The registered adapters' lora_int_ids."""
+        return self._leader().list_loras()
+
+    def update_lora(self, lora_int_id: int, weights) -> None:
+        """Replace an adapter's A/B in the running engine without recompiling (RL: after a training step).
+        `weights`: PEFT-named (name, array) pairs or a dict of them (scaled by the adapter's config), or
+        {"a": {leaf: [L, in, r]}, "b": {leaf: [L, r, out]}} (scaling folded into b). Refused while
+        requests are unfinished; the prefix cache is flushed."""
+        self._leader().update_lora(lora_int_id, weights)
 
     def get_weights(self) -> dict:
         """The engine's parameter pytree (device arrays; with data_parallel_size > 1, replica 0's)."""

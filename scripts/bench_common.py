@@ -238,12 +238,14 @@ def sampling_params(req: Req):
 _run_ids = iter(range(10 ** 9))
 
 
-def drive(engine, reqs: list[Req], *, batch_size: int | None = None, arrivals=None, on_step=None) -> RunRecord:
+def drive(engine, reqs: list[Req], *, batch_size: int | None = None, arrivals=None, on_step=None,
+          loras=None) -> RunRecord:
     """Run reqs to completion; time from the first submission to the last finish.
 
     batch_size None: continuous batching (each request queued at its arrival offset, all at 0 by
     default). batch_size k: static batching, the next k requests are queued only once the engine is
-    empty. on_step(engine) is called after every step (not timed separately; keep it cheap)."""
+    empty. on_step(engine) is called after every step (not timed separately; keep it cheap). loras: a
+    LoRARequest (or None) per request."""
     tag = f"b{next(_run_ids)}"
     pending = deque(range(len(reqs)))
     index: dict[str, int] = {}
@@ -254,7 +256,9 @@ def drive(engine, reqs: list[Req], *, batch_size: int | None = None, arrivals=No
     def add(i):
         rid = f"{tag}-{i}"
         at = t0 + (arrivals[i] if arrivals is not None else 0.0)
-        engine.add_request(rid, {"prompt_token_ids": reqs[i].prompt_ids}, sampling_params(reqs[i]), arrival_time=at)
+        lora = {} if loras is None or loras[i] is None else dict(lora_request=loras[i])
+        engine.add_request(rid, {"prompt_token_ids": reqs[i].prompt_ids}, sampling_params(reqs[i]), arrival_time=at,
+                           **lora)
         index[rid] = i
 
     while pending or engine.has_unfinished_requests():

@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from jaxpaged.async_engine import AsyncEngine
 from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
+from serve import lora as serve_lora
 from serve import routes
 from serve.errors import APIError
 from serve.metrics import Metrics
@@ -45,11 +46,15 @@ class ServerState:
     metrics: Metrics
     openapi: dict
     created: int
+    adapters: serve_lora.Adapters | None = None  # LoRA adapters by name (--enable-lora)
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True) -> Starlette:
-    """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`."""
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
+               adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False) -> Starlette:
+    """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`.
+    `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
+    `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
 
     @contextlib.asynccontextmanager
@@ -65,12 +70,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
         Route("/openapi.json", routes.openapi, methods=["GET"]),
-    ], exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+    ] + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+          Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
+         if runtime_lora_updating else []), exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
     schema = openapi_schema(__version__, limits=engine.request_limits(), model_name=served_model_name,
                             api_key=bool(api_key))
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
-                                   Metrics(engine, served_model_name), schema, int(time.time()))
+                                   Metrics(engine, served_model_name), schema, int(time.time()),
+                                   adapters if adapters is not None else
+                                   serve_lora.Adapters() if runtime_lora_updating else None)
     return app
 
 
@@ -119,6 +128,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
+    g = parser.add_argument_group("LoRA adapters")
+    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (requests pick one by `model`)")
+    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                   help="PEFT adapter directories to serve, by name")
+    g.add_argument("--max-loras", type=int, default=None, help="adapters on the device at once (default 1)")
+    g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory "
+                   "(default: --max-loras)")
+    g.add_argument("--enable-runtime-lora-updating", action="store_true",
+                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     return add_scale_out_args(add_quantization_arg(parser))
 
 
@@ -148,7 +167,14 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_model_len", "block_size", "quantization",
-                                                     "kv_cache_dtype")}
+                                                     "kv_cache_dtype", "max_loras", "max_lora_rank",
+                                                     "max_cpu_loras")}
+    lora_modules = serve_lora.parse_modules(getattr(args, "lora_modules", None))
+    lora_on = bool(getattr(args, "enable_lora", False))
+    if (lora_modules or getattr(args, "enable_runtime_lora_updating", False)) and not lora_on:
+        raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
+    if lora_on:
+        overrides["enable_lora"] = True
     scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **scale, **(engine_kwargs or {}))
@@ -164,10 +190,15 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
              time.perf_counter() - t0, s["num_compilations"], s["compile_seconds"], s["kv_blocks_total"],
              cfg.block_size, engine.max_model_len, s["attention_backend"], cfg.data_parallel_size,
              cfg.tensor_parallel_size, cfg.num_processes)
+    adapters = serve_lora.Adapters() if lora_on else None
+    for lora_name, path in lora_modules:  # checked and loaded now: a bad adapter stops the start
+        adapters.by_name[lora_name] = lr = adapters.new(lora_name, path)
+        engine.add_lora(lr)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting,
                                max_step_failures=getattr(args, "max_step_failures", 3))
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
-    app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes)
+    app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
+                     adapters=adapters, runtime_lora_updating=getattr(args, "enable_runtime_lora_updating", False))
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=grace_period, log_level="info")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)

@@ -46,7 +46,8 @@ class Job:
         streamed (`stream` False) gets only each request's final output from the engine."""
         ids = [self.id if len(prompts) == 1 else f"{self.id}-{i}" for i in range(len(prompts))]
         try:
-            self.streams = await self.st.engine.add_requests(list(zip(ids, prompts)), params, self.arrival, stream)
+            self.streams = await self.st.engine.add_requests(list(zip(ids, prompts)), params, self.arrival, stream,
+                                                             getattr(self.request.state, "lora", None))
         except ValueError as e:
             raise from_value_error(e, self.rename) from None
         except QueueFullError as e:

@@ -255,6 +255,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "jaxpaged"
     max_model_len: int | None = None
+    root: str | None = None    # a LoRA adapter: its directory
+    parent: str | None = None  # a LoRA adapter: the base model's name
 
 
 class ModelList(BaseModel):

@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.sampling_params import SamplingParams
+from serve import lora as serve_lora
 from serve import outputs as fmt
 from serve import tools
 from serve.body import read_json
@@ -30,9 +31,7 @@ async def parse(request: Request, model_cls):
         req = model_cls.model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
-    if req.model is not None and req.model != st.model_name:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {st.model_name!r}",
-                       param="model", code="model_not_found")
+    request.state.lora = serve_lora.resolve(st, req.model)  # the adapter `model` names (404 if none)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
     return req
@@ -233,7 +232,19 @@ async def models(request: Request) -> Response:
     check_auth(request)
     st = request.app.state.server
     card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len)
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    adapters = [ModelCard(id=name, created=st.created, max_model_len=st.engine.max_model_len, root=lr.lora_path,
+                          parent=st.model_name) for name, lr in (st.adapters.by_name.items() if st.adapters else ())]
+    return JSONResponse(ModelList(data=[card] + adapters).model_dump(exclude_none=True))
+
+
+async def load_lora_adapter(request: Request) -> Response:
+    check_auth(request)
+    return await serve_lora.load(request)
+
+
+async def unload_lora_adapter(request: Request) -> Response:
+    check_auth(request)
+    return await serve_lora.unload(request)
 
 
 async def health(request: Request) -> Response:

@@ -244,3 +244,15 @@ def test_bench_research(common, out_dir):
     assert all(v > 0 for v in out["ratio_to_plain"].values()) and len(out["step_ratio_to_plain"]) == 2
     assert set(out["update_weights_s"]) == {"pytree-device", "pytree-numpy", "hf-pairs"}
     assert out["num_tensors"] == 2 + 1 + 9 * 2  # embed, norm, lm_head; 9 tensors in each of 2 layers
+
+
+def test_lora(common, out_dir):
+    import bench_lora
+    path = str(out_dir / "lora.json")
+    out = bench_lora.main([*common, "--num-adapters", "2", "--rank", "4", "--num-prompts", "4", "--prompt-len", "4",
+                           "20", "--output-len", "2", "8", "--json", path])
+    saved = json.load(open(path))
+    assert saved["lora_over_base_throughput"] > 0 and set(saved["product"]) == {"8", "64", "512"}
+    lora = out["results"]["lora"]
+    assert lora["lora_stats"]["lora_loads"] == 2 and len(lora["adapter_load_s"]) == 2
+    assert lora["output_tokens"] == out["results"]["base"]["output_tokens"]

@@ -65,8 +65,9 @@ def test_the_block_catches_jax():
 def test_public_api_is_lazy():
     code = BLOCK_JAX + "import jaxpaged\nassert sorted(jaxpaged.__all__) == sorted(%r)\n" % [
         "LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
-        "CompletionOutput", "StructuredOutputsParams"]
-    code += "from jaxpaged import SamplingParams, RequestOutput, StructuredOutputsParams\nSamplingParams(max_tokens=3)\n"
+        "CompletionOutput", "StructuredOutputsParams", "LoRARequest"]
+    code += ("from jaxpaged import SamplingParams, RequestOutput, StructuredOutputsParams, LoRARequest\n"
+             "SamplingParams(max_tokens=3)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     import jaxpaged

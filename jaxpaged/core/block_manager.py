@@ -2,9 +2,9 @@
 
 Block 0 is the null block and is never handed out. A full block may be registered in the prefix
 cache under the key (parent key's hash, its token ids): equal keys mean equal token prefixes, since
-dict lookup compares the token ids themselves. A steered request's first block has its steering's digest
-as parent, so blocks computed under different steering never match. A cached block whose ref count drops to 0 stays cached
-and becomes evictable; evictable blocks are reused least recently freed first.
+dict lookup compares the token ids themselves. A request's first block has its steering's digest and its
+LoRA adapter as parent, so blocks computed under different steering or adapters never match. A cached
+block whose ref count drops to 0 stays cached and becomes evictable; evictable blocks are reused least recently freed first.
 
 Sliding window (only when every layer slides, as in Mistral): a query at position p sees keys
 p - window < k <= p, so once a request has computed c tokens, a block whose last position is
@@ -57,7 +57,8 @@ class BlockManager:
         """Prefix-cache key of the request's i-th full block (computed once, kept on the request)."""
         while len(req.block_keys) <= i:
             j = len(req.block_keys)
-            parent = hash(req.block_keys[j - 1]) if j else req.params.steering_key  # steering changes K/V
+            # steering and the LoRA adapter change K/V: they are the first block's parent
+            parent = hash(req.block_keys[j - 1]) if j else (req.params.steering_key, req.lora_int_id)
             bs = self.block_size
             req.block_keys.append((parent, tuple(req.token_ids[j * bs:(j + 1) * bs])))
         return req.block_keys[i]

@@ -34,8 +34,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int | None = None):
+        """max_loras: at most this many distinct LoRA adapters among the running requests (None: LoRA off),
+        so every step's adapters fit the device slots; a waiting request whose adapter would exceed it
+        waits (FCFS) until an adapter's last running request leaves."""
         self.bm = block_manager
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -111,8 +116,12 @@ class Scheduler:
                 steps[req.slot] = (req, n)
                 budget -= n
         budget = self.max_num_batched_tokens - sum(n for _, n in steps.values())
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
         while self.waiting and self.free_slots and budget > 0 and not out.preempted:
             req = self.waiting[0]
+            if self.max_loras and req.lora_int_id and req.lora_int_id not in adapters \
+                    and len(adapters) >= self.max_loras:
+                break  # its adapter would not fit the device slots: wait for one to leave
             sib = req.sibling
             if sib is not None and sib.status is RequestStatus.RUNNING \
                     and sib.num_computed_tokens < sib.num_prompt_tokens:
@@ -129,6 +138,8 @@ class Scheduler:
             req.num_computed_tokens = cached
             req.status, req.slot = RequestStatus.RUNNING, self.free_slots.pop()
             self.running.append(req)
+            if req.lora_int_id:
+                adapters.add(req.lora_int_id)
             steps[req.slot] = (req, n)
             budget -= n
         out.scheduled = [steps[s] for s in sorted(steps)]

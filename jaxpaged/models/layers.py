@@ -72,10 +72,12 @@ def glu(act, gate, up, dtype):
     return (act(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
-def gated_mlp(h, p, act):
-    """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D]."""
-    gate, up = dot(h, p["w_gate"], jnp.float32), dot(h, p["w_up"], jnp.float32)  # [T, F]
-    return dot(glu(act, gate, up, h.dtype), p["w_down"])
+def gated_mlp(h, p, act, linear=None):
+    """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D]. `linear(x, p, name, dtype)`: the
+    projection (default `quant.dot` of p[name]; the decoder's adds LoRA, jaxpaged/lora/product.py)."""
+    linear = linear or (lambda x, p, name, dtype=None: dot(x, p[name], dtype))
+    gate, up = linear(h, p, "w_gate", jnp.float32), linear(h, p, "w_up", jnp.float32)  # [T, F]
+    return linear(glu(act, gate, up, h.dtype), p, "w_down")
 
 
 def softcap(x, cap):

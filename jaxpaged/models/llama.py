@@ -20,6 +20,8 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
             mlp_norm [L, D]; dense: w_gate, w_up [L, D, F]; w_down [L, F, D]
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
+    lora (optional, LoRA on; jaxpaged/lora/slots.py): a {leaf: [L, NS, in, R]}, b {leaf: [L, NS, R, out]},
+            read per token through batch["lora_index"] i32[T] (jaxpaged/lora/product.py)
 Matrices (and the embedding) may be `jaxpaged.models.quant.QArray`s (weight-only int8 / fp8); every product
 goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
@@ -42,6 +44,7 @@ from jaxpaged.step import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
+from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.quant import dot, take_rows
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
@@ -92,11 +95,13 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     kinds = sorted(set(cfg.layer_types))
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
+    linear = lora_linear(step_mask(params, batch))  # x @ w, plus each token's LoRA slot (jaxpaged/lora/)
+    layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
 
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
         h = norm(x, p["attn_norm"])
-        q, k, v = dot(h, p["wq"]), dot(h, p["wk"]), dot(h, p["wv"])
+        q, k, v = linear(h, p, "wq"), linear(h, p, "wk"), linear(h, p, "wv")
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm == "flat":
@@ -115,18 +120,17 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         o = attn_fn(q, k_vals, v_vals, tables, batch["seq_lens"], batch["query_start_loc"],
                     scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,
                     softcap=cfg.attn_softcap, **scales)  # [T, Hq, hd]
-        o = dot(o.reshape(T, Hq * hd).astype(x.dtype), p["wo"])
+        o = linear(o.reshape(T, Hq * hd).astype(x.dtype), p, "wo")
         x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
         h = norm(x, p["mlp_norm"])
-        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act)
+        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act, linear)
         x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
         return x, k_pool, v_pool
 
     G = L // P
     # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
     # weight into the loop once per step
-    grouped = params["layers"] if P == 1 else \
-        jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), params["layers"])
+    grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
     hooks = sorted(set(capture) | set(steer))
     states = {}
 
@@ -159,7 +163,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         carry, _ = jax.lax.scan(group, carry, jnp.arange(g0, g1, dtype=jnp.int32))
     x, k_pool, v_pool = carry
     for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
-        pl_ = jax.tree.map(lambda a: a[l], params["layers"])
+        pl_ = jax.tree.map(lambda a: a[l], layers)
         x, k_pool, v_pool = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
     h = norm(x, params["final_norm"])  # [T, D]
     if not capture:

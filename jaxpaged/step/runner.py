@@ -36,6 +36,7 @@ from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_
 from jaxpaged.step.sampler import sample, slot_rows
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
+from jaxpaged.lora.slots import LoRASlots
 
 
 
@@ -153,6 +154,8 @@ class ModelRunner:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
+        self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
+                              abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
         self._pool_sharding = NamedSharding(self.mesh, POOL_SPEC)
         if kv_cache.is_quantized(cfg.kv_cache_dtype):  # a QuantPool: values and scales, split by KV head
@@ -187,6 +190,11 @@ class ModelRunner:
         self.controls = LogitControls(S)  # logit_bias, bad_words
         self.controls.none = {k: self._put(v) for k, v in self.controls.none.items()}
         self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
+
+    @property
+    def step_params(self) -> dict:
+        """What the step takes as parameters: the model's, and the LoRA slot arrays when LoRA is on."""
+        return self.params if self.lora is None else {**self.params, "lora": self.lora.arrays}
 
     def _put(self, arr: np.ndarray):
         """A host array replicated on the mesh (its shape and sharding only, when abstract)."""
@@ -224,12 +232,12 @@ class ModelRunner:
             packed, extra = self._device_inputs(*host)
             target = contextlib.nullcontext()
         rep, pool = self._replicated, self._pool_sharding
-        params = jax.tree.map(lambda a: a.sharding, self.params)
+        params = jax.tree.map(lambda a: a.sharding, self.step_params)
         t0 = time.perf_counter()
         with target:
             compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
                                out_shardings=(rep, pool, pool)).lower(
-                self.params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
+                self.step_params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[(T, decode_only)] = compiled
         return compiled
@@ -244,6 +252,8 @@ class ModelRunner:
     def _dummy(self, T: int):
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
         batch, sp = empty.prepare([], T)
+        if self.lora is not None:
+            batch["lora_index"] = np.zeros(T, np.int32)  # [T] each token's adapter slot
         batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
         self._hook_inputs(sp, [])
@@ -293,6 +303,8 @@ class ModelRunner:
         S = self.cfg.max_num_seqs
         T = self.bucket_for(out.num_tokens)
         batch, sp = self.batch.prepare(out.scheduled, T, pending)
+        if self.lora is not None:
+            batch["lora_index"] = self.lora.token_index(out.scheduled, T)  # [T]
         batch["prev_tokens"] = prev.tokens if pending else self._no_prev
         sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
         sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
@@ -302,7 +314,7 @@ class ModelRunner:
         key = (T, self.backend != "reference" and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
-            self.params, self.k_pool, self.v_pool, *inputs)
+            self.step_params, self.k_pool, self.v_pool, *inputs)
         plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
         return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
                         prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]))

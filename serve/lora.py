@@ -1,0 +1,91 @@
+"""LoRA adapters over HTTP: the request's `model` picks an adapter by name, /v1/models lists them with
+`parent` = the base, and (with --enable-runtime-lora-updating) POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter ({"lora_name", "lora_path"}) change them while the server runs."""
+from __future__ import annotations
+
+import itertools
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from jaxpaged.lora.request import LoRARequest
+from serve.errors import APIError
+
+
+class Adapters:
+    """The server's adapters by name (lora_int_ids handed out in order)."""
+
+    def __init__(self):
+        self.by_name: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
+
+    def new(self, name: str, path: str) -> LoRARequest:
+        return LoRARequest(name, next(self._ids), path)
+
+
+def parse_modules(specs: list[str] | None) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH ... -> [(name, path)]; ValueError naming a malformed one."""
+    out = []
+    for spec in specs or []:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        out.append((name, path))
+    return out
+
+
+def resolve(st, model: str | None) -> LoRARequest | None:
+    """The adapter a request's `model` names (None: the base model); unknown names are a 404."""
+    if model is None or model == st.model_name:
+        return None
+    lora = st.adapters.by_name.get(model) if st.adapters is not None else None
+    if lora is None:
+        served = [st.model_name] + (sorted(st.adapters.by_name) if st.adapters is not None else [])
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+    return lora
+
+
+async def _body(request: Request) -> tuple[str, str | None]:
+    try:
+        data = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+    name = data.get("lora_name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or not name:
+        raise APIError(400, "lora_name (a non-empty string) is required", param="lora_name")
+    path = data.get("lora_path")
+    return name, path if isinstance(path, str) else None
+
+
+async def load(request: Request) -> JSONResponse:
+    """POST /v1/load_lora_adapter (auth checked by the route)."""
+    st = request.app.state.server
+    name, path = await _body(request)
+    if path is None:
+        raise APIError(400, "lora_path (a PEFT adapter directory) is required", param="lora_path")
+    if name in st.adapters.by_name or name == st.model_name:
+        raise APIError(400, f"the adapter {name!r} is already loaded", param="lora_name")
+    lora = st.adapters.new(name, path)
+    try:
+        await st.engine.call(lambda eng: eng.add_lora(lora))
+    except ValueError as e:
+        raise APIError(400, str(e), param="lora_path") from None
+    st.adapters.by_name[name] = lora
+    return JSONResponse({"status": "ok", "message": f"LoRA adapter {name!r} loaded"})
+
+
+async def unload(request: Request) -> JSONResponse:
+    """POST /v1/unload_lora_adapter (auth checked by the route)."""
+    st = request.app.state.server
+    name, _ = await _body(request)
+    lora = st.adapters.by_name.get(name)
+    if lora is None:
+        raise APIError(404, f"the adapter {name!r} is not loaded", param="lora_name", code="model_not_found")
+    try:
+        await st.engine.call(lambda eng: eng.remove_lora(lora.lora_int_id))
+    except ValueError as e:  # requests still use it
+        raise APIError(400, str(e), param="lora_name") from None
+    del st.adapters.by_name[name]
+    return JSONResponse({"status": "ok", "message": f"LoRA adapter {name!r} unloaded"})
