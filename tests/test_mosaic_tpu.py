@@ -1,7 +1,8 @@
-"""The Mosaic TPU ragged kernel against the reference, in Pallas TPU interpret mode on CPU (DMAs,
+"""The Mosaic TPU ragged kernel against the reference: natively on a TPU, else in Pallas TPU interpret mode (DMAs,
 semaphores and SMEM simulated), over the kernel test cases: each case once."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,9 +13,11 @@ from test_kernel_options import LONG_RAGGED, OPTIONS
 from test_kernels import BS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case
 from test_kv_quant import quantized
 
+INTERPRET = jax.devices()[0].platform != "tpu"  # natively on a TPU (scripts/tpu_check.sh)
+
 
 def _check(case, tol, **kw):
-    got = tpu_ragged(**case, interpret=True, **kw)
+    got = tpu_ragged(**case, interpret=INTERPRET, **kw)
     opts = {k: v for k, v in kw.items() if k in ("window", "softcap", "scale")}
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(reference(**case, **opts), np.float32), **tol)
     T = case["q"].shape[0]
@@ -54,7 +57,7 @@ def test_stale_nan_outside_every_window():
     k, v = np.array(case["k_pool"]), np.array(case["v_pool"])
     k[~used], v[~used] = np.nan, np.nan
     nan_case = {**case, "k_pool": jnp.asarray(k), "v_pool": jnp.asarray(v)}
-    np.testing.assert_allclose(tpu_ragged(**nan_case, interpret=True, window=20, blocks_per_iter=1),
+    np.testing.assert_allclose(tpu_ragged(**nan_case, interpret=INTERPRET, window=20, blocks_per_iter=1),
                                reference(**case, window=20), **TOL[jnp.float32])
 
 
@@ -83,10 +86,22 @@ def test_validation_errors():
            (dict(window=0), "window")]
     for change, word in bad:
         with pytest.raises(ValueError, match=word):
-            tpu_ragged(**{**case, **change}, interpret=True)
+            tpu_ragged(**{**case, **change}, interpret=INTERPRET)
 
 
 def test_padding_rows_beyond_a_full_block():
     """More padding rows than a program's block: whole programs with no slot return zeros."""
     case, _ = ragged_case(10, slots=RAGGED[:3], pad_rows=PAD_ROWS + 24)
     _check(case, TOL[jnp.float32], block_q=16)
+
+
+def test_bench_tpu_kernel_smoke(tmp_path):
+    """scripts/bench_tpu_kernel.py --cpu-smoke: tiny shapes in interpret mode, every row checked."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_tpu_kernel
+    res = bench_tpu_kernel.main(["--cpu-smoke", "--out", str(tmp_path)])
+    assert [r["shape"] for r in res["rows"]] == ["decode 2 x 40", "mixed 2 x 40 + prefill [20]"]
+    assert all(r["max_abs_diff"] < 2e-2 for r in res["rows"])
+    assert (tmp_path / "results.md").read_text().count("|") > 10
