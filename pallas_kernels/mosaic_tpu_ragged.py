@@ -10,9 +10,11 @@ hierarchy:
   block; for each, it copies the slot's blocks from HBM to VMEM, ``blocks_per_iter`` blocks a chunk,
   double-buffered (chunk c+1 is in flight while chunk c is computed), from the block tables held in
   SMEM (scalar prefetch).
-- Inside the kernel the pool is viewed as ``[num_blocks, block_size, num_kv_heads * head_dim]``, the
-  same bytes: a copy moves one whole block (all KV heads: a TPU copy cannot start inside a tile of the
-  (heads, head_dim) dimensions), and head h is the lanes ``h*D:(h+1)*D`` of a chunk.
+- The pool is read in its own layout (any reshape of it would be a relayout of the whole pool on TPU,
+  whose tiles span the (heads, head_dim) dimensions): a copy moves one whole block ``[block_size, Hkv, D]``
+  (a TPU copy cannot start inside a tile, so not one head), and head h is every Hkv-th row of the
+  chunk's tiles, a strided load from VMEM. A single KV head (``[N, bs, 1, D]``) is passed as ``[N, bs, D]``,
+  the layout XLA gives it.
 - Query rows are laid out per KV head, ``[Hkv, T * G, D]`` (row r*G + g: token r, q head g of the
   group), so a head's rows are one ``[block_q * G, D]`` matrix against the chunk's ``[K, D]`` keys.
 - Online softmax in float32 (running max and sum in VMEM scratch, 128 lanes wide); a row that sees no
@@ -41,15 +43,16 @@ def _kernel(tables_ref, lens_ref, qsl_ref, first_ref, q_ref, k_hbm, v_hbm, *refs
             block_q, group, blocks_per_iter, quantized, cdt):
     # tables_ref i32[S, B], lens_ref i32[S], qsl_ref i32[S + 1], first_ref i32[P] (SMEM, scalar prefetch)
     # q_ref, o_ref: [Hkv, R, D] (R = block_q * G rows of this program, per KV head)
-    # k_hbm, v_hbm: [N, bs, Hkv * D] pools in HBM; with `quantized`, ks_hbm, vs_hbm f32[N, bs, Hkv]
-    # scratch: kbuf, vbuf [2, nb, bs, Hkv * D]; (ksbuf, vsbuf f32[2, nb, bs, Hkv]); sems DMA[2];
+    # k_hbm, v_hbm: [N, bs, Hkv, D] pools in HBM ([N, bs, D] when Hkv == 1); with `quantized`, ks_hbm, vs_hbm
+    # f32[N, bs, Hkv]
+    # scratch: kbuf, vbuf [2, nb, bs, Hkv, D] ([2, nb, bs, D]); (ksbuf, vsbuf f32[2, nb, bs, Hkv]); sems DMA[2];
     #          m_ref, l_ref f32[Hkv, R, 128]; acc_ref f32[Hkv, R, D]
     if quantized:
         ks_hbm, vs_hbm, o_ref, kbuf, vbuf, ksbuf, vsbuf, sems, m_ref, l_ref, acc_ref = refs
     else:
         o_ref, kbuf, vbuf, sems, m_ref, l_ref, acc_ref = refs
     Hkv, R, D = q_ref.shape
-    _, nb, bs, _ = kbuf.shape
+    nb, bs = kbuf.shape[1:3]
     K = nb * bs  # keys a chunk
     S, B = tables_ref.shape
     i = pl.program_id(0)
@@ -73,7 +76,7 @@ def _kernel(tables_ref, lens_ref, qsl_ref, first_ref, q_ref, k_hbm, v_hbm, *refs
     def chunk_keys(buf, b, h):
         """Head h's keys (or values) of chunk b: [K, D]; quantized values (and 16-bit blocks of fewer than 16
         rows, which would not merge into whole tiles) widened to float32."""
-        x = buf[b, :, :, pl.ds(h * D, D)]  # [nb, bs, D]
+        x = buf[b] if Hkv == 1 else buf[b, :, :, h, :]  # [nb, bs, D]: every Hkv-th row of the tiles
         if quantized or x.dtype.itemsize * bs < 32:
             x = x.astype(jnp.float32)
         return x.reshape(K, D)
@@ -157,8 +160,8 @@ def _mosaic_tpu_ragged(q, k_pool, v_pool, block_tables, seq_lens, query_start_lo
     qg = qg.transpose(1, 0, 2, 3).reshape(Hkv, Tp * G, D)  # [Hkv, Tp * G, D]
     first = jnp.searchsorted(query_start_loc[1:], jnp.arange(P, dtype=jnp.int32) * block_q,
                              side="right").astype(jnp.int32)  # [P] first slot meeting each block
-    pools = [k_pool.reshape(N, bs, Hkv * D), v_pool.reshape(N, bs, Hkv * D)]  # same bytes
-    scratch = [pltpu.VMEM((2, blocks_per_iter, bs, Hkv * D), k_pool.dtype)] * 2
+    pools = [k_pool, v_pool] if Hkv > 1 else [k_pool.reshape(N, bs, D), v_pool.reshape(N, bs, D)]
+    scratch = [pltpu.VMEM((2, blocks_per_iter) + pools[0].shape[1:], k_pool.dtype)] * 2
     if quantized:
         pools += [k_scale, v_scale]
         scratch += [pltpu.VMEM((2, blocks_per_iter, bs, Hkv), jnp.float32)] * 2

@@ -64,12 +64,13 @@ def bundle_counts(dump_dir: str, kernel_name: str) -> list[int]:
 
 
 def pool_copies(compiled, min_bytes: int) -> int:
-    """Copies (relayouts) of at least `min_bytes` in the compiled program: a kernel whose pool layout
-    differs from the layout XLA gave the pool costs one such copy per call."""
+    """Relayouts (copies, and reshapes or transposes XLA could not make free) of at least `min_bytes` in
+    the compiled program: a kernel whose pool layout differs from the layout XLA gave the pool costs one
+    such copy per call."""
     sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1}
     n = 0
     for line in compiled.as_text().splitlines():
-        m = re.match(r"\s*%\S+ = (\w+)\[([\d,]+)\]\S* (copy|copy-start)\(", line)
+        m = re.match(r"\s*%\S+ = (\w+)\[([\d,]+)\]\S* (copy|copy-start|reshape|transpose)\(", line)
         if m and m.group(1) in sizes:
             count = 1
             for d in m.group(2).split(","):
