@@ -38,3 +38,153 @@ KV_TOKENS = 256 * CONTEXT  # the pool: 256 requests of CONTEXT tokens (all layer
 RUNNING = (1, 64, 256)
 TPS = (1, 4, 8)
 KV_DTYPES = ("bfloat16", "int8")
+GiB = 2**30
+
+
+def model_config(model: str):
+    from jaxpaged.config import ModelConfig
+    return ModelConfig.from_hf_dict(MODELS[model], source=model)
+
+
+def kv_bytes_per_token(cfg, tp: int, kv_dtype: str) -> int:
+    """Bytes one token's K and V take on each chip (all layers; scales included)."""
+    from jaxpaged.step.runner import kv_bytes_per_block
+    return kv_bytes_per_block(cfg, 1, ENGINE["dtype"], tp, kv_dtype)
+
+
+def weight_bytes(cfg, tp: int) -> int:
+    """Parameter bytes on each chip (bf16; KV heads replicated where tp exceeds them; vocab sharded)."""
+    from jaxpaged.checkpoints.weights import param_shapes
+    from jaxpaged.parallel.mesh import param_partition_specs, sharded_model_config
+    import jax
+    shapes = param_shapes(sharded_model_config(cfg, tp))
+    specs = param_partition_specs(cfg, tp)
+    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
+    sizes = jax.tree.map(lambda s, p: 2 * int(__import__("math").prod(s)) // (tp if "model" in tuple(p) else 1),
+                         shapes, specs, is_leaf=is_shape)
+    return sum(jax.tree.leaves(sizes))
+
+
+def pool_blocks(cfg, chip: str, tp: int, kv_dtype: str) -> int:
+    """Blocks of the pool: KV_TOKENS worth, or what is left of 90 % of the chip's HBM after the weights
+    and 1 GiB of workspace (0 when nothing is left)."""
+    room = 0.9 * tpu_aot.CHIPS[chip]["hbm"] - weight_bytes(cfg, tp) - GiB
+    tokens = min(KV_TOKENS, int(room // kv_bytes_per_token(cfg, tp, kv_dtype)))
+    return max(tokens, 0) // ENGINE["block_size"]
+
+
+def predict(row: dict, cfg, chip: str, tp: int, kv_dtype: str, running: int) -> dict:
+    """Decode step time at `running` requests of CONTEXT tokens: a roofline over the chip's HBM bandwidth
+    and bf16 peak. Bytes: the parameters as compiled (memory_analysis' arguments less the pool) and the
+    K/V the requests read; flops: 2 x parameters x the bucket's rows plus attention's 4 x rows x CONTEXT x
+    heads x head_dim a layer (XLA's TPU cost analysis counts the scanned layer body once: its raw figures
+    are kept beside, for the record)."""
+    spec = tpu_aot.CHIPS[chip]
+    params = row["argument_bytes"] - row["pool_bytes"]
+    kv = running * CONTEXT * kv_bytes_per_token(cfg, tp, kv_dtype)
+    heads = cfg.num_heads // tp
+    flops = 2 * (params / 2) * row["T"] + 4 * running * CONTEXT * heads * cfg.head_dim * cfg.num_layers
+    t_mem, t_flop = (params + kv) / spec["bandwidth"], flops / spec["peak"]
+    return dict(running=running, T=row["T"], ms=1e3 * max(t_mem, t_flop), bound="HBM" if t_mem >= t_flop else "MXU",
+                tokens_per_s=running / max(t_mem, t_flop))
+
+
+def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
+    """{T: jax.stages.Compiled} of the engine's step for each bucket T, over abstract parameters and pools
+    on `mesh` (compile-only devices: nothing is allocated), attention from the mesh's devices."""
+    from jaxpaged.step.aot import compile_step_variants
+    return compile_step_variants(cfg, engine_config(kv_dtype), mesh, num_blocks, buckets)
+
+
+def engine_config(kv_dtype: str):
+    from jaxpaged.config import EngineConfig
+    return EngineConfig(**ENGINE, kv_cache_dtype=kv_dtype, attention_backend="auto")
+
+
+def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None) -> list[dict]:
+    """Rows (one per bucket) for one configuration; a configuration that cannot hold the weights, or
+    whose step fails to compile (out of HBM, say), is one row that says so."""
+    cfg = model_config(model)
+    base = dict(chip=chip, model=model, tp=tp, kv_dtype=kv_dtype, weight_bytes=weight_bytes(cfg, tp))
+    nb = pool_blocks(cfg, chip, tp, kv_dtype)
+    if nb == 0:
+        return [dict(base, error="the weights leave no room for a KV pool")]
+    mesh = tpu_aot.topology_mesh(chip, tp)
+    pool = nb * ENGINE["block_size"] * kv_bytes_per_token(cfg, tp, kv_dtype)
+    t0 = time.perf_counter()
+    try:
+        steps = compile_steps(cfg, mesh, kv_dtype, nb, buckets)
+    except Exception as e:  # noqa: BLE001 -- recorded: the configuration does not compile
+        return [dict(base, pool_tokens=nb * ENGINE["block_size"], error=str(e).strip().splitlines()[0][:300])]
+    seconds = (time.perf_counter() - t0) / len(steps)
+    rows = []
+    for T, c in sorted(steps.items()):
+        m, ca = c.memory_analysis(), c.cost_analysis()
+        ca = ca[0] if isinstance(ca, list) else ca
+        total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+        row = dict(base, T=T, pool_tokens=nb * ENGINE["block_size"], pool_bytes=pool,
+                   argument_bytes=m.argument_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
+                   total_bytes=total, fits=total <= tpu_aot.CHIPS[chip]["hbm"], compile_s=seconds,
+                   mosaic_kernels=c.as_text().count('custom_call_target="tpu_custom_call"'),
+                   pool_copies=tpu_aot.pool_copies(c, pool // (4 * cfg.num_layers)),
+                   xla_flops=ca.get("flops"), xla_bytes=ca.get("bytes accessed"))
+        rows.append(row)
+    for r in rows:  # each decode prediction from the smallest bucket holding its requests
+        r["predicted"] = [predict(r, cfg, chip, tp, kv_dtype, n) for n in RUNNING
+                          if r["T"] == min([x["T"] for x in rows if x["T"] >= n] or [None])]
+    return rows
+
+
+def table(rows) -> str:
+    """The markdown table of docs/kernels.md and docs/scale-out.md: one line per configuration."""
+    out = ["| chip | model | TP | KV | pool (tokens) | HBM per chip: weights + KV + temp = total | fits | "
+           "buckets | s / bucket | pool copies | predicted decode ms (tok/s) at 1 / 64 / 256 running |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = sorted({(r["chip"], r["model"], r["tp"], r["kv_dtype"]) for r in rows},
+                  key=lambda k: (k[1], k[0], k[2], k[3]))
+    for key in keys:
+        rs = [r for r in rows if (r["chip"], r["model"], r["tp"], r["kv_dtype"]) == key]
+        head = f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} |"
+        if "error" in rs[0]:
+            out.append(f"{head} {rs[0].get('pool_tokens', 0)} | {rs[0]['weight_bytes'] / GiB:.2f} GiB of weights: "
+                       f"{rs[0]['error'][:90]} | no | | | | |")
+            continue
+        big = max(rs, key=lambda r: r["total_bytes"])
+        pred = {p["running"]: p for r in rs for p in r["predicted"]}
+        cell = " / ".join(f"{pred[n]['ms']:.2f} ({pred[n]['tokens_per_s']:.0f})" if n in pred else "—" for n in RUNNING)
+        out.append(f"{head} {big['pool_tokens']} | {(big['argument_bytes'] - big['pool_bytes']) / GiB:.2f} + "
+                   f"{big['pool_bytes'] / GiB:.2f} + {big['temp_bytes'] / GiB:.2f} = {big['total_bytes'] / GiB:.2f} GiB | "
+                   f"{'yes' if all(r['fits'] for r in rs) else 'no'} | {len(rs)} | {rs[0]['compile_s']:.0f} | "
+                   f"{max(r['pool_copies'] for r in rs)} | {cell} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="docs/results/tpu_compile.json")
+    ap.add_argument("--chip", action="append", choices=sorted(tpu_aot.CHIPS))
+    ap.add_argument("--model", action="append", choices=sorted(MODELS))
+    ap.add_argument("--tp", action="append", type=int, choices=TPS)
+    ap.add_argument("--kv-dtype", action="append", choices=KV_DTYPES)
+    ap.add_argument("--buckets", type=int, nargs="*", default=None, help="default: every bucket of the engine")
+    args = ap.parse_args(argv)
+    configs = [(c, m, t, k) for m in args.model or sorted(MODELS) for c in args.chip or sorted(tpu_aot.CHIPS)
+               for t in args.tp or TPS for k in args.kv_dtype or KV_DTYPES]
+    rows = []
+    for chip, model, tp, kv in configs:  # one process each: libtpu and the compile caches start clean
+        code = (f"import json, tpu_compile_table as t; "
+                f"print('ROWS' + json.dumps(t.measure({chip!r}, {model!r}, {tp}, {kv!r}, {args.buckets!r})))")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **tpu_aot.environment()})
+        line = [x for x in res.stdout.splitlines() if x.startswith("ROWS")]
+        rows += json.loads(line[0][4:]) if line else [dict(chip=chip, model=model, tp=tp, kv_dtype=kv, weight_bytes=0,
+                                                           error="compile process failed: " + res.stderr[-200:])]
+        print(f"{chip} {model} TP={tp} {kv}: {len(rows)} rows", file=sys.stderr, flush=True)
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(engine=ENGINE, context=CONTEXT, chips=tpu_aot.CHIPS, rows=rows), f, indent=1)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
