@@ -7,6 +7,7 @@ import sys
 import time
 
 from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
+from jaxpaged.config import ATTENTION_BACKENDS
 
 
 def _generate(args) -> int:
@@ -68,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     add_quantization_arg(g)
     add_scale_out_args(g)
     g.set_defaults(func=_generate)

@@ -11,6 +11,9 @@ from jaxpaged.models.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, m
                                 rope_fields, rope_param, window_fields)
 
 # HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
+# what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
+ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -174,7 +177,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None        # None: the model's max_position_embeddings, capped at 4096
     enable_prefix_caching: bool = True
-    attention_backend: str = "auto"         # auto | reference | pallas
+    attention_backend: str = "auto"         # one of ATTENTION_BACKENDS (jaxpaged/step/attention.py)
     tensor_parallel_size: int = 1           # devices one model is split over (heads, MLP columns, vocab)
     quantization: str | None = None         # weight-only: None, "int8" or "fp8" (per-output-channel scales)
     seed: int = 0
@@ -219,8 +222,9 @@ class EngineConfig:
                 raise ValueError("num_kv_blocks must be at least 2 (block 0 is the null block)")
         if self.max_model_len is not None:
             positive("max_model_len")
-        if self.attention_backend not in ("auto", "reference", "pallas"):
-            raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         from jaxpaged.models.quant import check_quantization
         check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:

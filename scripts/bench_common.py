@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxpaged.config import ATTENTION_BACKENDS
+
 TIMING_NOTE = "only generation is timed (model load, compilation and a warm-up run come before the clock)"
 
 # Random-weight models with the shapes of real ones: `--model random:<preset>`.
@@ -58,7 +60,7 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
                    help=f"default: {max_model_len or 'the longest request the workload can draw'}")
     g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="default: the engine's choice")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     g.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weight-only quantization")
     g.add_argument("--compilation-cache-dir", default=None, help="default: the engine's (~/.cache/jaxpaged/xla)")
     ap.add_argument("--seed", type=int, default=0)

@@ -16,13 +16,14 @@ import time
 import numpy as np
 
 import bench_common as bc
+from jaxpaged.config import ATTENTION_BACKENDS
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensor-parallel-size", type=int, default=2)
     ap.add_argument("--model", default="random:llama-8h")
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "reference", "pallas"])
+    ap.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)

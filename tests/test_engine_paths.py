@@ -93,7 +93,7 @@ def test_pallas_backend_matches_reference(tiny_models, engine_kwargs):
     kw = {**engine_kwargs, "max_num_seqs": 4, "max_num_batched_tokens": 16}
     want = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params, use_tqdm=False)]
     llm = LLM(model=path, **kw, attention_backend="pallas")
-    assert llm.stats()["attention_backend"] == "pallas"
+    assert llm.stats()["attention_backend"] == "triton"  # pallas on a CPU target: Triton, interpret mode
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants()) > len(llm.engine.runner.buckets)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want

@@ -115,22 +115,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None) -> dict:
+def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, alloc=np.empty) -> dict:
     """The preallocated parameter pytree: numpy arrays of `dtype`, and for `quantization` its matrices
-    as QArrays (q in the format's storage type, scales float32 with size 1 on the reduced axis)."""
+    as QArrays (q in the format's storage type, scales float32 with size 1 on the reduced axis).
+    `alloc(shape, dtype)` makes each leaf (e.g. `jax.ShapeDtypeStruct` for an abstract model)."""
     np_dtype = NP_DTYPES[dtype]
     check_quantization(quantization)
 
-    def alloc(path, shape):
+    def leaf(path, shape):
         axis = leaf_axis(path) if quantization else None
         if axis is None:
-            return np.empty(shape, np_dtype)
+            return alloc(shape, np_dtype)
         sshape = list(shape)
         sshape[axis] = 1
-        return QArray(np.empty(shape, FORMATS[quantization][0]), np.empty(sshape, np.float32), dtype)
+        return QArray(alloc(shape, FORMATS[quantization][0]), alloc(tuple(sshape), np.dtype(np.float32)), dtype)
     shapes = param_shapes(cfg)
-    out = {k: alloc((k,), s) for k, s in shapes.items() if k != "layers"}
-    out["layers"] = {k: alloc(("layers", k), s) for k, s in shapes["layers"].items()}
+    out = {k: leaf((k,), s) for k, s in shapes.items() if k != "layers"}
+    out["layers"] = {k: leaf(("layers", k), s) for k, s in shapes["layers"].items()}
     return out
 
 

@@ -1,8 +1,18 @@
 """The one place that picks an attention implementation for the model.
 
-`reference`: plain JAX over the paged pool (the CPU path, and the oracle of the kernels).
-`pallas`: the Pallas kernels — the decode kernel for decode-only steps, the ragged kernel otherwise;
-on a machine without a GPU they run in interpret mode (slow; for tests).
+`attention_backend` (EngineConfig) names what the user asks for; `resolve_backend` turns it into one of
+`IMPLEMENTATIONS`, from the **devices the step is compiled for** (the mesh), never from
+`jax.default_backend()`: a step compiled on a CPU host for an H200 or a TPU topology gets the real kernel.
+
+| asked | CPU target | GPU target (sm_90+ / older) | TPU target |
+| --- | --- | --- | --- |
+| auto | reference | pallas if the shapes fit, else reference | pallas if the shapes fit, else reference |
+| pallas | triton (interpret mode) | mosaic_gpu / triton | mosaic_tpu |
+| mosaic | error: say mosaic_gpu or mosaic_tpu | mosaic_gpu (sm_90+ only) | mosaic_tpu |
+| triton, mosaic_gpu, mosaic_tpu | that kernel in its interpret mode | that kernel (GPU ones only) | mosaic_tpu only |
+
+`reference`: plain JAX over the paged pool (the CPU path, and the oracle of the kernels). The kernels
+(pallas_kernels/) run in their interpret mode only when the target is the CPU (tests).
 
 With tensor parallelism the chosen function runs per device through `shard_map`: each device attends
 its own query heads over its own KV heads (q and the pools split on their head axes, the block tables
@@ -16,25 +26,84 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxpaged.config import ATTENTION_BACKENDS
 from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
 from pallas_kernels.reference import ragged_paged_attention_reference
+
+IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu", "mosaic_tpu")
+_PLATFORM_OF = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}
 
 
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def resolve_backend(name: str, head_dim: int, block_size: int) -> str:
-    """'auto' -> 'pallas' on GPU when the kernels support the shapes, 'reference' otherwise."""
+def target_platform(devices) -> tuple[str, float | None]:
+    """('cpu' | 'gpu' | 'tpu', CUDA compute capability or None) of the devices a step is compiled for
+    (real devices or compile-only topology devices alike)."""
+    d = list(devices)[0]
+    platform = d.platform.lower()
+    if platform in ("cuda", "rocm", "gpu"):
+        cc = getattr(d, "compute_capability", None)
+        return "gpu", float(cc) if cc else _capability_from_kind(d.device_kind)
+    return ("tpu" if platform == "tpu" else "cpu"), None
+
+
+def _capability_from_kind(kind: str) -> float | None:
+    """Compute capability from the device kind's name, for devices that do not report it."""
+    for names, cc in ((("B200", "B100", "GB200"), 10.0), (("H100", "H200", "H800", "GH200", "H20"), 9.0),
+                      (("L4", "L40", "RTX 40"), 8.9), (("A100", "A800", "A30", "A10"), 8.0)):
+        if any(n in kind for n in names):
+            return cc
+    return None
+
+
+def resolve_backend(name: str, head_dim: int, block_size: int, devices=None) -> str:
+    """The implementation (one of IMPLEMENTATIONS) for `attention_backend=name` on `devices` (default:
+    jax.devices()); ValueError naming the backend and the reason when it cannot run there."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
+    platform, cc = target_platform(jax.devices() if devices is None else devices)
     fits = _pow2(block_size) and _pow2(head_dim) and 16 <= head_dim <= 256
+    hopper = cc is not None and cc >= 9.0
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and fits else "reference"
-    if name not in ("reference", "pallas"):
-        raise ValueError(f"attention_backend must be 'auto', 'reference' or 'pallas', got {name!r}")
-    if name == "pallas" and not fits:
-        raise ValueError(f"attention_backend='pallas' needs a power-of-two block_size and head_dim in "
+        name = "pallas" if platform != "cpu" and fits and _pallas_for(platform, hopper) else "reference"
+    if name == "reference":
+        return name
+    if not fits:
+        raise ValueError(f"attention_backend={name!r} needs a power-of-two block_size and head_dim in "
                          f"16..256 (got block_size {block_size}, head_dim {head_dim})")
+    if name == "pallas":
+        impl = _pallas_for(platform, hopper)
+        if impl is None:
+            raise ValueError(f"attention_backend='pallas': no Pallas kernel is registered for {platform} "
+                             f"targets; use 'reference'")
+        return impl
+    if name == "mosaic":
+        if platform == "cpu":
+            raise ValueError("attention_backend='mosaic' is ambiguous on a CPU target (interpret mode): "
+                             "say 'mosaic_gpu' or 'mosaic_tpu'")
+        name = "mosaic_gpu" if platform == "gpu" else "mosaic_tpu"
+    if name not in KERNELS:
+        raise ValueError(f"attention_backend={name!r}: that kernel is not available in this build")
+    if platform != "cpu" and _PLATFORM_OF[name] != platform:
+        raise ValueError(f"attention_backend={name!r} runs on {_PLATFORM_OF[name]} targets, not {platform}")
+    if name == "mosaic_gpu" and platform == "gpu" and not hopper:
+        raise ValueError(f"attention_backend='mosaic_gpu' needs sm_90 or newer (Hopper); this GPU is "
+                         f"sm_{int(10 * cc) if cc else '?'}: use 'triton'")
     return name
+
+
+def _pallas_for(platform: str, hopper: bool) -> str | None:
+    """What 'pallas' means on a platform: Mosaic GPU on Hopper and newer, Triton below (and in CPU
+    interpret mode), Mosaic TPU on TPUs — None when that kernel is not registered."""
+    if platform == "tpu":
+        want = ("mosaic_tpu",)
+    elif platform == "gpu" and hopper:
+        want = ("mosaic_gpu", "triton")
+    else:
+        want = ("triton",)
+    return next((w for w in want if w in KERNELS), None)
 
 
 def make_attention(backend: str, decode_only: bool, mesh=None):
@@ -42,8 +111,11 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
     options (keyword-only, static): scale, window, softcap — forwarded to the implementation as given;
     and for quantized pools the arrays k_scale, v_scale f32[num_blocks, bs, Hkv] (split like the pools).
 
-    With a `mesh` whose "model" axis has more than one device, the function runs per head shard."""
-    attn = _single_device(backend, decode_only)
+    With a `mesh` whose "model" axis has more than one device, the function runs per head shard. The
+    kernels run in interpret mode when the mesh's devices are CPUs."""
+    devices = jax.devices() if mesh is None else mesh.devices.flat
+    attn = ragged_paged_attention_reference if backend == "reference" else \
+        KERNELS[backend](decode_only, target_platform(devices)[0] == "cpu")
     if mesh is None or mesh.shape[MODEL_AXIS] == 1:
         return attn
     heads = P(None, MODEL_AXIS, None)  # q, out [T, Hq, hd]
@@ -62,10 +134,8 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
     return sharded
 
 
-def _single_device(backend: str, decode_only: bool):
-    if backend == "reference":
-        return ragged_paged_attention_reference
-    interpret = jax.default_backend() != "gpu"
+def _triton(decode_only: bool, interpret: bool):
+    """The Pallas Triton kernels: the decode kernel for decode-only steps, the ragged kernel otherwise."""
     from pallas_kernels import paged_attention, ragged_paged_attention
     if not decode_only:
         return functools.partial(ragged_paged_attention, interpret=interpret)
@@ -79,3 +149,7 @@ def _single_device(backend: str, decode_only: bool):
         valid = jnp.arange(T) < query_start_loc[S]
         return jnp.where(valid[:, None, None], out[jnp.minimum(slot_of_row, S - 1)], 0).astype(q.dtype)
     return decode
+
+
+# implementation name -> factory(decode_only, interpret) -> attention function with make_attention's signature
+KERNELS = {"triton": _triton}

@@ -12,6 +12,7 @@ next `launch` in between).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -23,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.step import kv_cache
-from jaxpaged.step.attention import make_attention, resolve_backend
+from jaxpaged.step.attention import make_attention, resolve_backend, target_platform
 from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
@@ -100,6 +101,11 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt), k_pool, v_pool
 
 
+def _separate(batch: dict, sp: dict) -> dict:
+    """The step inputs that travel beside the packed buffer (they may already live on the device)."""
+    return {name: d[name] for d in (batch, sp) for name in SEPARATE if name in d}
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel_size: int = 1,
                        kv_cache_dtype: str = "auto") -> int:
     """Bytes one KV block takes on each device (K and V, every layer, the device's share of KV heads;
@@ -109,23 +115,31 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype, tensor_parallel
                                                                                     cfg.head_dim)
 
 
-def step_compiler_options(dtype, kv_cache_dtype: str = "auto") -> dict | None:
+def step_compiler_options(dtype, kv_cache_dtype: str = "auto", platform: str | None = None) -> dict | None:
     """XLA options for compiling the step (and scoring). On CPU, where bfloat16 weights or a bfloat16 KV
     cache are in play, XLA's bf16 float-normalization pass is turned off. It widens every bfloat16
     dynamic-slice and gather to float32: the layer scan converted the whole stacked weights to float32
     (and each layer's slice back) on every step, and attention the whole KV pool (SmolLM2-135M, decode at
     64 running, bfloat16 weights and KV: 862 -> 153 ms a step). The other thing the pass ensures,
-    products in float32, every product on CPU already asks for (`quant.dot`, attention in float32)."""
+    products in float32, every product on CPU already asks for (`quant.dot`, attention in float32).
+    `platform`: the target's ('cpu' | 'gpu' | 'tpu'; default: this process's backend)."""
     pool_dtype = kv_cache.storage_dtype(kv_cache_dtype, dtype)
-    if jax.default_backend() == "cpu" and jnp.bfloat16 in (jnp.dtype(dtype), pool_dtype):
+    if (platform or jax.default_backend()) == "cpu" and jnp.bfloat16 in (jnp.dtype(dtype), pool_dtype):
         return {"xla_disable_hlo_passes": "float-normalization-bf16"}
     return None
 
 
 class ModelRunner:
+    """The step's device state and its compiled variants. `abstract=True` (jaxpaged/step/aot.py): `params`
+    is a pytree of `jax.ShapeDtypeStruct`s already sharded on `mesh`, nothing is placed on a device, and
+    the variants only compile (for any target, compile-only topology devices included)."""
+
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params: dict, num_blocks: int,
-                 max_model_len: int, mesh=None, structured: StructuredOutputs | None = None):
+                 max_model_len: int, mesh=None, structured: StructuredOutputs | None = None,
+                 abstract: bool = False):
         self.mesh = mesh if mesh is not None else make_mesh(cfg.tensor_parallel_size)
+        self.abstract = abstract
+        self.platform = target_platform(self.mesh.devices.flat)[0]
         self.tp = self.mesh.shape[MODEL_AXIS]
         self.model_cfg, self.cfg = model_cfg, cfg
         self.step_cfg = sharded_model_config(model_cfg, self.tp)  # KV heads replicated when < tp
@@ -133,11 +147,12 @@ class ModelRunner:
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
-        self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size)
+        self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size,
+                                       self.mesh.devices.flat)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        self.params = place_params(params, model_cfg, self.mesh)
+        self.params = params if abstract else place_params(params, model_cfg, self.mesh)
         self._replicated = NamedSharding(self.mesh, REPLICATED)
         self._pool_sharding = NamedSharding(self.mesh, POOL_SPEC)
         if kv_cache.is_quantized(cfg.kv_cache_dtype):  # a QuantPool: values and scales, split by KV head
@@ -148,30 +163,41 @@ class ModelRunner:
         pool_shape = (L * num_blocks, cfg.block_size, Hkv, hd)  # [L*N, bs, Hkv, hd], Hkv split over devices
         zeros = jax.jit(lambda: kv_cache.zeros_pool(pool_shape, cfg.kv_cache_dtype, self.dtype),
                         out_shardings=self._pool_sharding)
-        self.k_pool, self.v_pool = zeros(), zeros()
+        if abstract:
+            shapes = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                                  jax.eval_shape(zeros), self._pool_sharding)
+            self.k_pool = self.v_pool = shapes
+        else:
+            self.k_pool, self.v_pool = zeros(), zeros()
         self.buckets = token_buckets(cfg.max_num_batched_tokens)
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
         self._compiled: dict[tuple[int, bool], object] = {}
-        self.compiler_options = step_compiler_options(self.dtype, cfg.kv_cache_dtype)
+        self.compiler_options = step_compiler_options(self.dtype, cfg.kv_cache_dtype, self.platform)
         self.compile_seconds = 0.0
         S = cfg.max_num_seqs
         self.batch = PersistentBatch(S, self.max_blocks_per_seq, max_model_len, cfg.block_size)
         # stay on the device while no slot uses penalties / no token is fed from the previous step
-        self._no_history = place(self.batch.history, self.mesh, REPLICATED)
-        self._no_prev = place(np.zeros(S, np.int32), self.mesh, REPLICATED)
+        self._no_history = self._put(self.batch.history)
+        self._no_prev = self._put(np.zeros(S, np.int32))
         self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
-        self.structured.all_ones = place(self.structured.all_ones, self.mesh, REPLICATED)  # stays on device
+        self.structured.all_ones = self._put(self.structured.all_ones)  # stays on device
         capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
         if capture or steer:  # research hooks compiled in (validated by the engine)
             self.batch.hooks = SlotHooks(S, capture, steer, model_cfg.hidden_size, self.dtype)
         self.controls = LogitControls(S)  # logit_bias, bad_words
-        self.controls.none = {k: place(v, self.mesh, REPLICATED) for k, v in self.controls.none.items()}
+        self.controls.none = {k: self._put(v) for k, v in self.controls.none.items()}
         self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
+
+    def _put(self, arr: np.ndarray):
+        """A host array replicated on the mesh (its shape and sharding only, when abstract)."""
+        if self.abstract:
+            return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=self._replicated)
+        return place(arr, self.mesh, REPLICATED)
 
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
         v = [(t, False) for t in self.buckets]
-        if self.backend == "pallas":  # decode-only steps use the decode kernel
+        if self.backend != "reference":  # decode-only steps may use a kernel of their own
             v += [(t, True) for t in self.buckets if t <= max(self.cfg.max_num_seqs, self.buckets[0])]
         return v
 
@@ -190,13 +216,20 @@ class ModelRunner:
                                logits_shardings=self._logits_shardings,
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
-        packed, extra = self._device_inputs(*host)
+        if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
+            packed, extra = jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else
+                                         self._put(np.asarray(a)), (pack(*host), _separate(*host)))
+            target = jax.set_mesh(self.mesh)
+        else:
+            packed, extra = self._device_inputs(*host)
+            target = contextlib.nullcontext()
         rep, pool = self._replicated, self._pool_sharding
         params = jax.tree.map(lambda a: a.sharding, self.params)
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
-                           out_shardings=(rep, pool, pool)).lower(
-            self.params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
+        with target:
+            compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
+                               out_shardings=(rep, pool, pool)).lower(
+                self.params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[(T, decode_only)] = compiled
         return compiled
@@ -222,7 +255,7 @@ class ModelRunner:
         hooks = self.batch.hooks
         if hooks is not None:
             if hooks.steer:
-                sp["steering"] = hooks.device_steering(lambda a: place(a, self.mesh, REPLICATED))
+                sp["steering"] = hooks.device_steering(self._put)
             if hooks.capture:
                 sp["any_prompt_hidden"] = np.bool_(hooks.wants_prompt[slots].any())
 
@@ -266,7 +299,7 @@ class ModelRunner:
         slots = [req.slot for req, _ in out.scheduled]
         self._hook_inputs(sp, slots)
         rows = self._research_inputs(out.scheduled, T, batch, sp)
-        key = (T, self.backend == "pallas" and out.decode_only and T <= max(S, self.buckets[0]))
+        key = (T, self.backend != "reference" and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.params, self.k_pool, self.v_pool, *inputs)
@@ -299,8 +332,7 @@ class ModelRunner:
         Within one process the host arrays go as they are: the compiled call copies them to every device
         of its (replicated) input sharding, ~4x cheaper than `jax.device_put` first. A mesh spanning
         processes needs global arrays, built from each process's identical copy."""
-        packed = pack(batch, sp)
-        extra = {name: d[name] for d in (batch, sp) for name in SEPARATE if name in d}
+        packed, extra = pack(batch, sp), _separate(batch, sp)
         if self.mesh.is_multi_process:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
                                                                                   REPLICATED), (packed, extra))
