@@ -90,15 +90,19 @@ def predict(row: dict, cfg, chip: str, tp: int, kv_dtype: str, running: int) -> 
 
 
 def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
-    """{T: jax.stages.Compiled} of the engine's step for each bucket T, over abstract parameters and pools
-    on `mesh` (compile-only devices: nothing is allocated), attention from the mesh's devices."""
-    from jaxpaged.step.aot import compile_step_variants
-    return compile_step_variants(cfg, engine_config(kv_dtype), mesh, num_blocks, buckets)
-
-
-def engine_config(kv_dtype: str):
+    """{T: jax.stages.Compiled}: the engine's step for each bucket T (default: every bucket of the engine),
+    over abstract parameters and pools on `mesh` (compile-only devices: nothing is allocated), attention
+    from the mesh's devices (mosaic_tpu). The decode-only variants the engine also compiles are the same
+    program on TPU (one ragged kernel serves both), so they are not compiled again here."""
     from jaxpaged.config import EngineConfig
-    return EngineConfig(**ENGINE, kv_cache_dtype=kv_dtype, attention_backend="auto")
+    from jaxpaged.step.aot import abstract_runner, compile_steps as compile_variants
+    ecfg = EngineConfig(**ENGINE, kv_cache_dtype=kv_dtype, attention_backend="auto", compilation_cache_dir=None,
+                        tensor_parallel_size=mesh.shape["model"])
+    runner = abstract_runner(cfg, ecfg, mesh, num_blocks)
+    if runner.backend != "mosaic_tpu":
+        raise RuntimeError(f"attention resolved to {runner.backend!r}, not mosaic_tpu, on {mesh.devices.flat[0]}")
+    steps = compile_variants(runner, [(T, False) for T in buckets or runner.buckets])
+    return {T: c for (T, _), c in steps.items()}
 
 
 def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None) -> list[dict]:
@@ -110,28 +114,35 @@ def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None) -> list
     if nb == 0:
         return [dict(base, error="the weights leave no room for a KV pool")]
     mesh = tpu_aot.topology_mesh(chip, tp)
+    t0, first_error = time.perf_counter(), None
+    for blocks in (nb, nb // 8):  # out of HBM: the row says so, and the step is measured on a pool 1/8 the size
+        try:
+            steps = compile_steps(cfg, mesh, kv_dtype, blocks, buckets)
+            break
+        except Exception as e:  # noqa: BLE001 -- recorded: the configuration does not compile
+            msg = str(e).strip().splitlines()[0][:300]
+            if first_error or "RESOURCE_EXHAUSTED" not in msg:
+                return [dict(base, pool_tokens=blocks * ENGINE["block_size"], error=msg, full_pool_error=first_error)]
+            first_error, t0 = f"pool of {blocks * ENGINE['block_size']} tokens: {msg}", time.perf_counter()
+    nb = blocks
     pool = nb * ENGINE["block_size"] * kv_bytes_per_token(cfg, tp, kv_dtype)
-    t0 = time.perf_counter()
-    try:
-        steps = compile_steps(cfg, mesh, kv_dtype, nb, buckets)
-    except Exception as e:  # noqa: BLE001 -- recorded: the configuration does not compile
-        return [dict(base, pool_tokens=nb * ENGINE["block_size"], error=str(e).strip().splitlines()[0][:300])]
     seconds = (time.perf_counter() - t0) / len(steps)
     rows = []
     for T, c in sorted(steps.items()):
         m, ca = c.memory_analysis(), c.cost_analysis()
         ca = ca[0] if isinstance(ca, list) else ca
         total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-        row = dict(base, T=T, pool_tokens=nb * ENGINE["block_size"], pool_bytes=pool,
+        row = dict(base, T=T, pool_tokens=nb * ENGINE["block_size"], pool_bytes=pool, full_pool_error=first_error,
                    argument_bytes=m.argument_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
                    total_bytes=total, fits=total <= tpu_aot.CHIPS[chip]["hbm"], compile_s=seconds,
                    mosaic_kernels=c.as_text().count('custom_call_target="tpu_custom_call"'),
                    pool_copies=tpu_aot.pool_copies(c, pool // (4 * cfg.num_layers)),
                    xla_flops=ca.get("flops"), xla_bytes=ca.get("bytes accessed"))
         rows.append(row)
-    for r in rows:  # each decode prediction from the smallest bucket holding its requests
+    for r in rows:  # each decode prediction from the smallest bucket holding its requests; none where the
+        # pool is relayouted on every call (head_dim 64: its cost is not in the roofline)
         r["predicted"] = [predict(r, cfg, chip, tp, kv_dtype, n) for n in RUNNING
-                          if r["T"] == min([x["T"] for x in rows if x["T"] >= n] or [None])]
+                          if r["T"] == min([x["T"] for x in rows if x["T"] >= n] or [None]) and not r["pool_copies"]]
     return rows
 
 
@@ -152,7 +163,8 @@ def table(rows) -> str:
         big = max(rs, key=lambda r: r["total_bytes"])
         pred = {p["running"]: p for r in rs for p in r["predicted"]}
         cell = " / ".join(f"{pred[n]['ms']:.2f} ({pred[n]['tokens_per_s']:.0f})" if n in pred else "—" for n in RUNNING)
-        out.append(f"{head} {big['pool_tokens']} | {(big['argument_bytes'] - big['pool_bytes']) / GiB:.2f} + "
+        full = f"{big['full_pool_error'][:70]}; then " if big.get("full_pool_error") else ""
+        out.append(f"{head} {full}{big['pool_tokens']} | {(big['argument_bytes'] - big['pool_bytes']) / GiB:.2f} + "
                    f"{big['pool_bytes'] / GiB:.2f} + {big['temp_bytes'] / GiB:.2f} = {big['total_bytes'] / GiB:.2f} GiB | "
                    f"{'yes' if all(r['fits'] for r in rs) else 'no'} | {len(rs)} | {rs[0]['compile_s']:.0f} | "
                    f"{max(r['pool_copies'] for r in rs)} | {cell} |")
@@ -167,7 +179,15 @@ def main(argv=None):
     ap.add_argument("--tp", action="append", type=int, choices=TPS)
     ap.add_argument("--kv-dtype", action="append", choices=KV_DTYPES)
     ap.add_argument("--buckets", type=int, nargs="*", default=None, help="default: every bucket of the engine")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no compiling: merge these outputs into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        runs = [json.load(open(p)) for p in args.merge]
+        rows = [r for run in runs for r in run["rows"]]
+        with open(args.out, "w") as f:
+            json.dump({**runs[0], "rows": rows}, f, indent=1)
+        print(table(rows))
+        return
     configs = [(c, m, t, k) for m in args.model or sorted(MODELS) for c in args.chip or sorted(tpu_aot.CHIPS)
                for t in args.tp or TPS for k in args.kv_dtype or KV_DTYPES]
     rows = []

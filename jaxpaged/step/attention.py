@@ -151,5 +151,12 @@ def _triton(decode_only: bool, interpret: bool):
     return decode
 
 
+def _mosaic_tpu(decode_only: bool, interpret: bool):
+    """The Pallas Mosaic TPU kernel: one ragged kernel for decode-only and mixed steps alike (a decode-only
+    step is a ragged one of one row a slot; the kernel's tiles follow from T <= S)."""
+    from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
+    return functools.partial(mosaic_tpu_ragged_paged_attention, interpret=interpret)
+
+
 # implementation name -> factory(decode_only, interpret) -> attention function with make_attention's signature
-KERNELS = {"triton": _triton}
+KERNELS = {"triton": _triton, "mosaic_tpu": _mosaic_tpu}
