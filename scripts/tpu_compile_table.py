@@ -136,7 +136,7 @@ def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None) -> list
                    argument_bytes=m.argument_size_in_bytes, temp_bytes=m.temp_size_in_bytes,
                    total_bytes=total, fits=total <= tpu_aot.CHIPS[chip]["hbm"], compile_s=seconds,
                    mosaic_kernels=c.as_text().count('custom_call_target="tpu_custom_call"'),
-                   pool_copies=tpu_aot.pool_copies(c, pool // (4 * cfg.num_layers)),
+                   pool_copies=tpu_aot.pool_copies(c, pool // 4),  # a K or V pool (all layers) relaid out
                    xla_flops=ca.get("flops"), xla_bytes=ca.get("bytes accessed"))
         rows.append(row)
     for r in rows:  # each decode prediction from the smallest bucket holding its requests; none where the
