@@ -161,9 +161,10 @@ def table(rows) -> str:
                        f"{rs[0]['error'][:90]} | no | | | | |")
             continue
         big = max(rs, key=lambda r: r["total_bytes"])
-        pred = {p["running"]: p for r in rs for p in r["predicted"]}
+        pred = {p["running"]: p for r in sorted(rs, key=lambda r: -r["T"]) for p in r["predicted"]}  # smallest T wins
         cell = " / ".join(f"{pred[n]['ms']:.2f} ({pred[n]['tokens_per_s']:.0f})" if n in pred else "—" for n in RUNNING)
-        full = f"{big['full_pool_error'][:70]}; then " if big.get("full_pool_error") else ""
+        full = (big["full_pool_error"].split(":")[0].replace("pool of ", "") + ": out of HBM; then "
+                if big.get("full_pool_error") else "")
         out.append(f"{head} {full}{big['pool_tokens']} | {(big['argument_bytes'] - big['pool_bytes']) / GiB:.2f} + "
                    f"{big['pool_bytes'] / GiB:.2f} + {big['temp_bytes'] / GiB:.2f} = {big['total_bytes'] / GiB:.2f} GiB | "
                    f"{'yes' if all(r['fits'] for r in rs) else 'no'} | {len(rs)} | {rs[0]['compile_s']:.0f} | "
