@@ -1,6 +1,11 @@
 import os
 import sys
 
+# With libtpu installed (the `test` extra, for the TPU compile tests) JAX probes for a TPU at start-up:
+# these two keep that probe quiet and local on a machine without one (no metadata-server query).
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
 import pytest
 
 # The test extra installs the jax-cuda plugin (tests/test_gpu_compile.py compiles for sm_90a with it). On

@@ -178,5 +178,15 @@ def _mosaic_gpu(decode_only: bool, interpret: bool):
     return attn
 
 
+def _mosaic_tpu(decode_only: bool, interpret: bool):
+    """The Pallas Mosaic TPU kernel: one ragged kernel for decode-only and mixed steps alike (a decode-only
+    step is a ragged one of one row a slot; the kernel's tiles follow from T <= S)."""
+    from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
+    return functools.partial(mosaic_tpu_ragged_paged_attention, interpret=interpret)
+
+
 # implementation name -> factory(decode_only, interpret) -> attention function with make_attention's signature
-KERNELS = {"triton": _triton, "mosaic_gpu": _mosaic_gpu}
+KERNELS = {"triton": _triton, "mosaic_gpu": _mosaic_gpu, "mosaic_tpu": _mosaic_tpu}
+# the implementations with a decode kernel of their own: the engine compiles decode-only step variants for
+# them (Mosaic TPU's one ragged kernel serves decode steps too, so a second variant would be the same program)
+DECODE_KERNELS = ("triton", "mosaic_gpu")

@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.step import kv_cache
-from jaxpaged.step.attention import make_attention, resolve_backend, target_platform
+from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, target_platform
 from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
@@ -205,7 +205,7 @@ class ModelRunner:
     # -- compilation ----------------------------------------------------------------------
     def variants(self) -> list[tuple[int, bool]]:
         v = [(t, False) for t in self.buckets]
-        if self.backend != "reference":  # decode-only steps may use a kernel of their own
+        if self.backend in DECODE_KERNELS:  # decode-only steps use the backend's decode kernel
             v += [(t, True) for t in self.buckets if t <= max(self.cfg.max_num_seqs, self.buckets[0])]
         return v
 
@@ -311,7 +311,7 @@ class ModelRunner:
         slots = [req.slot for req, _ in out.scheduled]
         self._hook_inputs(sp, slots)
         rows = self._research_inputs(out.scheduled, T, batch, sp)
-        key = (T, self.backend != "reference" and out.decode_only and T <= max(S, self.buckets[0]))
+        key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
             self.step_params, self.k_pool, self.v_pool, *inputs)
