@@ -317,7 +317,19 @@ def machine_info() -> dict:
     import jax
     return dict(platform=platform.platform(), processor=platform.processor() or platform.machine(),
                 cpu_count=os.cpu_count(), python=platform.python_version(), jax=jax.__version__,
-                jax_backend=jax.default_backend(), devices=[str(d) for d in jax.devices()])
+                jax_backend=jax.default_backend(), devices=[str(d) for d in jax.devices()], **cpu_info())
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and flags (Linux /proc/cpuinfo; empty elsewhere): the vector units (avx512f,
+    avx512_bf16, amx...) decide which products XLA's CPU backend runs natively."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        return {}
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return dict(cpu_model=fields.get("model name"), cpu_flags=fields.get("flags", "").split())
 
 
 def write_json(path: str | None, obj: dict) -> None:

@@ -199,6 +199,23 @@ def test_startup(tmp_path):
     assert _json(path)["cold"] == out["cold"]
 
 
+def test_latency(common, out_dir):
+    """bench_latency: every jaxpaged row with its weight-read time; peers not installed are named."""
+    import bench_latency
+    path = str(out_dir / "latency.json")
+    out = bench_latency.main([*common, "--backend", "jaxpaged-float32", "--backend", "jaxpaged-int8",
+                              "--backend", "llama-cpp", "--concurrency", "1", "2", "--prompt-len", "5",
+                              "--output-len", "6", "--repeats", "1", "--json", path])
+    rows = {(r["backend"], r["running"]): r for r in out["rows"] if r["backend"].startswith("jaxpaged")}
+    assert set(rows) == {(f"jaxpaged {n}", k) for n in ("float32", "int8") for k in (1, 2)}
+    for r in rows.values():
+        assert r["ms_per_token"] > 0 and r["ttft_ms"] > 0 and r["weight_read_ms"] > 0 and r["x_weight_read"] > 0
+    assert rows["jaxpaged int8", 1]["weight_bytes"] < 0.5 * rows["jaxpaged float32", 1]["weight_bytes"]
+    assert ("llama-cpp" in out["missing"]) != any(r["backend"].startswith("llama.cpp") for r in out["rows"])
+    assert out["peaks"]["memcpy_bytes_per_s"] > 0 and "cpu_flags" in out["machine"]
+    assert _json(path)["rows"] == out["rows"]
+
+
 def test_hf_model_from_converted_dir(model, tmp_path):
     """The hf backend loads the engine's converted format onto transformers' model: same logits."""
     import torch
