@@ -183,6 +183,7 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"     # raw_ | processed_ logprobs | logits (jaxpaged/step/sampler.py)
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
     show_progress: bool = True
@@ -225,6 +226,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        from jaxpaged.step.sampler import LOGPROBS_MODES
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         from jaxpaged.models.quant import check_quantization
         check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:

@@ -76,7 +76,7 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
-          capture=(), steer=()):
+          logprobs_mode="raw_logprobs", capture=(), steer=()):
     batch, sp = unpack(packed, layout)
     extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
@@ -93,7 +93,7 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     # sees the full [R, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
-    drawn = sample(logits, slot_rows(sp, at, S), num_logprobs)  # a row's draw depends on its slot's seed only
+    drawn = sample(logits, slot_rows(sp, at, S), num_logprobs, logprobs_mode)  # a row's draw depends on its slot's seed only
     tokens, tok_lp, top_lp, top_ids = (jnp.zeros((S,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
@@ -213,7 +213,7 @@ class ModelRunner:
         host = self._dummy(T)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=make_attention(self.backend, decode_only, self.mesh),
-                               logits_shardings=self._logits_shardings,
+                               logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
