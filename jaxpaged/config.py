@@ -163,6 +163,9 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jaxpaged")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # step/sampler.py
+
+
 @dataclass
 class EngineConfig:
     """How to run a model. Every field is checked in __post_init__; errors name the field."""
@@ -226,7 +229,6 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        from jaxpaged.step.sampler import LOGPROBS_MODES
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         from jaxpaged.models.quant import check_quantization

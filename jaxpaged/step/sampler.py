@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 _NEG_INF = -jnp.inf
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 def _penalize(logits, h):
@@ -82,7 +81,7 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     bitmask i32[S, ceil(V/32)] (grammar and allowed_token_ids masks: 0 bits are masked, all ones when
     unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
     any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
-    logprobs_mode (static): one of LOGPROBS_MODES, what the returned logprobs describe (module docstring).
+    logprobs_mode (static): one of config.LOGPROBS_MODES, what the returned logprobs describe (module docstring).
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
     zeros when no slot asked for logprobs: any_logprobs false).
     """
