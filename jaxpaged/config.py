@@ -61,6 +61,7 @@ class ModelConfig:
     norm_topk_prob: bool = False      # MoE: renormalize the top-k router probabilities
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    row_tile: int = 0                 # the step's, not the model's: products over tiles of rows (batch_invariant)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -187,6 +188,7 @@ class EngineConfig:
     async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"     # raw_ | processed_ logprobs | logits (jaxpaged/step/sampler.py)
+    batch_invariant: bool = False           # a request's bits independent of the batch (step/batch_invariant.py)
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
     show_progress: bool = True
@@ -231,6 +233,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         from jaxpaged.models.quant import check_quantization
         check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:

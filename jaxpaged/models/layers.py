@@ -72,10 +72,10 @@ def glu(act, gate, up, dtype):
     return (act(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(dtype)
 
 
-def gated_mlp(h, p, act):
-    """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D]."""
-    gate, up = dot(h, p["w_gate"], jnp.float32), dot(h, p["w_up"], jnp.float32)  # [T, F]
-    return dot(glu(act, gate, up, h.dtype), p["w_down"])
+def gated_mlp(h, p, act, row_tile: int = 0):
+    """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D] (row_tile: as quant.dot's)."""
+    gate, up = dot(h, p["w_gate"], jnp.float32, row_tile=row_tile), dot(h, p["w_up"], jnp.float32, row_tile=row_tile)
+    return dot(glu(act, gate, up, h.dtype), p["w_down"], row_tile=row_tile)  # gate, up: [T, F]
 
 
 def softcap(x, cap):

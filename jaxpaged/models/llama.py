@@ -32,6 +32,7 @@ scales f32[L * N, block_size, Hkv]: K/V are quantized at the write, the scales h
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -43,6 +44,7 @@ from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
 from jaxpaged.models.quant import dot, take_rows
+from jaxpaged.step.batch_invariant import row_tiled
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
 #         scale, window, softcap, k_scale=None, v_scale=None) -> [T,Hq,hd]  (scales: quantized pools)
@@ -63,7 +65,8 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
 def lm_logits(params, cfg: ModelConfig, h):
     """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
     tied = cfg.tie_word_embeddings  # the head: embed [V, D] transposed, or lm_head [D, V]; maybe QArrays
-    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied)
+    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied,
+                 row_tile=cfg.row_tile)
     return softcap(logits, cfg.final_softcap)
 
 
@@ -86,6 +89,9 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
     act = activation(cfg.hidden_act)
     norm = lambda x, w: rms_norm(x, w, eps, plus_one)
+    if cfg.row_tile:  # batch invariance: XLA CPU's row reductions too round by the row count
+        norm = lambda x, w: row_tiled(lambda t: rms_norm(t, w, eps, plus_one), x, cfg.row_tile)
+    mm = functools.partial(dot, row_tile=cfg.row_tile)  # products over tokens (row tiles: batch invariance)
 
     x = take_rows(params["embed"], batch["input_ids"])  # [T, D]
     if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
@@ -96,7 +102,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
         h = norm(x, p["attn_norm"])
-        q, k, v = dot(h, p["wq"]), dot(h, p["wk"]), dot(h, p["wv"])
+        q, k, v = mm(h, p["wq"]), mm(h, p["wk"]), mm(h, p["wv"])
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm == "flat":
@@ -115,10 +121,10 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         o = attn_fn(q, k_vals, v_vals, tables, batch["seq_lens"], batch["query_start_loc"],
                     scale=cfg.query_scale, window=cfg.sliding_window if kind == SLIDING else None,
                     softcap=cfg.attn_softcap, **scales)  # [T, Hq, hd]
-        o = dot(o.reshape(T, Hq * hd).astype(x.dtype), p["wo"])
+        o = mm(o.reshape(T, Hq * hd).astype(x.dtype), p["wo"])
         x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
         h = norm(x, p["mlp_norm"])
-        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act)
+        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act, cfg.row_tile)
         x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
         return x, k_pool, v_pool
 

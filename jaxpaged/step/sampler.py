@@ -58,7 +58,7 @@ def _filter(scaled, sp):
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)  # [S, 1]
     probs = jax.nn.softmax(srt, axis=-1)
     cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
-    keep_sorted = cum < sp["top_p"][:, None]
+    keep_sorted = (cum < sp["top_p"][:, None]) | (sp["top_p"][:, None] >= 1.0)  # 1: all (cum may round to 1)
     n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
     pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
     mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # p >= min_p * p_max
