@@ -24,12 +24,16 @@ SLEEP_LEVELS = (1, 2)
 
 
 def device_bytes(engine) -> dict:
-    """What the engine's devices hold now: `live_array_bytes` (every live jax.Array's shards on the
-    engine's mesh, this process's arrays, the engine's and any other) and, where the backend reports
-    it (GPU, TPU), `bytes_in_use` summed over `device.memory_stats()`."""
+    """What the engine's devices hold now: `engine_bytes` (its parameters and KV pool, every shard),
+    `live_array_bytes` (every live jax.Array's shards on the engine's mesh, the engine's and any other the
+    process holds) and, where the backend reports it (GPU, TPU), `bytes_in_use` summed over
+    `device.memory_stats()`."""
     devices = set(engine.mesh.devices.flat)
     live = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device in devices)
-    out = dict(live_array_bytes=int(live))
+    runner = engine.runner
+    own = sum(s.data.nbytes for a in jax.tree.leaves((runner.params, runner.k_pool, runner.v_pool))
+              if isinstance(a, jax.Array) for s in a.addressable_shards)
+    out = dict(engine_bytes=int(own), live_array_bytes=int(live))
     stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if all(s is not None and "bytes_in_use" in s for s in stats):
         out["bytes_in_use"] = int(sum(s["bytes_in_use"] for s in stats))
