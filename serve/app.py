@@ -121,6 +121,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES), help="what logprobs "
                         "describe: the model's raw distribution (default raw_logprobs), raw_logits, or the "
                         "distribution tokens are drawn from (processed_logprobs, processed_logits)")
+    parser.add_argument("--batch-invariant", action="store_true", default=None, help="a request's tokens and "
+                        "logprobs bit for bit independent of the other requests in its steps (slower; see "
+                        "docs/research.md)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
@@ -155,7 +158,7 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_model_len", "block_size", "quantization",
-                                                     "kv_cache_dtype", "logprobs_mode")}
+                                                     "kv_cache_dtype", "logprobs_mode", "batch_invariant")}
     scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
     cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
                        **scale, **(engine_kwargs or {}))
