@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from jaxpaged.engine import LLMEngine, RequestOutput
+from jaxpaged.pause import PAUSE_MODES
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import InvalidParam
 
@@ -71,6 +72,8 @@ class AsyncEngine:
         self._stopping = False
         self._error: BaseException | None = None
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._paused = False                    # pause_generation called, resume_generation not yet (_cv)
+        self._pause_waiters: list = []          # futures of "wait" pauses still draining (engine thread only)
         self._stats = self.engine.stats()
         self._thread = threading.Thread(target=self._run, name="jaxpaged-engine", daemon=True)
         self._thread.start()
@@ -190,6 +193,33 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
+    # -- RL controls: pause / resume (jaxpaged/pause.py) -------------------------------------
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Pause the engine; returns once paused ("wait": once the running requests are done). Requests
+        added meanwhile wait for `resume_generation`; "abort" ends the others' streams with
+        finish_reason "abort"."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await self._command("pause", mode)
+
+    async def resume_generation(self) -> None:
+        await self._command("resume")
+
+    def is_paused(self) -> bool:
+        """Whether the engine is paused (from the call of pause_generation to that of resume_generation)."""
+        with self._cv:
+            return self._paused
+
+    async def _command(self, *cmd) -> None:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            if not self.is_alive():
+                raise EngineDeadError("the engine is not running")
+            self._paused = cmd[0] == "pause"
+            self._inbox.append((*cmd, fut))
+            self._cv.notify()
+        await asyncio.wrap_future(fut)
+
     # -- shutdown ---------------------------------------------------------------------------
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort every request in flight, stop the loop thread and wait for it."""
@@ -204,14 +234,14 @@ class AsyncEngine:
         try:
             while True:
                 with self._cv:
-                    while not (self._inbox or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (self._inbox or self._stopping or self.engine.can_step()):
                         self._cv.wait()
                     commands, self._inbox = self._inbox, []
                     stopping = self._stopping
                 self._apply(commands)
                 if stopping:
                     break
-                outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+                outputs = self.engine.step() if self.engine.can_step() else []
                 failures = self.engine.num_consecutive_step_failures
                 if failures >= self.max_step_failures:
                     self._publish(outputs)
@@ -220,6 +250,10 @@ class AsyncEngine:
                 with self._cv:
                     self._stats = stats  # before publishing: a client that sees its end sees its blocks freed
                 self._publish(outputs)
+                if self._pause_waiters and not self.engine.can_step():  # a "wait" pause has drained
+                    for fut in self._pause_waiters:
+                        _resolve(fut)
+                    self._pause_waiters.clear()
         except BaseException as e:  # noqa: BLE001 -- a failed step ends the loop; streams learn why
             log.exception("engine loop failed")
             self._error = e
@@ -245,6 +279,9 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 -- back to the caller
                     cmd[2].set_exception(e)
                 continue
+            if cmd[0] in ("pause", "resume"):
+                self._control(*cmd)
+                continue
             _, streams, prompts, params, arrival, stream_outputs, lora, fut = cmd
             samples = params.n * len(streams)
             done = []
@@ -265,6 +302,19 @@ class AsyncEngine:
                 self._streams[stream.request_id] = stream
             self._settle(samples, queued=True)
             _resolve(fut)  # if the caller was cancelled meanwhile, its aborts are already in the inbox
+
+    def _control(self, what: str, *args) -> None:
+        """Apply a pause or resume command (the future last in `args`)."""
+        *args, fut = args
+        if what == "resume":
+            self.engine.resume_generation()
+            _resolve(fut)
+            return
+        self._publish(self.engine.pause_generation(args[0], wait=False))
+        if self.engine.can_step():  # "wait": resolved by the loop once drained
+            self._pause_waiters.append(fut)
+        else:
+            _resolve(fut)
 
     def _settle(self, samples: int, queued: bool) -> None:
         """Move `samples` out of the inbox count before the caller learns the outcome, so stats() never
@@ -292,8 +342,11 @@ class AsyncEngine:
             commands, self._inbox = self._inbox, []
             self._pending = 0
         for cmd in commands:
-            if cmd[0] == "add":
+            if cmd[0] != "abort":  # add, pause, resume: their callers wait on a future
                 _resolve(cmd[-1], EngineDeadError("the engine stopped"))
+        for fut in self._pause_waiters:
+            _resolve(fut, EngineDeadError("the engine stopped"))
+        self._pause_waiters.clear()
         for stream in self._streams.values():
             item = _END if error is None else error
             _post(stream.loop, stream.queue.put_nowait, item)

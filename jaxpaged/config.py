@@ -61,6 +61,7 @@ class ModelConfig:
     norm_topk_prob: bool = False      # MoE: renormalize the top-k router probabilities
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    row_tile: int = 0                 # the step's, not the model's: products over tiles of rows (batch_invariant)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -163,6 +164,9 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jaxpaged")
 
 
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # step/sampler.py
+
+
 @dataclass
 class EngineConfig:
     """How to run a model. Every field is checked in __post_init__; errors name the field."""
@@ -183,6 +187,8 @@ class EngineConfig:
     seed: int = 0
     async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"     # raw_ | processed_ logprobs | logits (jaxpaged/step/sampler.py)
+    batch_invariant: bool = False           # a request's bits independent of the batch (step/batch_invariant.py)
     compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
     warmup: bool = True
     show_progress: bool = True
@@ -230,6 +236,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         from jaxpaged.models.quant import check_quantization
         check_quantization(self.quantization)
         if self.kv_cache_memory_gb <= 0:
@@ -253,6 +263,9 @@ class EngineConfig:
             positive("max_cpu_loras")
             if self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.batch_invariant:
+            raise ValueError("enable_lora is not supported with batch_invariant=True (the LoRA product is "
+                             "not computed in fixed row tiles)")
         if self.enable_lora and (self.num_processes > 1 or self.data_parallel_size > 1):
             raise ValueError("enable_lora is not supported with num_processes > 1 or data_parallel_size > 1")
 

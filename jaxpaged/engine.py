@@ -22,6 +22,7 @@ from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.core.logit_controls import bad_words_token_ids
 from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput
+from jaxpaged.pause import is_draining, pause, paused_step
 from jaxpaged.step.research import check_layers, check_params, completion_hidden
 from jaxpaged.core.request import ListPrefix, Request, RequestStatus
 from jaxpaged.step.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
@@ -145,6 +146,9 @@ class LLMEngine:
         # a multi-host leader hands each step's host inputs to its followers: it keeps the synchronous path
         self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
         self._inflight = None                   # async scheduling: the step started, not read back yet
+        self.pause_state = None                 # pause_generation's (jaxpaged/pause.py)
+        self.sleep_level = 0                    # sleep's: 0 awake, 1 or 2 (jaxpaged/sleep.py)
+        self._host_params = None                # asleep at level 1: the parameters in host memory
         _freeze_startup_heap()
 
     def _num_blocks(self) -> int:
@@ -222,12 +226,48 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    def can_step(self) -> bool:
+        """Whether `step` would compute anything: unfinished requests, not asleep, not paused (or draining)."""
+        return (self.has_unfinished_requests() and not self.sleep_level
+                and (self.pause_state is None or self._inflight is not None or is_draining(self)))
+
+    # -- RL controls (docs/research.md) -----------------------------------------------------
+    def pause_generation(self, mode: str = "abort", wait: bool = True) -> list[RequestOutput]:
+        """Pause: "abort" | "wait" | "keep" (jaxpaged/pause.py); returns the outputs the pause produced."""
+        return pause(self, mode, wait)
+
+    def resume_generation(self) -> None:
+        """Undo pause_generation: waiting and kept requests are scheduled again."""
+        self.pause_state = None
+
+    @property
+    def is_paused(self) -> bool:
+        return self.pause_state is not None
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release device memory (jaxpaged/sleep.py); returns device bytes before and after."""
+        from jaxpaged.sleep import sleep
+        return sleep(self, level)
+
+    def wake_up(self, reload: bool = False) -> dict:
+        """Undo sleep, without recompiling (jaxpaged/sleep.py); returns device bytes before and after."""
+        from jaxpaged.sleep import wake_up
+        return wake_up(self, reload)
+
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Advance every running request by one scheduled chunk; return outputs of those that changed.
 
         With async scheduling the step just scheduled starts on the device before the previous one is
-        read back; the outputs returned are the previous step's (see docs/architecture.md)."""
+        read back; the outputs returned are the previous step's (see docs/architecture.md). Paused
+        (pause_generation), only what the pause's mode lets run runs; asleep, it raises RuntimeError."""
+        if self.sleep_level:
+            raise RuntimeError(f"the engine is asleep (level {self.sleep_level}): call wake_up() first")
+        if self.pause_state is not None:
+            return paused_step(self)
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if self.async_scheduling:
             return self._step_async(out)

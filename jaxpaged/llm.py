@@ -69,6 +69,8 @@ class LLM:
         if len(loras) != len(prompts):
             raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
         eng = self._leader()
+        if eng.is_paused or eng.sleep_level:
+            raise RuntimeError("generate: the engine is paused or asleep; call resume_generation() / wake_up()")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
             for rid, prompt, p, lora in zip(ids, prompts, params, loras):
@@ -144,6 +146,32 @@ class LLM:
         `weights`: an iterable of (Hugging Face tensor name, array) pairs, as vLLM's `load_weights` takes
         them (any subset of the checkpoint's tensors), or (part of) the pytree `get_weights` returns.
         Shapes and dtypes must match the engine's (ValueError naming the tensor; nothing changes). Device
-        arrays with the engine's sharding are adopted without a copy. The prefix cache is flushed. Refused
-        (RuntimeError) while requests are unfinished: call it between `generate` calls."""
+        arrays with the engine's sharding are adopted without a copy; arrays sharded otherwise (a
+        trainer's FSDP layout, say) are resharded device to device. The prefix cache is flushed. Refused
+        (RuntimeError) while requests run: call it between `generate` calls or while paused."""
         self._leader().update_weights(weights)
+
+    # -- RL controls (docs/research.md: the RL recipe) -----------------------------------------
+    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
+        """Pause the engine: "abort" finishes unfinished requests now, "wait" runs the running ones to
+        their end, "keep" freezes them (an `update_weights` meanwhile recomputes their KV under the new
+        weights). Returns the outputs the pause produced (jaxpaged/pause.py)."""
+        return self._leader().pause_generation(mode)
+
+    def resume_generation(self) -> None:
+        """Undo pause_generation."""
+        self._leader().resume_generation()
+
+    @property
+    def is_paused(self) -> bool:
+        return self._leader().is_paused
+
+    def sleep(self, level: int = 1) -> dict:
+        """Release device memory: level 1 deletes the KV pool and moves the weights to host memory, level
+        2 drops the weights too. Returns device bytes {"before", "after"} (jaxpaged/sleep.py)."""
+        return self._leader().sleep(level)
+
+    def wake_up(self, reload: bool = False) -> dict:
+        """Undo sleep without recompiling; `reload=True` reads the weights from the model directory again
+        (after level 2, unless a full update_weights already gave them). Returns device bytes."""
+        return self._leader().wake_up(reload)

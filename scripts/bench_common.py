@@ -28,6 +28,10 @@ PRESETS = {
     "llama-8h": dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
                      max_position_embeddings=8192, rope_theta=100000.0),
+    # Llama-3.2-1B's shapes (sleep / wake timings: weights of a size that matters)
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                     max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                  max_position_embeddings=2048, rope_theta=10000.0),

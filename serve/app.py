@@ -23,9 +23,10 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from jaxpaged.async_engine import AsyncEngine
+from jaxpaged.config import LOGPROBS_MODES
 from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
 from serve import lora as serve_lora
-from serve import routes
+from serve import rl_routes, routes
 from serve.errors import APIError
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
@@ -70,6 +71,9 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
         Route("/openapi.json", routes.openapi, methods=["GET"]),
+        Route("/pause", rl_routes.pause, methods=["POST"]),
+        Route("/resume", rl_routes.resume, methods=["POST"]),
+        Route("/is_paused", rl_routes.is_paused, methods=["GET"]),
     ] + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
           Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
          if runtime_lora_updating else []), exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
@@ -123,6 +127,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
                         help="KV cache storage (default auto: the dtype); int8 / float8_e4m3fn with one scale "
                         "per token per KV head")
+    parser.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES), help="what logprobs "
+                        "describe: the model's raw distribution (default raw_logprobs), raw_logits, or the "
+                        "distribution tokens are drawn from (processed_logprobs, processed_logits)")
+    parser.add_argument("--batch-invariant", action="store_true", default=None, help="a request's tokens and "
+                        "logprobs bit for bit independent of the other requests in its steps (slower; see "
+                        "docs/research.md)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
@@ -168,7 +178,7 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
                                                      "max_model_len", "block_size", "quantization",
                                                      "kv_cache_dtype", "max_loras", "max_lora_rank",
-                                                     "max_cpu_loras")}
+                                                     "max_cpu_loras", "logprobs_mode", "batch_invariant")}
     lora_modules = serve_lora.parse_modules(getattr(args, "lora_modules", None))
     lora_on = bool(getattr(args, "enable_lora", False))
     if (lora_modules or getattr(args, "enable_runtime_lora_updating", False)) and not lora_on:

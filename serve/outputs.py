@@ -40,7 +40,8 @@ class TokenText:
 
 
 def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    """The k best; a masked token's -inf (logprobs_mode processed_*) as -9999.0, as vLLM (JSON has no inf)."""
+    return [(t, max(v, -9999.0)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
 
 
 def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: int) -> CompletionLogprobs:

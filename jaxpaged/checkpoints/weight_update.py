@@ -10,7 +10,9 @@ Two inputs (docs/research.md):
   are adopted as they are, other device arrays are copied device to device, numpy arrays placed.
 Everything is checked before anything changes (ValueError naming the tensor); then the runner's params
 are replaced and the prefix cache is flushed (its blocks hold K/V of the old weights). Requests must not
-be running: the update is refused (RuntimeError) while the engine has unfinished requests.
+be running: the update is refused (RuntimeError) while the engine has unfinished requests, unless it is
+paused (`pause_generation`, not still draining): then the kept requests are sent back to recompute their
+KV under the new weights when generation resumes.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import functools
 import jax
 import numpy as np
 
+from jaxpaged.pause import check_update_allowed, recompute_kept
 from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
 from jaxpaged.models.quant import QArray, quantize
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
@@ -100,18 +103,20 @@ def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bo
     if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
         full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
         return _put(np.ascontiguousarray(full), current.sharding)
+    if not isinstance(current, jax.Array):
+        raise ValueError("update_weights: the engine slept at level 2 (its weights are dropped): give every "
+                         "layer of each stacked tensor, not some of them")
     rows = tuple(np.array(c, np.int32) for c in zip(*index))
     return _scatter(current.sharding)(current, rows, values)
 
 
 def update_weights(engine, weights) -> None:
     """Replace some or all of an LLMEngine's parameters (see the module docstring)."""
-    if engine.has_unfinished_requests():
-        raise RuntimeError("update_weights: the engine has unfinished requests; update between generate "
-                           "calls (or abort them first)")
+    check_update_allowed(engine)
     if engine.mesh.is_multi_process:
         raise RuntimeError("update_weights is not supported with num_processes > 1")
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
     engine.runner.params = jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves])
+    recompute_kept(engine)
     engine.block_manager.reset_prefix_cache()

@@ -34,6 +34,7 @@ scales f32[L * N, block_size, Hkv]: K/V are quantized at the write, the scales h
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -46,6 +47,7 @@ from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, 
 from jaxpaged.models.moe import moe_mlp
 from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.quant import dot, take_rows
+from jaxpaged.step.batch_invariant import row_tiled
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,
 #         scale, window, softcap, k_scale=None, v_scale=None) -> [T,Hq,hd]  (scales: quantized pools)
@@ -66,7 +68,8 @@ def forward(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn):
 def lm_logits(params, cfg: ModelConfig, h):
     """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
     tied = cfg.tie_word_embeddings  # the head: embed [V, D] transposed, or lm_head [D, V]; maybe QArrays
-    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied)
+    logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied,
+                 row_tile=cfg.row_tile)
     return softcap(logits, cfg.final_softcap)
 
 
@@ -89,13 +92,16 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
     act = activation(cfg.hidden_act)
     norm = lambda x, w: rms_norm(x, w, eps, plus_one)
+    if cfg.row_tile:  # batch invariance: XLA CPU's row reductions too round by the row count
+        norm = lambda x, w: row_tiled(lambda t: rms_norm(t, w, eps, plus_one), x, cfg.row_tile)
 
     x = take_rows(params["embed"], batch["input_ids"])  # [T, D]
     if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     kinds = sorted(set(cfg.layer_types))
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
-    linear = lora_linear(step_mask(params, batch))  # x @ w, plus each token's LoRA slot (jaxpaged/lora/)
+    # x @ w over the tokens (in row tiles for batch invariance), plus each token's LoRA slot (jaxpaged/lora/)
+    linear = lora_linear(step_mask(params, batch), row_tile=cfg.row_tile)
     layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
 
     def layer(x, k_pool, v_pool, p, l, kind):

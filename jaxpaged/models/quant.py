@@ -18,6 +18,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from jaxpaged.step.batch_invariant import row_tiled
 import ml_dtypes
 import numpy as np
 
@@ -73,13 +75,17 @@ def dequantize(w) -> jax.Array | np.ndarray:
     return (w.q.astype(xp.float32) * w.scale).astype(w.dtype)
 
 
-def dot(x, w, preferred_element_type=None, *, transpose: bool = False):
+def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0):
     """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
     plain array or a QArray, the scales of the output columns applied to the product.
 
     The result has x's dtype, or preferred_element_type when given (the logits ask for float32).
     A wide QArray (out >= 2 * COLUMN_CHUNK, the lm_head) is multiplied COLUMN_CHUNK output columns at a
-    time in a loop, so XLA widens one chunk at a time instead of the whole matrix every step."""
+    time in a loop, so XLA widens one chunk at a time instead of the whole matrix every step.
+    row_tile > 0 (batch-invariant steps, jaxpaged/step/batch_invariant.py): x [M, in] is multiplied
+    row_tile rows at a time, so every row rounds alike whatever M is."""
+    if row_tile:
+        return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose), x, row_tile)
     out_dtype = preferred_element_type or x.dtype
     out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
     contract = ((x.ndim - 1,), (1 - out_axis,))  # w.T is never built: it made XLA CPU copy the matrix

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine, RequestOutput
+from jaxpaged.pause import check_update_allowed
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import prompt_ids
 
@@ -108,7 +109,7 @@ class Replicas:
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work (concurrently); their outputs, replica by replica."""
-        busy = [e for e in self.engines if e.has_unfinished_requests()]
+        busy = [e for e in self.engines if e.can_step()]
         if len(busy) == 1:
             results = [busy[0].step()]
         else:
@@ -144,15 +145,48 @@ class Replicas:
 
     def update_weights(self, weights) -> None:
         """The same update on every replica (pairs are read once; device arrays copied to each replica)."""
-        if self.has_unfinished_requests():  # checked here too: no replica may be left on the old weights
-            raise RuntimeError("update_weights: the engine has unfinished requests; update between generate "
-                               "calls (or abort them first)")
+        for e in self.engines:  # checked here too: no replica may be left on the old weights
+            check_update_allowed(e)
         weights = weights if isinstance(weights, dict) else list(weights)
         for e in self.engines:
             e.update_weights(weights)
 
+    # -- RL controls: every replica alike (jaxpaged/pause.py, jaxpaged/sleep.py) ----------------
+    def can_step(self) -> bool:
+        return any(e.can_step() for e in self.engines)
+
+    def pause_generation(self, mode: str = "abort", wait: bool = True) -> list[RequestOutput]:
+        outputs = [o for e in self.engines for o in e.pause_generation(mode, wait)]
+        for o in outputs:
+            if o.finished:
+                self._owner.pop(o.request_id, None)
+        return outputs
+
+    def resume_generation(self) -> None:
+        for e in self.engines:
+            e.resume_generation()
+
+    @property
+    def is_paused(self) -> bool:
+        return self.engines[0].is_paused
+
+    @property
+    def sleep_level(self) -> int:
+        return self.engines[0].sleep_level
+
+    def sleep(self, level: int = 1) -> dict:
+        """Every replica asleep; device bytes {"before", "after"} summed over the replicas."""
+        return _sum_bytes([e.sleep(level) for e in self.engines])
+
+    def wake_up(self, reload: bool = False) -> dict:
+        return _sum_bytes([e.wake_up(reload) for e in self.engines])
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _sum_bytes(per: list[dict]) -> dict:
+    return {when: {k: sum(p[when][k] for p in per) for k in per[0][when]} for when in ("before", "after")}
 
 
 def build_engine(config: EngineConfig):

@@ -116,6 +116,12 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
     devices = jax.devices() if mesh is None else mesh.devices.flat
     attn = ragged_paged_attention_reference if backend == "reference" else \
         KERNELS[backend](decode_only, target_platform(devices)[0] == "cpu")
+    return shard_heads(attn, mesh)
+
+
+def shard_heads(attn, mesh=None):
+    """`attn` (the reference's signature) per device of the mesh's "model" axis: each attends its own
+    query heads over its own KV heads (as is, without a mesh or with one model device)."""
     if mesh is None or mesh.shape[MODEL_AXIS] == 1:
         return attn
     heads = P(None, MODEL_AXIS, None)  # q, out [T, Hq, hd]

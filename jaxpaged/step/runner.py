@@ -13,6 +13,7 @@ next `launch` in between).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import weakref
@@ -24,7 +25,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.step import kv_cache
-from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, target_platform
+from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
+from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention, row_tiled_sample
 from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
@@ -77,7 +79,7 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
-          capture=(), steer=()):
+          logprobs_mode="raw_logprobs", capture=(), steer=()):
     batch, sp = unpack(packed, layout)
     extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
@@ -94,7 +96,11 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     # sees the full [R, V] logits on every device, so it draws exactly what one device would
     for sharding in logits_shardings:
         logits = jax.lax.with_sharding_constraint(logits, sharding)
-    drawn = sample(logits, slot_rows(sp, at, S), num_logprobs)  # a row's draw depends on its slot's seed only
+    draw = functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
+    if cfg.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too
+        drawn = row_tiled_sample(draw, logits, slot_rows(sp, at, S), cfg.row_tile)
+    else:
+        drawn = draw(logits, slot_rows(sp, at, S))  # a row's draw depends on its slot's seed only
     tokens, tok_lp, top_lp, top_ids = (jnp.zeros((S,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
@@ -144,6 +150,11 @@ class ModelRunner:
         self.tp = self.mesh.shape[MODEL_AXIS]
         self.model_cfg, self.cfg = model_cfg, cfg
         self.step_cfg = sharded_model_config(model_cfg, self.tp)  # KV heads replicated when < tp
+        if cfg.batch_invariant:  # products over fixed row tiles (jaxpaged/step/batch_invariant.py)
+            if model_cfg.num_experts:
+                raise ValueError("batch_invariant is not supported for mixture-of-experts models (their expert "
+                                 "products run over the step's tokens sorted by expert)")
+            self.step_cfg = dataclasses.replace(self.step_cfg, row_tile=ROW_TILE)
         self.dtype = jnp.dtype(cfg.dtype)
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
@@ -220,8 +231,8 @@ class ModelRunner:
     def _compile(self, T: int, decode_only: bool):
         host = self._dummy(T)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
-                               attn_fn=make_attention(self.backend, decode_only, self.mesh),
-                               logits_shardings=self._logits_shardings,
+                               attn_fn=self._attention(decode_only),
+                               logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
@@ -241,6 +252,12 @@ class ModelRunner:
         self.compile_seconds += time.perf_counter() - t0
         self._compiled[(T, decode_only)] = compiled
         return compiled
+
+    def _attention(self, decode_only: bool):
+        """The step's attention: the backend's, or with batch_invariant the row-alone one on any backend."""
+        if self.cfg.batch_invariant:
+            return shard_heads(invariant_attention, self.mesh)
+        return make_attention(self.backend, decode_only, self.mesh)
 
     def warmup(self, show_progress: bool = True) -> None:
         """Compile every step variant now (persistently cached on disk across starts)."""

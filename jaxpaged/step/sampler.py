@@ -3,8 +3,13 @@
 
 Every slot carries its own parameters. A slot's random key is `fold_in(key(seed), index of the token
 being generated)`, so a request's samples depend only on its own seed and tokens, never on the batch.
-Logprobs are those of the model's raw distribution (log_softmax of the logits, before penalties,
-temperature and filtering), as in vLLM.
+What the logprobs describe is the engine's `logprobs_mode` (vLLM's names): "raw_logprobs" (the default:
+log_softmax of the model's logits, before logit controls, penalties, temperature and filtering),
+"raw_logits" (those logits themselves), "processed_logprobs" (log_softmax of the distribution the token
+was drawn from: logit bias, bad words, penalties, `min_tokens` bans, grammar / allowed-token masks, then
+temperature and top-k / top-p / min-p; a greedy row has no temperature and no filter, its distribution
+being the argmax of the controlled logits) and "processed_logits" (those processed logits). Masked tokens
+are -inf in the processed modes.
 """
 from __future__ import annotations
 
@@ -53,7 +58,7 @@ def _filter(scaled, sp):
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)  # [S, 1]
     probs = jax.nn.softmax(srt, axis=-1)
     cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
-    keep_sorted = cum < sp["top_p"][:, None]
+    keep_sorted = (cum < sp["top_p"][:, None]) | (sp["top_p"][:, None] >= 1.0)  # 1: all (cum may round to 1)
     n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
     pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
     mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # p >= min_p * p_max
@@ -67,7 +72,7 @@ def slot_rows(sp: dict, at, num_slots: int) -> dict:
     return {k: v[at] if jnp.ndim(v) and v.shape[0] == num_slots else v for k, v in sp.items()}
 
 
-def sample(logits, sp, num_logprobs: int):
+def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     """Sample one token per slot.
 
     logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
@@ -76,6 +81,7 @@ def sample(logits, sp, num_logprobs: int):
     bitmask i32[S, ceil(V/32)] (grammar and allowed_token_ids masks: 0 bits are masked, all ones when
     unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
     any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
+    logprobs_mode (static): one of config.LOGPROBS_MODES, what the returned logprobs describe (module docstring).
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
     zeros when no slot asked for logprobs: any_logprobs false).
     """
@@ -89,11 +95,14 @@ def sample(logits, sp, num_logprobs: int):
     logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
     logits = jax.lax.cond(sp["any_mask"], _apply_bitmask, lambda l, m: l, logits, sp["bitmask"])
     greedy_tok = jnp.argmax(logits, axis=-1)
+    temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
+
+    def processed(logits):  # [S, V] what a sampled row draws from; greedy rows keep the controlled logits
+        scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, logits / temp[:, None], sp)
+        return jnp.where(sp["temperature"][:, None] > 0, scaled, logits)
 
     def sampled(logits):
-        temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
-        scaled = logits / temp[:, None]
-        scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, scaled, sp)
+        scaled = processed(logits)
 
         def one(seed, idx, row):
             key = jax.random.fold_in(jax.random.key(seed), idx)
@@ -102,15 +111,17 @@ def sample(logits, sp, num_logprobs: int):
         return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
 
     tokens = jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits).astype(jnp.int32)
+    source = raw if logprobs_mode.startswith("raw") else logits  # processed: computed only when asked
 
-    def logprobs(raw, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
-        lp = jax.nn.log_softmax(raw, axis=-1)
+    def logprobs(source, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
+        lp = processed(source) if logprobs_mode.startswith("processed") else source
+        lp = jax.nn.log_softmax(lp, axis=-1) if logprobs_mode.endswith("logprobs") else lp
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids.astype(jnp.int32)
 
-    def not_asked(raw, tokens):
-        return (jnp.zeros((S,), raw.dtype), jnp.zeros((S, num_logprobs), raw.dtype),
+    def not_asked(source, tokens):
+        return (jnp.zeros((S,), source.dtype), jnp.zeros((S, num_logprobs), source.dtype),
                 jnp.zeros((S, num_logprobs), jnp.int32))
 
-    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, raw, tokens)
+    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, source, tokens)
     return tokens, tok_lp, top_lp, top_ids

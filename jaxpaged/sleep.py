@@ -1,0 +1,107 @@
+"""Sleep / wake (vLLM's `sleep(level)` / `wake_up()`): release the engine's device memory between
+rollouts, for a trainer sharing the devices, and take it back without recompiling.
+
+- level 1: the KV pool's device arrays are deleted and the parameters copied to host memory, then
+  deleted on the device.
+- level 2: the parameters are dropped too. A full `update_weights` (every parameter) brings them back,
+  or `wake_up(reload=True)`, which reads the model directory again.
+`wake_up()` puts the parameters back with the shardings they had and a zeroed KV pool, so every compiled
+step runs on as before (`stats()["num_compilations"]` does not change). The prefix cache is flushed (its
+blocks' K/V are gone); requests kept by `pause_generation(mode="keep")` are recomputed. While asleep,
+`step` raises RuntimeError and requests may be queued. The runner holds `jax.ShapeDtypeStruct`s (with
+their shardings) in place of the deleted arrays, so shapes stay checkable (`update_weights`).
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jaxpaged.checkpoints.weights import load_params, release_host_memory
+from jaxpaged.parallel.mesh import place_params
+from jaxpaged.pause import check_update_allowed
+
+SLEEP_LEVELS = (1, 2)
+
+
+def device_bytes(engine) -> dict:
+    """What the engine's devices hold now: `engine_bytes` (its parameters and KV pool, every shard),
+    `live_array_bytes` (every live jax.Array's shards on the engine's mesh, the engine's and any other the
+    process holds) and, where the backend reports it (GPU, TPU), `bytes_in_use` summed over
+    `device.memory_stats()`."""
+    devices = set(engine.mesh.devices.flat)
+    live = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device in devices)
+    runner = engine.runner
+    own = sum(s.data.nbytes for a in jax.tree.leaves((runner.params, runner.k_pool, runner.v_pool))
+              if isinstance(a, jax.Array) for s in a.addressable_shards)
+    out = dict(engine_bytes=int(own), live_array_bytes=int(live))
+    stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
+    if all(s is not None and "bytes_in_use" in s for s in stats):
+        out["bytes_in_use"] = int(sum(s["bytes_in_use"] for s in stats))
+    return out
+
+
+def _abstract(tree):
+    """The tree's arrays as ShapeDtypeStructs with their shardings."""
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+
+
+def _delete(tree) -> None:
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array):
+            a.delete()
+
+
+def is_on_device(tree) -> bool:
+    return all(isinstance(a, jax.Array) for a in jax.tree.leaves(tree))
+
+
+def sleep(engine, level: int = 1) -> dict:
+    """Put `engine` (an LLMEngine) to sleep at `level`; returns {"before": device_bytes, "after": ...}."""
+    if level not in SLEEP_LEVELS:
+        raise ValueError(f"level must be 1 or 2, got {level!r}")
+    if engine.sleep_level:
+        raise RuntimeError(f"the engine is already asleep (level {engine.sleep_level})")
+    if engine.mesh.is_multi_process:
+        raise RuntimeError("sleep is not supported with num_processes > 1")
+    try:
+        check_update_allowed(engine)
+    except RuntimeError:
+        raise RuntimeError("sleep: the engine has unfinished requests; sleep between generate calls or "
+                           "after pause_generation()") from None
+    runner, before = engine.runner, device_bytes(engine)
+    engine.scheduler.recompute_all()  # kept requests (paused) lose their KV
+    engine.block_manager.reset_prefix_cache()
+    engine._host_params = jax.device_get(runner.params) if level == 1 else None
+    for name in ("k_pool", "v_pool", "params"):
+        old = getattr(runner, name)
+        setattr(runner, name, _abstract(old))
+        _delete(old)
+    engine.sleep_level = level
+    return dict(before=before, after=device_bytes(engine))
+
+
+def wake_up(engine, reload: bool = False) -> dict:
+    """Wake `engine` up: parameters back (from host memory; from the model directory with `reload`; or
+    as a full `update_weights` already put them) and a zeroed KV pool. Returns device bytes before/after."""
+    if not engine.sleep_level:
+        raise RuntimeError("wake_up: the engine is not asleep")
+    runner, before = engine.runner, device_bytes(engine)
+    shardings = jax.tree.map(lambda a: a.sharding, runner.params)
+    if reload:
+        host = load_params(engine.model_dir, engine.model_config, engine.config.dtype,
+                           quantization=engine.config.quantization)
+        runner.params = place_params(host, engine.model_config, runner.mesh)
+    elif engine._host_params is not None:  # leaves an update_weights gave while asleep are kept
+        runner.params = jax.tree.map(lambda cur, a, sh: cur if isinstance(cur, jax.Array)
+                                     else jax.device_put(np.asarray(a), sh), runner.params, engine._host_params,
+                                     shardings)
+    elif not is_on_device(runner.params):
+        raise RuntimeError("wake_up: the engine slept at level 2 and its weights were dropped; call "
+                           "update_weights with every parameter first, or wake_up(reload=True)")
+    engine._host_params = None
+    for name in ("k_pool", "v_pool"):
+        setattr(runner, name, jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding),
+                                           getattr(runner, name)))
+    release_host_memory()
+    engine.sleep_level = 0
+    return dict(before=before, after=device_bytes(engine))
