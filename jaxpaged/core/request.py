@@ -41,6 +41,7 @@ class Request:
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals scheduled after the last token
     stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device
