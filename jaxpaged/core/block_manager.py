@@ -171,10 +171,12 @@ class BlockManager:
         """Release the request's blocks past those holding its first `num_tokens` tokens (speculative
         decoding: blocks that held only rejected proposals; never registered, so they go to the free list)."""
         keep = -(-num_tokens // self.block_size)
-        for b in reversed(req.block_ids[keep:]):
-            if b:
-                self._release(b)
-        del req.block_ids[keep:]
+        if len(req.block_ids) > keep:
+            for b in reversed(req.block_ids[keep:]):
+                if b:
+                    self._release(b)
+            del req.block_ids[keep:]
+            req.blocks_epoch += 1  # ids past `keep` will differ: the persistent batch rewrites the row
 
     def free(self, req: Request) -> None:
         """Drop the request's references; blocks reaching 0 become free (tail first) or evictable."""

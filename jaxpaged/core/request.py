@@ -27,7 +27,7 @@ class Request:
     num_computed_tokens: int = 0          # tokens whose K/V are in the pool
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of full blocks, in order
-    blocks_epoch: int = 0                 # bumped whenever block_ids is released (preemption, finish)
+    blocks_epoch: int = 0                 # bumped whenever block_ids is released (preemption, finish, trim)
     num_registered_blocks: int = 0        # leading full blocks already offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None

@@ -32,13 +32,12 @@ class SpecDecoder:
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # position j: proposals accepted at j (0-based)
         self.propose_seconds = 0.0     # host time spent proposing, all steps
-        self._step = None              # (start time, batch size, decode only) of the step in flight
+        self._start = 0.0              # when the step in flight began proposing
 
     def propose(self, running) -> None:
         """Set `spec_token_ids` of every running request (empty unless it decodes and speculation pays at
         this batch size). k is capped so that no proposal lies past max_tokens or max_model_len."""
         t0 = time.perf_counter()
-        decoding = all(r.num_computed_tokens == len(r.token_ids) - 1 for r in running)
         on = self.governor.should_propose(len(running))
         for req in running:
             k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
@@ -48,13 +47,15 @@ class SpecDecoder:
         self.proposer.retain({r.request_id for r in running})
         t1 = time.perf_counter()
         self.propose_seconds += t1 - t0
-        self._step = (t0, len(running), decoding and bool(running))
+        self._start = t0
 
     def accept(self, out, sampled: dict) -> tuple[dict, dict]:
         """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
         Returns (slot -> (target's next token, its logprobs), request -> number of new tokens) and rewrites
         `out.scheduled` to the tokens kept."""
         plain, new, proposed, produced = {}, {}, False, 0
+        decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
+                       for r, n in out.scheduled)
         for i, (req, n) in enumerate(out.scheduled):
             toks, lps = sampled[req.slot]
             d, a = req.spec_token_ids, len(toks) - 1
@@ -73,9 +74,8 @@ class SpecDecoder:
                 req.spec_token_ids = []
             new[req] = len(toks)
             plain[req.slot] = (toks[-1], lps[-1] if lps else None)
-        t0, batch_size, decoding = self._step
-        if decoding:
-            self.governor.record(batch_size, proposed, time.perf_counter() - t0, produced)
+        if decoding:  # a step of decodes only (no prefill chunk): its time per token is the governor's figure
+            self.governor.record(len(out.scheduled), proposed, time.perf_counter() - self._start, produced)
         return plain, new
 
     @staticmethod
