@@ -13,7 +13,6 @@ timed: engines are built and warmed before.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 
 import bench_common as bc
@@ -50,25 +49,34 @@ def _workload(tok, kind: str, n: int, output_len: int) -> list:
     return [bc.Req(tok.apply_chat_template([{"role": "user", "content": t}]), output_len) for t in texts]
 
 
-def _run(llm, reqs, batch_size: int) -> dict:
+def _spec_counts(eng) -> dict:
+    return {k: v for k, v in eng.stats().items() if k.startswith("spec_decode_num")}
+
+
+def _run(llm, reqs, batch_size: int, acc: dict) -> None:
+    """One pass of `reqs`; adds its elapsed time, tokens and proposal counts to `acc`."""
     eng = llm.engine
-    before = {k: v for k, v in eng.stats().items() if k.startswith("spec_decode_num")}
+    before = _spec_counts(eng)
     rec = bc.drive(eng, reqs, batch_size=batch_size)
-    r = bc.summarize(rec)
-    r.pop("per_request")
-    r["time_per_output_token_s"] = rec.elapsed_s / max(sum(rec.output_tokens), 1)
+    acc["elapsed_s"] = acc.get("elapsed_s", 0.0) + rec.elapsed_s
+    acc["output_tokens"] = acc.get("output_tokens", 0) + sum(rec.output_tokens)
+    acc["num_steps"] = acc.get("num_steps", 0) + rec.num_steps
     after = eng.stats()
+    for k, v in before.items():
+        d = [a - b for a, b in zip(after[k], v)] if isinstance(v, list) else after[k] - v
+        acc[k] = [a + b for a, b in zip(acc[k], d)] if k in acc and isinstance(d, list) else acc.get(k, 0) + d
     if before:
-        d = {k: (after[k] - before[k]) if not isinstance(before[k], list) else
-             [a - b for a, b in zip(after[k], before[k])] for k in before}
-        r.update(num_drafts=d["spec_decode_num_drafts"], num_draft_tokens=d["spec_decode_num_draft_tokens"],
-                 num_accepted_tokens=d["spec_decode_num_accepted_tokens"],
-                 accepted_per_pos=d["spec_decode_num_accepted_tokens_per_pos"],
-                 acceptance_rate_per_pos=[a / d["spec_decode_num_drafts"] if d["spec_decode_num_drafts"] else 0.0
-                                          for a in d["spec_decode_num_accepted_tokens_per_pos"]],
-                 mean_accepted_per_draft=(d["spec_decode_num_accepted_tokens"] / d["spec_decode_num_drafts"]
-                                          if d["spec_decode_num_drafts"] else 0.0),
-                 governor=after["spec_decode_governor"], propose_seconds=after["spec_decode_propose_seconds"])
+        acc["governor"], acc["propose_seconds"] = after["spec_decode_governor"], after["spec_decode_propose_seconds"]
+
+
+def _summary(acc: dict) -> dict:
+    r = dict(time_per_output_token_s=acc["elapsed_s"] / max(acc["output_tokens"], 1),
+             output_tokens_per_s=acc["output_tokens"] / acc["elapsed_s"], **acc)
+    drafts = acc.get("spec_decode_num_drafts")
+    if drafts is not None:
+        per_pos = acc["spec_decode_num_accepted_tokens_per_pos"]
+        r.update(acceptance_rate_per_pos=[a / drafts if drafts else 0.0 for a in per_pos],
+                 mean_accepted_per_draft=acc["spec_decode_num_accepted_tokens"] / drafts if drafts else 0.0)
     return r
 
 
@@ -79,10 +87,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--workloads", default="grounded,free")
     ap.add_argument("--requests-per-batch-size", type=int, default=0,
                     help="requests per (workload, batch size); 0: max(2 x batch size, 4)")
-    ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--json", default=None)
-    bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the requests, the configs alternating")
+    bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -90,19 +97,21 @@ def main(argv=None) -> dict:
     configs = [("plain", None)] + [(f"ngram_k{k}", {"method": "ngram", "num_speculative_tokens": k,
                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 5}) for k in ks]
     results = {w: {str(b): {} for b in batch_sizes} for w in args.workloads.split(",")}
-    for name, spec in configs:
-        llm = bc.build_llm(model_dir, args, speculative_config=spec, max_num_seqs=max(batch_sizes))
-        bc.warm_up(llm.engine, llm.engine.model_config.vocab_size)
-        for w in results:
-            for b in batch_sizes:
-                n = args.requests_per_batch_size or max(2 * b, 4)
-                reqs = _workload(llm.tokenizer, w, n, args.output_len)
-                bc.say(f"{name} {w} batch {b}: {n} requests")
-                r = _run(llm, reqs, b)
-                results[w][str(b)][name] = r
-                bc.say(f"  {r['time_per_output_token_s'] * 1e3:.2f} ms/token")
-        del llm
-        gc.collect()
+    engines = {}
+    for name, spec in configs:  # all built first: the runs below alternate, so a change of load hits all
+        engines[name] = bc.build_llm(model_dir, args, speculative_config=spec, max_num_seqs=max(batch_sizes))
+        bc.warm_up(engines[name].engine, engines[name].engine.model_config.vocab_size)
+    tok = engines["plain"].tokenizer
+    for w in results:
+        for b in batch_sizes:
+            n = args.requests_per_batch_size or max(2 * b, 4)
+            reqs = _workload(tok, w, n, args.output_len)
+            acc = {name: {} for name in engines}
+            for rep in range(args.repeats):
+                for name, llm in engines.items():
+                    _run(llm, reqs, b, acc[name])
+                    bc.say(f"{w} batch {b} pass {rep}: {name} {acc[name]['elapsed_s'] / acc[name]['output_tokens'] * 1e3:.2f} ms/token so far")
+            results[w][str(b)] = {name: _summary(a) for name, a in acc.items()}
     rows = []
     for w, per_b in results.items():
         for b, per_c in per_b.items():
