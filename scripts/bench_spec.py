@@ -63,8 +63,10 @@ def _run(llm, reqs, batch_size: int, acc: dict) -> None:
     acc["num_steps"] = acc.get("num_steps", 0) + rec.num_steps
     after = eng.stats()
     for k, v in before.items():
-        d = [a - b for a, b in zip(after[k], v)] if isinstance(v, list) else after[k] - v
-        acc[k] = [a + b for a, b in zip(acc[k], d)] if k in acc and isinstance(d, list) else acc.get(k, 0) + d
+        if isinstance(v, list):  # accepted per position
+            acc[k] = [s + a - b for s, a, b in zip(acc.get(k, [0] * len(v)), after[k], v)]
+        else:
+            acc[k] = acc.get(k, 0) + after[k] - v
     if before:
         acc["governor"], acc["propose_seconds"] = after["spec_decode_governor"], after["spec_decode_propose_seconds"]
 
@@ -86,7 +88,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--ks", default="2,4", help="num_speculative_tokens values")
     ap.add_argument("--workloads", default="grounded,free")
     ap.add_argument("--requests-per-batch-size", type=int, default=0,
-                    help="requests per (workload, batch size); 0: max(2 x batch size, 4)")
+                    help="requests per (workload, batch size); 0: max(batch size, 4)")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the requests, the configs alternating")
     bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
@@ -104,7 +106,7 @@ def main(argv=None) -> dict:
     tok = engines["plain"].tokenizer
     for w in results:
         for b in batch_sizes:
-            n = args.requests_per_batch_size or max(2 * b, 4)
+            n = args.requests_per_batch_size or max(b, 4)
             reqs = _workload(tok, w, n, args.output_len)
             acc = {name: {} for name in engines}
             for rep in range(args.repeats):

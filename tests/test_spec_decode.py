@@ -276,7 +276,10 @@ def test_governor_stops_proposing_where_it_loses():
     for _ in range(WARMUP):
         g.record(1, True, 0.040, 3)                  # 13 ms a token against 30: pays
         g.record(16, True, 0.300, 20)                # 15 ms a token against 6.2: loses
-    n = 4 * PROBE_EVERY
-    assert sum(g.should_propose(1) for _ in range(n)) == n - 4   # plain only to re-measure
-    assert sum(g.should_propose(16) for _ in range(n)) == 4      # proposals only to re-measure
+    n = 7 * PROBE_EVERY                              # probes after 32, 32 + 64 and 32 + 64 + 128 steps
+    assert sum(g.should_propose(1) for _ in range(n)) == n - 3   # plain only to re-measure
+    assert sum(g.should_propose(16) for _ in range(n)) == 3      # proposals only to re-measure
     assert g.summary()[1]["proposing"] and not g.summary()[16]["proposing"]
+    for _ in range(10):
+        g.record(16, True, 0.060, 20)                # the workload changed: now 3 ms a token with them
+    assert sum(g.should_propose(16) for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1  # probes come soon again
