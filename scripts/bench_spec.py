@@ -49,6 +49,18 @@ def _workload(tok, kind: str, n: int, output_len: int) -> list:
     return [bc.Req(tok.apply_chat_template([{"role": "user", "content": t}]), output_len) for t in texts]
 
 
+class _NeverPropose:
+    """A governor that never lets the engine propose (--control)."""
+    def should_propose(self, batch_size):
+        return False
+
+    def record(self, *args):
+        pass
+
+    def summary(self):
+        return {}
+
+
 def _spec_counts(eng) -> dict:
     return {k: v for k, v in eng.stats().items() if k.startswith("spec_decode_num")}
 
@@ -91,6 +103,8 @@ def main(argv=None) -> dict:
                     help="requests per (workload, batch size); 0: max(batch size, 4)")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the requests, the configs alternating")
+    ap.add_argument("--control", action="store_true", help="also a speculative engine (the largest k) that "
+                    "never proposes: what the speculative step costs when nobody speculates")
     bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
@@ -103,6 +117,12 @@ def main(argv=None) -> dict:
     for name, spec in configs:  # all built first: the runs below alternate, so a change of load hits all
         engines[name] = bc.build_llm(model_dir, args, speculative_config=spec, max_num_seqs=max(batch_sizes))
         bc.warm_up(engines[name].engine, engines[name].engine.model_config.vocab_size)
+    if args.control:
+        spec = dict(configs[-1][1])
+        engines["never_proposing"] = bc.build_llm(model_dir, args, speculative_config=spec,
+                                                  max_num_seqs=max(batch_sizes))
+        engines["never_proposing"].engine.spec.governor = _NeverPropose()
+        bc.warm_up(engines["never_proposing"].engine, engines["never_proposing"].engine.model_config.vocab_size)
     tok = engines["plain"].tokenizer
     for w in results:
         for b in batch_sizes:
