@@ -20,6 +20,9 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="prepare step t+1 while step t runs on the device (default: on for GPU/TPU, off "
                         "on CPU; see docs/architecture.md)")
+    parser.add_argument("--speculative-config", default=None, help="speculative decoding, as JSON: "
+                        '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
+                        '"prompt_lookup_max": 5}\' (default: off)')
     return parser
 
 
@@ -34,7 +37,8 @@ def scale_out_kwargs(args) -> dict:
     """EngineConfig fields from the scale-out (and async-scheduling) flags; starts jax.distributed first
     when multi-host."""
     kw = {k: getattr(args, k) for k in ("tensor_parallel_size", "data_parallel_size", "coordinator_address",
-                                        "num_processes", "process_id", "distributed_timeout", "async_scheduling")}
+                                        "num_processes", "process_id", "distributed_timeout", "async_scheduling",
+                                        "speculative_config")}
     if kw["num_processes"] > 1:
         from jaxpaged.parallel.multihost import initialize
         initialize(kw["coordinator_address"], kw["num_processes"], kw["process_id"])

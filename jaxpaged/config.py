@@ -206,6 +206,8 @@ class EngineConfig:
     num_processes: int = 1                  # multi-host: processes in the job
     process_id: int = 0                     # multi-host: this process (0 leads: schedules and serves)
     distributed_timeout: float = 60.0       # multi-host: seconds a step may take before the leader fails it
+    # speculative decoding (jaxpaged/spec_decode/): {"method": "ngram", "num_speculative_tokens": k, ...}
+    speculative_config: Any = None          # dict, JSON string or SpeculativeConfig; None: off
 
     def __post_init__(self):
         def positive(name):
@@ -218,9 +220,11 @@ class EngineConfig:
         if self.dtype == "auto":
             import jax
             self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        from jaxpaged.spec_decode.config import SpeculativeConfig, check_engine
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.async_scheduling is None:
             import jax
-            self.async_scheduling = jax.default_backend() != "cpu"
+            self.async_scheduling = jax.default_backend() != "cpu" and self.speculative_config is None
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -250,6 +254,8 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (list, tuple)):
                 raise ValueError(f"{name} must be a list of layer indices or None, got {v!r}")
+        if self.speculative_config is not None:
+            check_engine(self)
         if self.steering_layers and self.num_processes > 1:
             raise ValueError("steering_layers is not supported with num_processes > 1 (the followers "
                              "would not see the per-slot vectors)")

@@ -32,6 +32,8 @@ from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
 from jaxpaged.core.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.checkpoints.weights import count_tensors, load_params, release_host_memory
+from jaxpaged.spec_decode.config import check_request as check_speculative
+from jaxpaged.spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("jaxpaged.engine")
 
@@ -149,6 +151,8 @@ class LLMEngine:
         self.pause_state = None                 # pause_generation's (jaxpaged/pause.py)
         self.sleep_level = 0                    # sleep's: 0 awake, 1 or 2 (jaxpaged/sleep.py)
         self._host_params = None                # asleep at level 1: the parameters in host memory
+        spec = cfg.speculative_config
+        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None  # speculative decoding
         _freeze_startup_heap()
 
     def _num_blocks(self) -> int:
@@ -189,6 +193,8 @@ class LLMEngine:
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
         lora_int_id = self._lora_id(lora_request)
         self.structured.check(params)
+        if self.spec is not None:
+            check_speculative(params)
         check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
                      self.model_config.hidden_size)
         if params.bad_words and self.tokenizer is None:
@@ -268,6 +274,8 @@ class LLMEngine:
         return self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self.spec is not None:  # proposals first: the scheduler schedules them (jaxpaged/spec_decode/)
+            self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if self.async_scheduling:
             return self._step_async(out)
@@ -280,7 +288,12 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 -- the step's requests fail; the engine carries on
             return self._step_failed(out, e)
         self.num_consecutive_step_failures = 0
-        return self._process(self.scheduler.update_from_output(out, sampled))
+        if self.spec is None:
+            return self._process(self.scheduler.update_from_output(out, sampled))
+        sampled, new = self.spec.accept(out, sampled)  # accepted proposals appended; the schedule says so
+        got = self.scheduler.update_from_output(out, sampled)
+        self.spec.rollback(out, self.block_manager)
+        return self._process(got, new)
 
     def _step_async(self, out) -> list[RequestOutput]:
         """Start step t+1, then read back step t (its tokens already fed to t+1 on the device)."""
@@ -323,19 +336,23 @@ class LLMEngine:
                 got.append(req)
         return self._process(got)
 
-    def _process(self, got: list[Request]) -> list[RequestOutput]:
+    def _process(self, got: list[Request], new: dict | None = None) -> list[RequestOutput]:
         """Stop checks and the outputs of the groups that changed (streamed ones) or finished.
 
         Only requests that stream or have stop strings are detokenized here; the others when their final
-        output is built."""
+        output is built. new: request -> tokens it got this step, when more than one (speculative decoding;
+        default one each)."""
         now, groups, outputs = time.monotonic(), self.groups, []
         touched: dict[str, _Group] = {}  # groups of n > 1 samples: one output for all that advanced
         for req in got:
             group = groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
-            stop_string = group.text_each_step and group.detoks[req.index].catch_up(req.token_ids)
-            reason = self._check_stop(req, stop_string)
+            if new is not None and new[req] > 1:
+                reason = self._check_stop_each(req, group, new[req])
+            else:
+                stop_string = group.text_each_step and group.detoks[req.index].catch_up(req.token_ids)
+                reason = self._check_stop(req, stop_string)
             if reason:
                 self.scheduler.finish(req, reason)
             if len(group.samples) == 1:  # the usual case: its output now, no second pass
@@ -411,6 +428,22 @@ class LLMEngine:
             return "stop"
         if num_output >= p.max_tokens or length >= self.max_model_len:
             return "length"
+        return None
+
+    def _check_stop_each(self, req: Request, group: _Group, num_new: int) -> str | None:
+        """Stop checks after each of the request's `num_new` last tokens, as if they came one step each;
+        the tokens (and logprobs) past the first stop are dropped (an accepted run never overshoots)."""
+        tail, req.token_ids[-num_new:] = req.token_ids[-num_new:], []
+        lps = None
+        if req.logprobs is not None:
+            lps, req.logprobs[-num_new:] = req.logprobs[-num_new:], []
+        for j, tok in enumerate(tail):
+            req.token_ids.append(tok)
+            if lps is not None:
+                req.logprobs.append(lps[j])
+            reason = self._check_stop(req, group.text_each_step and group.detoks[req.index].catch_up(req.token_ids))
+            if reason:
+                return reason
         return None
 
     def _output(self, group: _Group, finished: bool, error: str | None = None) -> RequestOutput:
@@ -498,4 +531,5 @@ class LLMEngine:
                     num_step_failures=self.num_step_failures,
                     load_seconds=self.load_seconds, attention_backend=self.runner.backend,
                     tensor_parallel_size=self.runner.tp, **self.runner.memory_per_device(),
-                    **(self.runner.lora.stats() if self.runner.lora is not None else {}))
+                    **(self.runner.lora.stats() if self.runner.lora is not None else {}),
+                    **(self.spec.stats() if self.spec is not None else {}))

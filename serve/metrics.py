@@ -49,6 +49,23 @@ class _EngineCollector:
         for i, r in enumerate(per):
             c.add_metric([self.model_name, str(i)], float(r["num_step_failures"]))
         yield c
+        if "spec_decode_num_drafts" in per[0]:  # speculative decoding (vLLM's names)
+            yield from self._spec_decode(per, labels)
+
+    def _spec_decode(self, per, labels):
+        for name, doc in (("num_drafts", "Requests x steps that carried proposals."),
+                          ("num_draft_tokens", "Tokens proposed."),
+                          ("num_accepted_tokens", "Proposed tokens accepted by the target.")):
+            c = CounterMetricFamily(f"jaxpaged:spec_decode_{name}", doc, labels=labels)
+            for i, r in enumerate(per):
+                c.add_metric([self.model_name, str(i)], float(r[f"spec_decode_{name}"]))
+            yield c
+        c = CounterMetricFamily("jaxpaged:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
+                                "by position in the proposal (0-based).", labels=labels + ["position"])
+        for i, r in enumerate(per):
+            for j, n in enumerate(r["spec_decode_num_accepted_tokens_per_pos"]):
+                c.add_metric([self.model_name, str(i), str(j)], float(n))
+        yield c
 
 
 class Metrics:

@@ -112,6 +112,8 @@ class PersistentBatch:
                 prev_at.append(i)
             else:
                 ids.extend(req.token_ids[c:c + n])
+                if req.spec_token_ids:  # speculative decoding: the proposals follow the last token
+                    ids.extend(req.spec_token_ids)
             if penalties[s]:
                 self._sync_history(s, req)
         slots, starts, counts, lens = (np.array(x, np.int32) for x in (slots, starts, counts, lens))

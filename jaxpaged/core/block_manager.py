@@ -168,6 +168,17 @@ class BlockManager:
                 self.block_key[b] = key
         req.num_registered_blocks = max(req.num_registered_blocks, full)
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Release the request's blocks past those holding its first `num_tokens` tokens (speculative
+        decoding: blocks that held only rejected proposals; never registered, so they go to the free list)."""
+        keep = -(-num_tokens // self.block_size)
+        if len(req.block_ids) > keep:
+            for b in reversed(req.block_ids[keep:]):
+                if b:
+                    self._release(b)
+            del req.block_ids[keep:]
+            req.blocks_epoch += 1  # ids past `keep` will differ: the persistent batch rewrites the row
+
     def free(self, req: Request) -> None:
         """Drop the request's references; blocks reaching 0 become free (tail first) or evictable."""
         for b in reversed(req.block_ids):

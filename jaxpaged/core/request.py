@@ -27,7 +27,7 @@ class Request:
     num_computed_tokens: int = 0          # tokens whose K/V are in the pool
     block_ids: list[int] = field(default_factory=list)
     block_keys: list[tuple] = field(default_factory=list)  # prefix-cache keys of full blocks, in order
-    blocks_epoch: int = 0                 # bumped whenever block_ids is released (preemption, finish)
+    blocks_epoch: int = 0                 # bumped whenever block_ids is released (preemption, finish, trim)
     num_registered_blocks: int = 0        # leading full blocks already offered to the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
@@ -42,6 +42,7 @@ class Request:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     lora_int_id: int = 0                  # the LoRA adapter it runs with (0: the base model)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals scheduled after the last token
     stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device

@@ -77,6 +77,7 @@ class Scheduler:
         self.running.remove(req)
         self._release(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -101,7 +102,9 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            behind = len(req.token_ids) - req.num_computed_tokens
+            n = min(behind + len(req.spec_token_ids), budget)  # proposals: after the last token, if it fits
+            del req.spec_token_ids[max(n - behind, 0):]
             if req.num_computed_tokens + n <= len(req.block_ids) * capacity and not windowed:
                 steps[req.slot] = (req, n)  # its blocks hold this step already (most decode steps)
                 budget -= n

@@ -39,6 +39,8 @@ from jaxpaged.step.sampler import sample, slot_rows
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.spec_decode.step import draft_inputs, read_verified
+from jaxpaged.spec_decode.verify import verify_rows
 
 
 
@@ -79,7 +81,7 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
-          logprobs_mode="raw_logprobs", capture=(), steer=()):
+          logprobs_mode="raw_logprobs", capture=(), steer=(), num_spec=0):
     batch, sp = unpack(packed, layout)
     extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
@@ -91,16 +93,23 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
     # few requests does not pay for S rows of lm_head and sampler (a lone request, 256 slots: 5.6x a step)
     S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]  # rows i32[R]: slots, then S (padding)
     at = jnp.minimum(rows, S - 1)
-    logits = lm_logits(params, cfg, h[batch["logits_indices"][at]])  # [R, V]
-    # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
-    # sees the full [R, V] logits on every device, so it draws exactly what one device would
-    for sharding in logits_shardings:
-        logits = jax.lax.with_sharding_constraint(logits, sharding)
-    draw = functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
-    if cfg.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too
-        drawn = row_tiled_sample(draw, logits, slot_rows(sp, at, S), cfg.row_tile)
+
+    def logits_of(hidden):  # [N, D] -> [N, V]
+        logits = lm_logits(params, cfg, hidden)
+        # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
+        # sees the full [N, V] logits on every device, so it draws exactly what one device would
+        for sharding in logits_shardings:
+            logits = jax.lax.with_sharding_constraint(logits, sharding)
+        return logits
+    if num_spec:  # speculative decoding: each slot's proposals verified, [R, K+1] (jaxpaged/spec_decode/verify.py)
+        drawn = verify_rows(logits_of, h, batch, sp, num_spec, num_logprobs)
     else:
-        drawn = draw(logits, slot_rows(sp, at, S))  # a row's draw depends on its slot's seed only
+        logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
+        draw = functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
+        if cfg.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too
+            drawn = row_tiled_sample(draw, logits, slot_rows(sp, at, S), cfg.row_tile)
+        else:
+            drawn = draw(logits, slot_rows(sp, at, S))  # a row's draw depends on its slot's seed only
     tokens, tok_lp, top_lp, top_ids = (jnp.zeros((S,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
@@ -201,6 +210,8 @@ class ModelRunner:
         self.controls = LogitControls(S)  # logit_bias, bad_words
         self.controls.none = {k: self._put(v) for k, v in self.controls.none.items()}
         self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
+        spec = cfg.speculative_config
+        self.num_spec = spec.num_speculative_tokens if spec is not None else 0  # K proposals verified per slot
 
     @property
     def step_params(self) -> dict:
@@ -233,6 +244,7 @@ class ModelRunner:
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=self._attention(decode_only),
                                logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
+                               num_spec=self.num_spec,
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
@@ -275,6 +287,8 @@ class ModelRunner:
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
         self._hook_inputs(sp, [])
         self._research_inputs([], T, batch, sp)
+        if self.num_spec:
+            batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec))
         return batch, sp
 
     def _hook_inputs(self, sp: dict, slots) -> None:
@@ -328,6 +342,8 @@ class ModelRunner:
         slots = [req.slot for req, _ in out.scheduled]
         self._hook_inputs(sp, slots)
         rows = self._research_inputs(out.scheduled, T, batch, sp)
+        if self.num_spec:
+            batch.update(draft_inputs(out.scheduled, S, self.num_spec))
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
@@ -337,7 +353,10 @@ class ModelRunner:
                         prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]))
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
-        """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None)."""
+        """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
+        speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
+        if self.num_spec:
+            return read_verified(step)
         tokens = np.asarray(step.tokens).tolist()
         if step.hidden_plan:
             read_hidden(step.hidden_plan, step.hidden)

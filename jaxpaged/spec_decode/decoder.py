@@ -1,0 +1,95 @@
+"""SpecDecoder: the engine's speculative half on the host. Each step it
+
+1. `propose`: gives each decoding request up to k proposals (`req.spec_token_ids`), which the scheduler
+   schedules with the request's last token as one chunk of 1 + m tokens;
+2. (the step verifies them on the device: verify.py)
+3. `accept`: appends the accepted proposals to the request's tokens and makes the schedule say what was
+   kept (1 + a tokens: their K/V is valid), so the scheduler's update appends the target's next token
+   and advances `num_computed_tokens` past the accepted tokens only;
+4. `rollback`: frees the blocks past the computed tokens (those held only rejected proposals' K/V; a
+   block is offered to the prefix cache only once computed tokens fill it, so rejected K/V never is).
+
+Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here (a draft model or head
+that proposes a point mass per position; the verifier does not change).
+"""
+from __future__ import annotations
+
+import time
+
+from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.governor import Governor
+from jaxpaged.spec_decode.ngram import NgramProposer
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+        self.k = cfg.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.governor = Governor()
+        self.num_drafts = 0            # requests x steps that carried proposals
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * self.k  # position j: proposals accepted at j (0-based)
+        self.propose_seconds = 0.0     # host time spent proposing, all steps
+        self._start = 0.0              # when the step in flight began proposing
+
+    def propose(self, running) -> None:
+        """Set `spec_token_ids` of every running request (empty unless it decodes and speculation pays at
+        this batch size). k is capped so that no proposal lies past max_tokens or max_model_len."""
+        t0 = time.perf_counter()
+        on = self.governor.should_propose(len(running))
+        for req in running:
+            k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - len(req.token_ids))
+            ready = on and k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
+            req.spec_token_ids = self.proposer.propose(req, k) if ready else []
+        self.proposer.retain({r.request_id for r in running})
+        t1 = time.perf_counter()
+        self.propose_seconds += t1 - t0
+        self._start = t0
+
+    def accept(self, out, sampled: dict) -> tuple[dict, dict]:
+        """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
+        Returns (slot -> (target's next token, its logprobs), request -> number of new tokens) and rewrites
+        `out.scheduled` to the tokens kept."""
+        plain, new, proposed, produced = {}, {}, False, 0
+        decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
+                       for r, n in out.scheduled)
+        for i, (req, n) in enumerate(out.scheduled):
+            toks, lps = sampled[req.slot]
+            d, a = req.spec_token_ids, len(toks) - 1
+            produced += len(toks)
+            if d:
+                proposed = True
+                self.num_drafts += 1
+                self.num_draft_tokens += len(d)
+                self.num_accepted_tokens += a
+                for j in range(a):
+                    self.accepted_per_pos[j] += 1
+                req.token_ids.extend(toks[:-1])
+                if req.logprobs is not None:
+                    req.logprobs.extend(lps[:-1])
+                out.scheduled[i] = (req, n - len(d) + a)
+                req.spec_token_ids = []
+            new[req] = len(toks)
+            plain[req.slot] = (toks[-1], lps[-1] if lps else None)
+        if decoding:  # a step of decodes only (no prefill chunk): its time per token is the governor's figure
+            self.governor.record(len(out.scheduled), proposed, time.perf_counter() - self._start, produced)
+        return plain, new
+
+    @staticmethod
+    def rollback(out, block_manager) -> None:
+        """Free each running request's blocks past its computed tokens (rejected proposals' K/V)."""
+        for req, _ in out.scheduled:
+            if not req.is_finished:
+                block_manager.trim(req, req.num_computed_tokens)
+
+    def stats(self) -> dict:
+        """vLLM's counters (spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens, accepted
+        per position), the host time proposing, and the governor's figures per batch-size bucket."""
+        return dict(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(self.accepted_per_pos),
+                    spec_decode_propose_seconds=self.propose_seconds,
+                    spec_decode_governor=self.governor.summary())

@@ -1,0 +1,68 @@
+"""Device half: the target's verification of each slot's proposals, inside the compiled step.
+
+A speculating slot's chunk is [last token, d_1 .. d_m] (m <= K proposals); its rows give the target's
+distributions p_0 .. p_m for the tokens after each. At every row the plain sampler (`sampler.sample`)
+draws the target's token x_j with the request's own key for that position, `fold_in(key(seed), g + j)`
+(g: the index of the token the request generates next), and the proposals are accepted while x_j = d_(j+1);
+the output is x_0 .. x_a, a = the number accepted. Greedy rows: the longest matching prefix of argmaxes,
+plus the target's next token.
+
+This is rejection sampling (Leviathan et al. 2023; Chen et al. 2023) for a proposer that puts all its
+mass on d (n-gram lookup; q = one-hot): d is accepted with probability min(1, p(d) / q(d)) = p(d) =
+P(x = d), and on rejection the token is x conditioned on x != d, i.e. normalize(max(0, p - q)). So every
+position keeps the target's distribution exactly, and since the keys are those a plain run uses, a
+seeded request produces the very tokens it produces without speculation.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxpaged.step.sampler import sample, slot_rows
+
+
+def accepted_prefix(target, drafts, num_drafts):
+    """The number of proposals accepted per row: i32[R] = length of the prefix where target = drafts.
+
+    target i32[R, K+1] (the target's tokens at each position), drafts i32[R, K], num_drafts i32[R]."""
+    K = drafts.shape[1]
+    match = (target[:, :K] == drafts) & (jnp.arange(K)[None, :] < num_drafts[:, None])  # [R, K]
+    return jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)
+
+
+def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs: int):
+    """Tokens and logprobs of the step's R = len(sample_slots) rows, K + 1 = num_spec + 1 positions each.
+
+    logits_fn: hidden [N, D] -> logits f32[N, V] (lm_head, sharding constraints). batch: logits_indices
+    i32[S] (each slot's last row), sample_slots i32[R], draft_tokens i32[S, K], num_drafts i32[S],
+    min_tokens i32[S]; sp as `sampler.sample` takes it, per slot.
+    Returns tokens i32[R, K+1] (-1 past each row's output: a + 1 tokens), token_logprob f32[R, K+1],
+    top_logprobs f32[R, K+1, NL], top_ids i32[R, K+1, NL]. A step in which no slot proposes runs the
+    plain sampler over R rows only (lax.cond: the K-fold lm_head rows are paid by speculating steps)."""
+    K1 = num_spec + 1
+    S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]
+    at = jnp.minimum(rows, S - 1)                                     # [R]
+    R = at.shape[0]
+
+    def plain(_):
+        drawn = sample(logits_fn(h[batch["logits_indices"][at]]), slot_rows(sp, at, S), num_logprobs)
+        pad = [jnp.full((R, num_spec) + a.shape[1:], -1 if i == 0 else 0, a.dtype) for i, a in enumerate(drawn)]
+        return tuple(jnp.concatenate([a[:, None], p], axis=1) for a, p in zip(drawn, pad))
+
+    def speculative(_):
+        nd = batch["num_drafts"][at]                                  # [R]
+        j = jnp.arange(K1)[None, :]                                   # [1, K+1]
+        last = batch["logits_indices"][at][:, None]                   # [R, 1] row of the last proposal
+        tok_rows = last - nd[:, None] + jnp.minimum(j, nd[:, None])   # [R, K+1] (past m: the last row again)
+        flat_at = jnp.repeat(at, K1)                                  # [R*(K+1)]
+        prow = slot_rows(sp, flat_at, S)
+        gen = prow["gen_index"] + jnp.tile(jnp.arange(K1), R)         # each position's own key and index
+        below = gen < batch["min_tokens"][flat_at]                    # min_tokens, position by position
+        prow.update(gen_index=gen, banned=jnp.where(below[:, None], prow["banned"], -1))
+        drawn = sample(logits_fn(h[tok_rows.reshape(-1)]), prow, num_logprobs)
+        tokens, *lps = (a.reshape((R, K1) + a.shape[1:]) for a in drawn)
+        a = accepted_prefix(tokens, batch["draft_tokens"][at], nd)    # [R]
+        tokens = jnp.where(j <= a[:, None], tokens, -1)
+        return (tokens, *lps)
+
+    return jax.lax.cond(batch["num_drafts"].any(), speculative, plain, None)
