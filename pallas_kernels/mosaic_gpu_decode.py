@@ -22,7 +22,7 @@ from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, 
                                               interpret_params, iota, kernel_with_scratch,
                                               ready, ring_scratch, smem)
 from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
-from pallas_kernels.reference import check_options
+from pallas_kernels.reference import check_options, with_tuning
 
 _TARGET_PROGRAMS = 264  # two programs per SM of a 132-SM H100 / H200
 
@@ -149,11 +149,8 @@ def mosaic_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=N
     check_options(window, softcap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} slots but block_tables has {block_tables.shape[0]} rows")
-    knobs = mosaic_decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1], block_tables.shape[1])
-    unknown = set(tuning) - set(knobs)
-    if unknown:
-        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(knobs)}")
-    knobs.update(tuning)
+    knobs = with_tuning(mosaic_decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1],
+                                               block_tables.shape[1]), tuning)
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     if knobs["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {knobs['num_splits']}")

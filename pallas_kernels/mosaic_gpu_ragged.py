@@ -24,7 +24,7 @@ from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, 
                                               smem)
 from pallas_kernels.paged_attention import _pow2, check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.ragged_paged_attention import tile_layout
-from pallas_kernels.reference import check_options
+from pallas_kernels.reference import check_options, with_tuning
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb, stages, group, window, softcap,
@@ -139,11 +139,8 @@ def mosaic_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, que
     if Hq // Hkv > ROWS:
         raise ValueError(f"the Mosaic GPU ragged kernel takes GQA groups up to {ROWS} query heads per KV head, "
                          f"got {Hq // Hkv}")
-    knobs = mosaic_ragged_defaults(Hq, Hkv, q.shape[2], k_pool.shape[1], block_tables.shape[1])
-    unknown = set(tuning) - set(knobs)
-    if unknown:
-        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(knobs)}")
-    knobs.update(tuning)
+    knobs = with_tuning(mosaic_ragged_defaults(Hq, Hkv, q.shape[2], k_pool.shape[1], block_tables.shape[1]),
+                        tuning)
     if knobs["block_q"] * _pow2(Hq // Hkv) != ROWS:
         raise ValueError(f"block_q x the GQA group padded to a power of two must be {ROWS} rows, got block_q "
                          f"{knobs['block_q']} x {_pow2(Hq // Hkv)}")

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import QUANTIZED, check_options, check_scales
+from pallas_kernels.reference import QUANTIZED, check_options, check_scales, with_tuning
 
 _NEG = -1e30
 _LANES = 128
@@ -243,11 +243,7 @@ def mosaic_tpu_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
     """
     _validate(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, k_scale, v_scale)
     check_options(window, softcap)
-    knobs = tpu_defaults(q.shape[0], block_tables.shape[0], k_pool.shape[1])
-    unknown = set(tuning) - set(knobs)
-    if unknown:
-        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(knobs)}")
-    knobs.update(tuning)
+    knobs = with_tuning(tpu_defaults(q.shape[0], block_tables.shape[0], k_pool.shape[1]), tuning)
     if not isinstance(knobs["block_q"], int) or knobs["block_q"] < 8 or knobs["block_q"] % 8:
         raise ValueError(f"block_q must be a positive multiple of 8, got {knobs['block_q']!r}")
     if not isinstance(knobs["blocks_per_iter"], int) or knobs["blocks_per_iter"] < 1:

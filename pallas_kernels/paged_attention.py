@@ -26,7 +26,8 @@ try:
 except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
     plgpu = None
 
-from pallas_kernels.reference import QUANTIZED, check_options, check_scales, paged_attention_reference
+from pallas_kernels.reference import (QUANTIZED, check_options, check_scales, paged_attention_reference,
+                                      with_tuning)
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
@@ -272,12 +273,8 @@ def paged_attention(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, wi
     check_options(window, softcap)
     if q.shape[0] != block_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} slots but block_tables has {block_tables.shape[0]} rows")
-    knobs = decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1],
-                            block_tables.shape[1])
-    unknown = set(tuning) - set(knobs)
-    if unknown:
-        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(knobs)}")
-    knobs.update(tuning)
+    knobs = with_tuning(decode_defaults(q.shape[0], k_pool.shape[2], q.shape[2], k_pool.shape[1],
+                                        block_tables.shape[1]), tuning)
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     if knobs["num_splits"] < 1:
         raise ValueError(f"num_splits must be >= 1, got {knobs['num_splits']}")

@@ -200,6 +200,14 @@ def check_scales(k_pool, v_pool, k_scale, v_scale):
                                  f"num_kv_heads]), got {a.dtype}{list(a.shape)}")
 
 
+def with_tuning(defaults: dict, tuning: dict) -> dict:
+    """A kernel's tuning knobs: its defaults overridden by `tuning`; ValueError naming any unknown knob."""
+    unknown = set(tuning) - set(defaults)
+    if unknown:
+        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(defaults)}")
+    return {**defaults, **tuning}
+
+
 def check_options(window, softcap):
     """Validate the shared keyword options; window and softcap must be static Python numbers."""
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
