@@ -24,7 +24,7 @@ from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, 
                                               smem)
 from pallas_kernels.paged_attention import _pow2, check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.ragged_paged_attention import tile_layout
-from pallas_kernels.reference import check_options, with_tuning
+from pallas_kernels.reference import check_options, check_query_start_loc, with_tuning
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb, stages, group, window, softcap,
@@ -131,10 +131,7 @@ def mosaic_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, que
     """
     block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale)
     check_options(window, softcap)
-    S = block_tables.shape[0]
-    if query_start_loc.shape != (S + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
-        raise ValueError(f"query_start_loc must be integer [{S + 1}] (num_slots + 1), got "
-                         f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
+    check_query_start_loc(query_start_loc, block_tables.shape[0])
     Hq, Hkv = q.shape[1], k_pool.shape[2]
     if Hq // Hkv > ROWS:
         raise ValueError(f"the Mosaic GPU ragged kernel takes GQA groups up to {ROWS} query heads per KV head, "

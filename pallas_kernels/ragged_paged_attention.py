@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.paged_attention import (_NEG, _pow2, check_pow2, compiler_params, compute_dtype,
                                             dequantize_block, online_softmax_step, pad_table, plgpu, validate)
-from pallas_kernels.reference import check_options, ragged_paged_attention_reference, with_tuning
+from pallas_kernels.reference import check_options, check_query_start_loc, ragged_paged_attention_reference, with_tuning
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, block_q,
@@ -151,10 +151,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
     """
     block_tables, seq_lens = validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale)
     check_options(window, softcap)
-    S = block_tables.shape[0]
-    if query_start_loc.shape != (S + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
-        raise ValueError(f"query_start_loc must be integer [{S + 1}] (num_slots + 1), got "
-                         f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
+    check_query_start_loc(query_start_loc, block_tables.shape[0])
     Hq, Hkv = q.shape[1], k_pool.shape[2]
     knobs = with_tuning(ragged_defaults(Hq, Hkv, q.shape[2], k_pool.shape[1], block_tables.shape[1]), tuning)
     check_pow2("block_q", knobs["block_q"], pl.cdiv(16, _pow2(Hq // Hkv)))

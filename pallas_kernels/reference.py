@@ -200,6 +200,13 @@ def check_scales(k_pool, v_pool, k_scale, v_scale):
                                  f"num_kv_heads]), got {a.dtype}{list(a.shape)}")
 
 
+def check_query_start_loc(query_start_loc, num_slots: int) -> None:
+    """ValueError unless query_start_loc is an integer array [num_slots + 1] (the ragged kernels' layout)."""
+    if query_start_loc.shape != (num_slots + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
+        raise ValueError(f"query_start_loc must be integer [{num_slots + 1}] (num_slots + 1), got "
+                         f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
+
+
 def with_tuning(defaults: dict, tuning: dict) -> dict:
     """A kernel's tuning knobs: its defaults overridden by `tuning`; ValueError naming any unknown knob."""
     unknown = set(tuning) - set(defaults)
