@@ -29,7 +29,7 @@ for family in ("mixtral", "gemma3"):
         r = llm.engine.runner
         fact = dict(tokens=toks)
         if family == "mixtral":
-            fact["expert_shard"] = list(r.params["layers"]["w_up"].addressable_shards[0].data.shape)
+            fact["expert_shard"] = list(r.params["layers"][0]["w_up"].addressable_shards[0].data.shape)
             hlo = r.compiled_step((r.buckets[-1], False)).as_text()
             # an all-gather whose result has the shape of the experts' weights ([.., E, D, F] / [.., E, F, D])
             E, D, F = 4, 64, 128
@@ -52,6 +52,6 @@ def test_new_families_under_tensor_parallelism(tmp_path):
     for family in ("mixtral", "gemma3"):
         for tp in (2, 4):
             assert f[f"{family}_tp{tp}"]["tokens"] == f[f"{family}_tp1"]["tokens"], (family, tp)
-    for tp in (1, 2, 4):  # [L, E/tp, D, F] per device: 4 experts split
-        assert f[f"mixtral_tp{tp}"]["expert_shard"][1] == 4 // tp
+    for tp in (1, 2, 4):  # [E/tp, D, F] per device and layer: 4 experts split
+        assert f[f"mixtral_tp{tp}"]["expert_shard"][0] == 4 // tp
         assert not f[f"mixtral_tp{tp}"]["expert_gathers"], tp

@@ -6,15 +6,22 @@ in flags of ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3, Gemma 
 norms after attention and MLP, embedding scale, GeGLU, logit scale and soft-capping; the MLP is dense
 or a mixture of experts (`moe.py`). Shared pieces live in `layers.py`.
 
-Layers are stacked on a leading axis and run under `lax.scan`. Where layers come in kinds (sliding
-or full attention, each with its RoPE), the scan runs over groups of `cfg.layer_period` layers — one
-of each position of the pattern, unrolled — and a tail of `L % period` layers follows; so compile time
-does not grow with depth and every kind sees static options (window, RoPE tables).
+The layer weights come in two layouts (`layer_stack.py`):
+- **per layer** (what the engine's step reads): `params["layers"]` is a tuple of L pytrees and the layers
+  are unrolled, so every product reads its matrix where it lies. On XLA CPU a matrix sliced out of a
+  stack inside a loop is first copied (a dynamic-slice fusion per matrix), which for a lone decode is
+  more time than the products themselves (docs/benchmarks.md, "A lone request").
+- **stacked** (as loaded, saved and exchanged): leaves with a leading L axis, run under `lax.scan`. Where
+  layers come in kinds (sliding or full attention, each with its RoPE), the scan runs over groups of
+  `cfg.layer_period` layers — one of each position of the pattern, unrolled — and a tail of
+  `L % period` layers follows; so compile time does not grow with depth and every kind sees static
+  options (window, RoPE tables).
 
 Parameter pytree (arrays in the engine dtype; L = num_layers, D = hidden, F = intermediate,
 Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
-    layers: attn_norm [L, D]; wq [L, D, Hq*hd]; wk, wv [L, D, Hkv*hd]; wo [L, Hq*hd, D]
+    layers (stacked; per layer the same leaves without the L axis, a tuple of L dicts):
+            attn_norm [L, D]; wq [L, D, Hq*hd]; wk, wv [L, D, Hkv*hd]; wo [L, Hq*hd, D]
             bq [L, Hq*hd], bk, bv [L, Hkv*hd] (attention_bias)
             q_norm, k_norm [L, hd] (qk_norm "head") or [L, Hq*hd], [L, Hkv*hd] (qk_norm "flat")
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
@@ -43,6 +50,7 @@ import jax.numpy as jnp
 
 from jaxpaged.step import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
+from jaxpaged.models.layer_stack import is_per_layer
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
 from jaxpaged.lora.product import lora_linear, step_mask
@@ -87,6 +95,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
+    k_pool, v_pool = jax.tree.map(jnp.asarray, (k_pool, v_pool))  # numpy pools too (written with .at)
     blocks_per_layer, bs = kv_cache.pool_values(k_pool).shape[:2]
     blocks_per_layer //= L
     eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
@@ -102,7 +111,6 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
     # x @ w over the tokens (in row tiles for batch invariance), plus each token's LoRA slot (jaxpaged/lora/)
     linear = lora_linear(step_mask(params, batch), row_tile=cfg.row_tile)
-    layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
 
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
@@ -133,10 +141,6 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
         return x, k_pool, v_pool
 
-    G = L // P
-    # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
-    # weight into the loop once per step
-    grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
     hooks = sorted(set(capture) | set(steer))
     states = {}
 
@@ -146,6 +150,20 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         if l in capture:
             states[l] = x
         return x
+
+    if is_per_layer(params):  # unrolled over the layers' own arrays (the engine's step)
+        lora = params.get("lora")
+        for l in range(L):
+            p = params["layers"][l] if lora is None else \
+                {**params["layers"][l], "lora": jax.tree.map(lambda a: a[l], lora)}  # [NS, in, R], [NS, R, out]
+            x, k_pool, v_pool = layer(hook(x, l), k_pool, v_pool, p, l, cfg.layer_types[l])
+        return _final(params, norm, x, k_pool, v_pool, capture, states, L)
+
+    layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
+    G = L // P
+    # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
+    # weight into the loop once per step
+    grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
 
     def group(carry, g):  # P layers of group g, one of each kind position of the pattern, unrolled
         x, k_pool, v_pool = carry
@@ -171,8 +189,13 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
         pl_ = jax.tree.map(lambda a: a[l], layers)
         x, k_pool, v_pool = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
+    return _final(params, norm, x, k_pool, v_pool, capture, states, L)
+
+
+def _final(params, norm, x, k_pool, v_pool, capture, states, num_layers):
+    """The final norm after the last layer; with `capture`, the captured states too (index L: h)."""
     h = norm(x, params["final_norm"])  # [T, D]
     if not capture:
         return h, k_pool, v_pool
-    states[L] = h
+    states[num_layers] = h
     return h, k_pool, v_pool, jnp.stack([states[i] for i in capture], axis=1)  # [T, nL, D]
