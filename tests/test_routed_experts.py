@@ -1,8 +1,9 @@
 """Routed experts for routing replay (SamplingParams.return_routed_experts, issue 28): each token's top-k
 expert ids per layer equal those of HF transformers' MoE model (top k of the softmax of its router
 logits) on the same tiny random float32 weights, through chunked prefill, prefix-cache hits, n > 1,
-preemption (sync and async scheduling) and a batch with requests that do not ask; a dense model refuses
-by name (400 on the server). Tensor and expert parallelism: tests/test_expert_parallel.py."""
+preemption (sync and async scheduling), a pause that keeps requests across a weight update, and a batch
+with requests that do not ask; a dense model refuses by name (400 on the server). Tensor and expert
+parallelism: tests/test_expert_parallel.py."""
 import numpy as np
 import pytest
 from starlette.testclient import TestClient
@@ -86,6 +87,26 @@ def test_routes_through_preemption(moe_models, engine_kwargs, async_scheduling):
         _check(path, o)
 
 
+def test_routes_replaced_after_pause_keep_and_update(moe_models, engine_kwargs, tmp_path):
+    """pause_generation("keep"), update_weights to another model, resume: the kept request's KV is
+    recomputed, so every one of its routes is the new model's (none left from the old weights)."""
+    from jaxpaged.checkpoints.weights import read_safetensors, safetensors_files
+    path, other = moe_models["mixtral"], make_tiny_model(str(tmp_path / "other"), "mixtral", seed=40)
+    llm = _engine(path, engine_kwargs)
+    eng = llm.engine
+    p = _prompts(6, (18,))[0]
+    rid = eng.add_request(None, {"prompt_token_ids": p}, SamplingParams(**{**ROUTES.__dict__, "max_tokens": 10}))
+    for _ in range(4):  # the prompt (two chunks) and two tokens under the old weights
+        eng.step()
+    llm.pause_generation("keep")
+    llm.update_weights(iter([(n, np.array(a)) for f in safetensors_files(other) for n, a in read_safetensors(f)]))
+    llm.resume_generation()
+    done = None
+    while eng.has_unfinished_requests():
+        done = next((o for o in eng.step() if o.request_id == rid and o.finished), done)
+    _check(other, done)
+
+
 def test_dense_model_refuses_by_name(tiny_models, engine_kwargs):
     llm = LLM(model=tiny_models["llama"], **engine_kwargs, warmup=False)
     with pytest.raises(ValueError, match="return_routed_experts"):
@@ -101,10 +122,12 @@ def _app(engine):
     return async_engine, create_app(async_engine, served_model_name="tiny", shutdown_engine=False)
 
 
-def test_server(moe_models, tiny_models, engine_kwargs):
-    """Completions return prompt_routed_experts and choices[].routed_experts as vLLM names them; streams,
-    several prompts and dense models answer 400 naming return_routed_experts."""
-    path = moe_models["mixtral"]
+def test_server(tiny_models, engine_kwargs, tmp_path):
+    """Completions and chat return prompt_routed_experts and choices[].routed_experts as vLLM names them;
+    streams, several prompts and dense models answer 400 naming return_routed_experts."""
+    from test_server import make_tokenizer
+    path = make_tiny_model(str(tmp_path / "mixtral"), "mixtral", seed=20)  # moe_models' weights, a tokenizer
+    make_tokenizer(path)
     for model, ok in ((path, True), (tiny_models["llama"], False)):
         async_engine, app = _app(_engine(model, engine_kwargs, warmup=ok).engine)
         try:
@@ -119,10 +142,19 @@ def test_server(moe_models, tiny_models, engine_kwargs):
                 got = r.json()
                 ids = got["choices"][0]["routed_experts"]
                 want = hf_routed_experts(path, p + hf_greedy(path, p, 4))  # greedy: HF's tokens are the engine's
-                assert np.array_equal(got["prompt_routed_experts"], want[:len(p)]) and np.array_equal(ids, want[len(p):])
+                assert np.array_equal(got["prompt_routed_experts"], want[:len(p)])
+                assert np.array_equal(ids, want[len(p):])
                 for extra in ({"stream": True}, {"prompt": [p, p]}):
                     r = client.post("/v1/completions", json={**body, **extra})
                     assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
+                chat = {"messages": [{"role": "user", "content": "the quick brown fox"}], "max_tokens": 6,
+                        "ignore_eos": True, "return_routed_experts": True}
+                got = client.post("/v1/chat/completions", json=chat).json()
+                prompt_ids, gen = np.array(got["prompt_routed_experts"]), np.array(got["choices"][0]["routed_experts"])
+                assert prompt_ids.shape == (got["usage"]["prompt_tokens"], 2, 2) and gen.shape == (5, 2, 2)
+                assert 0 <= min(prompt_ids.min(), gen.min()) and max(prompt_ids.max(), gen.max()) < 4
+                assert client.post("/v1/chat/completions", json={**chat, "return_routed_experts": False}
+                                   ).json()["prompt_routed_experts"] is None
         finally:
             async_engine.shutdown()
 

@@ -357,7 +357,8 @@ class ModelRunner:
             self.compiled_step(key)(self.step_params, self.k_pool, self.v_pool, *inputs)
         plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
         return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
-                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]), routes=routes[0] if routes else None,
+                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]),
+                        routes=routes[0] if routes else None,
                         routes_rows=routed_experts.plan(out.scheduled, self._routes_requests) if routes else [])
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
