@@ -152,7 +152,7 @@ class LLMEngine:
         self.sleep_level = 0                    # sleep's: 0 awake, 1 or 2 (jaxpaged/sleep.py)
         self._host_params = None                # asleep at level 1: the parameters in host memory
         spec = cfg.speculative_config
-        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None  # speculative decoding
+        self.spec = SpecDecoder(spec, self.max_model_len, self.runner) if spec is not None else None  # speculative
         _freeze_startup_heap()
 
     def _num_blocks(self) -> int:
@@ -277,6 +277,8 @@ class LLMEngine:
         if self.spec is not None:  # proposals first: the scheduler schedules them (jaxpaged/spec_decode/)
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.spec is not None:  # a draft model proposes now, into the scheduled placeholders
+            self.spec.fill(out)
         if self.async_scheduling:
             return self._step_async(out)
         if out.is_empty:
