@@ -34,6 +34,7 @@ from jaxpaged.core.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.checkpoints.weights import count_tensors, load_params, release_host_memory
 from jaxpaged.spec_decode.config import check_request as check_speculative
 from jaxpaged.spec_decode.decoder import SpecDecoder
+from jaxpaged.spec_decode.draft import check_draft
 
 log = logging.getLogger("jaxpaged.engine")
 
@@ -100,6 +101,8 @@ class LLMEngine:
             raise ValueError(f"model directory {model_dir!r} does not exist")
         self.model_dir = model_dir
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
+            check_draft(cfg.speculative_config.model, mc)  # a bad draft fails before the target loads
         self.mesh = make_mesh(cfg.tensor_parallel_size, devices)
         kv_head_replication(mc, cfg.tensor_parallel_size)  # a bad size fails before the weights load
         cfg.hidden_state_layers = list(check_layers("hidden_state_layers", cfg.hidden_state_layers,

@@ -1,10 +1,17 @@
 """Speculative decoding with a draft model (jaxpaged/spec_decode/draft.py, rejection.py): general rejection
-sampling keeps the target distribution (chi-square, with wrong acceptance rules that fail it)."""
+sampling keeps the target distribution (chi-square, with wrong acceptance rules that fail it, and in the
+engine against plain sampling); greedy with a draft equals greedy without (the target as its own draft:
+every proposal accepted; an unrelated draft: almost none), through preemption, chunked prefill and prefix
+hits; seeded sampling is reproducible; the metrics count draft proposals; bad drafts are refused by name."""
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.spec_decode import rejection
 from jaxpaged.spec_decode.rejection import rejection_sample
 
@@ -47,7 +54,8 @@ def _draws(p, q, R, greedy=False):
         target = jax.vmap(lambda s: jax.vmap(lambda d, j: draw(d, s, j))(jnp.asarray(p), rows))(seed)
         if greedy:
             target = jnp.broadcast_to(jnp.argmax(jnp.asarray(p), -1), (R, K1))
-        tok = rejection_sample(jnp.broadcast_to(jnp.asarray(p), (R, K1, V)), jnp.broadcast_to(jnp.asarray(q), (R,) + q.shape),
+        tok = rejection_sample(jnp.broadcast_to(jnp.asarray(p), (R, K1, V)),
+                               jnp.broadcast_to(jnp.asarray(q), (R,) + q.shape),
                                drafts.astype(jnp.int32), jnp.full(R, K1 - 1, jnp.int32), target.astype(jnp.int32),
                                seed, gen, jnp.full(R, greedy))
         return tok, drafts
@@ -88,3 +96,145 @@ def test_proposals_from_the_target_itself_are_all_accepted_and_greedy_takes_the_
     for t, d in zip(tokens, drafts):
         a = int(d[0] == best[0]) * (1 + int(d[1] == best[1]))
         assert t.tolist() == list(d[:a]) + [best[a]] + [-1] * (2 - a)
+
+
+# -- the engine with a draft model ----------------------------------------------------------------------
+V = 320
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """target; unrelated (another random model, smaller); flat (the target with its head halved: the same
+    ranking, a flatter q); other_vocab."""
+    from models import make_tiny_model
+    from safetensors.numpy import load_file, save_file
+    root = tmp_path_factory.mktemp("draft")
+    target = make_tiny_model(str(root / "target"), "llama", vocab_size=V)
+    flat = str(root / "flat")
+    shutil.copytree(target, flat)
+    f = os.path.join(flat, "model.safetensors")
+    w = load_file(f)
+    save_file({k: v * 0.5 if k == "lm_head.weight" else v for k, v in w.items()}, f, metadata={"format": "pt"})
+    return dict(target=target, flat=flat,
+                unrelated=make_tiny_model(str(root / "unrelated"), "llama", vocab_size=V, seed=7, hidden_size=32,
+                                          num_layers=1),
+                other_vocab=make_tiny_model(str(root / "other"), "llama", vocab_size=256, seed=3, hidden_size=32,
+                                            num_layers=1))
+
+
+def _prompts():
+    rng = np.random.default_rng(3)
+    shared = [int(t) for t in rng.integers(3, 300, size=36)]
+    prompts = [[int(t) for t in rng.integers(3, 300, size=n)] for n in (1, 6, 17, 40)]
+    prompts += [shared + [int(t) for t in rng.integers(3, 300, size=n)] for n in (3, 12)] + [shared]
+    return [{"prompt_token_ids": p} for p in prompts]
+
+
+class AlwaysPropose:
+    """A governor that always lets the engine propose (tests need the speculative path on every step)."""
+    def should_propose(self, batch_size):
+        return True
+
+    def record(self, *args):
+        pass
+
+    def summary(self):
+        return {}
+
+
+def _draft_llm(models, engine_kwargs, draft, k=3, **over):
+    llm = LLM(model=models["target"], **{**engine_kwargs, **over, "speculative_config": {
+        "method": "draft_model", "model": models[draft], "num_speculative_tokens": k}})
+    llm.engine.spec.governor = AlwaysPropose()
+    return llm
+
+
+def _tokens(llm, params, prompts=None):
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts or _prompts(), params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def plain(models, engine_kwargs):
+    llm = LLM(model=models["target"], **engine_kwargs)
+    return llm, _tokens(llm, GREEDY), _tokens(llm, SAMPLED)
+
+
+def _spec_stats(llm):
+    return {k[len("spec_decode_"):]: v for k, v in llm.engine.stats().items() if k.startswith("spec_decode_num")}
+
+
+def test_target_as_its_own_draft(models, engine_kwargs, plain):
+    """Every proposal accepted, greedy and seeded sampling equal to the plain run (the draft draws with the
+    plain run's keys), through preemption, chunked prefill and prefix hits (the draft's pool holds the
+    cached blocks too); the metrics count the proposals."""
+    from serve.metrics import _EngineCollector
+    llm = _draft_llm(models, engine_kwargs, "target", num_kv_blocks=8, max_num_batched_tokens=16)
+    assert _tokens(llm, GREEDY) == plain[1]
+    st = _spec_stats(llm)
+    assert st["num_drafts"] > 0 and st["num_accepted_tokens"] == st["num_draft_tokens"] >= st["num_drafts"]
+    assert min(st["num_accepted_tokens_per_pos"]) > 0
+    full = llm.engine.stats()
+    assert full["num_preemptions"] > 0 and full["prefix_cache_hit_rate"] > 0
+    assert _tokens(llm, SAMPLED) == plain[2]
+    got = {m.name: m.samples for m in _EngineCollector(llm.engine, "tiny").collect()}
+    st = _spec_stats(llm)
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        assert got[f"jaxpaged:spec_decode_{name}"][0].value == st[name] > 0
+    per_pos = got["jaxpaged:spec_decode_num_accepted_tokens_per_pos"]
+    assert [x.value for x in per_pos] == st["num_accepted_tokens_per_pos"]
+    eng = llm.engine
+    assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+
+
+def test_unrelated_draft(models, engine_kwargs, plain):
+    """Almost every proposal rejected: greedy still equals plain; a seeded request samples the same tokens
+    alone and in a batch (its randomness is its own)."""
+    llm = _draft_llm(models, engine_kwargs, "unrelated")
+    assert _tokens(llm, GREEDY) == plain[1]
+    st = _spec_stats(llm)
+    assert st["num_draft_tokens"] > 50 and st["num_accepted_tokens"] <= 0.05 * st["num_draft_tokens"]
+    batch = _tokens(llm, SAMPLED)
+    assert [_tokens(llm, SAMPLED, [p])[0] for p in _prompts()[2:4]] == batch[2:4]
+
+
+def _wilson_hilferty(df, z=3.09):
+    """The chi-square distribution's quantile at normal deviate z (3.09: the 99.9th percentile)."""
+    return df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+
+
+def test_sampling_with_a_draft_keeps_the_distribution(models, engine_kwargs, plain):
+    """Positions 1..3 (proposed, verified, bonus) of 600 seeded requests with a draft whose q differs from p
+    follow the plain run's distribution (two-sample chi-square over independent seeds)."""
+    prompt = {"prompt_token_ids": [5, 17, 99, 4]}
+    N = 600
+
+    def run(llm, first_seed):
+        ps = [SamplingParams(max_tokens=4, temperature=1.0, top_k=3, seed=first_seed + i, ignore_eos=True)
+              for i in range(N)]
+        return np.array([o.outputs[0].token_ids for o in llm.generate([prompt] * N, ps, use_tqdm=False)])
+    base = run(plain[0], 0)
+    llm = _draft_llm(models, engine_kwargs, "flat")
+    spec = run(llm, N)
+    st = _spec_stats(llm)
+    assert 0 < st["num_accepted_tokens"] < st["num_draft_tokens"]          # acceptances and rejections
+    for j in (1, 2, 3):
+        a, b = np.bincount(base[:, j], minlength=V), np.bincount(spec[:, j], minlength=V)
+        big = (a + b) >= 10                                                # small cells pooled
+        a, b = np.append(a[big], a[~big].sum()), np.append(b[big], b[~big].sum())
+        keep = (a + b) > 0
+        stat = (((a - b) ** 2)[keep] / (a + b)[keep]).sum()
+        assert stat < _wilson_hilferty(keep.sum() - 1), j
+
+
+def test_bad_drafts_refused(models, engine_kwargs):
+    for cfg, msg in [({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
+                     ({"method": "draft_model", "model": models["target"], "num_speculative_tokens": 2,
+                       "prompt_lookup_min": 2}, "prompt_lookup_min")]:
+        with pytest.raises(ValueError, match=msg):
+            EngineConfig(model=models["target"], speculative_config=cfg)
+    for draft in (models["other_vocab"], "/nonexistent"):
+        with pytest.raises(ValueError, match="speculative_config.model"):
+            LLM(model=models["target"], **engine_kwargs,
+                speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 2})

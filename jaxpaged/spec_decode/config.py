@@ -1,7 +1,8 @@
 """SpeculativeConfig: what `speculative_config={...}` (LLM, --speculative-config JSON) asks for, validated.
 
 vLLM's names: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-"prompt_lookup_max": 5} and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}. Errors name the field (`speculative_config.<field>`)."""
+"prompt_lookup_max": 5} and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}. Errors
+name the field (`speculative_config.<field>`)."""
 from __future__ import annotations
 
 import json

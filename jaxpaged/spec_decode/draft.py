@@ -30,6 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.core.batch import PersistentBatch
 from jaxpaged.models.llama import decoder, lm_logits
 from jaxpaged.parallel.mesh import POOL_SPEC, REPLICATED, place_params, sharded_model_config
 from jaxpaged.spec_decode.step import draft_inputs
@@ -41,17 +42,16 @@ _SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "gen_index", 
                  "all_greedy")
 
 
-def load_draft(model_dir, target: ModelConfig, dtype: str, quantization=None) -> tuple[ModelConfig, dict]:
-    """The draft's ModelConfig and numpy params; ValueError naming `speculative_config.model` when the
-    directory is missing or the draft's vocabulary is not the target's."""
-    from jaxpaged.checkpoints.weights import load_params
+def check_draft(model_dir, target: ModelConfig) -> ModelConfig:
+    """The draft's ModelConfig; ValueError naming `speculative_config.model` when the directory is missing
+    or the draft's vocabulary is not the target's (the engine checks this before loading anything)."""
     if not isinstance(model_dir, str) or not os.path.isdir(model_dir):
         raise ValueError(f"speculative_config.model {model_dir!r} is not a model directory")
     mc = ModelConfig.from_dir(model_dir)
     if mc.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config.model {model_dir!r} has vocab_size {mc.vocab_size}; the target's "
                          f"is {target.vocab_size} (a draft must share the target's vocabulary)")
-    return mc, load_params(model_dir, mc, dtype, quantization=quantization)
+    return mc
 
 
 def _draft_sp(sp: dict, i, min_tokens, vocab_size: int) -> dict:
@@ -113,7 +113,9 @@ class DraftModelProposer:
     def __init__(self, model_dir: str, runner, num_spec: int):
         cfg = runner.cfg
         self.runner, self.k = runner, num_spec
-        self.model_config, params = load_draft(model_dir, runner.model_cfg, cfg.dtype, cfg.quantization)
+        from jaxpaged.checkpoints.weights import load_params
+        self.model_config = check_draft(model_dir, runner.model_cfg)
+        params = load_params(model_dir, self.model_config, cfg.dtype, quantization=cfg.quantization)
         mesh = runner.mesh
         self.params = place_params(params, self.model_config, mesh)
         del params
@@ -125,9 +127,33 @@ class DraftModelProposer:
         self.k_pool, self.v_pool = zeros(), zeros()
         backend = resolve_backend(cfg.attention_backend, self.model_config.head_dim, runner.block_size,
                                   mesh.devices.flat)
+        params_sharding = jax.tree.map(lambda a: a.sharding, self.params)
         self._fn = jax.jit(functools.partial(_propose, cfg=step_cfg, attn_fn=make_attention(backend, False, mesh),
                                              num_spec=num_spec, block_size=runner.block_size),
-                           donate_argnums=(1, 2), out_shardings=(rep, rep, pool, pool))
+                           donate_argnums=(1, 2), in_shardings=(params_sharding, pool, pool, rep, rep),
+                           out_shardings=(rep, rep, pool, pool))
+        self._compiled: dict[int, object] = {}  # token bucket -> the compiled function (the target's buckets)
+        if cfg.warmup:
+            for T in runner.buckets:
+                self._compiled_for(T)
+
+    def _inputs(self, scheduled, T: int, persistent=None) -> tuple[dict, dict]:
+        """The draft's inputs for `scheduled` in a T-token step: the target's step arrays (the persistent
+        batch's), each slot's number of proposals and min_tokens, the sampling rows."""
+        runner = self.runner
+        batch, sp = (persistent or runner.batch).prepare(scheduled, T)
+        spec = draft_inputs(scheduled, runner.cfg.max_num_seqs, self.k)
+        batch = {k: v for k, v in batch.items() if k not in ("prev_index", "sample_slots")}
+        batch.update(num_drafts=spec["num_drafts"], min_tokens=spec["min_tokens"])
+        return batch, {k: sp[k] for k in _SAMPLER_KEYS}
+
+    def _compiled_for(self, T: int):
+        if T not in self._compiled:
+            r = self.runner
+            empty = PersistentBatch(r.cfg.max_num_seqs, r.max_blocks_per_seq, 1, r.block_size)
+            self._compiled[T] = self._fn.lower(self.params, self.k_pool, self.v_pool,
+                                               *self._inputs([], T, empty)).compile(r.compiler_options)
+        return self._compiled[T]
 
     def propose(self, req, k: int) -> list[int]:
         """k placeholders: the scheduler schedules them, `fill` writes the draft's tokens in."""
@@ -139,15 +165,11 @@ class DraftModelProposer:
     def fill(self, out):
         """Run the draft over a scheduled step: the proposals (`req.spec_token_ids`, as many as the
         scheduler kept) replaced by the draft's; returns q f32[S, K, V] on the device."""
-        runner, S = self.runner, self.runner.cfg.max_num_seqs
-        batch, sp = runner.batch.prepare(out.scheduled, runner.bucket_for(out.num_tokens))
-        spec = draft_inputs(out.scheduled, S, self.k)
-        batch.update(num_drafts=spec["num_drafts"], min_tokens=spec["min_tokens"])
-        batch = {k: v for k, v in batch.items() if k not in ("prev_index", "sample_slots")}
-        tokens, q, self.k_pool, self.v_pool = self._fn(self.params, self.k_pool, self.v_pool, batch,
-                                                       {k: sp[k] for k in _SAMPLER_KEYS})
-        if spec["num_drafts"].any():
-            tokens = np.asarray(tokens)
+        T = self.runner.bucket_for(out.num_tokens)
+        batch, sp = self._inputs(out.scheduled, T)
+        tokens, q, self.k_pool, self.v_pool = self._compiled_for(T)(self.params, self.k_pool, self.v_pool, batch, sp)
+        if batch["num_drafts"].any():
+            tokens = np.asarray(tokens)                                 # [S, K]
             for req, _ in out.scheduled:
                 if req.spec_token_ids:
                     req.spec_token_ids = tokens[req.slot, :len(req.spec_token_ids)].tolist()
