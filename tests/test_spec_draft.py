@@ -186,6 +186,24 @@ def test_target_as_its_own_draft(models, engine_kwargs, plain):
     assert [x.value for x in per_pos] == st["num_accepted_tokens_per_pos"]
     eng = llm.engine
     assert eng.block_manager.num_free_blocks == eng.num_blocks - 1
+    # mid-run, the draft's pool holds the target's K/V over every computed token (rollbacks included)
+    eng.add_request("pool", _prompts()[2], SamplingParams(**{**SAMPLED.__dict__, "max_tokens": 40}))
+    req = eng.groups["pool"].samples[0]
+    while req.num_output_tokens < 30:
+        eng.step()
+    draft, n = eng.spec.proposer, req.num_computed_tokens
+    assert n >= len(req.prompt_token_ids) + 29
+    np.testing.assert_allclose(_kv(eng, req, n, draft.k_pool, draft.v_pool),
+                               _kv(eng, req, n, eng.runner.k_pool, eng.runner.v_pool), rtol=1e-5, atol=1e-4)
+    eng.abort_request("pool")
+
+
+def _kv(eng, req, n, k_pool, v_pool):
+    """f32[2, L, n, Hkv, hd]: K and V of the request's first n positions in a pool of the target's shape."""
+    N, bs, L = eng.num_blocks, eng.config.block_size, eng.model_config.num_layers
+    pos = np.arange(n)
+    rows = (np.arange(L)[:, None] * N + np.asarray(req.block_ids)[pos // bs][None, :], pos[None, :] % bs)
+    return np.stack([np.asarray(k_pool)[rows], np.asarray(v_pool)[rows]])
 
 
 def test_unrelated_draft(models, engine_kwargs, plain):
@@ -228,7 +246,12 @@ def test_sampling_with_a_draft_keeps_the_distribution(models, engine_kwargs, pla
         assert stat < _wilson_hilferty(keep.sum() - 1), j
 
 
-def test_bad_drafts_refused(models, engine_kwargs):
+def test_draft_configs(models, engine_kwargs):
+    """The JSON form (--speculative-config) parses; a bad draft is a ValueError naming the field, before
+    the target loads."""
+    cfg = EngineConfig(model=models["target"], speculative_config='{"method": "draft_model", "model": "%s", '
+                       '"num_speculative_tokens": 2}' % models["unrelated"]).speculative_config
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", models["unrelated"], 2)
     for cfg, msg in [({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
                      ({"method": "draft_model", "model": models["target"], "num_speculative_tokens": 2,
                        "prompt_lookup_min": 2}, "prompt_lookup_min")]:

@@ -37,7 +37,7 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # position j: proposals accepted at j (0-based)
-        self.propose_seconds = 0.0     # host time spent proposing, all steps
+        self.propose_seconds = 0.0     # time spent proposing (n-gram lookup; the draft model's run), all steps
         self._start = 0.0              # when the step in flight began proposing
 
     def propose(self, running) -> None:

@@ -61,8 +61,9 @@ def _draft_sp(sp: dict, i, min_tokens, vocab_size: int) -> dict:
     gen = sp["gen_index"] + i                                            # [S]
     return dict({k: sp[k] for k in _SAMPLER_KEYS}, gen_index=gen,
                 banned=jnp.where((gen < min_tokens)[:, None], sp["banned"], -1),
-                bitmask=jnp.full((S, -(-vocab_size // 32)), -1, jnp.int32), bias_ids=jnp.full((S, 1), -1, jnp.int32),
-                bias_values=jnp.zeros((S, 1), jnp.float32), history=jnp.zeros((S, 1), jnp.int32),
+                bitmask=jnp.full((S, -(-vocab_size // 32)), -1, jnp.int32),       # all ones: no mask
+                bias_ids=jnp.full((S, 1), -1, jnp.int32), bias_values=jnp.zeros((S, 1), jnp.float32),
+                history=jnp.zeros((S, 1), jnp.int32),
                 prompt_len=jnp.zeros(S, jnp.int32), history_len=jnp.zeros(S, jnp.int32),
                 presence_penalty=jnp.zeros(S), frequency_penalty=jnp.zeros(S), repetition_penalty=jnp.ones(S),
                 any_penalty=False, any_mask=False, any_bias=False, any_logprobs=False)
