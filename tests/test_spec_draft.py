@@ -106,7 +106,7 @@ SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=11, igno
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """target; unrelated (another random model, smaller); flat (the target with its head halved: the same
+    """target; unrelated (another random model); flat (the target with its head halved: the same
     ranking, a flatter q); other_vocab."""
     from models import make_tiny_model
     from safetensors.numpy import load_file, save_file
@@ -118,8 +118,8 @@ def models(tmp_path_factory):
     w = load_file(f)
     save_file({k: v * 0.5 if k == "lm_head.weight" else v for k, v in w.items()}, f, metadata={"format": "pt"})
     return dict(target=target, flat=flat,
-                unrelated=make_tiny_model(str(root / "unrelated"), "llama", vocab_size=V, seed=7, hidden_size=32,
-                                          num_layers=1),
+                unrelated=make_tiny_model(str(root / "unrelated"), "llama", vocab_size=V, seed=7),  # shapes shared:
+                # its compiled draft steps are the target-as-draft's (the session's compilation cache)
                 other_vocab=make_tiny_model(str(root / "other"), "llama", vocab_size=256, seed=3, hidden_size=32,
                                             num_layers=1))
 
@@ -145,6 +145,9 @@ class AlwaysPropose:
 
 
 def _draft_llm(models, engine_kwargs, draft, k=3, **over):
+    """An engine with a draft; a 16-token budget (chunked prefill; two step buckets to compile, shared by
+    the tests through the session's compilation cache)."""
+    over = {"max_num_batched_tokens": 16, **over}
     llm = LLM(model=models["target"], **{**engine_kwargs, **over, "speculative_config": {
         "method": "draft_model", "model": models[draft], "num_speculative_tokens": k}})
     llm.engine.spec.governor = AlwaysPropose()
@@ -170,7 +173,7 @@ def test_target_as_its_own_draft(models, engine_kwargs, plain):
     plain run's keys), through preemption, chunked prefill and prefix hits (the draft's pool holds the
     cached blocks too); the metrics count the proposals."""
     from serve.metrics import _EngineCollector
-    llm = _draft_llm(models, engine_kwargs, "target", num_kv_blocks=8, max_num_batched_tokens=16)
+    llm = _draft_llm(models, engine_kwargs, "target", num_kv_blocks=8)
     assert _tokens(llm, GREEDY) == plain[1]
     st = _spec_stats(llm)
     assert st["num_drafts"] > 0 and st["num_accepted_tokens"] == st["num_draft_tokens"] >= st["num_drafts"]
@@ -252,6 +255,12 @@ def test_draft_configs(models, engine_kwargs):
     cfg = EngineConfig(model=models["target"], speculative_config='{"method": "draft_model", "model": "%s", '
                        '"num_speculative_tokens": 2}' % models["unrelated"]).speculative_config
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", models["unrelated"], 2)
+    from types import SimpleNamespace
+    from jaxpaged.spec_decode.config import check_draft_engine
+    for over, name in [(dict(tensor_parallel_size=2), "tensor_parallel_size"), (dict(num_processes=2), "num_processes")]:
+        with pytest.raises(ValueError, match=f"draft_model.*{name}"):  # kept when n-gram composes with them
+            check_draft_engine(SimpleNamespace(**{"tensor_parallel_size": 1, "data_parallel_size": 1,
+                                                  "num_processes": 1, **over}))
     for cfg, msg in [({"method": "draft_model", "num_speculative_tokens": 2}, "speculative_config.model"),
                      ({"method": "draft_model", "model": models["target"], "num_speculative_tokens": 2,
                        "prompt_lookup_min": 2}, "prompt_lookup_min")]:

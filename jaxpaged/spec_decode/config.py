@@ -90,3 +90,14 @@ def check_request(params) -> None:
     for name, on in refused:
         if on:
             raise InvalidParam(name, f"{name} is not supported with speculative decoding (speculative_config)")
+
+
+def check_draft_engine(cfg) -> None:
+    """Refuse, by name, the engine settings a draft model does not compose with yet (its params and pool
+    are placed on the target's mesh, but sharded or replicated drafts are not verified)."""
+    refused = [("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
+               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1)]
+    for name, on in refused:
+        if on:
+            raise ValueError(f"speculative_config with method 'draft_model' is not supported with {name} "
+                             "(not verified yet)")
