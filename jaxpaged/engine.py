@@ -24,6 +24,7 @@ from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput
 from jaxpaged.pause import is_draining, pause, paused_step
 from jaxpaged.step.research import check_layers, check_params, completion_hidden
+from jaxpaged.step import routed_experts
 from jaxpaged.core.request import ListPrefix, Request, RequestStatus
 from jaxpaged.step.runner import NUM_BANNED, ModelRunner, kv_bytes_per_block
 from jaxpaged.core.sampling_params import SamplingParams
@@ -73,12 +74,14 @@ def _freeze_startup_heap() -> None:
         gc.freeze()
 
 
-def _completion(r: Request, detok: IncrementalDetokenizer, hidden: bool) -> CompletionOutput:
-    """One sample's part of its group's output; its token ids and logprobs are copied only when read."""
+def _completion(r: Request, detok: IncrementalDetokenizer, final: bool) -> CompletionOutput:
+    """One sample's part of its group's output; its token ids and logprobs are copied only when read.
+    final (finished without error): with its hidden states and routed experts, when asked."""
     return CompletionOutput(r.index, detok.visible_text(r.status is RequestStatus.FINISHED),
                             ListPrefix(r.token_ids, len(r.prompt_token_ids), len(r.token_ids)),
                             ListPrefix(r.logprobs, 0, len(r.logprobs)) if r.logprobs is not None else None,
-                            r.finish_reason, completion_hidden(r) if hidden else None)
+                            r.finish_reason, completion_hidden(r) if final else None,
+                            routed_experts.completion_routes(r) if final else None)
 
 
 def _drop_finished(out):
@@ -200,6 +203,7 @@ class LLMEngine:
             check_speculative(params)
         check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
                      self.model_config.hidden_size)
+        routed_experts.check_params(params, self.model_config)
         if params.bad_words and self.tokenizer is None:
             raise InvalidParam("bad_words", f"bad_words need a tokenizer; {self.model_dir} has none")
         bad_words = bad_words_token_ids(params.bad_words, self.tokenizer) if params.bad_words else []
@@ -457,8 +461,8 @@ class LLMEngine:
         if not group.text_each_step:
             for r, d in zip(samples, detoks):
                 d.catch_up(r.token_ids)
-        hidden = finished and error is None
-        outs = [_completion(r, d, hidden) for r, d in zip(samples, detoks)]
+        final = finished and error is None
+        outs = [_completion(r, d, final) for r, d in zip(samples, detoks)]
         r = samples[0]
         if len(samples) == 1:
             first = r.first_token_time
@@ -469,7 +473,8 @@ class LLMEngine:
                              r.num_cached_tokens,
                              dict(arrival_time=group.arrival, first_token_time=first, finished_time=group.finished_time),
                              error, r.prompt_hidden_states if finished else None,
-                             prompt_logprobs=list(plp) if plp is not None else None)
+                             prompt_logprobs=list(plp) if plp is not None else None,
+                             prompt_routed_experts=routed_experts.prompt_routes(r) if final else None)
 
     # -- LoRA adapters (jaxpaged/lora/) ---------------------------------------------------------
     def _lora_slots(self):

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from jaxpaged.engine import CompletionOutput, RequestOutput
+from serve.errors import APIError
 from serve.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails,
                             TopLogprob, Usage)
 
@@ -95,6 +96,18 @@ def chat_logprobs(text: TokenText, token_ids, logprobs, k: int) -> ChatLogprobs:
         content.append(ChatTokenLogprob(token=s, logprob=lp.get(tid, float("-inf")), bytes=list(s.encode()),
                                         top_logprobs=top))
     return ChatLogprobs(content=content)
+
+
+def routes(a) -> list | None:
+    """Routed experts (an i32 array, return_routed_experts) as nested lists for JSON; None stays None."""
+    return None if a is None else a.tolist()
+
+
+def check_routes_request(req, num_prompts: int) -> None:
+    """return_routed_experts is answered in one non-streamed response per prompt (400 otherwise)."""
+    if req.return_routed_experts and (req.stream or num_prompts > 1):
+        raise APIError(400, "return_routed_experts needs one prompt per request and stream false",
+                       param="return_routed_experts", code="invalid_combination")
 
 
 def usage(outs: list[RequestOutput | None]) -> Usage:

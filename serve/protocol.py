@@ -74,6 +74,8 @@ class _SamplingRequest(BaseModel):
                                                  "ignore_eos) and these together are at most a fixed number")
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constrained decoding")
+    return_routed_experts: bool = Field(False, description="MoE models, one prompt, not streamed: each token's "
+                                        "expert ids per layer (prompt_routed_experts, choices[].routed_experts)")
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
@@ -179,6 +181,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
+    routed_experts: list | None = None  # [generated - 1, L, k] (return_routed_experts)
 
 
 class CompletionResponse(BaseModel):
@@ -189,6 +192,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    prompt_routed_experts: list | None = None  # [prompt tokens, L, k] (return_routed_experts)
 
 
 class TopLogprob(BaseModel):
@@ -216,6 +220,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
+    routed_experts: list | None = None  # [generated - 1, L, k] (return_routed_experts)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -225,6 +230,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_routed_experts: list | None = None  # [prompt tokens, L, k] (return_routed_experts)
 
 
 class ChatDelta(BaseModel):

@@ -52,7 +52,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: d
                     structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
-              prompt_logprobs=prompt_logprobs)
+              prompt_logprobs=prompt_logprobs, return_routed_experts=req.return_routed_experts)
     if req.logit_bias:  # OpenAI's string keys (the schema admits digits only)
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -84,6 +84,7 @@ async def completions(request: Request) -> Response:
                              req.logprobs if req.echo else None)
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    fmt.check_routes_request(req, len(prompts))
     job = Job(request, "cmpl", rename)
     await job.start(prompts, params, stream=req.stream)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
@@ -93,7 +94,8 @@ async def completions(request: Request) -> Response:
         lp = fmt.completion_logprobs(text, ids, lps, k, offset) if k is not None else None
         if lp is not None and prompt is not None:  # echo: the prompt's tokens first
             lp = fmt.echo_logprobs(text, prompt, k, lp)
-        return CompletionChoice(index=i * n + c.index, text=text_piece, logprobs=lp, finish_reason=c.finish_reason)
+        return CompletionChoice(index=i * n + c.index, text=text_piece, logprobs=lp, finish_reason=c.finish_reason,
+                                routed_experts=fmt.routes(c.routed_experts))
 
     if not req.stream:
         if not await run_to_end(job):
@@ -107,7 +109,9 @@ async def completions(request: Request) -> Response:
                                out if req.echo else None) for c in out.outputs]
         job.close(200)
         return JSONResponse(CompletionResponse(id=job.id, created=job.created, model=st.model_name,
-                                               choices=choices, usage=fmt.usage(job.lasts)).model_dump())
+                                               choices=choices, usage=fmt.usage(job.lasts),
+                                               prompt_routed_experts=fmt.routes(job.lasts[0].prompt_routed_experts)
+                                               ).model_dump())
 
     async def events():
         deltas = [[fmt.Delta() for _ in range(n)] for _ in prompts]
@@ -161,6 +165,7 @@ async def chat_completions(request: Request) -> Response:
     structured, mode, rename_so = tools.constraint(req)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured)
+    fmt.check_routes_request(req, 1)
     use_tools = req.tools if mode is not None else None
     prompt = chat_prompt(st.engine, req.messages, use_tools)
     named = req.tool_choice.function.name if mode == "named" else None
@@ -179,10 +184,13 @@ async def chat_completions(request: Request) -> Response:
             content, calls = tools.parse(mode, c.text, named)
             reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
-                                      logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason))
+                                      logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason,
+                                      routed_experts=fmt.routes(c.routed_experts)))
         job.close(200)
         return JSONResponse(ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name,
-                                                   choices=choices, usage=fmt.usage(job.lasts)).model_dump())
+                                                   choices=choices, usage=fmt.usage(job.lasts),
+                                                   prompt_routed_experts=fmt.routes(job.lasts[0].prompt_routed_experts)
+                                                   ).model_dump())
 
     def chunk(choices, usage=None):
         return sse(ChatCompletionChunk(id=job.id, created=job.created, model=st.model_name, choices=choices,

@@ -30,3 +30,15 @@ def hf_last_logits(path: str, prompt: list[int]):
     import torch
     with torch.no_grad():
         return hf_model(path)(torch.tensor([prompt])).logits[0, -1].numpy()
+
+
+def hf_routed_experts(path: str, tokens: list[int]):
+    """The experts HF's MoE model routes each of `tokens` to: i32[len(tokens), L, k], the top k of the
+    softmax of each layer's router logits (`output_router_logits=True`)."""
+    import torch
+    model = hf_model(path)
+    k = model.config.num_experts_per_tok
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens]), output_router_logits=True).router_logits  # L x [T, E]
+    return torch.stack([torch.topk(torch.softmax(l.float(), -1), k, dim=-1).indices for l in logits],
+                       dim=1).numpy().astype("int32")

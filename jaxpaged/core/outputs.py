@@ -16,12 +16,15 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None      # "stop" | "length" | "abort" | "error" | None while running
     hidden_states: np.ndarray | None = None  # f32[num_generated, nL, D] (return_hidden_states; final output)
+    # i32[num_generated - 1, L, k]: each generated token's experts but the last's (return_routed_experts; final)
+    routed_experts: np.ndarray | None = None
 
     def __init__(self, index: int, text: str, token_ids, logprobs=None, finish_reason: str | None = None,
-                 hidden_states: np.ndarray | None = None):
+                 hidden_states: np.ndarray | None = None, routed_experts: np.ndarray | None = None):
         # token_ids and logprobs may be ListPrefixes, stored as given (one is built for every streamed
         # request every step: the properties' setters would cost a call each)
         self.index, self.text, self.finish_reason, self.hidden_states = index, text, finish_reason, hidden_states
+        self.routed_experts = routed_experts
         self.__dict__["_token_ids"], self.__dict__["_logprobs"] = token_ids, logprobs
 
 
@@ -57,3 +60,4 @@ class RequestOutput:
     prompt_hidden_states: np.ndarray | None = None  # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token id: logprob}
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_routed_experts: np.ndarray | None = None  # i32[num_prompt_tokens, L, k] (return_routed_experts; final)

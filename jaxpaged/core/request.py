@@ -40,6 +40,8 @@ class Request:
     hidden_states: dict | None = None     # token index -> f32[nL, D] (return_hidden_states)
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
     prompt_logprobs: list[dict[int, float] | None] | None = None  # sample 0 collects them (prompt_logprobs)
+    routed_experts: object = None         # i32[capacity, L, k] by position (return_routed_experts)
+    num_routed: int = 0                   # positions [0, num_routed) hold their routed experts
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     lora_int_id: int = 0                  # the LoRA adapter it runs with (0: the base model)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals scheduled after the last token
@@ -66,6 +68,16 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Some prompt token's logprobs are still missing: the prefix cache is bypassed for this request."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
+    def needs_routes(self) -> bool:
+        """return_routed_experts, and a prefix-cache hit could skip a position whose routed experts are
+        still missing: the cache is bypassed (jaxpaged/step/routed_experts.py). Samples after the first
+        need none of the prompt's (the output's prompt_routed_experts are sample 0's)."""
+        if not self.params.return_routed_experts:
+            return False
+        have = max(self.num_routed, self.num_prompt_tokens if self.index else 0)
+        return have < len(self.token_ids) - 1
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -69,6 +69,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (finite)
     allowed_token_ids: list[int] | None = None  # only these tokens may be sampled
     bad_words: list[str] | None = None  # words never generated (see jaxpaged/core/logit_controls.py)
+    # MoE models: each token's top-k expert ids per layer, for routing replay (jaxpaged/step/routed_experts.py)
+    return_routed_experts: bool = False  # RequestOutput.prompt_routed_experts, CompletionOutput.routed_experts
 
     def __post_init__(self):
         self.validate()
@@ -131,7 +133,8 @@ class SamplingParams:
         integer("logprobs", 0, optional=True)
         integer("prompt_logprobs", 0, optional=True)
         check_logit_controls(self, bad)
-        for name in ("ignore_eos", "skip_special_tokens", "return_hidden_states", "return_prompt_hidden_states"):
+        for name in ("ignore_eos", "skip_special_tokens", "return_hidden_states", "return_prompt_hidden_states",
+                     "return_routed_experts"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if self.top_k == -1:

@@ -130,8 +130,9 @@ class Scheduler:
             if sib is not None and sib.status is RequestStatus.RUNNING \
                     and sib.num_computed_tokens < sib.num_prompt_tokens:
                 break  # wait for sample 0's prompt, then share its blocks
-            # prompt logprobs still missing: compute the prompt, do not match it (prompt_logprobs.py)
-            cached = 0 if req.needs_prompt_logprobs else self.bm.match_prefix(req)
+            # prompt logprobs or routed experts still missing: compute the prompt, do not match it
+            # (step/prompt_logprobs.py, step/routed_experts.py)
+            cached = 0 if req.needs_prompt_logprobs or req.needs_routes else self.bm.match_prefix(req)
             n = min(len(req.token_ids) - cached, budget)
             if not self.bm.allocate(req, cached + n):
                 self.bm.free(req)

@@ -74,7 +74,7 @@ def lm_logits(params, cfg: ModelConfig, h):
 
 
 def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *, capture=(), steer=(),
-            steering=None):
+            steering=None, routes: bool = False):
     """The decoder layers and the final norm over packed tokens (batch as in `forward`; logits_indices
     unused). Returns (hidden states [T, D] after the final norm, k_pool, v_pool).
 
@@ -83,7 +83,12 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     stream for each i in `steer` (0 <= i < L; i = 0: the embeddings); with `capture`, the states at each
     index i in it (the residual stream entering layer i, or for i = L the output of the final norm) are
     returned too: (hidden, k_pool, v_pool, states [T, len(capture), D]). Scans run between hooked layers,
-    so layers without a hook cost what they cost without hooks."""
+    so layers without a hook cost what they cost without hooks.
+
+    `routes` (MoE models): the expert ids each layer's router chose for each token, i32[T, L, k], are
+    returned last (after the states); the scan gives them as its per-layer outputs."""
+    if routes and not cfg.num_experts:
+        raise ValueError("routes (return_routed_experts) needs a mixture-of-experts model")
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
@@ -129,9 +134,9 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         o = linear(o.reshape(T, Hq * hd).astype(x.dtype), p, "wo")
         x = x + (norm(o, p["post_attn_norm"]) if cfg.sandwich_norms else o)
         h = norm(x, p["mlp_norm"])
-        m = moe_mlp(h, p, cfg, act) if cfg.num_experts else gated_mlp(h, p, act, linear)
+        m, ids = moe_mlp(h, p, cfg, act) if cfg.num_experts else (gated_mlp(h, p, act, linear), None)
         x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
-        return x, k_pool, v_pool
+        return x, k_pool, v_pool, ids  # ids i32[T, k]: the router's choice (MoE), else None
 
     G = L // P
     # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
@@ -150,29 +155,38 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     def group(carry, g):  # P layers of group g, one of each kind position of the pattern, unrolled
         x, k_pool, v_pool = carry
         p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), grouped)
+        chosen = []
         for j in range(P):
             if isinstance(g, int):  # a hooked group, unrolled
                 x = hook(x, g * P + j)
             pj = p if P == 1 else jax.tree.map(lambda a: a[j], p)
-            x, k_pool, v_pool = layer(x, k_pool, v_pool, pj, g * P + j, cfg.layer_types[j])
-        return (x, k_pool, v_pool), None
+            x, k_pool, v_pool, ids = layer(x, k_pool, v_pool, pj, g * P + j, cfg.layer_types[j])
+            chosen.append(ids)
+        return (x, k_pool, v_pool), jnp.stack(chosen) if routes else None  # [P, T, k]
 
     # groups run under lax.scan, split where a hook falls; a group with a hook inside it runs unrolled
     inner = sorted({l // P for l in hooks if l < G * P and l % P})
     cuts = sorted({0, G} | {l // P for l in hooks if l < G * P} | {g + 1 for g in inner})
     carry = (x, k_pool, v_pool)
+    routed = []  # with routes: the expert ids of each stretch of layers, [n, T, k], in layer order
     for g0, g1 in zip(cuts, cuts[1:]):
         if g0 in inner:
-            carry, _ = group(carry, g0)
+            carry, ys = group(carry, g0)
+            routed.append(ys)
             continue
         carry = (hook(carry[0], g0 * P),) + carry[1:]
-        carry, _ = jax.lax.scan(group, carry, jnp.arange(g0, g1, dtype=jnp.int32))
+        carry, ys = jax.lax.scan(group, carry, jnp.arange(g0, g1, dtype=jnp.int32))
+        routed.append(ys if ys is None else ys.reshape(-1, *ys.shape[2:]))  # [(g1-g0)*P, T, k]
     x, k_pool, v_pool = carry
     for l in range(G * P, L):  # the tail of a pattern that does not divide the depth
         pl_ = jax.tree.map(lambda a: a[l], layers)
-        x, k_pool, v_pool = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
+        x, k_pool, v_pool, ids = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
+        routed.append(ids if ids is None else ids[None])
     h = norm(x, params["final_norm"])  # [T, D]
-    if not capture:
-        return h, k_pool, v_pool
-    states[L] = h
-    return h, k_pool, v_pool, jnp.stack([states[i] for i in capture], axis=1)  # [T, nL, D]
+    outs = []
+    if capture:
+        states[L] = h
+        outs.append(jnp.stack([states[i] for i in capture], axis=1))  # [T, nL, D]
+    if routes:
+        outs.append(jnp.concatenate(routed).transpose(1, 0, 2))  # [T, L, k]
+    return (h, k_pool, v_pool, *outs)

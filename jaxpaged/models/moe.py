@@ -29,7 +29,8 @@ def route(h, router, cfg: ModelConfig):
 
 
 def moe_mlp(h, p, cfg: ModelConfig, act):
-    """h [T, D]; p: router [D, E], w_gate, w_up [E, D, F], w_down [E, F, D] -> [T, D]."""
+    """h [T, D]; p: router [D, E], w_gate, w_up [E, D, F], w_down [E, F, D] -> ([T, D], the chosen expert
+    ids i32[T, k], which routing replay returns: SamplingParams.return_routed_experts)."""
     T, D = h.shape
     E, k = cfg.num_experts, cfg.num_experts_per_tok
     w, ids = route(h, p["router"], cfg)
@@ -43,4 +44,4 @@ def moe_mlp(h, p, cfg: ModelConfig, act):
     up = ragged_dot(x, p["w_up"], sizes, expert)
     y = ragged_dot(glu(act, gate, up, h.dtype), p["w_down"], sizes, expert)  # [T*k, D]
     y = y * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, D), y.dtype).at[token].add(y)
+    return jnp.zeros((T, D), y.dtype).at[token].add(y), ids

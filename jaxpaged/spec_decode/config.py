@@ -86,7 +86,8 @@ def check_request(params) -> None:
                ("allowed_token_ids", params.allowed_token_ids is not None),
                ("prompt_logprobs", params.prompt_logprobs is not None),
                ("return_hidden_states", bool(params.return_hidden_states)),
-               ("return_prompt_hidden_states", bool(params.return_prompt_hidden_states))]
+               ("return_prompt_hidden_states", bool(params.return_prompt_hidden_states)),
+               ("return_routed_experts", bool(params.return_routed_experts))]
     for name, on in refused:
         if on:
             raise InvalidParam(name, f"{name} is not supported with speculative decoding (speculative_config)")

@@ -35,6 +35,7 @@ from jaxpaged.core.logit_controls import LogitControls
 from jaxpaged.models.llama import decoder, lm_logits
 from jaxpaged.step.prompt_logprobs import collect, step_prompt_logprobs, targets
 from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
+from jaxpaged.step import routed_experts
 from jaxpaged.step.sampler import sample, slot_rows
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
@@ -65,6 +66,8 @@ class Launched:
     prompt: tuple = ()     # prompt logprobs: next token f32[T], top f32[T, K], top ids i32[T, K]
     prompt_rows: list = field(default_factory=list)  # prompt_logprobs.targets: the requests that asked
     any_logprobs: bool = True  # some scheduled request asked for logprobs (else none are read back)
+    routes: object = None  # MoE models: the experts each token was routed to, i32[T, L, k] (routed_experts.py)
+    routes_rows: list = field(default_factory=list)  # routed_experts.plan: the requests that asked
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -81,14 +84,15 @@ def unpack(packed, layout) -> tuple[dict, dict]:
 
 
 def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
-          logprobs_mode="raw_logprobs", capture=(), steer=(), num_spec=0):
+          logprobs_mode="raw_logprobs", capture=(), steer=(), num_spec=0, routes=False):
     batch, sp = unpack(packed, layout)
     extra = dict(extra)
     prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
     batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
     sp.update(extra)
-    h, k_pool, v_pool, *states = decoder(params, cfg, k_pool, v_pool, batch, attn_fn,
-                                         **step_hooks(sp, batch, capture, steer))
+    h, k_pool, v_pool, *outs = decoder(params, cfg, k_pool, v_pool, batch, attn_fn, routes=routes,
+                                       **step_hooks(sp, batch, capture, steer))
+    states, routed = (outs[:-1], outs[-1:]) if routes else (outs, [])  # routed: [i32[T, L, k]] (MoE)
     # logits and sampling only for the R = min(S, T) rows of the slots this step advances: a step of a
     # few requests does not pay for S rows of lm_head and sampler (a lone request, 256 slots: 5.6x a step)
     S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]  # rows i32[R]: slots, then S (padding)
@@ -114,7 +118,7 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
                                   logits_shardings)
-    return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt), k_pool, v_pool
+    return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt, *routed), k_pool, v_pool
 
 
 def _separate(batch: dict, sp: dict) -> dict:
@@ -210,6 +214,7 @@ class ModelRunner:
         self.controls = LogitControls(S)  # logit_bias, bad_words
         self.controls.none = {k: self._put(v) for k, v in self.controls.none.items()}
         self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
+        self._routes_requests: weakref.WeakSet = weakref.WeakSet()  # return_routed_experts
         spec = cfg.speculative_config
         self.num_spec = spec.num_speculative_tokens if spec is not None else 0  # K proposals verified per slot
         self._no_draft_probs = (self._put(np.zeros((S, self.num_spec, model_cfg.vocab_size), np.float32))
@@ -246,7 +251,7 @@ class ModelRunner:
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=self._attention(decode_only),
                                logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
-                               num_spec=self.num_spec,
+                               num_spec=self.num_spec, routes=bool(self.model_cfg.num_experts),
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
@@ -303,10 +308,12 @@ class ModelRunner:
                 sp["any_prompt_hidden"] = np.bool_(hooks.wants_prompt[slots].any())
 
     def track(self, req) -> None:
-        """Note a request that asks for prompt logprobs or uses logit controls: steps that schedule none of
-        them skip the per-request work of both."""
+        """Note a request that asks for prompt logprobs or routed experts or uses logit controls: steps that
+        schedule none of them skip the per-request work of each."""
         if req.prompt_logprobs is not None:
             self._prompt_logprobs_requests.add(req)
+        if req.params.return_routed_experts:
+            self._routes_requests.add(req)
         if req.params.logit_bias or req.bad_words_token_ids:
             self.controls.requests.add(req)
 
@@ -349,15 +356,18 @@ class ModelRunner:
             batch.update(draft_inputs(out.scheduled, S, self.num_spec, q))
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
-        ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt), self.k_pool, self.v_pool = self.compiled_step(key)(
-            self.step_params, self.k_pool, self.v_pool, *inputs)
+        ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routes), self.k_pool, self.v_pool = \
+            self.compiled_step(key)(self.step_params, self.k_pool, self.v_pool, *inputs)
         plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
         return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
-                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]))
+                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]),
+                        routes=routes[0] if routes else None,
+                        routes_rows=routed_experts.plan(out.scheduled, self._routes_requests) if routes else [])
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
         speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
+        routed_experts.collect(step.routes_rows, step.routes)  # read back only when some request asked
         if self.num_spec:
             return read_verified(step)
         tokens = np.asarray(step.tokens).tolist()
