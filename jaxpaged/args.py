@@ -22,7 +22,8 @@ def add_scale_out_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
                         "on CPU; see docs/architecture.md)")
     parser.add_argument("--speculative-config", default=None, help="speculative decoding, as JSON: "
                         '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, '
-                        '"prompt_lookup_max": 5}\' (default: off)')
+                        '"prompt_lookup_max": 5}\' or \'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}\' '
+                        '(default: off)')
     return parser
 
 

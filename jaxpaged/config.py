@@ -220,7 +220,7 @@ class EngineConfig:
         if self.dtype == "auto":
             import jax
             self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        from jaxpaged.spec_decode.config import SpeculativeConfig, check_engine
+        from jaxpaged.spec_decode.config import SpeculativeConfig, check_draft_engine, check_engine
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.async_scheduling is None:
             import jax
@@ -256,6 +256,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a list of layer indices or None, got {v!r}")
         if self.speculative_config is not None:
             check_engine(self)
+            if self.speculative_config.method == "draft_model":
+                check_draft_engine(self)
         if self.steering_layers and self.num_processes > 1:
             raise ValueError("steering_layers is not supported with num_processes > 1 (the followers "
                              "would not see the per-slot vectors)")

@@ -36,6 +36,7 @@ from jaxpaged.core.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.checkpoints.weights import count_tensors, load_params, release_host_memory
 from jaxpaged.spec_decode.config import check_request as check_speculative
 from jaxpaged.spec_decode.decoder import SpecDecoder
+from jaxpaged.spec_decode.draft import check_draft
 
 log = logging.getLogger("jaxpaged.engine")
 
@@ -104,6 +105,8 @@ class LLMEngine:
             raise ValueError(f"model directory {model_dir!r} does not exist")
         self.model_dir = model_dir
         self.model_config = mc = ModelConfig.from_dir(model_dir)
+        if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
+            check_draft(cfg.speculative_config.model, mc)  # a bad draft fails before the target loads
         self.mesh = make_mesh(cfg.tensor_parallel_size, devices)
         kv_head_replication(mc, cfg.tensor_parallel_size)  # a bad size fails before the weights load
         cfg.hidden_state_layers = list(check_layers("hidden_state_layers", cfg.hidden_state_layers,
@@ -156,7 +159,7 @@ class LLMEngine:
         self.sleep_level = 0                    # sleep's: 0 awake, 1 or 2 (jaxpaged/sleep.py)
         self._host_params = None                # asleep at level 1: the parameters in host memory
         spec = cfg.speculative_config
-        self.spec = SpecDecoder(spec, self.max_model_len) if spec is not None else None  # speculative decoding
+        self.spec = SpecDecoder(spec, self.max_model_len, self.runner) if spec is not None else None  # speculative
         _freeze_startup_heap()
 
     def _num_blocks(self) -> int:
@@ -282,6 +285,8 @@ class LLMEngine:
         if self.spec is not None:  # proposals first: the scheduler schedules them (jaxpaged/spec_decode/)
             self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
+        if self.spec is not None:  # a draft model proposes now, into the scheduled placeholders
+            self.spec.fill(out)
         if self.async_scheduling:
             return self._step_async(out)
         if out.is_empty:

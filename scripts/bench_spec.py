@@ -1,11 +1,12 @@
-"""Speculative decoding (n-gram proposals) against plain decoding on the same requests, side by side.
+"""Speculative decoding (n-gram or draft-model proposals) against plain decoding on the same requests.
 
     python scripts/bench_spec.py --json docs/results/spec.json
+    python scripts/bench_spec.py --method draft_model --draft DIR --json docs/results/spec_draft.json
 
 Two workloads on the default model (greedy, chat template): (a) input-grounded — the model is asked to
 repeat / lightly rewrite a paragraph of this repository's docs, so outputs copy spans of the prompt; (b)
 free generation — short open questions. For each batch size (static batches: the next requests start
-when the batch ends) and each k: time per output token and throughput, plain vs n-gram, the ratio, the
+when the batch ends) and each k: time per output token and throughput, plain vs speculative, the ratio, the
 acceptance per position, and the governor's decision (jaxpaged/spec_decode/governor.py). Greedy outputs
 with speculation equal the plain ones token for token (tests/test_spec_decode.py). Only generation is
 timed: engines are built and warmed before.
@@ -103,15 +104,21 @@ def main(argv=None) -> dict:
                     help="requests per (workload, batch size); 0: max(batch size, 4)")
     ap.add_argument("--output-len", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the requests, the configs alternating")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "draft_model"), help="the proposer")
+    ap.add_argument("--draft", default=None, help="--method draft_model: the draft (a directory or a random: preset "
+                    "as --model takes; the target's vocabulary)")
     ap.add_argument("--control", action="store_true", help="also a speculative engine (the largest k) that "
                     "never proposes: what the speculative step costs when nobody speculates")
     bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
     args = ap.parse_args(argv)
+    if (args.method == "draft_model") != (args.draft is not None):
+        ap.error("--draft DIR goes with --method draft_model (and only with it)")
     model_dir = bc.resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    configs = [("plain", None)] + [(f"ngram_k{k}", {"method": "ngram", "num_speculative_tokens": k,
-                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 5}) for k in ks]
+    method = ({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5} if args.method == "ngram"
+              else {"method": "draft_model", "model": bc.resolve_model(args.draft)})
+    configs = [("plain", None)] + [(f"{args.method}_k{k}", {**method, "num_speculative_tokens": k}) for k in ks]
     results = {w: {str(b): {} for b in batch_sizes} for w in args.workloads.split(",")}
     engines = {}
     for name, spec in configs:  # all built first: the runs below alternate, so a change of load hits all

@@ -228,7 +228,7 @@ def test_rejection_sampling_keeps_the_distribution():
 
 def test_bad_configs_refused(model, engine_kwargs):
     for cfg, field in [({"method": "nope", "num_speculative_tokens": 2}, "method"),
-                       ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "method"),
+                       ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
                        ({"method": "ngram"}, "num_speculative_tokens"),

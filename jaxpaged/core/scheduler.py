@@ -23,6 +23,7 @@ class SchedulerOutput:
     num_tokens: int = 0
     preempted: list[Request] = field(default_factory=list)
     placeholders: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, slot, index)
+    draft_probs: object = None  # speculative decoding with a draft model: its q, f32[S, K, V] on the device
 
     @property
     def is_empty(self) -> bool:

@@ -1,18 +1,20 @@
 """SpeculativeConfig: what `speculative_config={...}` (LLM, --speculative-config JSON) asks for, validated.
 
 vLLM's names: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-"prompt_lookup_max": 5}. Errors name the field (`speculative_config.<field>`)."""
+"prompt_lookup_max": 5} and {"method": "draft_model", "model": DIR, "num_speculative_tokens": k}. Errors
+name the field (`speculative_config.<field>`)."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 8
-METHODS = ("ngram",)
-NOT_BUILT = {"draft_model": "a draft model is not supported yet (only method 'ngram')",
-             "eagle": "EAGLE heads are not supported (only method 'ngram')",
-             "eagle3": "EAGLE-3 heads are not supported (only method 'ngram')",
-             "mtp": "MTP heads are not supported (only method 'ngram')"}
+METHODS = ("ngram", "draft_model")
+NOT_BUILT = {"eagle": "EAGLE heads are not supported (only methods 'ngram' and 'draft_model')",
+             "eagle3": "EAGLE-3 heads are not supported (only methods 'ngram' and 'draft_model')",
+             "mtp": "MTP heads are not supported (only methods 'ngram' and 'draft_model')"}
+FIELDS = {"ngram": ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+          "draft_model": ("num_speculative_tokens", "model")}
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4   # k: proposals per request and step
     prompt_lookup_min: int = 2        # n-gram: shortest suffix matched
     prompt_lookup_max: int = 5        # n-gram: longest suffix matched (tried first)
+    model: str | None = None          # draft_model: the draft's directory (same vocabulary as the target)
 
     @classmethod
     def parse(cls, value) -> "SpeculativeConfig | None":
@@ -34,23 +37,24 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a dict (or JSON object), got {type(value).__name__}")
-        unknown = sorted(set(value) - {"method", "num_speculative_tokens", "prompt_lookup_min",
-                                       "prompt_lookup_max"} - ({"model"} if value.get("method") in NOT_BUILT else set()))
-        if unknown:
-            raise ValueError(f"speculative_config.{unknown[0]} is not a known field")
         method = value.get("method", "ngram")
         if method in NOT_BUILT:
             raise ValueError(f"speculative_config.method {method!r}: {NOT_BUILT[method]}")
         if method not in METHODS:
             raise ValueError(f"speculative_config.method must be one of {', '.join(METHODS)}, got {method!r}")
+        unknown = sorted(set(value) - {"method", *FIELDS[method]})
+        if unknown:
+            raise ValueError(f"speculative_config.{unknown[0]} is not a known field of method {method!r}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config.num_speculative_tokens is required")
+        if method == "draft_model" and not isinstance(value.get("model"), str):
+            raise ValueError("speculative_config.model (the draft's directory) is required for method 'draft_model'")
         kw = {k: value[k] for k in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
               if k in value}
         for name, v in kw.items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"speculative_config.{name} must be a positive integer, got {v!r}")
-        cfg = cls(method=method, **kw)
+        cfg = cls(method=method, model=value.get("model"), **kw)
         if cfg.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config.num_speculative_tokens must be at most "
                              f"{MAX_SPECULATIVE_TOKENS}, got {cfg.num_speculative_tokens}")
@@ -87,3 +91,14 @@ def check_request(params) -> None:
     for name, on in refused:
         if on:
             raise InvalidParam(name, f"{name} is not supported with speculative decoding (speculative_config)")
+
+
+def check_draft_engine(cfg) -> None:
+    """Refuse, by name, the engine settings a draft model does not compose with yet (its params and pool
+    are placed on the target's mesh, but sharded or replicated drafts are not verified)."""
+    refused = [("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
+               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1)]
+    for name, on in refused:
+        if on:
+            raise ValueError(f"speculative_config with method 'draft_model' is not supported with {name} "
+                             "(not verified yet)")

@@ -9,29 +9,35 @@
 4. `rollback`: frees the blocks past the computed tokens (those held only rejected proposals' K/V; a
    block is offered to the prefix cache only once computed tokens fill it, so rejected K/V never is).
 
-Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here (a draft model or head
-that proposes a point mass per position; the verifier does not change).
+Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that runs on the
+device (the draft model, draft.py; a draft head would too) proposes placeholders and also has `fill(out)`:
+after scheduling it writes its proposals into the scheduled requests and returns its distributions q,
+which the step's verifier takes (rejection sampling); the verifier does not change per proposer.
 """
 from __future__ import annotations
 
 import time
 
 from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.draft import DraftModelProposer
 from jaxpaged.spec_decode.governor import Governor
 from jaxpaged.spec_decode.ngram import NgramProposer
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner=None):
         self.k = cfg.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if cfg.method == "draft_model":  # its params and pool beside the target's (runner: mesh, blocks)
+            self.proposer = DraftModelProposer(cfg.model, runner, cfg.num_speculative_tokens)
+        else:
+            self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.governor = Governor()
         self.num_drafts = 0            # requests x steps that carried proposals
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos = [0] * self.k  # position j: proposals accepted at j (0-based)
-        self.propose_seconds = 0.0     # host time spent proposing, all steps
+        self.propose_seconds = 0.0     # time spent proposing (n-gram lookup; the draft model's run), all steps
         self._start = 0.0              # when the step in flight began proposing
 
     def propose(self, running) -> None:
@@ -48,6 +54,15 @@ class SpecDecoder:
         t1 = time.perf_counter()
         self.propose_seconds += t1 - t0
         self._start = t0
+
+    def fill(self, out) -> None:
+        """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
+        `out.draft_probs` (the host n-gram proposer has nothing to do)."""
+        fill = getattr(self.proposer, "fill", None)
+        if fill is not None and not out.is_empty:
+            t0 = time.perf_counter()
+            out.draft_probs = fill(out)
+            self.propose_seconds += time.perf_counter() - t0
 
     def accept(self, out, sampled: dict) -> tuple[dict, dict]:
         """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).

@@ -4,9 +4,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def draft_inputs(scheduled, num_slots: int, num_spec: int) -> dict:
+def draft_inputs(scheduled, num_slots: int, num_spec: int, draft_probs=None) -> dict:
     """The step's proposal arrays for `scheduled` [(request, tokens)]: draft_tokens i32[S, K] (-1: none),
-    num_drafts i32[S], min_tokens i32[S] (bans at each proposed position follow it; verify.py)."""
+    num_drafts i32[S], min_tokens i32[S] (bans at each proposed position follow it; verify.py), and
+    the proposer's distributions draft_probs f32[S, K, V] (a device array) when it has them."""
     draft_tokens = np.full((num_slots, num_spec), -1, np.int32)
     num_drafts = np.zeros(num_slots, np.int32)
     min_tokens = np.zeros(num_slots, np.int32)
@@ -16,7 +17,8 @@ def draft_inputs(scheduled, num_slots: int, num_spec: int) -> dict:
             draft_tokens[req.slot, :len(d)] = d
             num_drafts[req.slot] = len(d)
         min_tokens[req.slot] = req.params.min_tokens
-    return dict(draft_tokens=draft_tokens, num_drafts=num_drafts, min_tokens=min_tokens)
+    out = dict(draft_tokens=draft_tokens, num_drafts=num_drafts, min_tokens=min_tokens)
+    return out if draft_probs is None else dict(out, draft_probs=draft_probs)
 
 
 def read_verified(step) -> dict[int, tuple[list[int], list | None]]:

@@ -12,13 +12,17 @@ mass on d (n-gram lookup; q = one-hot): d is accepted with probability min(1, p(
 P(x = d), and on rejection the token is x conditioned on x != d, i.e. normalize(max(0, p - q)). So every
 position keeps the target's distribution exactly, and since the keys are those a plain run uses, a
 seeded request produces the very tokens it produces without speculation.
+
+A proposer with a full distribution q (a draft model) passes it as `draft_probs`; its rows are verified by
+general rejection sampling (rejection.py), with keys derived from the same per-position key.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.step.sampler import sample, slot_rows
+from jaxpaged.spec_decode.rejection import rejection_sample
+from jaxpaged.step.sampler import controlled_logits, processed_logits, sample, slot_rows
 
 
 def accepted_prefix(target, drafts, num_drafts):
@@ -35,11 +39,14 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
 
     logits_fn: hidden [N, D] -> logits f32[N, V] (lm_head, sharding constraints). batch: logits_indices
     i32[S] (each slot's last row), sample_slots i32[R], draft_tokens i32[S, K], num_drafts i32[S],
-    min_tokens i32[S]; sp as `sampler.sample` takes it, per slot.
+    min_tokens i32[S]; sp as `sampler.sample` takes it, per slot, and draft_probs f32[S, K, V] when the
+    proposer has a full distribution q (a draft model): then rows are verified by `rejection_sample`.
     Returns tokens i32[R, K+1] (-1 past each row's output: a + 1 tokens), token_logprob f32[R, K+1],
     top_logprobs f32[R, K+1, NL], top_ids i32[R, K+1, NL]. A step in which no slot proposes runs the
     plain sampler over R rows only (lax.cond: the K-fold lm_head rows are paid by speculating steps)."""
     K1 = num_spec + 1
+    sp = dict(sp)
+    q = sp.pop("draft_probs", None)                                   # f32[S, K, V] or absent (one-hot)
     S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]
     at = jnp.minimum(rows, S - 1)                                     # [R]
     R = at.shape[0]
@@ -59,10 +66,22 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
         gen = prow["gen_index"] + jnp.tile(jnp.arange(K1), R)         # each position's own key and index
         below = gen < batch["min_tokens"][flat_at]                    # min_tokens, position by position
         prow.update(gen_index=gen, banned=jnp.where(below[:, None], prow["banned"], -1))
-        drawn = sample(logits_fn(h[tok_rows.reshape(-1)]), prow, num_logprobs)
+        logits = logits_fn(h[tok_rows.reshape(-1)])                   # [R*(K+1), V]
+        drawn = sample(logits, prow, num_logprobs)
         tokens, *lps = (a.reshape((R, K1) + a.shape[1:]) for a in drawn)
+        if q is not None:  # proposals drawn from a full distribution: rejection sampling (rejection.py)
+            return general(logits, prow, tokens, lps, nd)
         a = accepted_prefix(tokens, batch["draft_tokens"][at], nd)    # [R]
         tokens = jnp.where(j <= a[:, None], tokens, -1)
         return (tokens, *lps)
+
+    def general(logits, prow, drawn, lps, nd):
+        p = jax.nn.softmax(processed_logits(controlled_logits(logits, prow), prow), axis=-1)  # [R*(K+1), V]
+        tokens = rejection_sample(p.reshape(R, K1, -1), q[at], batch["draft_tokens"][at], nd, drawn,
+                                  sp["seed"][at], sp["gen_index"][at], sp["temperature"][at] <= 0)
+        tok_lp = jax.lax.cond(sp["any_logprobs"], lambda: jnp.take_along_axis(  # of the tokens output
+            jax.nn.log_softmax(logits, axis=-1), jnp.maximum(tokens, 0).reshape(-1, 1), axis=-1).reshape(R, K1),
+            lambda: lps[0])
+        return (tokens, tok_lp, *lps[1:])
 
     return jax.lax.cond(batch["num_drafts"].any(), speculative, plain, None)

@@ -222,6 +222,8 @@ class ModelRunner:
         self._routes_requests: weakref.WeakSet = weakref.WeakSet()  # return_routed_experts
         spec = cfg.speculative_config
         self.num_spec = spec.num_speculative_tokens if spec is not None else 0  # K proposals verified per slot
+        self._no_draft_probs = (self._put(np.zeros((S, self.num_spec, model_cfg.vocab_size), np.float32))
+                                if spec is not None and spec.method == "draft_model" else None)  # q [S, K, V]
 
     @property
     def step_params(self) -> dict:
@@ -323,7 +325,7 @@ class ModelRunner:
         self._hook_inputs(sp, [])
         self._research_inputs([], T, batch, sp)
         if self.num_spec:
-            batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec))
+            batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec, self._no_draft_probs))
         return batch, sp
 
     def _hook_inputs(self, sp: dict, slots) -> None:
@@ -380,7 +382,8 @@ class ModelRunner:
         self._hook_inputs(sp, slots)
         rows = self._research_inputs(out.scheduled, T, batch, sp)
         if self.num_spec:
-            batch.update(draft_inputs(out.scheduled, S, self.num_spec))
+            q = out.draft_probs if out.draft_probs is not None else self._no_draft_probs
+            batch.update(draft_inputs(out.scheduled, S, self.num_spec, q))
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routes), self.k_pool, self.v_pool = \

@@ -72,6 +72,27 @@ def slot_rows(sp: dict, at, num_slots: int) -> dict:
     return {k: v[at] if jnp.ndim(v) and v.shape[0] == num_slots else v for k, v in sp.items()}
 
 
+def controlled_logits(logits, sp):
+    """The logits after the logit controls: logit_bias / bad-word bans, penalties, `banned` ids, the grammar
+    and allowed-token bitmask (per slot; f32[S, V] -> f32[S, V], masked tokens -inf)."""
+    S, V = logits.shape
+    logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
+                          sp["bias_values"])
+    logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
+    banned = sp["banned"]
+    rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)
+    logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
+    return jax.lax.cond(sp["any_mask"], _apply_bitmask, lambda l, m: l, logits, sp["bitmask"])
+
+
+def processed_logits(controlled, sp):
+    """What a sampled row draws from: controlled logits / temperature, filtered by top-k / top-p / min-p
+    (softmax of it is the row's distribution); greedy rows (temperature 0) keep the controlled logits."""
+    temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
+    scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, controlled / temp[:, None], sp)
+    return jnp.where(sp["temperature"][:, None] > 0, scaled, controlled)
+
+
 def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     """Sample one token per slot.
 
@@ -85,24 +106,13 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
     zeros when no slot asked for logprobs: any_logprobs false).
     """
-    S, V = logits.shape
+    S = logits.shape[0]
     raw = logits  # logprobs are the model's: before bias, penalties, masks and temperature
-    logits = jax.lax.cond(sp["any_bias"], _apply_bias, lambda l, i, v: l, logits, sp["bias_ids"],
-                          sp["bias_values"])
-    logits = jax.lax.cond(sp["any_penalty"], _penalize, lambda l, h: l, logits, sp)
-    banned = sp["banned"]
-    rows = jnp.broadcast_to(jnp.arange(S)[:, None], banned.shape)
-    logits = logits.at[rows, jnp.where(banned >= 0, banned, V)].set(_NEG_INF, mode="drop")
-    logits = jax.lax.cond(sp["any_mask"], _apply_bitmask, lambda l, m: l, logits, sp["bitmask"])
+    logits = controlled_logits(logits, sp)
     greedy_tok = jnp.argmax(logits, axis=-1)
-    temp = jnp.where(sp["temperature"] > 0, sp["temperature"], 1.0)
-
-    def processed(logits):  # [S, V] what a sampled row draws from; greedy rows keep the controlled logits
-        scaled = jax.lax.cond(sp["any_filter"], _filter, lambda s, _: s, logits / temp[:, None], sp)
-        return jnp.where(sp["temperature"][:, None] > 0, scaled, logits)
 
     def sampled(logits):
-        scaled = processed(logits)
+        scaled = processed_logits(logits, sp)
 
         def one(seed, idx, row):
             key = jax.random.fold_in(jax.random.key(seed), idx)
@@ -114,7 +124,7 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     source = raw if logprobs_mode.startswith("raw") else logits  # processed: computed only when asked
 
     def logprobs(source, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
-        lp = processed(source) if logprobs_mode.startswith("processed") else source
+        lp = processed_logits(source, sp) if logprobs_mode.startswith("processed") else source
         lp = jax.nn.log_softmax(lp, axis=-1) if logprobs_mode.endswith("logprobs") else lp
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
         return jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0], top_lp, top_ids.astype(jnp.int32)
