@@ -303,8 +303,7 @@ class ModelRunner:
                 self._compile(*key)
                 bar.update()
             return bar.close()
-        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles. The
-        # layers are unrolled (models/layer_stack.py), so a bucket's compile is most of its start-up
+        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles
         with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
             futures = [pool.submit(self._finish, key, self._lower(*key)[0]) for key in todo]
             for f in concurrent.futures.as_completed(futures):
