@@ -283,3 +283,28 @@ def test_governor_stops_proposing_where_it_loses():
     for _ in range(10):
         g.record(16, True, 0.060, 20)                # the workload changed: now 3 ms a token with them
     assert sum(g.should_propose(16) for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1  # probes come soon again
+
+
+def test_request_gate_follows_each_requests_acceptance():
+    """RequestGate: a request keeps proposing k while its proposals are accepted, about one more than it
+    lately got accepted otherwise, and skips 1, 2, 4 ... steps after proposals rejected whole."""
+    from jaxpaged.spec_decode.governor import MAX_SKIP, RequestGate
+    gate = RequestGate(4)
+    assert gate.proposals("a", 4) == 4 and gate.proposals("b", 4) == 4  # nothing known yet
+    gate.record("a", 4, 4)
+    assert gate.proposals("a", 4) == 4 and gate.proposals("a", 2) == 2  # never more than asked
+    for _ in range(4):  # free text: one of four accepted, again and again
+        gate.record("b", 4, 1)
+    assert gate.proposals("b", 4) == 2
+    skips = []
+    for _ in range(6):  # rejected whole each time it proposes
+        gate.record("b", gate.proposals("b", 4) or 1, 0)
+        n = 0
+        while gate.proposals("b", 4) == 0:
+            n += 1
+        skips.append(n)
+    assert skips == [1, 2, 4, 8, 16, MAX_SKIP][:6] and MAX_SKIP == 16
+    gate.record("b", 1, 1)  # accepted again: no more skipping
+    assert gate.proposals("b", 4) >= 1
+    gate.retain({"a"})
+    assert gate.proposals("b", 4) == 4  # forgotten once it stopped running
