@@ -12,6 +12,7 @@ next `launch` in between).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -32,6 +33,7 @@ from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
 from jaxpaged.core.logit_controls import LogitControls
+from jaxpaged.models.layer_stack import unstack_shapes
 from jaxpaged.models.llama import decoder, lm_logits
 from jaxpaged.step.prompt_logprobs import collect, step_prompt_logprobs, targets
 from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
@@ -43,6 +45,7 @@ from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.spec_decode.step import draft_inputs, read_verified
 from jaxpaged.spec_decode.verify import verify_rows
 
+WARMUP_THREADS = 2  # step buckets compiled at once at start-up (`ModelRunner.warmup`)
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -177,7 +180,9 @@ class ModelRunner:
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        self.params = params if abstract else place_params(params, model_cfg, self.mesh)
+        # the step reads the layers per layer (models/layer_stack.py); `params` arrives stacked
+        self.params = unstack_shapes(params, model_cfg.num_layers) if abstract else \
+            place_params(params, model_cfg, self.mesh)
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
@@ -247,6 +252,12 @@ class ModelRunner:
         return self._compiled.get(key) or self._compile(*key)
 
     def _compile(self, T: int, decode_only: bool):
+        lowered, target = self._lower(T, decode_only)
+        with target:
+            return self._finish((T, decode_only), lowered)
+
+    def _lower(self, T: int, decode_only: bool):
+        """The step of bucket (T, decode_only) traced and lowered, and the context its compile needs."""
         host = self._dummy(T)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=self._attention(decode_only),
@@ -265,11 +276,18 @@ class ModelRunner:
         params = jax.tree.map(lambda a: a.sharding, self.step_params)
         t0 = time.perf_counter()
         with target:
-            compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
-                               out_shardings=(rep, pool, pool)).lower(
-                self.step_params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
+            lowered = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
+                              out_shardings=(rep, pool, pool)).lower(
+                self.step_params, self.k_pool, self.v_pool, packed, extra)
         self.compile_seconds += time.perf_counter() - t0
-        self._compiled[(T, decode_only)] = compiled
+        return lowered, (jax.set_mesh(self.mesh) if self.abstract else contextlib.nullcontext())
+
+    def _finish(self, key: tuple[int, bool], lowered):
+        """XLA's compile of a lowered step (releases the GIL: `warmup` runs two at once)."""
+        t0 = time.perf_counter()
+        compiled = lowered.compile(self.compiler_options)
+        self.compile_seconds += time.perf_counter() - t0
+        self._compiled[key] = compiled
         return compiled
 
     def _attention(self, decode_only: bool):
@@ -282,8 +300,20 @@ class ModelRunner:
         """Compile every step variant now (persistently cached on disk across starts)."""
         todo = [v for v in self.variants() if v not in self._compiled]
         from tqdm.auto import tqdm
-        for T, d in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
-            self._compile(T, d)
+        bar = tqdm(total=len(todo), desc="compiling step buckets", disable=not show_progress, unit="bucket")
+        if self.abstract or len(todo) < 2:  # an abstract runner compiles under jax.set_mesh: one at a time
+            for key in todo:
+                self._compile(*key)
+                bar.update()
+            return bar.close()
+        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles. The
+        # layers are unrolled (models/layer_stack.py), so a bucket's compile is most of its start-up
+        with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
+            futures = [pool.submit(self._finish, key, self._lower(*key)[0]) for key in todo]
+            for f in concurrent.futures.as_completed(futures):
+                f.result()
+                bar.update()
+        bar.close()
 
     def _dummy(self, T: int):
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
