@@ -32,7 +32,6 @@ from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer, generation_eos_ids
 from jaxpaged.core.validation import InvalidParam, check_request, prompt_ids
 from jaxpaged.checkpoints.weights import count_tensors, load_params, release_host_memory
-from jaxpaged.spec_decode.config import check_request as check_speculative
 from jaxpaged.spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("jaxpaged.engine")
@@ -193,8 +192,6 @@ class LLMEngine:
         text, ids = prompt_ids(prompt, self.tokenizer, self.model_dir)
         lora_int_id = self._lora_id(lora_request)
         self.structured.check(params)
-        if self.spec is not None:
-            check_speculative(params)
         check_params(params, tuple(self.config.hidden_state_layers or ()), tuple(self.config.steering_layers or ()),
                      self.model_config.hidden_size)
         if params.bad_words and self.tokenizer is None:
