@@ -147,20 +147,26 @@ def test_tensor_and_data_parallel(tmp_path):
                                   pytest.param("raw_logits", marks=pytest.mark.slow)])
 def test_logprobs_modes_and_research_hooks(model, engine_kwargs, mode):
     """The processed distributions at each position (penalties, bias, temperature, top-k), the hidden
-    states of the accepted tokens only (and the prompt's), and steering applied to the proposals' rows."""
-    kw = dict(engine_kwargs, max_num_batched_tokens=32, logprobs_mode=mode, hidden_state_layers=[0, 2],
-              steering_layers=[1])
+    states of the accepted tokens only (and the prompt's), and steering applied to the proposals' rows;
+    n = 2 and a grammar, through preemption, chunked prefill and prefix hits."""
+    kw = dict(engine_kwargs, num_kv_blocks=12, max_num_batched_tokens=16, logprobs_mode=mode,
+              hidden_state_layers=[0, 2], steering_layers=[1])
     pair = (LLM(model=model, **kw), _speculative(LLM(model=model, **kw, speculative_config=NGRAM), None))
     steer = {1: np.random.default_rng(0).normal(size=64).astype(np.float32)}
-    for base in (GREEDY, SAMPLED):
-        p = _with(base, logprobs=3, repetition_penalty=1.3, logit_bias={9: 2.0}, return_hidden_states=True,
-                  return_prompt_hidden_states=True, steering_vectors=steer)
+    for base in (_with(GREEDY, min_tokens=4), _with(SAMPLED, n=2)):
+        p = _with(base, logprobs=3, repetition_penalty=1.3, presence_penalty=0.2, logit_bias={9: 2.0},
+                  return_hidden_states=True, return_prompt_hidden_states=True, steering_vectors=steer)
         a, b = _check(pair, p, _prompts()[2:])
         for x, y in zip(a, b):
             np.testing.assert_allclose(x.prompt_hidden_states, y.prompt_hidden_states, rtol=1e-5, atol=1e-5)
-            hx, hy = x.outputs[0].hidden_states, y.outputs[0].hidden_states
-            assert hx.shape == hy.shape == (len(x.outputs[0].token_ids), 2, 64)
-            np.testing.assert_allclose(hx, hy, rtol=1e-4, atol=1e-4)
+            for cx, cy in zip(x.outputs, y.outputs):
+                hx, hy = cx.hidden_states, cy.hidden_states
+                assert hx.shape == hy.shape == (len(cx.token_ids), 2, 64)
+                np.testing.assert_allclose(hx, hy, rtol=1e-4, atol=1e-4)
+    _check(pair, _with(SAMPLED, n=2, max_tokens=30, ignore_eos=False, frequency_penalty=0.3,
+                       structured_outputs=StructuredOutputsParams(regex="[a-e ]{12,40}")), _prompts()[2:])
+    st = pair[1].engine.stats()
+    assert st["num_preemptions"] > 0 and st["prefix_cache_hit_rate"] > 0
 
 
 def test_lora(model, engine_kwargs, tmp_path):

@@ -62,11 +62,9 @@ class SpeculativeConfig:
 
 def check_engine(cfg) -> None:
     """Refuse, by name, the engine settings speculation does not compose with (EngineConfig, validated):
-    async scheduling (the host needs each step's accepted tokens before it proposes the next), multi-host
-    (the followers' step message does not carry the per-position arrays of spec_decode/controls.py) and
+    async scheduling (the host needs each step's accepted tokens before it proposes the next) and
     batch_invariant (a speculative step's rows are not the plain step's row tiles)."""
-    refused = [("async_scheduling", cfg.async_scheduling), ("num_processes > 1", cfg.num_processes > 1),
-               ("batch_invariant", cfg.batch_invariant)]
+    refused = [("async_scheduling", cfg.async_scheduling), ("batch_invariant", cfg.batch_invariant)]
     for name, on in refused:
         if on:
             raise ValueError(f"speculative_config is not supported with {name}")
