@@ -21,7 +21,6 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.core.logit_controls import bad_words_token_ids
 from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
-from jaxpaged.models.layer_stack import stacked
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput
 from jaxpaged.pause import is_draining, pause, paused_step
 from jaxpaged.step.research import check_layers, check_params, completion_hidden
@@ -522,9 +521,8 @@ class LLMEngine:
         self.block_manager.reset_prefix_cache()
 
     def get_weights(self) -> dict:
-        """The parameter pytree the steps run on, its layers stacked (device arrays; layout in
-        jaxpaged/models/llama.py). The layers are new arrays (the step holds them per layer)."""
-        return stacked(self.runner.params)
+        """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py)."""
+        return self.runner.params
 
     def update_weights(self, weights) -> None:
         """Replace parameters between steps, without recompiling: (HF name, array) pairs or (part of) the

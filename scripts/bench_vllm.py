@@ -41,6 +41,10 @@ def add_args(ap) -> None:
     g.add_argument("--vllm-cpu-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (default 0-1)")
     g.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="vLLM's dtype (default: --dtype), e.g. --dtype bfloat16 --vllm-dtype float32")
+    g.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
+                   help="vLLM's gpu_memory_utilization: on its CPU backend the fraction of host memory it "
+                        "reserves (default 0.3: its 0.92 refuses to start beside other processes, and its "
+                        "bfloat16 engine starts only at <= 0.3 on this 24 GiB machine)")
 
 
 def vllm_env(args) -> dict:
@@ -92,6 +96,7 @@ def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
     job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
                max_num_batched_tokens=args.max_num_batched_tokens,
+               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
     with tempfile.TemporaryDirectory() as d:
         job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
@@ -111,6 +116,7 @@ def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
             got = json.load(f)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
     return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, omp_num_threads=args.vllm_threads,
+                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 cpu_bind=args.vllm_cpu_bind, note="all requests submitted at once to vllm.LLM.generate; "
                 "no per-request times")
 
@@ -121,7 +127,7 @@ def _worker(job_path: str, out_path: str) -> None:
         job = json.load(f)
     llm = vllm.LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
                    max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                   seed=job["seed"])
+                   seed=job["seed"], gpu_memory_utilization=job["gpu_memory_utilization"])
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
               for n in job["output_lens"]]

@@ -46,7 +46,7 @@ def main(workdir: str) -> dict:
     specs_kept = all(a.sharding.is_equivalent_to(b, a.ndim) for e, shardings in zip(engines, before)
                      for a, b in zip(jax.tree.leaves(e.runner.params), shardings))
     values_equal = all(np.array_equal(np.asarray(a), b) for e in engines
-                       for a, b in zip(jax.tree.leaves(e.get_weights()), jax.tree.leaves(new)))
+                       for a, b in zip(jax.tree.leaves(e.runner.params), jax.tree.leaves(new)))
     devices = [sorted(d.id for d in jax.tree.leaves(e.runner.params)[0].sharding.device_set) for e in engines]
     ref = LLM(model=path, **kw)
     ref.update_weights(new)  # numpy arrays on one device

@@ -158,7 +158,7 @@ def int8_checks(workdir: str) -> dict:
     out = {"logits_rel_diff": logits_checks(path, "int8")}
     for tp in TPS:
         llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, quantization="int8", warmup=False))
-        layers, embed = llm.engine.runner.params["layers"][0], llm.engine.runner.params["embed"]
+        layers, embed = llm.engine.runner.params["layers"], llm.engine.runner.params["embed"]
         out[f"tp{tp}"] = dict(
             greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)],
             param_bytes_per_device=llm.stats()["param_bytes_per_device"],

@@ -74,6 +74,7 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
     init, warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
     assert init["omp"] == "2" and init["bind"] == "0-1"
     assert init["init"]["model"] == model and init["init"]["dtype"] == "float32" and init["init"]["max_num_seqs"] == 4
+    assert init["init"]["gpu_memory_utilization"] == 0.3  # vLLM's 0.92 default does not start here
     lens = [p["max_tokens"] for p in timed["params"]]
     assert all(p["min_tokens"] == p["max_tokens"] and p["ignore_eos"] and p["temperature"] == 0
                for p in timed["params"])

@@ -33,7 +33,7 @@ for family in ("mixtral", "gemma3"):
         if family == "mixtral":  # routed experts (return_routed_experts) of prompt and generated tokens
             fact["routes"] = [np.concatenate([o.prompt_routed_experts, o.outputs[0].routed_experts]).tolist()
                               for o in outs]
-            fact["expert_shard"] = list(r.params["layers"][0]["w_up"].addressable_shards[0].data.shape)
+            fact["expert_shard"] = list(r.params["layers"]["w_up"].addressable_shards[0].data.shape)
             hlo = r.compiled_step((r.buckets[-1], False)).as_text()
             # an all-gather whose result has the shape of the experts' weights ([.., E, D, F] / [.., E, F, D])
             E, D, F = 4, 64, 128
@@ -59,6 +59,6 @@ def test_new_families_under_tensor_parallelism(tmp_path):
     for tp in (2, 4):
         assert f[f"mixtral_tp{tp}"]["routes"] == f["mixtral_tp1"]["routes"], tp
     assert [len(r) for r in f["mixtral_tp1"]["routes"]] == [5 + 9, 23 + 9, 41 + 9]  # one per token but the last
-    for tp in (1, 2, 4):  # [E/tp, D, F] per device and layer: 4 experts split
-        assert f[f"mixtral_tp{tp}"]["expert_shard"][0] == 4 // tp
+    for tp in (1, 2, 4):  # [L, E/tp, D, F] per device: 4 experts split
+        assert f[f"mixtral_tp{tp}"]["expert_shard"][1] == 4 // tp
         assert not f[f"mixtral_tp{tp}"]["expert_gathers"], tp

@@ -7,7 +7,6 @@ import pytest
 
 from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.layer_stack import stacked_shapes
 from jaxpaged.models.llama import forward
 from jaxpaged.step.attention import make_attention
 from jaxpaged.models.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
@@ -175,8 +174,7 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     # a bucket T unlike the matrices' sizes: the prompt-logprobs logits f32[T, V] must not pass for the head
     key = next(v for v in r.variants()[::-1] if v[0] not in (cfg.hidden_size, cfg.vocab_size))
     text = r.compiled_step(key).as_text()
-    shapes = jax.tree.leaves(stacked_shapes(r.params))  # the step reads per layer; no stacked copy either
-    stacked = {",".join(map(str, a.shape)) for a in shapes if a.ndim == 3 and a.shape[1] > 1}
+    stacked = {",".join(map(str, a.shape)) for a in jax.tree.leaves(r.params) if a.ndim == 3 and a.shape[1] > 1}
     whole = stacked | {f"{cfg.vocab_size},{cfg.hidden_size}", f"{cfg.hidden_size},{cfg.vocab_size}"}
     floats = set(re.findall(r"f32\[([\d,]+)\]", text))
     assert not floats & (whole if quantization else {f"3,1,{s[2:]}" for s in stacked}), floats & whole

@@ -186,10 +186,9 @@ def test_update_weights(llm, paths, engine_kwargs):
     fresh = LLM(model=paths[1], **{**engine_kwargs, "max_num_batched_tokens": 16})
     want = [o.outputs[0].token_ids for o in fresh.generate(prompts, greedy, use_tqdm=False)]
     assert want != before and run() == want
-    llm.update_weights(old)  # the old device arrays: top-level ones adopted as they are, stacked ones split
+    llm.update_weights(old)  # the old device arrays, adopted as they are
     assert run() == before
-    assert all(np.array_equal(a, b) for a, b in zip(jax_leaves(llm.get_weights()), jax_leaves(old)))
-    assert llm.engine.runner.params["embed"] is old["embed"]
+    assert all(a is b for a, b in zip(jax_leaves(llm.get_weights()), jax_leaves(old)))
     # a partial update: one layer's MLP and the final norm of model 1 -> equals that mix, built by hand
     part = [(n, a) for n, a in new_pairs if n.startswith("model.layers.1.mlp.") or n == "model.norm.weight"]
     llm.update_weights(part)

@@ -133,8 +133,8 @@ def test_int8_weights_sharded_like_their_matrices(facts):
         assert p1 / tp <= f[f"tp{tp}"]["param_bytes_per_device"] <= 1.15 * p1 / tp
     specs = f["tp2"]["specs"]
     # q: its matrix's spec; scale: the same with None on its size-1 (reduced) axis; int8 storage
-    assert specs["wq"] == [[None, "model"], [None, "model"], "int8"]  # layer 0's (the step reads per layer)
-    assert specs["wo"] == [["model", None], [None, None], "int8"]
+    assert specs["wq"] == [[None, None, "model"], [None, None, "model"], "int8"]
+    assert specs["wo"] == [[None, "model", None], [None, None, None], "int8"]
     assert specs["embed"] == [["model", None], ["model", None], "int8"]
 
 

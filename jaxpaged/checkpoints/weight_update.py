@@ -7,10 +7,7 @@ Two inputs (docs/research.md):
   experts); any subset of the checkpoint's tensors. A stacked parameter receives the layers given, in one
   scatter on the device (or one placement when every layer is given).
 - (part of) the engine's own pytree, as `get_weights` returns it: device arrays with the right sharding
-  are adopted as they are (a stacked layer leaf: its layers, sliced on the device), other device arrays
-  are copied device to device, numpy arrays placed.
-Paths and shapes are those of the stacked layout (`models/layer_stack.py`); the runner's per-layer
-arrays are replaced by the layers of each new stacked array.
+  are adopted as they are, other device arrays are copied device to device, numpy arrays placed.
 Everything is checked before anything changes (ValueError naming the tensor); then the runner's params
 are replaced and the prefix cache is flushed (its blocks hold K/V of the old weights). Requests must not
 be running: the update is refused (RuntimeError) while the engine has unfinished requests, unless it is
@@ -24,7 +21,6 @@ import functools
 import jax
 import numpy as np
 
-from jaxpaged.models.layer_stack import replace, stacked, stacked_shapes
 from jaxpaged.pause import check_update_allowed, recompute_kept
 from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
 from jaxpaged.models.quant import QArray, quantize
@@ -55,7 +51,7 @@ def _check_leaf(name: str, value, current) -> None:
 
 def _from_pytree(engine, weights: dict) -> dict:
     """{path: new device array} for a (partial) pytree of the engine's layout."""
-    current = dict(jax.tree_util.tree_flatten_with_path(stacked_shapes(engine.runner.params))[0])
+    current = dict(jax.tree_util.tree_flatten_with_path(engine.runner.params)[0])
     new = {}
     for path, value in jax.tree_util.tree_flatten_with_path(weights)[0]:
         name = _path_name(path)
@@ -83,9 +79,9 @@ def _from_named(engine, pairs) -> dict:
             if part.dtype != dtype:
                 raise ValueError(f"update_weights: tensor {name!r} has dtype {part.dtype}, the engine's is {dtype}")
             parts.setdefault((in_layers, key), {})[where] = part
-    params, new = stacked_shapes(runner.params), {}
+    params, new = runner.params, {}
     for (in_layers, key), by_index in parts.items():
-        current = params["layers"][key] if in_layers else params[key]  # stacked shapes and shardings
+        current = params["layers"][key] if in_layers else params[key]
         path = (jax.tree_util.DictKey("layers"), jax.tree_util.DictKey(key)) if in_layers \
             else (jax.tree_util.DictKey(key),)
         index = sorted(by_index)
@@ -94,38 +90,24 @@ def _from_named(engine, pairs) -> dict:
             values = replicate_kv_heads({"layers": {key: values}}, cfg, r)["layers"][key]
         if isinstance(current, QArray):  # a quantized engine: quantized as at load, values and scales
             qa = quantize(values, current.format, -1 if key == "embed" else -2, current.dtype)
-            whole = None if _covers(current.q, index, in_layers) else _whole(runner.params, key)
             for attr in ("q", "scale"):
                 leaf = getattr(current, attr)
-                new[path + (jax.tree_util.GetAttrKey(attr),)] = _new_leaf(
-                    leaf, getattr(qa, attr), index, in_layers, None if whole is None else getattr(whole, attr))
+                new[path + (jax.tree_util.GetAttrKey(attr),)] = _new_leaf(leaf, getattr(qa, attr), index, in_layers)
         else:
-            whole = None if _covers(current, index, in_layers) else _whole(runner.params, key)
-            new[path] = _new_leaf(current, values, index, in_layers, whole)
+            new[path] = _new_leaf(current, values, index, in_layers)
     return new
 
 
-def _whole(params: dict, key: str):
-    """The current stacked array of layer leaf `key` (a new device array), to scatter some layers into."""
-    if not isinstance(jax.tree.leaves(params["layers"][0][key])[0], jax.Array):
-        raise ValueError("update_weights: the engine slept at level 2 (its weights are dropped): give every "
-                         "layer of each stacked tensor, not some of them")
-    return stacked(params, [key])["layers"][key]
-
-
-def _covers(current, index: list, in_layers: bool) -> bool:
-    """Whether the parts given replace the whole leaf (top-level, or every layer and expert)."""
-    return not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])]))
-
-
-def _new_leaf(current, values: np.ndarray, index: list, in_layers: bool, whole=None) -> jax.Array:
-    """The device array replacing `current` (stacked shape and sharding): whole, or with rows `index`
-    (layers, experts) replaced in `whole`, the current stacked array."""
-    if _covers(current, index, in_layers):
+def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bool) -> jax.Array:
+    """The device array replacing `current`: whole, or with rows `index` (layers, experts) replaced."""
+    if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
         full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
         return _put(np.ascontiguousarray(full), current.sharding)
+    if not isinstance(current, jax.Array):
+        raise ValueError("update_weights: the engine slept at level 2 (its weights are dropped): give every "
+                         "layer of each stacked tensor, not some of them")
     rows = tuple(np.array(c, np.int32) for c in zip(*index))
-    return _scatter(current.sharding)(whole, rows, values)
+    return _scatter(current.sharding)(current, rows, values)
 
 
 def update_weights(engine, weights) -> None:
@@ -134,6 +116,7 @@ def update_weights(engine, weights) -> None:
     if engine.mesh.is_multi_process:
         raise RuntimeError("update_weights is not supported with num_processes > 1")
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
-    engine.runner.params = replace(engine.runner.params, new)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
+    engine.runner.params = jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves])
     recompute_kept(engine)
     engine.block_manager.reset_prefix_cache()

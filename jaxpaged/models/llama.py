@@ -6,22 +6,15 @@ in flags of ModelConfig: q/k/v bias (Qwen2), q/k RMSNorm per head (Qwen3, Gemma 
 norms after attention and MLP, embedding scale, GeGLU, logit scale and soft-capping; the MLP is dense
 or a mixture of experts (`moe.py`). Shared pieces live in `layers.py`.
 
-The layer weights come in two layouts (`layer_stack.py`):
-- **per layer** (what the engine's step reads): `params["layers"]` is a tuple of L pytrees and the layers
-  are unrolled, so every product reads its matrix where it lies. On XLA CPU a matrix sliced out of a
-  stack inside a loop is first copied (a dynamic-slice fusion per matrix), which for a lone decode is
-  more time than the products themselves (docs/benchmarks.md, "A lone request").
-- **stacked** (as loaded, saved and exchanged): leaves with a leading L axis, run under `lax.scan`. Where
-  layers come in kinds (sliding or full attention, each with its RoPE), the scan runs over groups of
-  `cfg.layer_period` layers — one of each position of the pattern, unrolled — and a tail of
-  `L % period` layers follows; so compile time does not grow with depth and every kind sees static
-  options (window, RoPE tables).
+Layers are stacked on a leading axis and run under `lax.scan`. Where layers come in kinds (sliding
+or full attention, each with its RoPE), the scan runs over groups of `cfg.layer_period` layers — one
+of each position of the pattern, unrolled — and a tail of `L % period` layers follows; so compile time
+does not grow with depth and every kind sees static options (window, RoPE tables).
 
 Parameter pytree (arrays in the engine dtype; L = num_layers, D = hidden, F = intermediate,
 Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied)
-    layers (stacked; per layer the same leaves without the L axis, a tuple of L dicts):
-            attn_norm [L, D]; wq [L, D, Hq*hd]; wk, wv [L, D, Hkv*hd]; wo [L, Hq*hd, D]
+    layers: attn_norm [L, D]; wq [L, D, Hq*hd]; wk, wv [L, D, Hkv*hd]; wo [L, Hq*hd, D]
             bq [L, Hq*hd], bk, bv [L, Hkv*hd] (attention_bias)
             q_norm, k_norm [L, hd] (qk_norm "head") or [L, Hq*hd], [L, Hkv*hd] (qk_norm "flat")
             post_attn_norm, post_mlp_norm [L, D] (sandwich_norms)
@@ -50,7 +43,6 @@ import jax.numpy as jnp
 
 from jaxpaged.step import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
-from jaxpaged.models.layer_stack import is_per_layer
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
 from jaxpaged.lora.product import lora_linear, step_mask
@@ -90,18 +82,16 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     docs/research.md): before layer i runs, `steering[:, steer.index(i)]` ([T, D]) is added to the residual
     stream for each i in `steer` (0 <= i < L; i = 0: the embeddings); with `capture`, the states at each
     index i in it (the residual stream entering layer i, or for i = L the output of the final norm) are
-    returned too: (hidden, k_pool, v_pool, states [T, len(capture), D]). Per-layer weights run unrolled (a
-    hook is one more operation between two layers); stacked ones in scans between hooked layers, so layers
-    without a hook cost what they cost without hooks.
+    returned too: (hidden, k_pool, v_pool, states [T, len(capture), D]). Scans run between hooked layers,
+    so layers without a hook cost what they cost without hooks.
 
     `routes` (MoE models): the expert ids each layer's router chose for each token, i32[T, L, k], are
-    returned last (after the states)."""
+    returned last (after the states); the scan gives them as its per-layer outputs."""
     if routes and not cfg.num_experts:
         raise ValueError("routes (return_routed_experts) needs a mixture-of-experts model")
     T = batch["input_ids"].shape[0]
     Hq, Hkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     L, P = cfg.num_layers, cfg.layer_period
-    k_pool, v_pool = jax.tree.map(jnp.asarray, (k_pool, v_pool))  # numpy pools too (written with .at)
     blocks_per_layer, bs = kv_cache.pool_values(k_pool).shape[:2]
     blocks_per_layer //= L
     eps, plus_one = cfg.rms_norm_eps, cfg.norm_plus_one
@@ -117,6 +107,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
     # x @ w over the tokens (in row tiles for batch invariance), plus each token's LoRA slot (jaxpaged/lora/)
     linear = lora_linear(step_mask(params, batch), row_tile=cfg.row_tile)
+    layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
 
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
@@ -147,6 +138,10 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         x = x + (norm(m, p["post_mlp_norm"]) if cfg.sandwich_norms else m)
         return x, k_pool, v_pool, ids  # ids i32[T, k]: the router's choice (MoE), else None
 
+    G = L // P
+    # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
+    # weight into the loop once per step
+    grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
     hooks = sorted(set(capture) | set(steer))
     states = {}
 
@@ -156,22 +151,6 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         if l in capture:
             states[l] = x
         return x
-
-    if is_per_layer(params):  # unrolled over the layers' own arrays (the engine's step)
-        lora = params.get("lora")
-        routed = []  # with routes: each layer's expert ids [1, T, k]
-        for l in range(L):
-            p = params["layers"][l] if lora is None else \
-                {**params["layers"][l], "lora": jax.tree.map(lambda a: a[l], lora)}  # [NS, in, R], [NS, R, out]
-            x, k_pool, v_pool, ids = layer(hook(x, l), k_pool, v_pool, p, l, cfg.layer_types[l])
-            routed.append(ids if ids is None else ids[None])
-        return _final(params, norm, x, k_pool, v_pool, capture, states, L, routed if routes else None)
-
-    layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
-    G = L // P
-    # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
-    # weight into the loop once per step
-    grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
 
     def group(carry, g):  # P layers of group g, one of each kind position of the pattern, unrolled
         x, k_pool, v_pool = carry
@@ -203,17 +182,11 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         pl_ = jax.tree.map(lambda a: a[l], layers)
         x, k_pool, v_pool, ids = layer(hook(x, l), k_pool, v_pool, pl_, l, cfg.layer_types[l])
         routed.append(ids if ids is None else ids[None])
-    return _final(params, norm, x, k_pool, v_pool, capture, states, L, routed if routes else None)
-
-
-def _final(params, norm, x, k_pool, v_pool, capture, states, num_layers, routed=None):
-    """The final norm after the last layer; with `capture`, the captured states too (index L: h); with
-    `routed` (a list of [n, T, k] expert ids in layer order), the ids i32[T, L, k] last."""
     h = norm(x, params["final_norm"])  # [T, D]
     outs = []
     if capture:
-        states[num_layers] = h
+        states[L] = h
         outs.append(jnp.stack([states[i] for i in capture], axis=1))  # [T, nL, D]
-    if routed is not None:
+    if routes:
         outs.append(jnp.concatenate(routed).transpose(1, 0, 2))  # [T, L, k]
     return (h, k_pool, v_pool, *outs)

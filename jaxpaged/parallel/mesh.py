@@ -21,7 +21,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.layer_stack import unstack
 from jaxpaged.models.quant import QArray
 
 DATA_AXIS, MODEL_AXIS = "data", "model"
@@ -131,14 +130,10 @@ def place(arr: np.ndarray, mesh: Mesh, spec: P) -> jax.Array:
 
 
 def place_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Numpy parameter pytree (as loaded: layers stacked) -> sharded device arrays in the per-layer layout
-    the step reads (`models/layer_stack.py`; KV heads replicated as needed), one layer at a time."""
+    """Numpy parameter pytree (as loaded) -> sharded device arrays (KV heads replicated as needed)."""
     tp = mesh.shape[MODEL_AXIS]
     params = replicate_kv_heads(params, cfg, kv_head_replication(cfg, tp))
     specs = leaf_specs(param_partition_specs(cfg, tp), params)
-    is_spec = lambda x: isinstance(x, P)  # noqa: E731
-    params = unstack(params, cfg.num_layers)
-    specs = unstack(specs, cfg.num_layers, take=lambda s, l: P(*s[1:]), is_leaf=is_spec)
     return jax.tree.map(lambda a, s: place(np.asarray(a), mesh, s), params, specs)
 
 

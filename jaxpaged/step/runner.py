@@ -33,7 +33,6 @@ from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
 from jaxpaged.core.logit_controls import LogitControls
-from jaxpaged.models.layer_stack import unstack_shapes
 from jaxpaged.models.llama import decoder, lm_logits
 from jaxpaged.step.prompt_logprobs import collect, step_prompt_logprobs, targets
 from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
@@ -185,9 +184,7 @@ class ModelRunner:
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        # the step reads the layers per layer (models/layer_stack.py); `params` arrives stacked
-        self.params = unstack_shapes(params, model_cfg.num_layers) if abstract else \
-            place_params(params, model_cfg, self.mesh)
+        self.params = params if abstract else place_params(params, model_cfg, self.mesh)
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
@@ -314,8 +311,7 @@ class ModelRunner:
                 self._compile(*key)
                 bar.update()
             return bar.close()
-        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles. The
-        # layers are unrolled (models/layer_stack.py), so a bucket's compile is most of its start-up
+        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles
         with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
             futures = [pool.submit(self._finish, key, self._lower(*key)[0]) for key in todo]
             for f in concurrent.futures.as_completed(futures):
