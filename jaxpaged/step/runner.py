@@ -12,7 +12,6 @@ next `launch` in between).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -46,7 +45,6 @@ from jaxpaged.spec_decode.positions import verified_hidden
 from jaxpaged.spec_decode.step import draft_inputs, read_verified
 from jaxpaged.spec_decode.verify import verify_rows
 
-WARMUP_THREADS = 2  # step buckets compiled at once at start-up (`ModelRunner.warmup`)
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -257,12 +255,6 @@ class ModelRunner:
         return self._compiled.get(key) or self._compile(*key)
 
     def _compile(self, T: int, decode_only: bool):
-        lowered, target = self._lower(T, decode_only)
-        with target:
-            return self._finish((T, decode_only), lowered)
-
-    def _lower(self, T: int, decode_only: bool):
-        """The step of bucket (T, decode_only) traced and lowered, and the context its compile needs."""
         host = self._dummy(T)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=self._attention(decode_only),
@@ -281,18 +273,11 @@ class ModelRunner:
         params = jax.tree.map(lambda a: a.sharding, self.step_params)
         t0 = time.perf_counter()
         with target:
-            lowered = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
-                              out_shardings=(rep, pool, pool)).lower(
-                self.step_params, self.k_pool, self.v_pool, packed, extra)
+            compiled = jax.jit(fn, donate_argnums=(1, 2), in_shardings=(params, pool, pool, rep, rep),
+                               out_shardings=(rep, pool, pool)).lower(
+                self.step_params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
-        return lowered, (jax.set_mesh(self.mesh) if self.abstract else contextlib.nullcontext())
-
-    def _finish(self, key: tuple[int, bool], lowered):
-        """XLA's compile of a lowered step (releases the GIL: `warmup` runs two at once)."""
-        t0 = time.perf_counter()
-        compiled = lowered.compile(self.compiler_options)
-        self.compile_seconds += time.perf_counter() - t0
-        self._compiled[key] = compiled
+        self._compiled[(T, decode_only)] = compiled
         return compiled
 
     def _attention(self, decode_only: bool):
@@ -305,19 +290,8 @@ class ModelRunner:
         """Compile every step variant now (persistently cached on disk across starts)."""
         todo = [v for v in self.variants() if v not in self._compiled]
         from tqdm.auto import tqdm
-        bar = tqdm(total=len(todo), desc="compiling step buckets", disable=not show_progress, unit="bucket")
-        if self.abstract or len(todo) < 2:  # an abstract runner compiles under jax.set_mesh: one at a time
-            for key in todo:
-                self._compile(*key)
-                bar.update()
-            return bar.close()
-        # tracing holds the GIL, XLA's compile does not: lower one bucket while another compiles
-        with concurrent.futures.ThreadPoolExecutor(max_workers=WARMUP_THREADS) as pool:
-            futures = [pool.submit(self._finish, key, self._lower(*key)[0]) for key in todo]
-            for f in concurrent.futures.as_completed(futures):
-                f.result()
-                bar.update()
-        bar.close()
+        for T, d in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
+            self._compile(T, d)
 
     def _dummy(self, T: int):
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
