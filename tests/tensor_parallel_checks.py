@@ -222,6 +222,52 @@ def error_checks(path: str) -> dict:
     return msgs
 
 
+def spec_checks(workdir: str) -> dict:
+    """Speculative decoding at DP 2 x TP 2 (each replica on 2 devices): the plain TP=1 tokens (greedy and seeded), the
+    proposals being the plain continuation with every third one wrong (accepted runs and rejections)."""
+    from jaxpaged import LLM, SamplingParams
+    from models import make_tiny_model
+    path = make_tiny_model(os.path.join(workdir, "spec"), "llama", num_heads=8, num_kv_heads=4, head_dim=8, seed=4)
+    params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=1, presence_penalty=0.5, ignore_eos=True)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    plain = LLM(model=path, **engine_kwargs())
+    truth = [{tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(workload(), p, use_tqdm=False)}
+             for p in params]
+
+    class Oracle:
+        table: dict = {}
+
+        def propose(self, req, k):
+            o, out = req.num_output_tokens, self.table.get(tuple(req.prompt_token_ids), [])
+            return [t if (o + j) % 3 != 2 else (t + 1) % 256 for j, t in enumerate(out[o:o + k])]
+
+        def retain(self, ids):
+            pass
+
+    class Always:
+        def should_propose(self, n):
+            return True
+
+        def record(self, *a):
+            pass
+
+    out = {"plain": [list(t.values()) for t in truth]}
+    for name, kw in (("dp2tp2", dict(tensor_parallel_size=2, data_parallel_size=2)),):
+        llm = LLM(model=path, **engine_kwargs(speculative_config=spec, **kw))
+        engines = getattr(llm.engine, "engines", [llm.engine])
+        for e in engines:
+            e.spec.proposer, e.spec.governor = Oracle(), Always()
+        got = []
+        for p, t in zip(params, truth):
+            Oracle.table = t
+            got.append([o.outputs[0].token_ids for o in llm.generate(workload(), p, use_tqdm=False)])
+        out[name] = dict(tokens=got, accepted=sum(e.spec.num_accepted_tokens for e in engines),
+                         drafted=sum(e.spec.num_draft_tokens for e in engines),
+                         replicas_used=sum(e.spec.num_drafts > 0 for e in engines))
+    return out
+
+
 def main() -> None:
     workdir = sys.argv[1]
     only = set(sys.argv[2:])
@@ -245,6 +291,8 @@ def main() -> None:
         out["int8"] = int8_checks(workdir)
     if "kv_int8" in only:  # its own run (tests/test_tensor_parallel.py::test_int8_kv_cache)
         out["kv_int8"] = kv_int8_checks(workdir)
+    if "spec" in only:  # its own run (tests/test_spec_compose.py::test_tensor_and_data_parallel)
+        out["spec"] = spec_checks(workdir)
     print(json.dumps(out))
 
 

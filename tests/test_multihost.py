@@ -32,11 +32,11 @@ CODE = ("import argparse, sys, jax; jax.config.update('jax_persistent_cache_min_
 class Job:
     """A leader and a follower `run_server` process on loopback."""
 
-    def __init__(self, model_dir, cache, logs, *, follower_extra=()):
+    def __init__(self, model_dir, cache, logs, *, follower_extra=(), extra=()):
         self.port, coord = free_port(), f"127.0.0.1:{free_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
-        common = ["--model", model_dir, *FLAGS, "--port", str(self.port), "--tensor-parallel-size", "4",
+        common = ["--model", model_dir, *FLAGS, *extra, "--port", str(self.port), "--tensor-parallel-size", "4",
                   "--coordinator-address", coord, "--num-processes", "2", "--distributed-timeout", str(TIMEOUT)]
         self.logs = [str(logs / f"process{i}.log") for i in range(2)]
         self.procs = [subprocess.Popen([sys.executable, "-c", CODE, cache, *common, "--process-id", str(i),
@@ -128,6 +128,22 @@ def test_same_completions_then_stuck_follower_times_out(model_dir, compile_cache
         job.procs[1].send_signal(signal.SIGSTOP)  # alive but silent: the step's collective never completes
         body = fails_fast(job.url, within=TIMEOUT + 10)
         assert "did not finish within distributed_timeout" in body["message"]
+    finally:
+        job.kill()
+
+
+def test_speculative_decoding(model_dir, compile_cache, reference, tmp_path):
+    """n-gram speculation on both processes: the single-process completions, with steps that verified
+    proposals (the follower builds the per-position inputs the leader left on the device)."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+    job = Job(model_dir, compile_cache, tmp_path, extra=["--speculative-config", spec])
+    try:
+        job.wait_ready()
+        assert completions(job.url) == reference
+        text = httpx.get(job.url + "/metrics").text
+        drafts = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                  if ln.startswith("jaxpaged:spec_decode_num_drafts_total")]
+        assert drafts and sum(drafts) > 0, text[-2000:]
     finally:
         job.kill()
 

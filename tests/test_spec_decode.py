@@ -95,6 +95,9 @@ def test_ngram_proposals():
     assert ngram_propose(t, 2, 2, 5).tolist() == [4, 9]          # "1 2 3" (longest) wins over "2 3"
     assert ngram_propose(t, 2, 4, 5).tolist() == []              # no 4-gram recurs
     assert ngram_propose(np.array([5], np.int32), 2, 1, 5).tolist() == []
+    t = np.array([4, 9, 5, 7, 4], np.int32)
+    assert ngram_propose(t, 2, 1, 3).tolist() == [9, 5]          # n = 1: the last token alone
+    assert ngram_propose(t, 2, 2, 3).tolist() == []
 
 
 def test_ngram_greedy_equals_plain(model, engine_kwargs, plain):
@@ -190,6 +193,8 @@ def _verify_draws(rule, logits, drafts, R):
               history=jnp.zeros((S, 1), jnp.int32), prompt_len=jnp.zeros(S, jnp.int32),
               history_len=jnp.zeros(S, jnp.int32), presence_penalty=jnp.zeros(S), frequency_penalty=jnp.zeros(S),
               repetition_penalty=jnp.ones(S), any_penalty=False,
+              spec_bitmask=jnp.full((S, K1 - 1, 1), -1, jnp.int32),
+              spec_bias_ids=jnp.full((S, K1 - 1, 1), -1, jnp.int32), spec_bias_values=jnp.zeros((S, K1 - 1, 1)),
               any_filter=False, any_mask=False, any_bias=False, all_greedy=False, any_logprobs=False)
     return np.asarray(jax.jit(lambda h: rule(lambda x: x, h, batch, sp, K1 - 1, 1)[0])(h))
 
@@ -226,7 +231,7 @@ def test_rejection_sampling_keeps_the_distribution():
     assert stat > critical[df]
 
 
-def test_bad_configs_refused(model, engine_kwargs):
+def test_bad_configs_refused(model):
     for cfg, field in [({"method": "nope", "num_speculative_tokens": 2}, "method"),
                        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method"),
                        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
@@ -237,17 +242,11 @@ def test_bad_configs_refused(model, engine_kwargs):
                        ({"method": "ngram", "num_speculative_tokens": 2, "k": 1}, "k"), ("{", "JSON")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(model=model, speculative_config=cfg)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        EngineConfig(model=model, speculative_config=NGRAM, async_scheduling=True)
+    for kw in (dict(async_scheduling=True), dict(batch_invariant=True)):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            EngineConfig(model=model, speculative_config=NGRAM, **kw)
     assert EngineConfig(speculative_config='{"method": "ngram", "num_speculative_tokens": 2}').speculative_config \
         .num_speculative_tokens == 2
-    eng = LLM(model=model, **{**engine_kwargs, "speculative_config": NGRAM}).engine
-    for kw, name in [(dict(presence_penalty=0.5), "presence_penalty"), (dict(n=2), "n"),
-                     (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(bad_words=["ab"]), "bad_words")]:
-        with pytest.raises(ValueError, match=name) as e:
-            eng.add_request(None, [5, 6, 7], SamplingParams(**kw))
-        assert e.value.param == name
-    assert not eng.has_unfinished_requests()
 
 
 def test_metrics_exported():
@@ -283,3 +282,28 @@ def test_governor_stops_proposing_where_it_loses():
     for _ in range(10):
         g.record(16, True, 0.060, 20)                # the workload changed: now 3 ms a token with them
     assert sum(g.should_propose(16) for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1  # probes come soon again
+
+
+def test_request_gate_follows_each_requests_acceptance():
+    """RequestGate: a request keeps proposing k while its proposals are accepted, about one more than it
+    lately got accepted otherwise, and skips 1, 2, 4 ... steps after proposals rejected whole."""
+    from jaxpaged.spec_decode.governor import MAX_SKIP, RequestGate
+    gate = RequestGate(4)
+    assert gate.proposals("a", 4) == 4 and gate.proposals("b", 4) == 4  # nothing known yet
+    gate.record("a", 4, 4)
+    assert gate.proposals("a", 4) == 4 and gate.proposals("a", 2) == 2  # never more than asked
+    for _ in range(4):  # free text: one of four accepted, again and again
+        gate.record("b", 4, 1)
+    assert gate.proposals("b", 4) == 2
+    skips = []
+    for _ in range(6):  # rejected whole each time it proposes
+        gate.record("b", gate.proposals("b", 4) or 1, 0)
+        n = 0
+        while gate.proposals("b", 4) == 0:
+            n += 1
+        skips.append(n)
+    assert skips == [1, 2, 4, 8, 16, MAX_SKIP][:6] and MAX_SKIP == 16
+    gate.record("b", 1, 1)  # accepted again: no more skipping
+    assert gate.proposals("b", 4) >= 1
+    gate.retain({"a"})
+    assert gate.proposals("b", 4) == 4  # forgotten once it stopped running

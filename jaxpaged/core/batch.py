@@ -170,7 +170,8 @@ class PersistentBatch:
 # step inputs that may already live on the device (then they are not copied again): never packed,
 # passed beside the packed buffer, always — so the compiled step's signature does not depend on where
 # they are. A new input of this kind (a large per-slot mask that is all ones when unused) goes here.
-SEPARATE = ("prev_tokens", "history", "bitmask", "steering", "bias_ids", "bias_values", "draft_probs")
+SEPARATE = ("prev_tokens", "history", "bitmask", "steering", "bias_ids", "bias_values", "draft_probs",
+            "spec_bitmask", "spec_bias_ids", "spec_bias_values")
 
 
 def layout(batch: dict, sp: dict) -> tuple:

@@ -108,7 +108,8 @@ def allowed_row(ids: list[int], words: int) -> np.ndarray:
 
 
 def _samples(req, n: int) -> bool:
-    return req.num_computed_tokens + n == len(req.token_ids)
+    """The request samples this step: its chunk reaches its last token (then its proposals, if any)."""
+    return req.num_computed_tokens + n == len(req.token_ids) + len(req.spec_token_ids)
 
 
 class LogitControls:

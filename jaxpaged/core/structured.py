@@ -153,6 +153,18 @@ class StructuredOutputs:
             entry[1] += len(new)
         return entry
 
+    def matcher(self, req):
+        """The request's matcher, caught up with its output tokens (speculative decoding consumes its
+        proposals and rolls them back: spec_decode/controls.py)."""
+        return self._matcher(req)[0]
+
+    def allowed(self, req) -> np.ndarray:
+        """The bitmask row i32[W] of the request's allowed_token_ids."""
+        row = self._allowed.get(req)
+        if row is None:
+            row = self._allowed[req] = allowed_row(req.params.allowed_token_ids, self.words)
+        return row
+
     def is_complete(self, req) -> bool:
         """After a token was appended: does the grammar end here (no further token allowed), or did the
         output leave it (a token no mask allowed, e.g. forced by min_tokens)? Either finishes the request."""
@@ -164,10 +176,11 @@ class StructuredOutputs:
     def bitmask_arrays(self, scheduled, S: int) -> dict:
         """`bitmask` i32[S, W] and `any_mask` bool[] for one step's scheduled (request, tokens) pairs:
         rows of constrained requests that sample this step hold their matcher's allowed tokens, ANDed with
-        their `allowed_token_ids` (SamplingParams) if set."""
+        their `allowed_token_ids` (SamplingParams) if set (a speculating request's row is its first
+        position's; the others: spec_decode/controls.py)."""
         todo = [req for req, n in scheduled if (req.params.structured_outputs is not None
                                                  or req.params.allowed_token_ids is not None)
-                and req.num_computed_tokens + n == len(req.token_ids)]
+                and req.num_computed_tokens + n == len(req.token_ids) + len(req.spec_token_ids)]
         if not todo:
             return dict(bitmask=self.all_ones, any_mask=np.bool_(False))
         mask = self._mask
@@ -190,10 +203,7 @@ class StructuredOutputs:
             self.mask_seconds += time.perf_counter() - t0
         for r in todo:  # allowed_token_ids: the row of the allowed set (ANDed with the grammar's)
             if r.params.allowed_token_ids is not None:
-                row = self._allowed.get(r)
-                if row is None:
-                    row = self._allowed[r] = allowed_row(r.params.allowed_token_ids, self.words)
-                mask[r.slot] &= row
+                mask[r.slot] &= self.allowed(r)
         self.num_masks += len(todo)
         # a copy: the step may still read this one (CPU inputs can alias host memory) when the next is filled
         return dict(bitmask=mask.copy(), any_mask=np.bool_(True))

@@ -109,7 +109,7 @@ def check_same_config(config: EngineConfig, model_dir: str, timeout_s: float = 3
 def encode_step(key: tuple[int, bool], batch: dict, sp: dict) -> bytes:
     """(bucket key, host batch, host sampling arrays) -> bytes; device-resident inputs (the runner's
     placeholders: all -1 `history`, zero `prev_tokens`, all-ones grammar `bitmask`, unused logit-control
-    arrays) are left out and rebuilt by the follower (a multi-host engine steps synchronously, so no token
+    and speculative per-position arrays) are left out and rebuilt by the follower (a multi-host engine steps synchronously, so no token
     waits on the device)."""
     def host(d):
         return {k: v for k, v in d.items() if isinstance(v, (np.ndarray, np.generic))}
@@ -135,6 +135,8 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], 
     sp.setdefault("history", runner._no_history)
     sp.setdefault("bitmask", runner.structured.all_ones)
     for name, none in runner.controls.none.items():  # logit controls unused this step
+        sp.setdefault(name, none)
+    for name, none in (runner.positions.none.items() if runner.num_spec else ()):  # speculation's, likewise
         sp.setdefault(name, none)
     batch.setdefault("prev_tokens", runner._no_prev)
     return (header["key"][0], header["key"][1]), batch, sp

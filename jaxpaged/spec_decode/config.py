@@ -65,39 +65,30 @@ class SpeculativeConfig:
 
 
 def check_engine(cfg) -> None:
-    """Refuse, by name, the engine settings speculation does not compose with (EngineConfig, validated)."""
-    refused = [("async_scheduling", cfg.async_scheduling), ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
-               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1),
-               ("hidden_state_layers", bool(cfg.hidden_state_layers)), ("steering_layers", bool(cfg.steering_layers)),
-               ("enable_lora", cfg.enable_lora), ("batch_invariant", cfg.batch_invariant),
-               ("logprobs_mode other than raw_logprobs", cfg.logprobs_mode != "raw_logprobs")]
+    """Refuse, by name, the engine settings speculation does not compose with (EngineConfig, validated):
+    async scheduling (the host needs each step's accepted tokens before it proposes the next) and
+    batch_invariant (a speculative step's rows are not the plain step's row tiles)."""
+    refused = [("async_scheduling", cfg.async_scheduling), ("batch_invariant", cfg.batch_invariant)]
     for name, on in refused:
         if on:
-            raise ValueError(f"speculative_config is not supported with {name} (not verified yet)")
+            raise ValueError(f"speculative_config is not supported with {name}")
 
 
 def check_request(params) -> None:
-    """Refuse, by name, the sampling parameters speculation does not compose with (yet): each would need
-    state that changes along the proposed positions (token history, grammar, hidden states)."""
+    """Refuse, by name, the sampling parameters speculation does not compose with (yet)."""
     from jaxpaged.core.validation import InvalidParam
-    refused = [("presence_penalty", params.presence_penalty != 0), ("frequency_penalty", params.frequency_penalty != 0),
-               ("repetition_penalty", params.repetition_penalty != 1), ("bad_words", bool(params.bad_words)),
-               ("structured_outputs", params.structured_outputs is not None), ("n", params.n > 1),
-               ("allowed_token_ids", params.allowed_token_ids is not None),
-               ("prompt_logprobs", params.prompt_logprobs is not None),
-               ("return_hidden_states", bool(params.return_hidden_states)),
-               ("return_prompt_hidden_states", bool(params.return_prompt_hidden_states)),
-               ("return_routed_experts", bool(params.return_routed_experts))]
-    for name, on in refused:
-        if on:
-            raise InvalidParam(name, f"{name} is not supported with speculative decoding (speculative_config)")
+    if params.return_routed_experts:  # the routes of proposals would need rolling back like the pool
+        raise InvalidParam("return_routed_experts", "return_routed_experts is not supported with speculative "
+                           "decoding (speculative_config)")
 
 
 def check_draft_engine(cfg) -> None:
     """Refuse, by name, the engine settings a draft model does not compose with yet (its params and pool
-    are placed on the target's mesh, but sharded or replicated drafts are not verified)."""
+    are placed on the target's mesh, but sharded or replicated drafts are not verified; its verifier
+    reports raw logprobs of the tokens it outputs)."""
     refused = [("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
-               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1)]
+               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1),
+               ("logprobs_mode other than raw_logprobs", cfg.logprobs_mode != "raw_logprobs")]
     for name, on in refused:
         if on:
             raise ValueError(f"speculative_config with method 'draft_model' is not supported with {name} "

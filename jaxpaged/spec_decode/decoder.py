@@ -20,7 +20,7 @@ import time
 
 from jaxpaged.spec_decode.config import SpeculativeConfig
 from jaxpaged.spec_decode.draft import DraftModelProposer
-from jaxpaged.spec_decode.governor import Governor
+from jaxpaged.spec_decode.governor import Governor, RequestGate
 from jaxpaged.spec_decode.ngram import NgramProposer
 
 
@@ -33,6 +33,7 @@ class SpecDecoder:
         else:
             self.proposer = NgramProposer(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.governor = Governor()
+        self.gate = RequestGate(self.k)
         self.num_drafts = 0            # requests x steps that carried proposals
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -42,15 +43,19 @@ class SpecDecoder:
 
     def propose(self, running) -> None:
         """Set `spec_token_ids` of every running request (empty unless it decodes and speculation pays at
-        this batch size). k is capped so that no proposal lies past max_tokens or max_model_len."""
+        this batch size). k is capped so that no proposal lies past max_tokens or max_model_len, and by the
+        request's own recent acceptance (governor.RequestGate)."""
         t0 = time.perf_counter()
         on = self.governor.should_propose(len(running))
         for req in running:
             k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - len(req.token_ids))
             ready = on and k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
-            req.spec_token_ids = self.proposer.propose(req, k) if ready else []
-        self.proposer.retain({r.request_id for r in running})
+            k = self.gate.proposals(req.request_id, k) if ready else 0
+            req.spec_token_ids = self.proposer.propose(req, k) if k > 0 else []
+        ids = {r.request_id for r in running}
+        self.proposer.retain(ids)
+        self.gate.retain(ids)
         t1 = time.perf_counter()
         self.propose_seconds += t1 - t0
         self._start = t0
@@ -77,6 +82,7 @@ class SpecDecoder:
             produced += len(toks)
             if d:
                 proposed = True
+                self.gate.record(req.request_id, len(d), a)
                 self.num_drafts += 1
                 self.num_draft_tokens += len(d)
                 self.num_accepted_tokens += a

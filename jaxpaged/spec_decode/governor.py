@@ -1,13 +1,23 @@
-"""Whether speculation pays, measured: time per output token of steps with and without proposals, per
-batch-size bucket (powers of two). Where proposing is slower, the engine stops proposing at that batch
-size, and probes it again now and then (the workload may change): after PROBE_EVERY steps, and each probe
-that confirms the choice doubles the wait (up to MAX_PROBE_EVERY), so a losing choice costs ever less."""
+"""Whether speculation pays, measured, at two grains.
+
+- `Governor`, per batch-size bucket (powers of two): time per output token of steps with and without
+  proposals. Where proposing is slower, the engine stops proposing at that batch size, and probes it again
+  now and then (the workload may change): after PROBE_EVERY steps, and each probe that confirms the choice
+  doubles the wait (up to MAX_PROBE_EVERY), so a losing choice costs ever less.
+- `RequestGate`, per request: how many proposals its own recent acceptance is worth. A proposal the target
+  rejects costs a row of the step (and may push the step into a larger token bucket) for nothing, so a
+  request proposes about one more token than it has lately had accepted (a running average), and one whose
+  whole proposal was rejected skips proposing for 1, 2, 4, ... steps (up to MAX_SKIP) until one is accepted
+  again. Text that copies its prompt keeps proposing k; free text proposes little.
+"""
 from __future__ import annotations
 
 WARMUP = 3       # steps measured each way before deciding
 PROBE_EVERY = 32  # then one step in PROBE_EVERY runs the choice not taken, to keep both figures fresh
 MAX_PROBE_EVERY = 1024
 ALPHA = 0.2      # weight of a new measurement in the running averages
+GATE_ALPHA = 0.5  # weight of a request's newest acceptance count in its running average
+MAX_SKIP = 16     # the longest a request whose proposals were all rejected waits before proposing again
 
 
 class Governor:
@@ -55,3 +65,37 @@ class Governor:
         return {b: dict(tpot_with=st[0] if st[2] else None, tpot_without=st[1] if st[3] else None,
                         proposing=bool(st[3] >= WARMUP and (st[2] < WARMUP or st[0] < st[1])))
                 for b, st in sorted(self._stats.items())}
+
+
+class RequestGate:
+    def __init__(self, k: int):
+        self.k = k
+        self._state: dict[str, list] = {}  # request id -> [mean accepted, steps left to skip, last skip]
+
+    def proposals(self, request_id: str, k: int) -> int:
+        """How many of the (at most k) proposals request `request_id` should make this step (0: skip)."""
+        st = self._state.get(request_id)
+        if st is None:
+            return k
+        if st[1] > 0:
+            st[1] -= 1
+            return 0
+        return max(1, min(k, int(st[0] + 0.5) + 1))
+
+    def record(self, request_id: str, num_proposed: int, num_accepted: int) -> None:
+        """A verified step in which the request proposed `num_proposed` tokens and the target kept
+        `num_accepted` of them."""
+        if num_proposed <= 0:
+            return
+        st = self._state.setdefault(request_id, [float(self.k), 0, 0])
+        st[0] = (1 - GATE_ALPHA) * st[0] + GATE_ALPHA * num_accepted
+        if num_accepted == 0:
+            st[2] = min(max(1, 2 * st[2]), MAX_SKIP)
+            st[1] = st[2]
+        else:
+            st[2] = 0
+
+    def retain(self, request_ids: set) -> None:
+        """Forget requests no longer running."""
+        for rid in [r for r in self._state if r not in request_ids]:
+            del self._state[rid]

@@ -19,7 +19,7 @@ def ngram_propose(tokens: np.ndarray, k: int, n_min: int, n_max: int) -> np.ndar
     if k < 1 or L < n_min + 1:
         return tokens[:0]
     ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])  # [C] candidate match ends (a token follows)
-    best = -1
+    best = int(ends[-1]) if n_min <= 1 and ends.size else -1  # a match of the last token alone (n = 1)
     for j in range(1, min(n_max, L - 1)):       # grow the suffix one token to the left at a time
         ends = ends[ends >= j]
         ends = ends[tokens[ends - j] == tokens[L - 1 - j]]  # the suffix of length j + 1 still matches

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxpaged.step.research import read_hidden
+
 
 def draft_inputs(scheduled, num_slots: int, num_spec: int, draft_probs=None) -> dict:
     """The step's proposal arrays for `scheduled` [(request, tokens)]: draft_tokens i32[S, K] (-1: none),
@@ -27,6 +29,8 @@ def read_verified(step) -> dict[int, tuple[list[int], list | None]]:
     tokens = np.asarray(step.tokens)
     counts = (tokens >= 0).sum(axis=1)                                  # [S]
     result = {s: (tokens[s, :counts[s]].tolist(), None) for s in step.slots}
+    if step.hidden_plan:
+        _read_hidden(step.hidden_plan, step.hidden, counts)
     if not step.any_logprobs:
         return result
     tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)     # [S, K+1], [S, K+1, NL] x2
@@ -41,3 +45,14 @@ def read_verified(step) -> dict[int, tuple[list[int], list | None]]:
             lps.append(lp)
         result[s] = (toks, lps)
     return result
+
+
+def _read_hidden(plan, hidden, counts) -> None:
+    """Store the states of a verified step on the requests that asked: the prompt's as in a plain step,
+    and one per new token (accepted proposals and the target's next token; hidden[0] f32[S, K+1, nL, D])."""
+    rows = np.asarray(hidden[0])                                        # [S, K+1, nL, D]
+    read_hidden([(req, s, None, row, pos, m) for req, s, _, row, pos, m in plan], (rows[:, 0], hidden[1]))
+    for req, s, token, *_ in plan:
+        if token is not None:
+            for j in range(counts[s]):
+                req.hidden_states[token + j] = rows[s, j]

@@ -12,15 +12,13 @@ mass on d (n-gram lookup; q = one-hot): d is accepted with probability min(1, p(
 P(x = d), and on rejection the token is x conditioned on x != d, i.e. normalize(max(0, p - q)). So every
 position keeps the target's distribution exactly, and since the keys are those a plain run uses, a
 seeded request produces the very tokens it produces without speculation.
-
-A proposer with a full distribution q (a draft model) passes it as `draft_probs`; its rows are verified by
-general rejection sampling (rejection.py), with keys derived from the same per-position key.
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
+from jaxpaged.spec_decode.positions import position_rows, proposal_rows
 from jaxpaged.spec_decode.rejection import rejection_sample
 from jaxpaged.step.sampler import controlled_logits, processed_logits, sample, slot_rows
 
@@ -34,13 +32,15 @@ def accepted_prefix(target, drafts, num_drafts):
     return jnp.cumprod(match.astype(jnp.int32), axis=1).sum(axis=1)
 
 
-def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs: int):
+def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs: int,
+                logprobs_mode: str = "raw_logprobs"):
     """Tokens and logprobs of the step's R = len(sample_slots) rows, K + 1 = num_spec + 1 positions each.
 
     logits_fn: hidden [N, D] -> logits f32[N, V] (lm_head, sharding constraints). batch: logits_indices
     i32[S] (each slot's last row), sample_slots i32[R], draft_tokens i32[S, K], num_drafts i32[S],
-    min_tokens i32[S]; sp as `sampler.sample` takes it, per slot, and draft_probs f32[S, K, V] when the
-    proposer has a full distribution q (a draft model): then rows are verified by `rejection_sample`.
+    min_tokens i32[S]; sp as `sampler.sample` takes it, per slot, with the per-position arrays of
+    positions.py, and draft_probs f32[S, K, V] when the proposer has a full distribution q (a draft model):
+    then rows are verified by `rejection_sample`; logprobs_mode as `sample` takes it.
     Returns tokens i32[R, K+1] (-1 past each row's output: a + 1 tokens), token_logprob f32[R, K+1],
     top_logprobs f32[R, K+1, NL], top_ids i32[R, K+1, NL]. A step in which no slot proposes runs the
     plain sampler over R rows only (lax.cond: the K-fold lm_head rows are paid by speculating steps)."""
@@ -52,22 +52,17 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
     R = at.shape[0]
 
     def plain(_):
-        drawn = sample(logits_fn(h[batch["logits_indices"][at]]), slot_rows(sp, at, S), num_logprobs)
+        drawn = sample(logits_fn(h[batch["logits_indices"][at]]), slot_rows(sp, at, S), num_logprobs, logprobs_mode)
         pad = [jnp.full((R, num_spec) + a.shape[1:], -1 if i == 0 else 0, a.dtype) for i, a in enumerate(drawn)]
         return tuple(jnp.concatenate([a[:, None], p], axis=1) for a, p in zip(drawn, pad))
 
     def speculative(_):
         nd = batch["num_drafts"][at]                                  # [R]
         j = jnp.arange(K1)[None, :]                                   # [1, K+1]
-        last = batch["logits_indices"][at][:, None]                   # [R, 1] row of the last proposal
-        tok_rows = last - nd[:, None] + jnp.minimum(j, nd[:, None])   # [R, K+1] (past m: the last row again)
-        flat_at = jnp.repeat(at, K1)                                  # [R*(K+1)]
-        prow = slot_rows(sp, flat_at, S)
-        gen = prow["gen_index"] + jnp.tile(jnp.arange(K1), R)         # each position's own key and index
-        below = gen < batch["min_tokens"][flat_at]                    # min_tokens, position by position
-        prow.update(gen_index=gen, banned=jnp.where(below[:, None], prow["banned"], -1))
+        tok_rows = proposal_rows(batch["logits_indices"][at], nd, K1)  # [R, K+1] (past m: the last row again)
+        prow = position_rows(sp, batch, at, num_spec)                 # each position's key, bans, history, masks
         logits = logits_fn(h[tok_rows.reshape(-1)])                   # [R*(K+1), V]
-        drawn = sample(logits, prow, num_logprobs)
+        drawn = sample(logits, prow, num_logprobs, logprobs_mode)
         tokens, *lps = (a.reshape((R, K1) + a.shape[1:]) for a in drawn)
         if q is not None:  # proposals drawn from a full distribution: rejection sampling (rejection.py)
             return general(logits, prow, tokens, lps, nd)
@@ -75,7 +70,7 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
         tokens = jnp.where(j <= a[:, None], tokens, -1)
         return (tokens, *lps)
 
-    def general(logits, prow, drawn, lps, nd):
+    def general(logits, prow, drawn, lps, nd):  # raw logprobs only (config.check_draft_engine)
         p = jax.nn.softmax(processed_logits(controlled_logits(logits, prow), prow), axis=-1)  # [R*(K+1), V]
         tokens = rejection_sample(p.reshape(R, K1, -1), q[at], batch["draft_tokens"][at], nd, drawn,
                                   sp["seed"][at], sp["gen_index"][at], sp["temperature"][at] <= 0)

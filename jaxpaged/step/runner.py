@@ -40,6 +40,8 @@ from jaxpaged.step.sampler import sample, slot_rows
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.spec_decode.controls import PositionControls
+from jaxpaged.spec_decode.positions import verified_hidden
 from jaxpaged.spec_decode.step import draft_inputs, read_verified
 from jaxpaged.spec_decode.verify import verify_rows
 
@@ -106,7 +108,7 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
             logits = jax.lax.with_sharding_constraint(logits, sharding)
         return logits
     if num_spec:  # speculative decoding: each slot's proposals verified, [R, K+1] (jaxpaged/spec_decode/verify.py)
-        drawn = verify_rows(logits_of, h, batch, sp, num_spec, num_logprobs)
+        drawn = verify_rows(logits_of, h, batch, sp, num_spec, num_logprobs, logprobs_mode)
     else:
         logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
         draw = functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
@@ -118,7 +120,10 @@ def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_lo
                                        for a in drawn)  # back to one entry per slot
     prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
                                   logits_shardings)
-    return ((tokens, tok_lp, top_lp, top_ids, *hidden_outputs(states, batch, sp)), prompt, *routed), k_pool, v_pool
+    hidden = hidden_outputs(states, batch, sp)
+    if num_spec and hidden:  # the states of every verified position: [S, K+1, nL, D]
+        hidden = (verified_hidden(states[0], batch, num_spec), hidden[1])
+    return ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routed), k_pool, v_pool
 
 
 def _separate(batch: dict, sp: dict) -> dict:
@@ -219,6 +224,9 @@ class ModelRunner:
         self.num_spec = spec.num_speculative_tokens if spec is not None else 0  # K proposals verified per slot
         self._no_draft_probs = (self._put(np.zeros((S, self.num_spec, model_cfg.vocab_size), np.float32))
                                 if spec is not None and spec.method == "draft_model" else None)  # q [S, K, V]
+        if self.num_spec:  # masks, bans and history at each proposed position (spec_decode/controls.py)
+            self.positions = PositionControls(S, self.num_spec, self.structured.words)
+            self.positions.none = {k: self._put(v) for k, v in self.positions.none.items()}
 
     @property
     def step_params(self) -> dict:
@@ -296,6 +304,7 @@ class ModelRunner:
         self._research_inputs([], T, batch, sp)
         if self.num_spec:
             batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec, self._no_draft_probs))
+            sp.update(self.positions.none)
         return batch, sp
 
     def _hook_inputs(self, sp: dict, slots) -> None:
@@ -354,6 +363,7 @@ class ModelRunner:
         if self.num_spec:
             q = out.draft_probs if out.draft_probs is not None else self._no_draft_probs
             batch.update(draft_inputs(out.scheduled, S, self.num_spec, q))
+            sp.update(self.positions.arrays(out.scheduled, self.structured, self.controls.requests, self.batch))
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routes), self.k_pool, self.v_pool = \
@@ -368,12 +378,12 @@ class ModelRunner:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
         speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
         routed_experts.collect(step.routes_rows, step.routes)  # read back only when some request asked
+        collect(step.prompt_rows, step.prompt)
         if self.num_spec:
             return read_verified(step)
         tokens = np.asarray(step.tokens).tolist()
         if step.hidden_plan:
             read_hidden(step.hidden_plan, step.hidden)
-        collect(step.prompt_rows, step.prompt)  # read back only when some request asked
         result = {s: (tokens[s], None) for s in step.slots}
         if not step.any_logprobs:
             return result
