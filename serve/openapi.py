@@ -32,11 +32,14 @@ _COMMON_RULES = [
     {"code": "invalid_token_id", "rule": "logit_bias keys must be token ids below the vocabulary size"},
     {"code": "structured_outputs_unsupported", "rule": "constrained output (structured_outputs, a non-text "
      "response_format, tool_choice required or named) needs a tokenizer llguidance can read"},
+    {"code": "routed_experts_unsupported", "rule": "return_routed_experts needs a mixture-of-experts model "
+     "(Mixtral, Qwen3-MoE, OLMoE)"},
 ]
 COMPLETION_RULES = _COMMON_RULES + [
     {"code": "empty_prompt", "rule": "every prompt must have at least one token once tokenized "
      "(a string of only whitespace may have none)"},
     {"code": "invalid_combination", "rule": "best_of must equal n"},
+    {"code": "invalid_combination", "rule": "return_routed_experts needs stream false and one prompt"},
 ]
 CHAT_RULES = _COMMON_RULES + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
@@ -44,6 +47,7 @@ CHAT_RULES = _COMMON_RULES + [
     {"code": "invalid_combination", "rule": "at most one of structured_outputs, a non-text response_format "
      "and tool_choice required or named; tool_choice other than none needs tools; a named tool_choice "
      "must name one of the tools"},
+    {"code": "invalid_combination", "rule": "return_routed_experts needs stream false"},
 ]
 
 

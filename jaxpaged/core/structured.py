@@ -62,7 +62,8 @@ class StructuredOutputsParams:
             want = {"json": "a JSON schema (object or string)", "regex": "a string",
                     "grammar": "a non-empty string", "choice": "a non-empty list of non-empty strings",
                     "json_object": "true"}[kind]
-            raise InvalidParam(name, f"{name} must be {want}, got {v!r}"[:300])
+            raise InvalidParam(name, f"{name} must be {want}, got {v!r}"[:300],
+                               code="invalid_grammar" if kind == "grammar" else None)
         self._kind, self._grammar = kind, _compile(kind, v, name)
 
     @property

@@ -25,7 +25,8 @@ def check_params(params, model_cfg) -> None:
     """Refuse return_routed_experts on a model without experts (InvalidParam names the field)."""
     if params.return_routed_experts and not model_cfg.num_experts:
         raise InvalidParam("return_routed_experts", "return_routed_experts needs a mixture-of-experts model "
-                                                    "(Mixtral, Qwen3-MoE, OLMoE); this model has no experts")
+                                                    "(Mixtral, Qwen3-MoE, OLMoE); this model has no experts",
+                           code="routed_experts_unsupported")
 
 
 def plan(scheduled, asking) -> list[tuple]:
