@@ -93,3 +93,18 @@ def add_tiny_tokenizer(path: str, vocab_size: int = 300) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)
+
+
+def one_prompt_decoder_inputs(path: str, cfg, prompt: list[int]):
+    """(params, pool, batch) for calling `llama.decoder` directly on one prompt: the model's float32
+    parameters as jax arrays, a zero pool of 2 blocks of 16 per layer, the prompt in block 1 of slot 0."""
+    import jax.numpy as jnp
+    from jaxpaged.checkpoints.weights import load_params
+    params = {k: (jnp.asarray(v) if k != "layers" else {n: jnp.asarray(a) for n, a in v.items()})
+              for k, v in load_params(path, cfg, "float32").items()}
+    pool = jnp.zeros((cfg.num_layers * 2, 16, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    n = len(prompt)
+    batch = dict(input_ids=jnp.array(prompt, jnp.int32), positions=jnp.arange(n, dtype=jnp.int32),
+                 slot_mapping=jnp.arange(n, dtype=jnp.int32) + 16, block_tables=jnp.array([[1]], jnp.int32),
+                 seq_lens=jnp.array([n], jnp.int32), query_start_loc=jnp.array([0, n], jnp.int32))
+    return params, pool, batch

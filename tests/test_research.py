@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from models import make_tiny_model
+from models import make_tiny_model, one_prompt_decoder_inputs
 from oracle import hf_model
 
 LAYERS = [0, 2, 3]   # embeddings, output of layer 1, final norm (3 layers)
@@ -140,7 +140,6 @@ def test_hooks_inside_a_layer_pattern(tmp_path):
     from jaxpaged import ModelConfig
     from jaxpaged.step.attention import make_attention
     from jaxpaged.models.llama import decoder
-    from jaxpaged.checkpoints.weights import load_params
     path = make_tiny_model(str(tmp_path / "gemma3"), "gemma3", seed=3)
     cfg = ModelConfig.from_dir(path)
     assert cfg.layer_period == 3 and cfg.num_layers == 4
@@ -148,12 +147,7 @@ def test_hooks_inside_a_layer_pattern(tmp_path):
     rng = np.random.default_rng(10)
     steering = {1: rng.normal(0, 1, 64).astype(np.float32), 3: rng.normal(0, 1, 64).astype(np.float32)}
     capture = (0, 1, 2, 3, 4)
-    params = {k: (jnp.asarray(v) if k != "layers" else {n: jnp.asarray(a) for n, a in v.items()})
-              for k, v in load_params(path, cfg, "float32").items()}
-    pool = jnp.zeros((cfg.num_layers * 2, 16, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    batch = dict(input_ids=jnp.array(p, jnp.int32), positions=jnp.arange(len(p), dtype=jnp.int32),
-                 slot_mapping=jnp.arange(len(p), dtype=jnp.int32) + 16, block_tables=jnp.array([[1]], jnp.int32),
-                 seq_lens=jnp.array([len(p)], jnp.int32), query_start_loc=jnp.array([0, len(p)], jnp.int32))
+    params, pool, batch = one_prompt_decoder_inputs(path, cfg, p)
     vec = jnp.broadcast_to(jnp.stack([steering[1], steering[3]]), (len(p), 2, 64))  # [T, nS, D]
     *_, states = decoder(params, cfg, pool, pool, batch, make_attention("reference", False), capture=capture,
                          steer=(1, 3), steering=vec)

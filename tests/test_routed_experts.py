@@ -9,7 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxpaged import LLM, SamplingParams
-from models import make_tiny_model
+from models import make_tiny_model, one_prompt_decoder_inputs
 from oracle import hf_greedy, hf_routed_experts
 
 BS = 4
@@ -161,21 +161,13 @@ def test_server(tiny_models, engine_kwargs, tmp_path):
 
 def test_decoder_routes_in_layer_order_around_hooks(tmp_path):
     """The pure decoder: a capture hook splits the layer scan in two; the ids still come in layer order."""
-    import jax.numpy as jnp
-
     from jaxpaged import ModelConfig
-    from jaxpaged.checkpoints.weights import load_params
     from jaxpaged.models.llama import decoder
     from jaxpaged.step.attention import make_attention
     path = make_tiny_model(str(tmp_path / "mixtral3"), "mixtral", num_layers=3, seed=5)
     cfg = ModelConfig.from_dir(path)
     p = _prompts(4, (13,))[0]
-    params = {k: (jnp.asarray(v) if k != "layers" else {n: jnp.asarray(a) for n, a in v.items()})
-              for k, v in load_params(path, cfg, "float32").items()}
-    pool = jnp.zeros((cfg.num_layers * 2, 16, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    batch = dict(input_ids=jnp.array(p, jnp.int32), positions=jnp.arange(len(p), dtype=jnp.int32),
-                 slot_mapping=jnp.arange(len(p), dtype=jnp.int32) + 16, block_tables=jnp.array([[1]], jnp.int32),
-                 seq_lens=jnp.array([len(p)], jnp.int32), query_start_loc=jnp.array([0, len(p)], jnp.int32))
+    params, pool, batch = one_prompt_decoder_inputs(path, cfg, p)
     *_, states, ids = decoder(params, cfg, pool, pool, batch, make_attention("reference", False), capture=(2,),
                               routes=True)
     assert states.shape == (len(p), 1, cfg.hidden_size)

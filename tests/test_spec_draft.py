@@ -14,6 +14,7 @@ import pytest
 from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.spec_decode import rejection
 from jaxpaged.spec_decode.rejection import rejection_sample
+from test_spec_decode import AlwaysPropose
 
 CRITICAL = {5: 20.52, 6: 22.46, 7: 24.32}  # chi-square, df -> 99.9th percentile
 
@@ -130,18 +131,6 @@ def _prompts():
     prompts = [[int(t) for t in rng.integers(3, 300, size=n)] for n in (1, 6, 17, 40)]
     prompts += [shared + [int(t) for t in rng.integers(3, 300, size=n)] for n in (3, 12)] + [shared]
     return [{"prompt_token_ids": p} for p in prompts]
-
-
-class AlwaysPropose:
-    """A governor that always lets the engine propose (tests need the speculative path on every step)."""
-    def should_propose(self, batch_size):
-        return True
-
-    def record(self, *args):
-        pass
-
-    def summary(self):
-        return {}
 
 
 def _draft_llm(models, engine_kwargs, draft, k=3, **over):
