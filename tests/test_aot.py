@@ -83,7 +83,7 @@ def test_abstract_step_compiles_like_the_engine():
     cfg = EngineConfig(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
                        compilation_cache_dir=None, attention_backend="reference")
     runner = abstract_runner(mc, cfg, make_mesh(1), num_blocks=32)
-    assert runner.variants() == [(8, False), (16, False)]
+    assert runner.variants() == [(8, False, False), (16, False, False)]
     steps = compile_steps(runner, [(8, False)])
     exe = steps[(8, False)]
     assert exe.memory_analysis() is not None and exe.cost_analysis()

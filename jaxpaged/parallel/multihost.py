@@ -100,14 +100,17 @@ def check_same_config(config: EngineConfig, model_dir: str, timeout_s: float = 3
         theirs = json.loads(client.blocking_key_value_get(f"{CONFIG_KEY}{p}", int(timeout_s * 1000)))
         diffs += [f"{k} (process {config.process_id}: {mine[k]!r}, process {p}: {theirs.get(k)!r})"
                   for k in mine if mine[k] != theirs.get(k)]
+    # every process has read every fingerprint before any leaves: process 0 hosts the coordination service,
+    # and if it raised at once, a slower process would find the service gone instead of the difference
+    client.wait_at_barrier("jaxpaged/config-checked", int(timeout_s * 1000))
     if diffs:
         raise ValueError("settings differ between the processes of the multi-host job (they must match): "
                          + "; ".join(diffs))
 
 
 # -- the step message --------------------------------------------------------------------------------
-def encode_step(key: tuple[int, bool], batch: dict, sp: dict) -> bytes:
-    """(bucket key, host batch, host sampling arrays) -> bytes; device-resident inputs (the runner's
+def encode_step(key: tuple[int, bool, bool], batch: dict, sp: dict) -> bytes:
+    """(step variant (T, decode_only, verify), host batch, host sampling arrays) -> bytes; device-resident inputs (the runner's
     placeholders: all -1 `history`, zero `prev_tokens`, all-ones grammar `bitmask`, unused logit-control
     and speculative per-position arrays) are left out and rebuilt by the follower (a multi-host engine steps synchronously, so no token
     waits on the device)."""
@@ -115,13 +118,13 @@ def encode_step(key: tuple[int, bool], batch: dict, sp: dict) -> bytes:
         return {k: v for k, v in d.items() if isinstance(v, (np.ndarray, np.generic))}
     arrays = {f"b.{k}": np.asarray(v) for k, v in host(batch).items()}
     arrays.update({f"s.{k}": np.asarray(v) for k, v in host(sp).items()})
-    header = json.dumps({"key": [int(key[0]), bool(key[1])],
+    header = json.dumps({"key": [int(key[0]), bool(key[1]), bool(key[2])],
                          "arrays": [[k, a.dtype.str, a.shape] for k, a in arrays.items()]}).encode()
     body = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
     return zlib.compress(len(header).to_bytes(4, "little") + header + body, 1)
 
 
-def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], dict, dict]:
+def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool, bool], dict, dict]:
     raw = zlib.decompress(message)
     n = int.from_bytes(raw[:4], "little")
     header = json.loads(raw[4:4 + n])
@@ -136,10 +139,11 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool], 
     sp.setdefault("bitmask", runner.structured.all_ones)
     for name, none in runner.controls.none.items():  # logit controls unused this step
         sp.setdefault(name, none)
-    for name, none in (runner.positions.none.items() if runner.num_spec else ()):  # speculation's, likewise
+    key = tuple(header["key"])
+    for name, none in (runner.positions.none.items() if key[2] else ()):  # a verifying step's, likewise
         sp.setdefault(name, none)
     batch.setdefault("prev_tokens", runner._no_prev)
-    return (header["key"][0], header["key"][1]), batch, sp
+    return key, batch, sp
 
 
 class StepChannel:

@@ -25,9 +25,10 @@ from jaxpaged.spec_decode.ngram import NgramProposer
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner=None):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner):
         self.k = cfg.num_speculative_tokens
         self.max_model_len = max_model_len
+        self.runner = runner  # its token buckets: what a proposal costs depends on the bucket it lands in
         if cfg.method == "draft_model":  # its params and pool beside the target's (runner: mesh, blocks)
             self.proposer = DraftModelProposer(cfg.model, runner, cfg.num_speculative_tokens)
         else:
@@ -42,23 +43,39 @@ class SpecDecoder:
         self._start = 0.0              # when the step in flight began proposing
 
     def propose(self, running) -> None:
-        """Set `spec_token_ids` of every running request (empty unless it decodes and speculation pays at
-        this batch size). k is capped so that no proposal lies past max_tokens or max_model_len, and by the
-        request's own recent acceptance (governor.RequestGate)."""
+        """Set `spec_token_ids` of every running request (empty unless it decodes). k is capped so that no
+        proposal lies past max_tokens or max_model_len, and by the request's own recent acceptance
+        (governor.RequestGate). Proposals that fit the padding of the token bucket the step takes anyway
+        cost little (the verifier computes only real rows: verify.py); more of them, which push the step
+        into a larger bucket, are made only where the governor measured that this pays at this batch size;
+        the padding goes first to the requests whose proposals are accepted most."""
         t0 = time.perf_counter()
-        on = self.governor.should_propose(len(running))
+        room = None if self.governor.should_propose(len(running)) else self._padding(running)
+        asks = []
         for req in running:
             k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - len(req.token_ids))
-            ready = on and k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
-            k = self.gate.proposals(req.request_id, k) if ready else 0
+            ready = k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
+            asks.append((self.gate.proposals(req.request_id, k) if ready else 0, req))
+        if room is not None:
+            asks.sort(key=lambda a: -a[0])
+        for k, req in asks:
+            k = k if room is None else min(k, room)
             req.spec_token_ids = self.proposer.propose(req, k) if k > 0 else []
+            if room is not None:
+                room -= len(req.spec_token_ids)
         ids = {r.request_id for r in running}
         self.proposer.retain(ids)
         self.gate.retain(ids)
         t1 = time.perf_counter()
         self.propose_seconds += t1 - t0
         self._start = t0
+
+    def _padding(self, running) -> int:
+        """The rows of padding in the token bucket of the step the running requests take without proposals."""
+        plain = min(sum(len(r.token_ids) - r.num_computed_tokens for r in running),
+                    self.runner.cfg.max_num_batched_tokens)
+        return self.runner.bucket_for(plain) - plain if plain else 0
 
     def fill(self, out) -> None:
         """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
@@ -73,7 +90,8 @@ class SpecDecoder:
         """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
         Returns (slot -> (target's next token, its logprobs), request -> number of new tokens) and rewrites
         `out.scheduled` to the tokens kept."""
-        plain, new, proposed, produced = {}, {}, False, 0
+        plain, new, produced = {}, {}, 0
+        larger = self.runner.bucket_for(out.num_tokens) > self.runner.bucket_for(len(out.scheduled))  # see record
         decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
                        for r, n in out.scheduled)
         for i, (req, n) in enumerate(out.scheduled):
@@ -81,7 +99,6 @@ class SpecDecoder:
             d, a = req.spec_token_ids, len(toks) - 1
             produced += len(toks)
             if d:
-                proposed = True
                 self.gate.record(req.request_id, len(d), a)
                 self.num_drafts += 1
                 self.num_draft_tokens += len(d)
@@ -95,8 +112,9 @@ class SpecDecoder:
                 req.spec_token_ids = []
             new[req] = len(toks)
             plain[req.slot] = (toks[-1], lps[-1] if lps else None)
-        if decoding:  # a step of decodes only (no prefill chunk): its time per token is the governor's figure
-            self.governor.record(len(out.scheduled), proposed, time.perf_counter() - self._start, produced)
+        if decoding:  # a step of decodes only (no prefill chunk): its time per token is the governor's figure,
+            # as a step whose proposals took a larger token bucket than the decodes alone, or not
+            self.governor.record(len(out.scheduled), larger, time.perf_counter() - self._start, produced)
         return plain, new
 
     @staticmethod

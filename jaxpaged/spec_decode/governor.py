@@ -1,9 +1,12 @@
 """Whether speculation pays, measured, at two grains.
 
-- `Governor`, per batch-size bucket (powers of two): time per output token of steps with and without
-  proposals. Where proposing is slower, the engine stops proposing at that batch size, and probes it again
-  now and then (the workload may change): after PROBE_EVERY steps, and each probe that confirms the choice
-  doubles the wait (up to MAX_PROBE_EVERY), so a losing choice costs ever less.
+- `Governor`, per batch-size bucket (powers of two): time per output token of decode steps whose
+  proposals pushed the step into a larger token bucket than its decodes alone take, and of steps that
+  stayed in it (with no proposals, or only as many as the bucket's padding holds: those the engine always
+  makes, decoder.py). Where the larger bucket is slower per token, the engine keeps proposals within the
+  padding at that batch size, and probes the larger bucket again now and then (the workload may change):
+  after PROBE_EVERY steps, and each probe that confirms the choice doubles the wait (up to
+  MAX_PROBE_EVERY), so a losing choice costs ever less.
 - `RequestGate`, per request: how many proposals its own recent acceptance is worth. A proposal the target
   rejects costs a row of the step (and may push the step into a larger token bucket) for nothing, so a
   request proposes about one more token than it has lately had accepted (a running average), and one whose
@@ -34,6 +37,7 @@ class Governor:
         return self._stats.setdefault(self.bucket(batch_size), [0.0, 0.0, 0, 0, PROBE_EVERY, PROBE_EVERY, None])
 
     def should_propose(self, batch_size: int) -> bool:
+        """Whether this step's proposals may take a larger token bucket than its decodes alone."""
         st = self._bucket_stats(batch_size)
         if st[3] < WARMUP:
             return False
@@ -51,7 +55,8 @@ class Governor:
         return not choice
 
     def record(self, batch_size: int, proposed: bool, seconds: float, num_output_tokens: int) -> None:
-        """A decode step of `batch_size` requests that took `seconds` (proposing included) for its tokens."""
+        """A decode step of `batch_size` requests that took `seconds` (proposing included) for its tokens;
+        proposed: its proposals took a larger token bucket than its decodes alone."""
         if num_output_tokens <= 0:
             return
         st = self._bucket_stats(batch_size)

@@ -42,8 +42,8 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
     positions.py, and draft_probs f32[S, K, V] when the proposer has a full distribution q (a draft model):
     then rows are verified by `rejection_sample`; logprobs_mode as `sample` takes it.
     Returns tokens i32[R, K+1] (-1 past each row's output: a + 1 tokens), token_logprob f32[R, K+1],
-    top_logprobs f32[R, K+1, NL], top_ids i32[R, K+1, NL]. A step in which no slot proposes runs the
-    plain sampler over R rows only (lax.cond: the K-fold lm_head rows are paid by speculating steps)."""
+    top_logprobs f32[R, K+1, NL], top_ids i32[R, K+1, NL]. The runner compiles this verifying step beside
+    the plain one and runs it only when some scheduled request proposes (runner.variants)."""
     K1 = num_spec + 1
     sp = dict(sp)
     q = sp.pop("draft_probs", None)                                   # f32[S, K, V] or absent (one-hot)
@@ -51,32 +51,39 @@ def verify_rows(logits_fn, h, batch: dict, sp: dict, num_spec: int, num_logprobs
     at = jnp.minimum(rows, S - 1)                                     # [R]
     R = at.shape[0]
 
-    def plain(_):
-        drawn = sample(logits_fn(h[batch["logits_indices"][at]]), slot_rows(sp, at, S), num_logprobs, logprobs_mode)
-        pad = [jnp.full((R, num_spec) + a.shape[1:], -1 if i == 0 else 0, a.dtype) for i, a in enumerate(drawn)]
-        return tuple(jnp.concatenate([a[:, None], p], axis=1) for a, p in zip(drawn, pad))
+    nd = batch["num_drafts"][at]                                      # [R]
+    j = jnp.arange(K1)[None, :]                                       # [1, K+1]
+    tok_rows = proposal_rows(batch["logits_indices"][at], nd, K1)  # [R, K+1] (past m: the last row again)
+    prow = position_rows(sp, batch, at, num_spec)                 # each position's key, bans, history, masks
+    # lm_head and the sampler run only on the N real positions (a slot's last token and its m proposals,
+    # packed in front): at most one per scheduled token, so N = min(T, R*(K+1)) rows, not R*(K+1)
+    real = ((j <= nd[:, None]) & (rows < S)[:, None]).reshape(-1)  # [R*(K+1)]
+    sel = jnp.nonzero(real, size=min(h.shape[0], R * K1), fill_value=R * K1)[0]  # [N] (R*(K+1): none)
+    pick = jnp.minimum(sel, R * K1 - 1)
+    logits = logits_fn(h[tok_rows.reshape(-1)[pick]])             # [N, V]
+    drawn = sample(logits, _rows_at(prow, pick, R * K1), num_logprobs, logprobs_mode)
+    tokens, *lps = (_unpack(a, sel, R, K1) for a in drawn)        # [R, K+1, ...] (unused positions: 0)
+    if q is None:  # proposals with all their mass on one token (n-gram): the longest matching prefix
+        a = accepted_prefix(tokens, batch["draft_tokens"][at], nd)  # [R]
+        return (jnp.where(j <= a[:, None], tokens, -1), *lps)
+    # proposals drawn from a full distribution q (a draft model, raw logprobs only: config.check_draft_engine):
+    # rejection sampling (rejection.py) on the target's distributions p at every position
+    logits = _unpack(logits, sel, R, K1).reshape(R * K1, -1)         # [R*(K+1), V]
+    p = jax.nn.softmax(processed_logits(controlled_logits(logits, prow), prow), axis=-1)
+    out = rejection_sample(p.reshape(R, K1, -1), q[at], batch["draft_tokens"][at], nd, tokens,
+                           sp["seed"][at], sp["gen_index"][at], sp["temperature"][at] <= 0)
+    tok_lp = jax.lax.cond(sp["any_logprobs"], lambda: jnp.take_along_axis(  # of the tokens output
+        jax.nn.log_softmax(logits, axis=-1), jnp.maximum(out, 0).reshape(-1, 1), axis=-1).reshape(R, K1),
+        lambda: lps[0])
+    return (out, tok_lp, *lps[1:])
 
-    def speculative(_):
-        nd = batch["num_drafts"][at]                                  # [R]
-        j = jnp.arange(K1)[None, :]                                   # [1, K+1]
-        tok_rows = proposal_rows(batch["logits_indices"][at], nd, K1)  # [R, K+1] (past m: the last row again)
-        prow = position_rows(sp, batch, at, num_spec)                 # each position's key, bans, history, masks
-        logits = logits_fn(h[tok_rows.reshape(-1)])                   # [R*(K+1), V]
-        drawn = sample(logits, prow, num_logprobs, logprobs_mode)
-        tokens, *lps = (a.reshape((R, K1) + a.shape[1:]) for a in drawn)
-        if q is not None:  # proposals drawn from a full distribution: rejection sampling (rejection.py)
-            return general(logits, prow, tokens, lps, nd)
-        a = accepted_prefix(tokens, batch["draft_tokens"][at], nd)    # [R]
-        tokens = jnp.where(j <= a[:, None], tokens, -1)
-        return (tokens, *lps)
 
-    def general(logits, prow, drawn, lps, nd):  # raw logprobs only (config.check_draft_engine)
-        p = jax.nn.softmax(processed_logits(controlled_logits(logits, prow), prow), axis=-1)  # [R*(K+1), V]
-        tokens = rejection_sample(p.reshape(R, K1, -1), q[at], batch["draft_tokens"][at], nd, drawn,
-                                  sp["seed"][at], sp["gen_index"][at], sp["temperature"][at] <= 0)
-        tok_lp = jax.lax.cond(sp["any_logprobs"], lambda: jnp.take_along_axis(  # of the tokens output
-            jax.nn.log_softmax(logits, axis=-1), jnp.maximum(tokens, 0).reshape(-1, 1), axis=-1).reshape(R, K1),
-            lambda: lps[0])
-        return (tokens, tok_lp, *lps[1:])
+def _rows_at(prow: dict, pick, num_rows: int) -> dict:
+    """The per-row sampler inputs (leading axis num_rows) at rows `pick` i32[N]; the flags (0-d) kept."""
+    return {k: v[pick] if jnp.ndim(v) and v.shape[0] == num_rows else v for k, v in prow.items()}
 
-    return jax.lax.cond(batch["num_drafts"].any(), speculative, plain, None)
+
+def _unpack(a, sel, R: int, K1: int):
+    """[N, ...] values of the packed positions `sel` -> [R, K+1, ...], zeros where no position was computed."""
+    full = jnp.zeros((R * K1,) + a.shape[1:], a.dtype).at[sel].set(a, mode="drop")
+    return full.reshape((R, K1) + a.shape[1:])

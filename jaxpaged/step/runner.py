@@ -70,6 +70,7 @@ class Launched:
     any_logprobs: bool = True  # some scheduled request asked for logprobs (else none are read back)
     routes: object = None  # MoE models: the experts each token was routed to, i32[T, L, k] (routed_experts.py)
     routes_rows: list = field(default_factory=list)  # routed_experts.plan: the requests that asked
+    verified: bool = False  # the verifying variant ran (some request proposed): tokens i32[S, K+1]
 
 
 def unpack(packed, layout) -> tuple[dict, dict]:
@@ -203,7 +204,7 @@ class ModelRunner:
             self.k_pool, self.v_pool = zeros(), zeros()
         self.buckets = token_buckets(cfg.max_num_batched_tokens)
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
-        self._compiled: dict[tuple[int, bool], object] = {}
+        self._compiled: dict[tuple[int, bool, bool], object] = {}  # (T, decode_only, verify) -> executable
         self.compiler_options = step_compiler_options(self.dtype, cfg.kv_cache_dtype, self.platform)
         self.compile_seconds = 0.0
         S = cfg.max_num_seqs
@@ -240,26 +241,33 @@ class ModelRunner:
         return place(arr, self.mesh, REPLICATED)
 
     # -- compilation ----------------------------------------------------------------------
-    def variants(self) -> list[tuple[int, bool]]:
-        v = [(t, False) for t in self.buckets]
+    def variants(self) -> list[tuple[int, bool, bool]]:
+        """The step's compiled variants, (T, decode_only, verify): one per token bucket; with a decode kernel,
+        one per bucket a decode-only step fits; with speculative decoding, the verifying step per bucket,
+        run when some scheduled request proposes (a step without proposals runs the plain one)."""
+        v = [(t, False, False) for t in self.buckets]
         if self.backend in DECODE_KERNELS:  # decode-only steps use the backend's decode kernel
-            v += [(t, True) for t in self.buckets if t <= max(self.cfg.max_num_seqs, self.buckets[0])]
+            v += [(t, True, False) for t in self.buckets if t <= max(self.cfg.max_num_seqs, self.buckets[0])]
+        if self.num_spec:
+            v += [(t, False, True) for t in self.buckets]
         return v
 
     @property
     def num_compilations(self) -> int:
         return len(self._compiled)
 
-    def compiled_step(self, key: tuple[int, bool]):
-        """The compiled step of bucket `key` = (T, decode_only), compiling it if needed."""
+    def compiled_step(self, key: tuple):
+        """The compiled step of variant `key` = (T, decode_only[, verify: default False]), compiling it if
+        needed."""
+        key = (*key, False)[:3]
         return self._compiled.get(key) or self._compile(*key)
 
-    def _compile(self, T: int, decode_only: bool):
-        host = self._dummy(T)
+    def _compile(self, T: int, decode_only: bool, verify: bool = False):
+        host = self._dummy(T, verify)
         fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
                                attn_fn=self._attention(decode_only),
                                logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
-                               num_spec=self.num_spec, routes=bool(self.model_cfg.num_experts),
+                               num_spec=self.num_spec if verify else 0, routes=bool(self.model_cfg.num_experts),
                                **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
                                                                           steer=self.batch.hooks.steer)))
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
@@ -277,7 +285,7 @@ class ModelRunner:
                                out_shardings=(rep, pool, pool)).lower(
                 self.step_params, self.k_pool, self.v_pool, packed, extra).compile(self.compiler_options)
         self.compile_seconds += time.perf_counter() - t0
-        self._compiled[(T, decode_only)] = compiled
+        self._compiled[(T, decode_only, verify)] = compiled
         return compiled
 
     def _attention(self, decode_only: bool):
@@ -290,10 +298,10 @@ class ModelRunner:
         """Compile every step variant now (persistently cached on disk across starts)."""
         todo = [v for v in self.variants() if v not in self._compiled]
         from tqdm.auto import tqdm
-        for T, d in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
-            self._compile(T, d)
+        for key in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
+            self._compile(*key)
 
-    def _dummy(self, T: int):
+    def _dummy(self, T: int, verify: bool = False):
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
         batch, sp = empty.prepare([], T)
         if self.lora is not None:
@@ -302,7 +310,7 @@ class ModelRunner:
         sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
         self._hook_inputs(sp, [])
         self._research_inputs([], T, batch, sp)
-        if self.num_spec:
+        if verify:
             batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec, self._no_draft_probs))
             sp.update(self.positions.none)
         return batch, sp
@@ -360,11 +368,12 @@ class ModelRunner:
         slots = [req.slot for req, _ in out.scheduled]
         self._hook_inputs(sp, slots)
         rows = self._research_inputs(out.scheduled, T, batch, sp)
-        if self.num_spec:
+        verify = self.num_spec > 0 and any(req.spec_token_ids for req, _ in out.scheduled)
+        if verify:  # some request proposes: the verifying variant (else the plain step, at a plain step's cost)
             q = out.draft_probs if out.draft_probs is not None else self._no_draft_probs
             batch.update(draft_inputs(out.scheduled, S, self.num_spec, q))
             sp.update(self.positions.arrays(out.scheduled, self.structured, self.controls.requests, self.batch))
-        key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]))
+        key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]), verify)
         inputs = self._device_inputs(batch, sp)
         ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routes), self.k_pool, self.v_pool = \
             self.compiled_step(key)(self.step_params, self.k_pool, self.v_pool, *inputs)
@@ -372,15 +381,22 @@ class ModelRunner:
         return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
                         prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]),
                         routes=routes[0] if routes else None,
-                        routes_rows=routed_experts.plan(out.scheduled, self._routes_requests) if routes else [])
+                        routes_rows=routed_experts.plan(out.scheduled, self._routes_requests) if routes else [],
+                        verified=verify)
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
         speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
         routed_experts.collect(step.routes_rows, step.routes)  # read back only when some request asked
         collect(step.prompt_rows, step.prompt)
-        if self.num_spec:
+        if step.verified:
             return read_verified(step)
+        result = self._read_sampled(step)
+        if self.num_spec:  # a step without proposals, in the verified steps' form
+            return {s: ([tok], None if lp is None else [lp]) for s, (tok, lp) in result.items()}
+        return result
+
+    def _read_sampled(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         tokens = np.asarray(step.tokens).tolist()
         if step.hidden_plan:
             read_hidden(step.hidden_plan, step.hidden)
