@@ -3,10 +3,12 @@
 One worker subprocess per config (vllm_plain, vllm_ngram_k2, vllm_ngram_k4, ...), run one after another
 under --vllm-python (scripts/bench_vllm.py says how to install vLLM's CPU build): each starts one
 `vllm.LLM` (max_num_seqs = the largest batch size; speculative_config ngram with bench_spec's lookup window
-2..5), warms it with one `generate`, then for every (workload, batch size) makes `repeats` passes over the
-requests. Batches are static as on jaxpaged's side: a pass calls `generate` once per batch of b requests,
-so the next requests start when the batch ends. Requests are the very prompt token ids jaxpaged gets,
-greedy, EOS ignored, min_tokens = max_tokens = the output length. Only `generate` is timed.
+2..5), warms it with one `generate` (the first batch's prompts reversed) and empties its prefix cache, then
+for every (workload, batch size) makes `repeats` passes over the requests, prefix caching on as in
+jaxpaged's engines (later passes, and batch sizes that share requests, find the prompts cached on both).
+Batches are static as on jaxpaged's side: a pass calls `generate` once per batch of b requests, so the
+next requests start when the batch ends. Requests are the very prompt token ids jaxpaged gets, greedy,
+EOS ignored, min_tokens = max_tokens = the output length. Only `generate` is timed.
 
 Unlike jaxpaged's configs, which alternate pass by pass in one process, vLLM's run back to back: each
 engine reserves gpu_memory_utilization of host memory on its CPU backend, and three at once do not fit.
@@ -103,19 +105,24 @@ def _worker(job_path: str, out_path: str) -> None:
                    [vllm.SamplingParams(max_tokens=m, min_tokens=m, temperature=0.0, ignore_eos=True)
                     for m in case["output_lens"][s:s + b]])
 
-    first = next(iter(job["cases"].values()))
-    llm.generate(*next(batches(first)), use_tqdm=False)  # warm-up
+    prompts, params = next(batches(next(iter(job["cases"].values()))))
+    # warm-up on the reversed prompts, then forget them: the first pass starts cold, as jaxpaged's does
+    llm.generate([{"prompt_token_ids": p["prompt_token_ids"][::-1]} for p in prompts], params, use_tqdm=False)
+    llm.reset_prefix_cache()
     results = {}
     for key, case in job["cases"].items():
-        acc = dict(elapsed_s=0.0, output_tokens=0)
+        acc = dict(elapsed_s=0.0, output_tokens=0, elapsed_s_per_pass=[])
         for _ in range(job["repeats"]):
+            elapsed = 0.0
             for prompts, params in batches(case):
                 before = _spec_counts(llm)
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, params, use_tqdm=False)
-                acc["elapsed_s"] += time.perf_counter() - t0
+                elapsed += time.perf_counter() - t0
                 acc["output_tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
                 _add(acc, before, _spec_counts(llm))
+            acc["elapsed_s"] += elapsed
+            acc["elapsed_s_per_pass"].append(elapsed)
         results[key] = acc
     with open(out_path, "w") as f:
         json.dump(dict(cases=results, version=getattr(vllm, "__version__", "unknown")), f)

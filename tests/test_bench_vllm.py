@@ -43,6 +43,9 @@ class LLM:
             f.write(json.dumps(dict(prompts=prompts, params=[p.kw for p in params])) + "\\n")
         self.drafts += len(prompts) if self.k else 0
         return [_Req(p.kw["max_tokens"]) for p in params]
+    def reset_prefix_cache(self):
+        with open(os.environ["STAND_IN_LOG"], "a") as f:
+            f.write(json.dumps(dict(reset_prefix_cache=True)) + "\\n")
     def get_metrics(self):
         out = [_Metric("vllm:num_requests_running", value=0)]
         if self.k:

@@ -45,17 +45,19 @@ def test_vllm_side_through_a_stand_in(tmp_path, monkeypatch):
         dict(method="ngram", prompt_lookup_min=2, prompt_lookup_max=5, num_speculative_tokens=k) for k in (2, 3)]
     assert all(i["max_num_seqs"] == 2 and i["disable_log_stats"] is False and i["dtype"] == "float32"
                for i in inits)
-    calls = [ln for ln in lines if "prompts" in ln]
-    # per engine: a warm-up, then 2 passes of 3 batches of 1 and 2 passes of 2 batches of at most 2
-    assert [len(c["prompts"]) for c in calls] == ([1] + [1, 1, 1] * 2 + [2, 1] * 2) * 3
-    assert [c["prompts"][0]["prompt_token_ids"] for c in calls[1:4]] == [[5, 6, 7], [8, 9], [10]]
+    calls = [ln for ln in lines if "init" not in ln]
+    # per engine: a warm-up on the first batch reversed, the prefix cache emptied, then 2 passes of 3
+    # batches of 1 and 2 passes of 2 batches of at most 2
+    assert [len(c.get("prompts", [])) for c in calls] == ([1, 0] + [1, 1, 1] * 2 + [2, 1] * 2) * 3
+    assert calls[0]["prompts"][0]["prompt_token_ids"] == [7, 6, 5] and calls[1] == {"reset_prefix_cache": True}
+    assert [c["prompts"][0]["prompt_token_ids"] for c in calls[2:5]] == [[5, 6, 7], [8, 9], [10]]
     assert all(p["min_tokens"] == p["max_tokens"] and p["ignore_eos"] and p["temperature"] == 0
-               for c in calls for p in c["params"])
+               for c in calls for p in c.get("params", []))
     assert set(got) == set(cases)
     for case in cases:
         per_c = got[case]
         assert list(per_c) == ["vllm_plain", "vllm_ngram_k2", "vllm_ngram_k3"]
-        assert all(r["output_tokens"] == 2 * 9 for r in per_c.values())
+        assert all(r["output_tokens"] == 2 * 9 and len(r["elapsed_s_per_pass"]) == 2 for r in per_c.values())
         assert "acceptance_rate_per_pos" not in per_c["vllm_plain"]
         k3 = per_c["vllm_ngram_k3"]  # the warm-up's draft is not counted
         assert k3["spec_decode_num_drafts"] == 6 and k3["spec_decode_num_draft_tokens"] == 18
