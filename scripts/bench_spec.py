@@ -164,7 +164,7 @@ def main(argv=None) -> dict:
     model_dir = bc.resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    method = ({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5} if args.method == "ngram"
+    method = (bench_vllm_spec.NGRAM if args.method == "ngram"  # the lookup window both sides use
               else {"method": "draft_model", "model": bc.resolve_model(args.draft)})
     configs = [("plain", None)] + [(f"{args.method}_k{k}", {**method, "num_speculative_tokens": k}) for k in ks]
     tok = Tokenizer.from_dir(model_dir)

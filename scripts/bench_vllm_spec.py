@@ -27,7 +27,7 @@ import json
 import sys
 import time
 
-NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5}  # jaxpaged's n-gram side too
 
 
 def configs(ks: list[int]) -> list[tuple[str, dict | None]]:
