@@ -2,6 +2,7 @@
 
     python scripts/bench_spec.py --json docs/results/spec.json
     python scripts/bench_spec.py --method draft_model --draft DIR --json docs/results/spec_draft.json
+    python scripts/bench_spec.py --vllm --vllm-python ~/vllm-venv/bin/python --json docs/results/spec_vllm.json
 
 Two workloads on the default model (greedy, chat template): (a) input-grounded — the model is asked to
 repeat / lightly rewrite a paragraph of this repository's docs, so outputs copy spans of the prompt; (b)
@@ -10,6 +11,10 @@ when the batch ends) and each k: time per output token and throughput, plain vs 
 acceptance per position, and the governor's decision (jaxpaged/spec_decode/governor.py). Greedy outputs
 with speculation equal the plain ones token for token (tests/test_spec_decode.py). Only generation is
 timed: engines are built and warmed before.
+
+--vllm: vLLM's offline LLM runs the same requests first, plain and with its n-gram proposer for each k
+(rows vllm_plain, vllm_ngram_k2, ...; scripts/bench_vllm_spec.py says how), each row also as a ratio to
+jaxpaged's plain; when vLLM cannot be imported under --vllm-python the note says why and only jaxpaged runs.
 """
 from __future__ import annotations
 
@@ -17,6 +22,9 @@ import argparse
 import os
 
 import bench_common as bc
+import bench_vllm
+import bench_vllm_spec
+from jaxpaged.core.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = ["Why is the sky blue?", "Give three tips for staying healthy.", "What is a neural network?",
@@ -43,6 +51,8 @@ def _paragraphs(n: int) -> list[str]:
 
 
 def _workload(tok, kind: str, n: int, output_len: int) -> list:
+    if tok is None:
+        raise SystemExit("--model: the workloads are chat prompts; this model directory has no tokenizer")
     if kind == "grounded":
         texts = [ASKS[i % len(ASKS)].format(p) for i, p in enumerate(_paragraphs(n))]
     else:
@@ -95,7 +105,35 @@ def _summary(acc: dict) -> dict:
     return r
 
 
-def main(argv=None) -> dict:
+def _vllm_side(model_dir: str, cases: dict, batch_sizes: list[int], ks: list[int], args) -> tuple[dict, str]:
+    """vLLM on the same requests: ({(workload, b): {config: summary}}, the note's sentence about vLLM)."""
+    if not args.vllm:
+        return {}, "vLLM not measured (--vllm runs its n-gram side by side)"
+    why = bench_vllm.unavailable(args)
+    if why:
+        bc.say(why)
+        return {}, why
+    from jaxpaged.config import default_cache_dir
+    export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
+    keyed = {f"{w}/{b}": (reqs, b) for (w, b), reqs in cases.items()}
+    per_config, version = bench_vllm_spec.run_configs(model_dir, keyed, batch_sizes, ks, args, export)
+    out = {case: {name: _summary(got[f"{case[0]}/{case[1]}"]) for name, got in per_config.items()} for case in cases}
+    return out, (f"vLLM {version} ran the same requests (dtype {args.vllm_dtype or args.dtype}, "
+                 f"OMP_NUM_THREADS={args.vllm_threads} bound to {args.vllm_cpu_bind}, one generate per static "
+                 "batch, its configs back to back in their own workers)")
+
+
+def _add_ratios(per_c: dict) -> None:
+    """ratio_to_plain: time per token over its own engine's plain (jaxpaged's or vLLM's); vLLM's rows also
+    ratio_to_jaxpaged_plain."""
+    for name, r in per_c.items():
+        own = "vllm_plain" if name.startswith("vllm_") else "plain"
+        r["ratio_to_plain"] = r["time_per_output_token_s"] / per_c[own]["time_per_output_token_s"]
+        if own == "vllm_plain":
+            r["ratio_to_jaxpaged_plain"] = r["time_per_output_token_s"] / per_c["plain"]["time_per_output_token_s"]
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--ks", default="2,4", help="num_speculative_tokens values")
@@ -109,17 +147,31 @@ def main(argv=None) -> dict:
                     "as --model takes; the target's vocabulary)")
     ap.add_argument("--control", action="store_true", help="also a speculative engine (the largest k) that "
                     "never proposes: what the speculative step costs when nobody speculates")
+    ap.add_argument("--vllm", action="store_true", help="also vLLM plain and n-gram (each k) on the same requests, "
+                    "in workers under --vllm-python (--method ngram only)")
     bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
+    bench_vllm.add_args(ap, dtype="float32")
+    return ap
+
+
+def main(argv=None) -> dict:
+    ap = _parser()
     args = ap.parse_args(argv)
     if (args.method == "draft_model") != (args.draft is not None):
         ap.error("--draft DIR goes with --method draft_model (and only with it)")
+    if args.vllm and args.method != "ngram":
+        ap.error("--vllm compares vLLM's n-gram proposer: it goes with --method ngram")
     model_dir = bc.resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    method = ({"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 5} if args.method == "ngram"
+    method = (bench_vllm_spec.NGRAM if args.method == "ngram"  # the lookup window both sides use
               else {"method": "draft_model", "model": bc.resolve_model(args.draft)})
     configs = [("plain", None)] + [(f"{args.method}_k{k}", {**method, "num_speculative_tokens": k}) for k in ks]
-    results = {w: {str(b): {} for b in batch_sizes} for w in args.workloads.split(",")}
+    tok = Tokenizer.from_dir(model_dir)
+    cases = {(w, b): _workload(tok, w, args.requests_per_batch_size or max(b, 4), args.output_len)
+             for w in args.workloads.split(",") for b in batch_sizes}
+    # vLLM first: its worker does not start beside this process's engines (bench_throughput.py found)
+    vllm_results, vllm_note = _vllm_side(model_dir, cases, batch_sizes, ks, args)
     engines = {}
     for name, spec in configs:  # all built first: the runs below alternate, so a change of load hits all
         engines[name] = bc.build_llm(model_dir, args, speculative_config=spec, max_num_seqs=max(batch_sizes))
@@ -130,33 +182,29 @@ def main(argv=None) -> dict:
                                                   max_num_seqs=max(batch_sizes))
         engines["never_proposing"].engine.spec.governor = _NeverPropose()
         bc.warm_up(engines["never_proposing"].engine, engines["never_proposing"].engine.model_config.vocab_size)
-    tok = engines["plain"].tokenizer
-    for w in results:
-        for b in batch_sizes:
-            n = args.requests_per_batch_size or max(b, 4)
-            reqs = _workload(tok, w, n, args.output_len)
-            acc = {name: {} for name in engines}
-            for rep in range(args.repeats):
-                for name, llm in engines.items():
-                    _run(llm, reqs, b, acc[name])
-                    bc.say(f"{w} batch {b} pass {rep}: {name} {acc[name]['elapsed_s'] / acc[name]['output_tokens'] * 1e3:.2f} ms/token so far")
-            results[w][str(b)] = {name: _summary(a) for name, a in acc.items()}
+    results = {w: {} for w, _ in cases}
+    for (w, b), reqs in cases.items():
+        acc = {name: {} for name in engines}
+        for rep in range(args.repeats):
+            for name, llm in engines.items():
+                _run(llm, reqs, b, acc[name])
+                ms = acc[name]["elapsed_s"] / acc[name]["output_tokens"] * 1e3
+                bc.say(f"{w} batch {b} pass {rep}: {name} {ms:.2f} ms/token so far")
+        results[w][str(b)] = {name: _summary(a) for name, a in acc.items()} | vllm_results.get((w, b), {})
     rows = []
     for w, per_b in results.items():
         for b, per_c in per_b.items():
-            base = per_c["plain"]["time_per_output_token_s"]
+            _add_ratios(per_c)
             for name, r in per_c.items():
-                r["ratio_to_plain"] = r["time_per_output_token_s"] / base
                 rows.append([w, b, name, r["time_per_output_token_s"] * 1e3, r["output_tokens_per_s"],
-                             r["ratio_to_plain"], r.get("mean_accepted_per_draft", "-"),
+                             r["ratio_to_plain"], r.get("ratio_to_jaxpaged_plain", "-"),
+                             r.get("mean_accepted_per_draft", "-"),
                              " ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_pos", [])) or "-"])
-    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "acc/draft",
-                          "accept rate per pos"]))
-    out = dict(results=results, machine=bc.machine_info(), note=bc.TIMING_NOTE + "; vLLM not measured: it is "
-               "not installed here (no CPU build in this environment)", args=vars(args))
+    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "x jaxpaged plain",
+                          "acc/draft", "accept rate per pos"]))
+    out = dict(results=results, machine=bc.machine_info(), note=f"{bc.TIMING_NOTE}; {vllm_note}", args=vars(args))
     bc.write_json(args.json, out)
     return out
-
 
 if __name__ == "__main__":
     main()

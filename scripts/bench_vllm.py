@@ -33,14 +33,15 @@ import tempfile
 import time
 
 
-def add_args(ap) -> None:
+def add_args(ap, dtype: str | None = None) -> None:
+    """The vLLM options; `dtype`: --vllm-dtype's default (None: follow --dtype)."""
     g = ap.add_argument_group("vllm backend")
     g.add_argument("--vllm-python", default=sys.executable,
                    help="interpreter that can `import vllm` (e.g. a separate venv's bin/python)")
     g.add_argument("--vllm-threads", type=int, default=2, help="OMP_NUM_THREADS for vLLM (default 2)")
     g.add_argument("--vllm-cpu-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (default 0-1)")
-    g.add_argument("--vllm-dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="vLLM's dtype (default: --dtype), e.g. --dtype bfloat16 --vllm-dtype float32")
+    g.add_argument("--vllm-dtype", default=dtype, choices=["float32", "bfloat16", "float16"],
+                   help=f"vLLM's dtype (default: {dtype or '--dtype'}), e.g. --dtype bfloat16 --vllm-dtype float32")
     g.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's gpu_memory_utilization: on its CPU backend the fraction of host memory it "
                         "reserves (default 0.3: its 0.92 refuses to start beside other processes, and its "
@@ -49,10 +50,6 @@ def add_args(ap) -> None:
 
 def vllm_env(args) -> dict:
     return dict(os.environ, OMP_NUM_THREADS=str(args.vllm_threads), VLLM_CPU_OMP_THREADS_BIND=args.vllm_cpu_bind)
-
-
-def vllm_command(python: str, job: str, out: str) -> list[str]:
-    return [python, os.path.abspath(__file__), job, out]
 
 
 def unavailable(args) -> str | None:
@@ -89,21 +86,17 @@ def hf_dir_for(model_dir: str, export_root: str) -> str:
     return out
 
 
-def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
-    """Run the workload through vLLM in a subprocess; the summary as the other backends give it."""
-    import bench_common as bc
-    dtype = args.vllm_dtype or args.dtype
-    job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
-               max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
-               max_num_batched_tokens=args.max_num_batched_tokens,
-               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-               prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
+def call_worker(args, job: dict, export_root: str, script: str = __file__) -> dict:
+    """Run `script JOB.json OUT.json` under --vllm-python with vLLM's environment; its OUT.json.
+
+    On failure the worker's whole output goes to `<export_root>/vllm-worker.log` and the run stops.
+    """
     with tempfile.TemporaryDirectory() as d:
         job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        p = subprocess.run(vllm_command(args.vllm_python, job_path, out_path), env=vllm_env(args), text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        cmd = [args.vllm_python, os.path.abspath(script), job_path, out_path]
+        p = subprocess.run(cmd, env=vllm_env(args), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if p.returncode:  # the root cause is often far above the last lines: keep the whole log
             log_path = os.path.join(export_root, "vllm-worker.log")
             os.makedirs(export_root, exist_ok=True)
@@ -113,7 +106,19 @@ def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
             raise SystemExit(f"vllm worker failed (exit {p.returncode}); its whole output: {log_path}\n"
                              + "\n".join(errors) + "\n...\n" + p.stdout[-1500:])
         with open(out_path) as f:
-            got = json.load(f)
+            return json.load(f)
+
+
+def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
+    """Run the workload through vLLM in a subprocess; the summary as the other backends give it."""
+    import bench_common as bc
+    dtype = args.vllm_dtype or args.dtype
+    job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
+               max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
+               max_num_batched_tokens=args.max_num_batched_tokens,
+               gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+               prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
+    got = call_worker(args, job, export_root)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
     return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, omp_num_threads=args.vllm_threads,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,

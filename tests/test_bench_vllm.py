@@ -1,5 +1,6 @@
 """bench_throughput.py --backend vllm: skipped with a message when vLLM cannot be imported, and run through
-a stand-in `vllm` package (vLLM itself is not installed here): the command, its environment, the job."""
+a stand-in `vllm` package (vLLM itself is not installed here): the command, its environment, the job.
+The stand-in also serves tests/test_bench_vllm_spec.py."""
 import json
 import os
 import sys
@@ -25,15 +26,35 @@ class _Out:
 class _Req:
     def __init__(self, n):
         self.outputs = [_Out(n)]
+class _Metric:
+    def __init__(self, name, **kw):
+        self.name, self.labels = name, {}
+        self.__dict__.update(kw)
 class LLM:
+    """Speculating (speculative_config given), every request makes one draft; its first token is accepted."""
     def __init__(self, **kw):
+        self.k = (kw.get("speculative_config") or {}).get("num_speculative_tokens", 0)
+        self.drafts = 0
         with open(os.environ["STAND_IN_LOG"], "a") as f:
             f.write(json.dumps(dict(init=kw, omp=os.environ.get("OMP_NUM_THREADS"),
                                     bind=os.environ.get("VLLM_CPU_OMP_THREADS_BIND"))) + "\\n")
     def generate(self, prompts, params, use_tqdm=True):
         with open(os.environ["STAND_IN_LOG"], "a") as f:
             f.write(json.dumps(dict(prompts=prompts, params=[p.kw for p in params])) + "\\n")
+        self.drafts += len(prompts) if self.k else 0
         return [_Req(p.kw["max_tokens"]) for p in params]
+    def reset_prefix_cache(self):
+        with open(os.environ["STAND_IN_LOG"], "a") as f:
+            f.write(json.dumps(dict(reset_prefix_cache=True)) + "\\n")
+    def get_metrics(self):
+        out = [_Metric("vllm:num_requests_running", value=0)]
+        if self.k:
+            d = self.drafts
+            out += [_Metric("vllm:spec_decode_num_drafts", value=d),
+                    _Metric("vllm:spec_decode_num_draft_tokens", value=d * self.k),
+                    _Metric("vllm:spec_decode_num_accepted_tokens", value=d),
+                    _Metric("vllm:spec_decode_num_accepted_tokens_per_pos", values=[d] + [0] * (self.k - 1))]
+        return out
 '''
 
 
@@ -80,9 +101,6 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
                for p in timed["params"])
     assert r["output_tokens"] == sum(lens) and r["num_requests"] == 3 and r["vllm_version"] == "stand-in"
     assert len(timed["prompts"]) == 3 and all(4 <= len(p["prompt_token_ids"]) <= 8 for p in timed["prompts"])
-    cmd = bench_vllm.vllm_command("/venv/bin/python", "job.json", "out.json")
-    assert cmd[0] == "/venv/bin/python" and cmd[1].endswith("scripts/bench_vllm.py")
-    assert cmd[2:] == ["job.json", "out.json"]
 
 
 def test_converted_model_exported_for_vllm(tmp_path):
