@@ -108,6 +108,35 @@ def test_ngram_greedy_equals_plain(model, engine_kwargs, plain):
     _all_blocks_free(llm)
 
 
+class NeverLarger(AlwaysPropose):
+    """A governor that never lets proposals take a larger token bucket than the step's decodes alone."""
+    def should_propose(self, batch_size):
+        return False
+
+
+def test_proposals_within_padding_and_the_plain_variant(model, engine_kwargs, plain):
+    """Where the governor refuses a larger bucket, requests still propose into the bucket's padding (outputs
+    unchanged); a step in which some request proposes runs the verifying variant, any other the plain one."""
+    llm = _spec_llm(model, engine_kwargs)
+    llm.engine.spec.governor = NeverLarger()
+    runner, steps = llm.engine.runner, []
+    assert sorted(runner.variants()) == sorted((t, False, v) for t in runner.buckets for v in (False, True))
+    launch = runner.launch
+
+    def spy(out, *args, **kwargs):
+        step = launch(out, *args, **kwargs)
+        proposed = sum(len(req.spec_token_ids) for req, _ in out.scheduled)
+        steps.append((runner.bucket_for(out.num_tokens), runner.bucket_for(out.num_tokens - proposed),
+                      proposed, step.verified))
+        return step
+    runner.launch = spy
+    assert _tokens(llm, GREEDY, _prompts()[3:]) == plain[1][3:]  # 5 requests: 3 rows of padding in bucket 8
+    assert all(bucket == without for bucket, without, _, _ in steps)  # never a larger bucket
+    assert all(verified == (proposed > 0) for *_, proposed, verified in steps)
+    assert any(v for *_, v in steps) and not all(v for *_, v in steps)
+    assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("over", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=16)],
                          ids=["plain-paths", "preemption+chunked+prefix"])
 def test_verified_runs_equal_plain(model, engine_kwargs, plain, over):
