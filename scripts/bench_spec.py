@@ -61,15 +61,12 @@ def _workload(tok, kind: str, n: int, output_len: int) -> list:
 
 
 class _NeverPropose:
-    """A governor that never lets the engine propose (--control)."""
-    def should_propose(self, batch_size):
-        return False
+    """A proposer that never proposes (--control): the speculative engine's cost where nobody speculates."""
+    def propose(self, req, k):
+        return []
 
-    def record(self, *args):
+    def retain(self, request_ids):
         pass
-
-    def summary(self):
-        return {}
 
 
 def _spec_counts(eng) -> dict:
@@ -180,7 +177,7 @@ def main(argv=None) -> dict:
         spec = dict(configs[-1][1])
         engines["never_proposing"] = bc.build_llm(model_dir, args, speculative_config=spec,
                                                   max_num_seqs=max(batch_sizes))
-        engines["never_proposing"].engine.spec.governor = _NeverPropose()
+        engines["never_proposing"].engine.spec.proposer = _NeverPropose()
         bc.warm_up(engines["never_proposing"].engine, engines["never_proposing"].engine.model_config.vocab_size)
     results = {w: {} for w, _ in cases}
     for (w, b), reqs in cases.items():

@@ -224,7 +224,8 @@ def error_checks(path: str) -> dict:
 
 def spec_checks(workdir: str) -> dict:
     """Speculative decoding at DP 2 x TP 2 (each replica on 2 devices): the plain TP=1 tokens (greedy and seeded), the
-    proposals being the plain continuation with every third one wrong (accepted runs and rejections)."""
+    proposals being the plain continuation with every third one wrong (accepted runs and rejections), or a
+    draft model's (the target itself, sharded like it)."""
     from jaxpaged import LLM, SamplingParams
     from models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "spec"), "llama", num_heads=8, num_kv_heads=4, head_dim=8, seed=4)
@@ -253,11 +254,14 @@ def spec_checks(workdir: str) -> dict:
             pass
 
     out = {"plain": [list(t.values()) for t in truth]}
-    for name, kw in (("dp2tp2", dict(tensor_parallel_size=2, data_parallel_size=2)),):
-        llm = LLM(model=path, **engine_kwargs(speculative_config=spec, **kw))
+    draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}  # the target as its own draft
+    for name, sc in (("dp2tp2", spec), ("draft_dp2tp2", draft)):
+        llm = LLM(model=path, **engine_kwargs(speculative_config=sc, tensor_parallel_size=2, data_parallel_size=2))
         engines = getattr(llm.engine, "engines", [llm.engine])
         for e in engines:
-            e.spec.proposer, e.spec.governor = Oracle(), Always()
+            e.spec.governor = Always()
+            if sc is spec:
+                e.spec.proposer = Oracle()
         got = []
         for p, t in zip(params, truth):
             Oracle.table = t

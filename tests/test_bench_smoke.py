@@ -216,6 +216,16 @@ def test_latency(common, out_dir):
     assert _json(path)["rows"] == out["rows"]
 
 
+def test_bench_step_parts(common, out_dir):
+    """bench_step_parts: the lone step and each part timed, the rest what the parts leave of the step."""
+    import bench_step_parts
+    out = bench_step_parts.main([*common, "--output-len", "6", "--repeats", "2", "--json", str(out_dir / "parts.json")])
+    parts = ("step_ms", "layer_products_ms", "lm_head_ms", "read_all_weights_ms")
+    assert all(out[k] > 0 for k in parts) and out["weight_bytes"] > 0 and out["tokens"] == 8
+    assert out["rest_ms"] == out["step_ms"] - out["layer_products_ms"] - out["lm_head_ms"]
+    assert json.load(open(out_dir / "parts.json"))["machine"]
+
+
 def test_hf_model_from_converted_dir(model, tmp_path):
     """The hf backend loads the engine's converted format onto transformers' model: same logits."""
     import torch

@@ -136,11 +136,17 @@ def test_ngram_proposer_with_controls(pair):
 
 def test_tensor_and_data_parallel(tmp_path):
     """DP 2 x TP 2 on 8 simulated devices (a subprocess: tests/tensor_parallel_checks.py spec):
-    the plain TP=1 tokens, greedy and seeded with a penalty, through preemption and chunked prefill."""
+    the plain TP=1 tokens, greedy and seeded with a penalty, through preemption and chunked prefill, with
+    n-gram-style proposals and with a draft model."""
     from test_tensor_parallel import _checks
     f = _checks(tmp_path, "spec")["spec"]
     assert f["dp2tp2"]["tokens"] == f["plain"]
     assert 0 < f["dp2tp2"]["accepted"] < f["dp2tp2"]["drafted"] and f["dp2tp2"]["replicas_used"] == 2
+    # a draft model on each replica's mesh (the target as its own draft): greedy tokens are the plain ones;
+    # seeded ones need not be (the draft's q has no penalties: exact in distribution, not token for token)
+    d = f["draft_dp2tp2"]
+    assert d["tokens"][0] == f["plain"][0] and [len(t) for t in d["tokens"][1]] == [len(t) for t in f["plain"][1]]
+    assert d["accepted"] >= 0.5 * d["drafted"] > 0 and d["replicas_used"] == 2
 
 
 @pytest.mark.parametrize("mode", ["processed_logprobs", pytest.param("processed_logits", marks=pytest.mark.slow),

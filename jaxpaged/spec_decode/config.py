@@ -83,13 +83,12 @@ def check_request(params) -> None:
 
 
 def check_draft_engine(cfg) -> None:
-    """Refuse, by name, the engine settings a draft model does not compose with yet (its params and pool
-    are placed on the target's mesh, but sharded or replicated drafts are not verified; its verifier
-    reports raw logprobs of the tokens it outputs)."""
-    refused = [("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
-               ("data_parallel_size > 1", cfg.data_parallel_size > 1), ("num_processes > 1", cfg.num_processes > 1),
+    """Refuse, by name, the engine settings a draft model does not compose with yet: a multi-host job (the
+    draft runs its own compiled function each step, which the followers' step message does not carry) and
+    logprobs modes other than raw (its verifier reports raw logprobs of the tokens it outputs). Tensor and
+    data parallelism compose: the draft's params and pool sit on each replica's mesh like the target's."""
+    refused = [("num_processes > 1", cfg.num_processes > 1),
                ("logprobs_mode other than raw_logprobs", cfg.logprobs_mode != "raw_logprobs")]
     for name, on in refused:
         if on:
-            raise ValueError(f"speculative_config with method 'draft_model' is not supported with {name} "
-                             "(not verified yet)")
+            raise ValueError(f"speculative_config with method 'draft_model' is not supported with {name}")
