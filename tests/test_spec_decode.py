@@ -35,8 +35,9 @@ def _prompts():
 
 
 class AlwaysPropose:
-    """A governor that always lets the engine propose (tests need the speculative path on every step)."""
-    def should_propose(self, batch_size):
+    """A governor that always lets proposals take a larger token bucket (tests need every request to propose
+    on every step)."""
+    def allow_larger(self, *args):
         return True
 
     def record(self, *args):
@@ -110,7 +111,7 @@ def test_ngram_greedy_equals_plain(model, engine_kwargs, plain):
 
 class NeverLarger(AlwaysPropose):
     """A governor that never lets proposals take a larger token bucket than the step's decodes alone."""
-    def should_propose(self, batch_size):
+    def allow_larger(self, *args):
         return False
 
 
@@ -293,24 +294,23 @@ def test_metrics_exported():
     assert {"jaxpaged:spec_decode_num_drafts", "jaxpaged:spec_decode_num_draft_tokens"} <= set(got)
 
 
-def test_governor_stops_proposing_where_it_loses():
-    from jaxpaged.spec_decode.governor import PROBE_EVERY, WARMUP, Governor
+def test_governor_takes_a_larger_bucket_where_it_pays():
+    """A larger token bucket is taken when the expected accepted tokens outweigh its time: after each bucket
+    was measured (the smaller first), E > n * (time(T') / time(T) - 1)."""
+    from jaxpaged.spec_decode.governor import WARMUP, Governor
     g = Governor()
-    assert not g.should_propose(1)                   # time without proposals is measured first
+    assert not g.allow_larger(16, 16, 32, 100.0)         # the step without it is measured first
     for _ in range(WARMUP):
-        g.record(1, False, 0.030, 1)
-        g.record(16, False, 0.100, 16)
-    assert g.should_propose(1) and g.should_propose(12)  # then with them (12 and 16 share a bucket)
+        g.record(16, 0.040)
+    assert g.allow_larger(16, 16, 32, 0.0)               # then the larger one, whatever is expected
     for _ in range(WARMUP):
-        g.record(1, True, 0.040, 3)                  # 13 ms a token against 30: pays
-        g.record(16, True, 0.300, 20)                # 15 ms a token against 6.2: loses
-    n = 7 * PROBE_EVERY                              # probes after 32, 32 + 64 and 32 + 64 + 128 steps
-    assert sum(g.should_propose(1) for _ in range(n)) == n - 3   # plain only to re-measure
-    assert sum(g.should_propose(16) for _ in range(n)) == 3      # proposals only to re-measure
-    assert g.summary()[1]["proposing"] and not g.summary()[16]["proposing"]
-    for _ in range(10):
-        g.record(16, True, 0.060, 20)                # the workload changed: now 3 ms a token with them
-    assert sum(g.should_propose(16) for _ in range(PROBE_EVERY)) == PROBE_EVERY - 1  # probes come soon again
+        g.record(32, 0.060)                              # 1.5x the time: 16 decodes need 8 more tokens
+    assert not g.allow_larger(16, 16, 32, 7.5) and g.allow_larger(16, 16, 32, 8.5)
+    assert g.allow_larger(4, 16, 32, 2.5) and not g.allow_larger(4, 16, 32, 1.5)  # 4 decodes: 2 more
+    for _ in range(30):
+        g.record(32, 0.044)                              # the larger step got cheaper (running average)
+    assert g.allow_larger(16, 16, 32, 2.0)
+    assert g.summary()[16]["steps"] == WARMUP and abs(g.summary()[32]["step_seconds"] - 0.044) < 1e-3
 
 
 def test_request_gate_follows_each_requests_acceptance():
@@ -324,6 +324,7 @@ def test_request_gate_follows_each_requests_acceptance():
     for _ in range(4):  # free text: one of four accepted, again and again
         gate.record("b", 4, 1)
     assert gate.proposals("b", 4) == 2
+    assert 1 < gate.expected("b", 4) < 1.5 and gate.expected("a", 4) == 4 and gate.expected("new", 3) == 3
     skips = []
     for _ in range(6):  # rejected whole each time it proposes
         gate.record("b", gate.proposals("b", 4) or 1, 0)

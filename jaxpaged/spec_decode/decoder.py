@@ -47,16 +47,16 @@ class SpecDecoder:
         proposal lies past max_tokens or max_model_len, and by the request's own recent acceptance
         (governor.RequestGate). Proposals that fit the padding of the token bucket the step takes anyway
         cost little (the verifier computes only real rows: verify.py); more of them, which push the step
-        into a larger bucket, are made only where the governor measured that this pays at this batch size;
-        the padding goes first to the requests whose proposals are accepted most."""
+        into a larger bucket, are made only where the governor expects that to pay (governor.Governor);
+        else the padding goes first to the requests whose proposals are accepted most."""
         t0 = time.perf_counter()
-        room = None if self.governor.should_propose(len(running)) else self._padding(running)
         asks = []
         for req in running:
             k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - len(req.token_ids))
             ready = k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
             asks.append((self.gate.proposals(req.request_id, k) if ready else 0, req))
+        room = self._room(running, asks)
         if room is not None:
             asks.sort(key=lambda a: -a[0])
         for k, req in asks:
@@ -71,11 +71,20 @@ class SpecDecoder:
         self.propose_seconds += t1 - t0
         self._start = t0
 
-    def _padding(self, running) -> int:
-        """The rows of padding in the token bucket of the step the running requests take without proposals."""
-        plain = min(sum(len(r.token_ids) - r.num_computed_tokens for r in running),
-                    self.runner.cfg.max_num_batched_tokens)
-        return self.runner.bucket_for(plain) - plain if plain else 0
+    def _room(self, running, asks) -> int | None:
+        """How many proposals this step may carry: None (all asked) when they fit the padding of the token
+        bucket the running requests take without them, or the governor lets them take a larger one; else
+        that padding."""
+        budget = self.runner.cfg.max_num_batched_tokens
+        plain = min(sum(len(r.token_ids) - r.num_computed_tokens for r in running), budget)
+        if not plain:
+            return 0
+        bucket, asked = self.runner.bucket_for(plain), sum(k for k, _ in asks)
+        if plain + asked <= bucket:
+            return None
+        expected = sum(self.gate.expected(req.request_id, k) for k, req in asks if k)
+        larger = self.runner.bucket_for(min(plain + asked, budget))
+        return None if self.governor.allow_larger(len(running), bucket, larger, expected) else bucket - plain
 
     def fill(self, out) -> None:
         """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
@@ -90,14 +99,12 @@ class SpecDecoder:
         """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
         Returns (slot -> (target's next token, its logprobs), request -> number of new tokens) and rewrites
         `out.scheduled` to the tokens kept."""
-        plain, new, produced = {}, {}, 0
-        larger = self.runner.bucket_for(out.num_tokens) > self.runner.bucket_for(len(out.scheduled))  # see record
+        plain, new = {}, {}
         decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
                        for r, n in out.scheduled)
         for i, (req, n) in enumerate(out.scheduled):
             toks, lps = sampled[req.slot]
             d, a = req.spec_token_ids, len(toks) - 1
-            produced += len(toks)
             if d:
                 self.gate.record(req.request_id, len(d), a)
                 self.num_drafts += 1
@@ -112,9 +119,8 @@ class SpecDecoder:
                 req.spec_token_ids = []
             new[req] = len(toks)
             plain[req.slot] = (toks[-1], lps[-1] if lps else None)
-        if decoding:  # a step of decodes only (no prefill chunk): its time per token is the governor's figure,
-            # as a step whose proposals took a larger token bucket than the decodes alone, or not
-            self.governor.record(len(out.scheduled), larger, time.perf_counter() - self._start, produced)
+        if decoding:  # a step of decodes only (no prefill chunk): its time is the governor's figure
+            self.governor.record(self.runner.bucket_for(out.num_tokens), time.perf_counter() - self._start)
         return plain, new
 
     @staticmethod
@@ -126,7 +132,7 @@ class SpecDecoder:
 
     def stats(self) -> dict:
         """vLLM's counters (spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens, accepted
-        per position), the host time proposing, and the governor's figures per batch-size bucket."""
+        per position), the host time proposing, and the governor's decode step time per token bucket."""
         return dict(spec_decode_num_drafts=self.num_drafts, spec_decode_num_draft_tokens=self.num_draft_tokens,
                     spec_decode_num_accepted_tokens=self.num_accepted_tokens,
                     spec_decode_num_accepted_tokens_per_pos=list(self.accepted_per_pos),
