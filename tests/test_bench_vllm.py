@@ -83,13 +83,19 @@ def test_skipped_with_a_message(tmp_path):
     assert "cannot run" in out["skipped"]["vllm"]
 
 
-def test_runs_through_a_stand_in(tmp_path, monkeypatch):
-    model = _config_only(tmp_path / "m")
+def use_stand_in(tmp_path, monkeypatch):
+    """Put the stand-in `vllm` package first on the workers' PYTHONPATH; returns the file it logs to."""
     (tmp_path / "fake" / "vllm").mkdir(parents=True)
     (tmp_path / "fake" / "vllm" / "__init__.py").write_text(STAND_IN)
     log = tmp_path / "log.jsonl"
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake") + os.pathsep + os.environ.get("PYTHONPATH", ""))
     monkeypatch.setenv("STAND_IN_LOG", str(log))
+    return log
+
+
+def test_runs_through_a_stand_in(tmp_path, monkeypatch):
+    model = _config_only(tmp_path / "m")
+    log = use_stand_in(tmp_path, monkeypatch)
     out = bench_throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--dtype", "float32"))
     r = out["results"]["vllm"]
     init, warm, timed = [json.loads(line) for line in log.read_text().splitlines()]

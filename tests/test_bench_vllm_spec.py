@@ -12,7 +12,7 @@ sys.path.insert(0, SCRIPTS)
 
 import bench_common as bc  # noqa: E402
 import bench_spec  # noqa: E402
-from test_bench_vllm import STAND_IN, _config_only  # noqa: E402
+from test_bench_vllm import _config_only, use_stand_in  # noqa: E402
 
 
 def test_vllm_side_off_or_skipped(tmp_path):
@@ -29,11 +29,7 @@ def test_vllm_side_off_or_skipped(tmp_path):
 
 def test_vllm_side_through_a_stand_in(tmp_path, monkeypatch):
     model = _config_only(tmp_path / "m")
-    (tmp_path / "fake" / "vllm").mkdir(parents=True)
-    (tmp_path / "fake" / "vllm" / "__init__.py").write_text(STAND_IN)
-    log = tmp_path / "log.jsonl"
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    log = use_stand_in(tmp_path, monkeypatch)
     reqs = [bc.Req([5, 6, 7], 3), bc.Req([8, 9], 4), bc.Req([10], 2)]
     cases = {("grounded", 1): reqs, ("grounded", 2): reqs}
     args = bench_spec._parser().parse_args(["--vllm", "--repeats", "2", "--ks", "2,3"])

@@ -296,20 +296,20 @@ def test_metrics_exported():
 
 def test_governor_takes_a_larger_bucket_where_it_pays():
     """A larger token bucket is taken when the expected accepted tokens outweigh its time: after each bucket
-    was measured (the smaller first), E > n * (time(T') / time(T) - 1)."""
-    from jaxpaged.spec_decode.governor import WARMUP, Governor
+    was measured (the smaller first), E > MARGIN * n * (time(T') / time(T) - 1)."""
+    from jaxpaged.spec_decode.governor import MARGIN, WARMUP, Governor
     g = Governor()
     assert not g.allow_larger(16, 16, 32, 100.0)         # the step without it is measured first
     for _ in range(WARMUP):
         g.record(16, 0.040)
     assert g.allow_larger(16, 16, 32, 0.0)               # then the larger one, whatever is expected
     for _ in range(WARMUP):
-        g.record(32, 0.060)                              # 1.5x the time: 16 decodes need 8 more tokens
-    assert not g.allow_larger(16, 16, 32, 7.5) and g.allow_larger(16, 16, 32, 8.5)
-    assert g.allow_larger(4, 16, 32, 2.5) and not g.allow_larger(4, 16, 32, 1.5)  # 4 decodes: 2 more
+        g.record(32, 0.060)                              # 1.5x the time: 16 decodes need 8 more tokens, x MARGIN
+    assert not g.allow_larger(16, 16, 32, 8 * MARGIN - 0.5) and g.allow_larger(16, 16, 32, 8 * MARGIN + 0.5)
+    assert g.allow_larger(4, 16, 32, 2 * MARGIN + 0.5) and not g.allow_larger(4, 16, 32, 2 * MARGIN - 0.5)
     for _ in range(30):
         g.record(32, 0.044)                              # the larger step got cheaper (running average)
-    assert g.allow_larger(16, 16, 32, 2.0)
+    assert g.allow_larger(16, 16, 32, 2.0 * MARGIN)
     assert g.summary()[16]["steps"] == WARMUP and abs(g.summary()[32]["step_seconds"] - 0.044) < 1e-3
 
 

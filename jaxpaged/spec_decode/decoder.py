@@ -50,19 +50,16 @@ class SpecDecoder:
         into a larger bucket, are made only where the governor expects that to pay (governor.Governor);
         else the padding goes first to the requests whose proposals are accepted most."""
         t0 = time.perf_counter()
-        asks = []
         for req in running:
             k = min(self.k, req.params.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - len(req.token_ids))
             ready = k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
-            asks.append((self.gate.proposals(req.request_id, k) if ready else 0, req))
-        room = self._room(running, asks)
-        if room is not None:
-            asks.sort(key=lambda a: -a[0])
-        for k, req in asks:
-            k = k if room is None else min(k, room)
+            k = self.gate.proposals(req.request_id, k) if ready else 0
             req.spec_token_ids = self.proposer.propose(req, k) if k > 0 else []
-            if room is not None:
+        room = self._room(running)
+        if room is not None:  # within the padding: the proposals of the requests expected to keep most first
+            for req in sorted((r for r in running if r.spec_token_ids), key=self._expected, reverse=True):
+                del req.spec_token_ids[room:]
                 room -= len(req.spec_token_ids)
         ids = {r.request_id for r in running}
         self.proposer.retain(ids)
@@ -71,20 +68,30 @@ class SpecDecoder:
         self.propose_seconds += t1 - t0
         self._start = t0
 
-    def _room(self, running, asks) -> int | None:
-        """How many proposals this step may carry: None (all asked) when they fit the padding of the token
-        bucket the running requests take without them, or the governor lets them take a larger one; else
-        that padding."""
+    def _expected(self, req) -> float:
+        return self.gate.expected(req.request_id, len(req.spec_token_ids))
+
+    def _room(self, running) -> int | None:
+        """How many of the proposals made this step may stay: None (all) when they fit the padding of the
+        token bucket the running requests take without them; else the padding of the largest bucket the
+        governor lets them take, those expected to keep most counted first (or the plain bucket's padding)."""
         budget = self.runner.cfg.max_num_batched_tokens
         plain = min(sum(len(r.token_ids) - r.num_computed_tokens for r in running), budget)
         if not plain:
             return 0
-        bucket, asked = self.runner.bucket_for(plain), sum(k for k, _ in asks)
-        if plain + asked <= bucket:
+        bucket, made = self.runner.bucket_for(plain), sum(len(r.spec_token_ids) for r in running)
+        if plain + made <= bucket:
             return None
-        expected = sum(self.gate.expected(req.request_id, k) for k, req in asks if k)
-        larger = self.runner.bucket_for(min(plain + asked, budget))
-        return None if self.governor.allow_larger(len(running), bucket, larger, expected) else bucket - plain
+        order = sorted((r for r in running if r.spec_token_ids), key=self._expected, reverse=True)
+        top = self.runner.bucket_for(min(plain + made, budget))
+        for larger in sorted((b for b in self.runner.buckets if bucket < b <= top), reverse=True):
+            left, expected = larger - plain, 0.0  # the expected accepted tokens of what fits this bucket
+            for r in order:
+                n = min(len(r.spec_token_ids), left)
+                expected, left = expected + self._expected(r) * n / len(r.spec_token_ids), left - n
+            if self.governor.allow_larger(len(running), bucket, larger, expected):
+                return None if plain + made <= larger else larger - plain
+        return bucket - plain
 
     def fill(self, out) -> None:
         """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
