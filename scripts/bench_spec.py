@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 
 import bench_common as bc
 import bench_vllm
@@ -81,6 +82,7 @@ def _run(llm, reqs, batch_size: int, acc: dict) -> None:
     acc["elapsed_s"] = acc.get("elapsed_s", 0.0) + rec.elapsed_s
     acc["output_tokens"] = acc.get("output_tokens", 0) + sum(rec.output_tokens)
     acc["num_steps"] = acc.get("num_steps", 0) + rec.num_steps
+    acc.setdefault("pass_time_per_output_token_s", []).append(rec.elapsed_s / max(sum(rec.output_tokens), 1))
     after = eng.stats()
     for k, v in before.items():
         if isinstance(v, list):  # accepted per position
@@ -121,11 +123,15 @@ def _vllm_side(model_dir: str, cases: dict, batch_sizes: list[int], ks: list[int
 
 
 def _add_ratios(per_c: dict) -> None:
-    """ratio_to_plain: time per token over its own engine's plain (jaxpaged's or vLLM's); vLLM's rows also
-    ratio_to_jaxpaged_plain."""
+    """ratio_to_plain: time per token over its own engine's plain (jaxpaged's or vLLM's); jaxpaged's rows
+    also median_pass_ratio (the median over passes of the pass's ratio: a pass the machine slowed for one
+    engine weighs less), vLLM's ratio_to_jaxpaged_plain."""
     for name, r in per_c.items():
         own = "vllm_plain" if name.startswith("vllm_") else "plain"
         r["ratio_to_plain"] = r["time_per_output_token_s"] / per_c[own]["time_per_output_token_s"]
+        if own == "plain":  # the engines alternate pass by pass: each pass against plain's same pass
+            r["median_pass_ratio"] = statistics.median(a / b for a, b in zip(
+                r["pass_time_per_output_token_s"], per_c["plain"]["pass_time_per_output_token_s"]))
         if own == "vllm_plain":
             r["ratio_to_jaxpaged_plain"] = r["time_per_output_token_s"] / per_c["plain"]["time_per_output_token_s"]
 
@@ -194,10 +200,10 @@ def main(argv=None) -> dict:
             _add_ratios(per_c)
             for name, r in per_c.items():
                 rows.append([w, b, name, r["time_per_output_token_s"] * 1e3, r["output_tokens_per_s"],
-                             r["ratio_to_plain"], r.get("ratio_to_jaxpaged_plain", "-"),
+                             r["ratio_to_plain"], r.get("median_pass_ratio", "-"), r.get("ratio_to_jaxpaged_plain", "-"),
                              r.get("mean_accepted_per_draft", "-"),
                              " ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_pos", [])) or "-"])
-    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "x jaxpaged plain",
+    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "median pass x", "x jaxpaged plain",
                           "acc/draft", "accept rate per pos"]))
     out = dict(results=results, machine=bc.machine_info(), note=f"{bc.TIMING_NOTE}; {vllm_note}", args=vars(args))
     bc.write_json(args.json, out)

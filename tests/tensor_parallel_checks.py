@@ -143,7 +143,7 @@ def pallas_checks(workdir: str) -> dict:
     got = llm.generate(prompts, params, use_tqdm=False)
     return dict(reference=[o.outputs[0].token_ids for o in want], pallas_tp2=[o.outputs[0].token_ids for o in got],
                 backend=llm.stats()["attention_backend"],
-                decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
+                decode_variant_used=any(key[1] for key in llm.engine.runner._compiled))
 
 
 def int8_checks(workdir: str) -> dict:
@@ -193,7 +193,7 @@ def kv_int8_checks(workdir: str) -> dict:
             llm = LLM(model=path, **{**kw, "attention_backend": "pallas", "tensor_parallel_size": 2})
             out["pallas_tp2"] = dict(
                 tokens=[o.outputs[0].token_ids for o in llm.generate(workload()[:3], greedy, use_tqdm=False)],
-                decode_variant_used=any(d for _, d in llm.engine.runner._compiled))
+                decode_variant_used=any(key[1] for key in llm.engine.runner._compiled))
     out["num_devices"] = len(jax.devices())
     return out
 

@@ -63,8 +63,12 @@ def test_vllm_side_through_a_stand_in(tmp_path, monkeypatch):
 def test_ratios_to_own_plain_and_to_jaxpaged_plain():
     per_c = {name: {"time_per_output_token_s": t} for name, t in
              [("plain", 2.0), ("ngram_k2", 1.0), ("vllm_plain", 4.0), ("vllm_ngram_k2", 3.0)]}
+    per_c["plain"]["pass_time_per_output_token_s"] = [2.0, 2.0, 4.0]     # the third pass slowed for plain
+    per_c["ngram_k2"]["pass_time_per_output_token_s"] = [1.0, 1.2, 1.0]
     bench_spec._add_ratios(per_c)
     assert per_c["ngram_k2"]["ratio_to_plain"] == 0.5 and "ratio_to_jaxpaged_plain" not in per_c["ngram_k2"]
+    assert per_c["ngram_k2"]["median_pass_ratio"] == 0.5 and per_c["plain"]["median_pass_ratio"] == 1.0
+    assert "median_pass_ratio" not in per_c["vllm_ngram_k2"]
     assert per_c["vllm_ngram_k2"]["ratio_to_plain"] == 0.75
     assert per_c["vllm_ngram_k2"]["ratio_to_jaxpaged_plain"] == 1.5
     assert per_c["vllm_plain"]["ratio_to_jaxpaged_plain"] == 2.0
