@@ -8,7 +8,8 @@ Two workloads on the default model (greedy, chat template): (a) input-grounded â
 repeat / lightly rewrite a paragraph of this repository's docs, so outputs copy spans of the prompt; (b)
 free generation â€” short open questions. For each batch size (static batches: the next requests start
 when the batch ends) and each k: time per output token and throughput, plain vs speculative, the ratio, the
-acceptance per position, and the governor's decision (jaxpaged/spec_decode/governor.py). Greedy outputs
+acceptance per position, and the governor's decode step time per token bucket
+(jaxpaged/spec_decode/governor.py). Greedy outputs
 with speculation equal the plain ones token for token (tests/test_spec_decode.py). Only generation is
 timed: engines are built and warmed before.
 
@@ -208,6 +209,7 @@ def main(argv=None) -> dict:
     out = dict(results=results, machine=bc.machine_info(), note=f"{bc.TIMING_NOTE}; {vllm_note}", args=vars(args))
     bc.write_json(args.json, out)
     return out
+
 
 if __name__ == "__main__":
     main()

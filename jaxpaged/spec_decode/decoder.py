@@ -56,9 +56,9 @@ class SpecDecoder:
             ready = k > 0 and req.num_computed_tokens == len(req.token_ids) - 1
             k = self.gate.proposals(req.request_id, k) if ready else 0
             req.spec_token_ids = self.proposer.propose(req, k) if k > 0 else []
-        room = self._room(running)
-        if room is not None:  # within the padding: the proposals of the requests expected to keep most first
-            for req in sorted((r for r in running if r.spec_token_ids), key=self._expected, reverse=True):
+        room, order = self._room(running)
+        if room is not None:  # cut to `room`: the proposals of the requests expected to keep most first
+            for req in order:
                 del req.spec_token_ids[room:]
                 room -= len(req.spec_token_ids)
         ids = {r.request_id for r in running}
@@ -71,17 +71,16 @@ class SpecDecoder:
     def _expected(self, req) -> float:
         return self.gate.expected(req.request_id, len(req.spec_token_ids))
 
-    def _room(self, running) -> int | None:
+    def _room(self, running) -> tuple[int | None, list]:
         """How many of the proposals made this step may stay: None (all) when they fit the padding of the
         token bucket the running requests take without them; else the padding of the largest bucket the
-        governor lets them take, those expected to keep most counted first (or the plain bucket's padding)."""
+        governor lets them take, those expected to keep most counted first (or the plain bucket's padding).
+        With it, the requests that proposed in that order (empty when all stay)."""
         budget = self.runner.cfg.max_num_batched_tokens
         plain = min(sum(len(r.token_ids) - r.num_computed_tokens for r in running), budget)
-        if not plain:
-            return 0
-        bucket, made = self.runner.bucket_for(plain), sum(len(r.spec_token_ids) for r in running)
+        bucket, made = self.runner.bucket_for(max(plain, 1)), sum(len(r.spec_token_ids) for r in running)
         if plain + made <= bucket:
-            return None
+            return None, []
         order = sorted((r for r in running if r.spec_token_ids), key=self._expected, reverse=True)
         top = self.runner.bucket_for(min(plain + made, budget))
         for larger in sorted((b for b in self.runner.buckets if bucket < b <= top), reverse=True):
@@ -90,8 +89,8 @@ class SpecDecoder:
                 n = min(len(r.spec_token_ids), left)
                 expected, left = expected + self._expected(r) * n / len(r.spec_token_ids), left - n
             if self.governor.allow_larger(len(running), bucket, larger, expected):
-                return None if plain + made <= larger else larger - plain
-        return bucket - plain
+                return (None, []) if plain + made <= larger else (larger - plain, order)
+        return bucket - plain, order
 
     def fill(self, out) -> None:
         """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
