@@ -13,8 +13,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.block_manager import BlockManager
@@ -396,7 +394,7 @@ class LLMEngine:
         for group in groups.values():
             for req in group.samples:
                 self.scheduler.finish(req, "error")
-        if self._rebuild_kv_pool():
+        if self.runner.reset_pools(only_lost=True):  # a failed donated call may have consumed them
             log.warning("the KV pool was lost with the failed step (error id %s): %d running requests "
                         "will be recomputed", error_id, len(self.scheduler.running))
             self.scheduler.recompute_all()
@@ -408,25 +406,6 @@ class LLMEngine:
             del self.groups[group.request_id]
             outputs.append(self._output(group, True, message))
         return outputs
-
-    def _rebuild_kv_pool(self) -> bool:
-        """Replace pool arrays that a failed donated call deleted or poisoned by zeros of the same shape,
-        dtype and sharding. Returns whether the pool's contents were lost."""
-        def gone(a) -> bool:
-            try:
-                if a.is_deleted():
-                    return True
-                a.block_until_ready()  # raises if the computation that made it failed
-                return False
-            except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
-                return True
-        lost = False
-        for name in ("k_pool", "v_pool"):
-            old = getattr(self.runner, name)  # an array, or a QuantPool (values and scales: rebuilt together)
-            if any([gone(a) for a in jax.tree.leaves(old)]):
-                setattr(self.runner, name, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), old))
-                lost = True
-        return lost
 
     def _check_stop(self, req: Request, stop_string: bool) -> str | None:
         p, tok, length = req.params, req.token_ids[-1], len(req.token_ids)

@@ -14,7 +14,6 @@ their shardings) in place of the deleted arrays, so shapes stay checkable (`upda
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from jaxpaged.checkpoints.weights import load_params, release_host_memory
 from jaxpaged.parallel.mesh import place_params
@@ -30,29 +29,12 @@ def device_bytes(engine) -> dict:
     `device.memory_stats()`."""
     devices = set(engine.mesh.devices.flat)
     live = sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards if s.device in devices)
-    runner = engine.runner
-    own = sum(s.data.nbytes for a in jax.tree.leaves((runner.params, runner.k_pool, runner.v_pool))
-              if isinstance(a, jax.Array) for s in a.addressable_shards)
+    own = sum(s.data.nbytes for a in engine.runner.device_arrays() for s in a.addressable_shards)
     out = dict(engine_bytes=int(own), live_array_bytes=int(live))
     stats = [d.memory_stats() for d in devices if d.process_index == jax.process_index()]
     if all(s is not None and "bytes_in_use" in s for s in stats):
         out["bytes_in_use"] = int(sum(s["bytes_in_use"] for s in stats))
     return out
-
-
-def _abstract(tree):
-    """The tree's arrays as ShapeDtypeStructs with their shardings."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
-
-
-def _delete(tree) -> None:
-    for a in jax.tree.leaves(tree):
-        if isinstance(a, jax.Array):
-            a.delete()
-
-
-def is_on_device(tree) -> bool:
-    return all(isinstance(a, jax.Array) for a in jax.tree.leaves(tree))
 
 
 def sleep(engine, level: int = 1) -> dict:
@@ -71,11 +53,7 @@ def sleep(engine, level: int = 1) -> dict:
     runner, before = engine.runner, device_bytes(engine)
     engine.scheduler.recompute_all()  # kept requests (paused) lose their KV
     engine.block_manager.reset_prefix_cache()
-    engine._host_params = jax.device_get(runner.params) if level == 1 else None
-    for name in ("k_pool", "v_pool", "params"):
-        old = getattr(runner, name)
-        setattr(runner, name, _abstract(old))
-        _delete(old)
+    engine._host_params = runner.offload(keep_params=level == 1)
     engine.sleep_level = level
     return dict(before=before, after=device_bytes(engine))
 
@@ -86,22 +64,15 @@ def wake_up(engine, reload: bool = False) -> dict:
     if not engine.sleep_level:
         raise RuntimeError("wake_up: the engine is not asleep")
     runner, before = engine.runner, device_bytes(engine)
-    shardings = jax.tree.map(lambda a: a.sharding, runner.params)
     if reload:
         host = load_params(engine.model_dir, engine.model_config, engine.config.dtype,
                            quantization=engine.config.quantization)
-        runner.params = place_params(host, engine.model_config, runner.mesh)
-    elif engine._host_params is not None:  # leaves an update_weights gave while asleep are kept
-        runner.params = jax.tree.map(lambda cur, a, sh: cur if isinstance(cur, jax.Array)
-                                     else jax.device_put(np.asarray(a), sh), runner.params, engine._host_params,
-                                     shardings)
-    elif not is_on_device(runner.params):
+        runner.replace_params(place_params(host, engine.model_config, runner.mesh))
+    elif engine._host_params is None and not runner.params_on_device:
         raise RuntimeError("wake_up: the engine slept at level 2 and its weights were dropped; call "
                            "update_weights with every parameter first, or wake_up(reload=True)")
+    runner.restore(engine._host_params)  # leaves an update_weights gave while asleep are kept
     engine._host_params = None
-    for name in ("k_pool", "v_pool"):
-        setattr(runner, name, jax.tree.map(lambda a: jax.numpy.zeros(a.shape, a.dtype, device=a.sharding),
-                                           getattr(runner, name)))
     release_host_memory()
     engine.sleep_level = 0
     return dict(before=before, after=device_bytes(engine))

@@ -117,6 +117,6 @@ def update_weights(engine, weights) -> None:
         raise RuntimeError("update_weights is not supported with num_processes > 1")
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
-    engine.runner.params = jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves])
+    engine.runner.replace_params(jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves]))
     recompute_kept(engine)
     engine.block_manager.reset_prefix_cache()

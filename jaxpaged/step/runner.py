@@ -155,6 +155,17 @@ def step_compiler_options(dtype, kv_cache_dtype: str = "auto", platform: str | N
     return None
 
 
+def _lost(a) -> bool:
+    """Whether a device array's contents are gone: deleted, or made by a computation that failed."""
+    try:
+        if a.is_deleted():
+            return True
+        a.block_until_ready()  # raises if the computation that made it failed
+        return False
+    except Exception:  # noqa: BLE001 -- whatever the device reports, the contents are gone
+        return True
+
+
 class ModelRunner:
     """The step's device state and its compiled variants. `abstract=True` (jaxpaged/step/aot.py): `params`
     is a pytree of `jax.ShapeDtypeStruct`s already sharded on `mesh`, nothing is placed on a device, and
@@ -424,6 +435,52 @@ class ModelRunner:
             return jax.tree.map(lambda a: a if isinstance(a, jax.Array) else place(np.asarray(a), self.mesh,
                                                                                   REPLICATED), (packed, extra))
         return packed, extra
+
+    # -- device state: the engine's controls change it only through these ---------------------
+    def replace_params(self, params) -> None:
+        """Swap in a parameter pytree of the same structure, shapes and shardings (no recompilation)."""
+        self.params = params
+
+    def device_arrays(self) -> list:
+        """The device arrays the runner holds: parameters and KV pools (abstract leaves left out)."""
+        return [a for a in jax.tree.leaves((self.params, self.k_pool, self.v_pool)) if isinstance(a, jax.Array)]
+
+    @property
+    def params_on_device(self) -> bool:
+        return all(isinstance(a, jax.Array) for a in jax.tree.leaves(self.params))
+
+    def reset_pools(self, only_lost: bool = False) -> bool:
+        """Zero the KV pools (same shapes, dtypes and shardings). only_lost: only a pool that a failed
+        donated call deleted or poisoned. Returns whether a pool was replaced (its contents are gone)."""
+        replaced = False
+        for name in ("k_pool", "v_pool"):
+            old = getattr(self, name)  # an array, or a QuantPool (values and scales: replaced together)
+            if not only_lost or any([_lost(a) for a in jax.tree.leaves(old)]):
+                setattr(self, name, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), old))
+                replaced = True
+        return replaced
+
+    def offload(self, keep_params: bool) -> dict | None:
+        """Free the device: the pools' and parameters' arrays are deleted, `jax.ShapeDtypeStruct`s with their
+        shardings stand in their place (shapes stay checkable). Returns the parameters copied to host memory
+        first when keep_params, else None."""
+        host = jax.device_get(self.params) if keep_params else None
+        for name in ("k_pool", "v_pool", "params"):
+            old = getattr(self, name)
+            setattr(self, name, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                             old))
+            for a in jax.tree.leaves(old):
+                if isinstance(a, jax.Array):
+                    a.delete()
+        return host
+
+    def restore(self, host_params=None) -> None:
+        """Undo `offload`: parameters still abstract are put back from `host_params` with their shardings
+        (leaves already on the device, e.g. from a weight update, are kept); the pools come back zeroed."""
+        if host_params is not None:
+            self.params = jax.tree.map(lambda cur, a: cur if isinstance(cur, jax.Array)
+                                       else jax.device_put(np.asarray(a), cur.sharding), self.params, host_params)
+        self.reset_pools()
 
     def memory_per_device(self) -> dict:
         """Bytes of parameters and of the KV pools held by this process's first device of the mesh (read
