@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.pause import PAUSE_MODES
+from jaxpaged.rl.pause import PAUSE_MODES
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import InvalidParam
 
@@ -193,7 +193,7 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    # -- RL controls: pause / resume (jaxpaged/pause.py) -------------------------------------
+    # -- RL controls: pause / resume (jaxpaged/rl/pause.py) -------------------------------------
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pause the engine; returns once paused ("wait": once the running requests are done). Requests
         added meanwhile wait for `resume_generation`; "abort" ends the others' streams with

@@ -155,7 +155,7 @@ class LLM:
     def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
         """Pause the engine: "abort" finishes unfinished requests now, "wait" runs the running ones to
         their end, "keep" freezes them (an `update_weights` meanwhile recomputes their KV under the new
-        weights). Returns the outputs the pause produced (jaxpaged/pause.py)."""
+        weights). Returns the outputs the pause produced (jaxpaged/rl/pause.py)."""
         return self._leader().pause_generation(mode)
 
     def resume_generation(self) -> None:
@@ -168,7 +168,7 @@ class LLM:
 
     def sleep(self, level: int = 1) -> dict:
         """Release device memory: level 1 deletes the KV pool and moves the weights to host memory, level
-        2 drops the weights too. Returns device bytes {"before", "after"} (jaxpaged/sleep.py)."""
+        2 drops the weights too. Returns device bytes {"before", "after"} (jaxpaged/rl/sleep.py)."""
         return self._leader().sleep(level)
 
     def wake_up(self, reload: bool = False) -> dict:

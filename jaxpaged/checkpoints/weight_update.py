@@ -21,7 +21,6 @@ import functools
 import jax
 import numpy as np
 
-from jaxpaged.pause import check_update_allowed, recompute_kept
 from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
 from jaxpaged.models.quant import QArray, quantize
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
@@ -112,11 +111,11 @@ def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bo
 
 def update_weights(engine, weights) -> None:
     """Replace some or all of an LLMEngine's parameters (see the module docstring)."""
-    check_update_allowed(engine)
+    engine.pause_control.check_update_allowed()
     if engine.mesh.is_multi_process:
         raise RuntimeError("update_weights is not supported with num_processes > 1")
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
     engine.runner.replace_params(jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves]))
-    recompute_kept(engine)
+    engine.scheduler.recompute_all()  # requests kept by a pause: their KV is of the old weights
     engine.block_manager.reset_prefix_cache()

@@ -48,6 +48,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: the last is the newest
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))  # pop() gives slot 0 first
         self.num_preemptions = 0
+        self.admit = None    # held (`hold`): only waiting requests it accepts are admitted (None: all)
+        self.advance = True  # held without advancing: nothing is scheduled
 
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -91,9 +93,20 @@ class Scheduler:
         for req in reversed(list(self.running)):  # newest first: the oldest ends at the queue's front
             self._preempt(req, out)
 
+    def hold(self, admit=lambda req: False, advance: bool = False) -> None:
+        """Hold requests back (a pause): only the waiting requests `admit` accepts are admitted (the
+        others keep their places), and the running ones are advanced only with `advance`."""
+        self.admit, self.advance = admit, advance
+
+    def release(self) -> None:
+        """Undo `hold`."""
+        self.admit, self.advance = None, True
+
     # -- one step -------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if not self.advance:
+            return out
         budget = self.max_num_batched_tokens
         steps: dict[int, tuple[Request, int]] = {}
         capacity = self.bm.block_size
@@ -121,8 +134,9 @@ class Scheduler:
                 budget -= n
         budget = self.max_num_batched_tokens - sum(n for _, n in steps.values())
         adapters = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
-        while self.waiting and self.free_slots and budget > 0 and not out.preempted:
-            req = self.waiting[0]
+        queue = self.waiting if self.admit is None else deque(r for r in self.waiting if self.admit(r))
+        while queue and self.free_slots and budget > 0 and not out.preempted:
+            req = queue[0]
             if self.max_loras and req.lora_int_id and req.lora_int_id not in adapters \
                     and len(adapters) >= self.max_loras:
                 break  # its adapter would not fit the device slots: wait for one to leave
@@ -137,7 +151,9 @@ class Scheduler:
             if not self.bm.allocate(req, cached + n):
                 self.bm.free(req)
                 break
-            self.waiting.popleft()
+            queue.popleft()
+            if queue is not self.waiting:
+                self.waiting.remove(req)
             if req.num_preemptions == 0 and req.num_output_tokens == 0:
                 req.num_cached_tokens = cached
             req.num_computed_tokens = cached

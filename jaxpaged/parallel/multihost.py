@@ -280,7 +280,7 @@ def build_engine(config: EngineConfig):
     channel = StepChannel()
     channel.client.wait_at_barrier("jaxpaged/ready", READY_TIMEOUT_S * 1000)  # all loaded and compiled
     if config.process_id == 0:
-        engine.runner = LeaderRunner(engine.runner, channel, config.distributed_timeout)
+        engine.replace_runner(LeaderRunner(engine.runner, channel, config.distributed_timeout))
         atexit.register(engine.runner.close)
         return engine
     log.info("process %d follows process 0", config.process_id)

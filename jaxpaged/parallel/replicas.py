@@ -18,7 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.pause import check_update_allowed
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import prompt_ids
 
@@ -146,12 +145,12 @@ class Replicas:
     def update_weights(self, weights) -> None:
         """The same update on every replica (pairs are read once; device arrays copied to each replica)."""
         for e in self.engines:  # checked here too: no replica may be left on the old weights
-            check_update_allowed(e)
+            e.pause_control.check_update_allowed()
         weights = weights if isinstance(weights, dict) else list(weights)
         for e in self.engines:
             e.update_weights(weights)
 
-    # -- RL controls: every replica alike (jaxpaged/pause.py, jaxpaged/sleep.py) ----------------
+    # -- RL controls: every replica alike (jaxpaged/rl/) ----------------
     def can_step(self) -> bool:
         return any(e.can_step() for e in self.engines)
 

@@ -9,7 +9,8 @@
 4. `rollback`: frees the blocks past the computed tokens (those held only rejected proposals' K/V; a
    block is offered to the prefix cache only once computed tokens fill it, so rejected K/V never is).
 
-Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that runs on the
+`NoSpeculation` is the same seam when speculative decoding is off: it proposes nothing, and every step is
+the plain one. Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that runs on the
 device (the draft model, draft.py; a draft head would too) proposes placeholders and also has `fill(out)`:
 after scheduling it writes its proposals into the scheduled requests and returns its distributions q,
 which the step's verifier takes (rejection sampling); the verifier does not change per proposer.
@@ -18,17 +19,40 @@ from __future__ import annotations
 
 import time
 
-from jaxpaged.spec_decode.config import SpeculativeConfig
+from jaxpaged.spec_decode.config import SpeculativeConfig, check_request
 from jaxpaged.spec_decode.draft import DraftModelProposer
 from jaxpaged.spec_decode.governor import Governor, RequestGate
 from jaxpaged.spec_decode.ngram import NgramProposer
 
 
+class NoSpeculation:
+    """The engine's proposer seam with speculative decoding off: proposes nothing, changes nothing."""
+
+    def check(self, params) -> None:
+        pass
+
+    def propose(self, running) -> None:
+        pass
+
+    def fill(self, out) -> None:
+        pass
+
+    def accept(self, out, sampled: dict) -> dict:
+        return sampled
+
+    def rollback(self, out) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner, block_manager):
         self.k = cfg.num_speculative_tokens
         self.max_model_len = max_model_len
         self.runner = runner  # its token buckets: what a proposal costs depends on the bucket it lands in
+        self.block_manager = block_manager  # rollback frees the blocks of rejected proposals
         if cfg.method == "draft_model":  # its params and pool beside the target's (runner: mesh, blocks)
             self.proposer = DraftModelProposer(cfg.model, runner, cfg.num_speculative_tokens)
         else:
@@ -41,6 +65,11 @@ class SpecDecoder:
         self.accepted_per_pos = [0] * self.k  # position j: proposals accepted at j (0-based)
         self.propose_seconds = 0.0     # time spent proposing (n-gram lookup; the draft model's run), all steps
         self._start = 0.0              # when the step in flight began proposing
+
+    @staticmethod
+    def check(params) -> None:
+        """Refuse (InvalidParam) what a speculative engine cannot do for a request."""
+        check_request(params)
 
     def propose(self, running) -> None:
         """Set `spec_token_ids` of every running request (empty unless it decodes). k is capped so that no
@@ -101,11 +130,11 @@ class SpecDecoder:
             out.draft_probs = fill(out)
             self.propose_seconds += time.perf_counter() - t0
 
-    def accept(self, out, sampled: dict) -> tuple[dict, dict]:
+    def accept(self, out, sampled: dict) -> dict:
         """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
-        Returns (slot -> (target's next token, its logprobs), request -> number of new tokens) and rewrites
-        `out.scheduled` to the tokens kept."""
-        plain, new = {}, {}
+        Appends the accepted proposals to each request's tokens, rewrites `out.scheduled` to the tokens kept
+        and returns slot -> (target's next token, its logprobs), what the scheduler's update appends."""
+        plain = {}
         decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
                        for r, n in out.scheduled)
         for i, (req, n) in enumerate(out.scheduled):
@@ -123,18 +152,16 @@ class SpecDecoder:
                     req.logprobs.extend(lps[:-1])
                 out.scheduled[i] = (req, n - len(d) + a)
                 req.spec_token_ids = []
-            new[req] = len(toks)
             plain[req.slot] = (toks[-1], lps[-1] if lps else None)
         if decoding:  # a step of decodes only (no prefill chunk): its time is the governor's figure
             self.governor.record(self.runner.bucket_for(out.num_tokens), time.perf_counter() - self._start)
-        return plain, new
+        return plain
 
-    @staticmethod
-    def rollback(out, block_manager) -> None:
+    def rollback(self, out) -> None:
         """Free each running request's blocks past its computed tokens (rejected proposals' K/V)."""
         for req, _ in out.scheduled:
             if not req.is_finished:
-                block_manager.trim(req, req.num_computed_tokens)
+                self.block_manager.trim(req, req.num_computed_tokens)
 
     def stats(self) -> dict:
         """vLLM's counters (spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens, accepted
