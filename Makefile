@@ -27,9 +27,11 @@ demo: $(DEMO_STAMP)
 		--prompt "What is the capital of France?" --max-tokens 64
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -m "not slow"
 
 clean:
