@@ -2,30 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpaged.models.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, moe_fields, positive_or_none,
-                                rope_fields, rope_param, window_fields)
+from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, read_config_json
 
-# HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
 # what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-}
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -85,78 +71,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-            kw = dict(
-                family=family,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA)),
-            )
-            if family in MOE:
-                kw.update(moe_fields(d, family, source))
-        except KeyError as e:
-            raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
-        act_field = "hidden_activation" if family in GEMMA else "hidden_act"
-        act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
-        kw["hidden_act"] = act
-        if family == "qwen2":
-            kw["attention_bias"] = True
-        elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
-            kw["attention_bias"] = bool(d.get("attention_bias", False))
-        kw["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
-        if family == "olmoe" and d.get("clip_qkv") is not None:
-            raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
-        if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
-                             " is not supported (only 1.0)")
-        try:
-            kw.update(rope_fields(d, family, kw, source))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{source}: rope_scaling / rope_parameters lacks or mistypes a field "
-                             f"({type(e).__name__}: {e})") from None
-        kw.update(window_fields(d, family, kw["num_layers"], source))
-        if family in GEMMA:
-            kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
-                      query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-                      # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
-                      attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
-                                                    50.0 if family == "gemma2" else None),
-                      final_softcap=positive_or_none(d, "final_logit_softcapping", source,
-                                                     30.0 if family == "gemma2" else None))
-        eos = d.get("eos_token_id")
-        kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-        kw["bos_token_id"] = d.get("bos_token_id")
-        if kw["num_heads"] % kw["num_kv_heads"]:
-            raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
-        return cls(**kw)
+        """From a Hugging Face config dict (jaxpaged/models/hf_config.py reads it family by family)."""
+        return cls(**model_config_fields(d, source))
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
-            raise ValueError(f"{path}: not a model directory (no config.json)")
-        try:
-            with open(f) as fh:
-                d = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{f}: cannot read config: {e}") from None
-        return cls.from_hf_dict(d, source=f)
+        """From the config.json of model directory `path`."""
+        return cls.from_hf_dict(*read_config_json(path))
 
 
 def default_cache_dir() -> str:
