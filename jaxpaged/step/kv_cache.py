@@ -17,7 +17,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3fn", "int8")
+from jaxpaged.config import KV_CACHE_DTYPES
+
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
