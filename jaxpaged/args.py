@@ -53,8 +53,9 @@ def _add_flag(container, f: dataclasses.Field, hint: Any, default: Any, help: st
 def add_engine_args(parser: argparse.ArgumentParser, *, defaults: dict[str, Any] | None = None,
                     helps: dict[str, str] | None = None, exclude: tuple[str, ...] = ()) -> None:
     """Add one flag per EngineConfig field to `parser`, in argparse groups by concern (the fields' order),
-    titled `engine: <concern>`. Per entry point: `defaults` and `helps` replace fields' defaults and help texts; `exclude` leaves fields
-    out (to a flag of the entry point's own of that name). `engine_kwargs` reads the flags back."""
+    titled `engine: <concern>`. Per entry point: `defaults` and `helps` replace fields' defaults and help
+    texts; `exclude` leaves fields out (to a flag of the entry point's own of that name). `engine_kwargs`
+    reads the flags back."""
     defaults, helps = defaults or {}, helps or {}
     unknown = (set(defaults) | set(helps) | set(exclude)) - {f.name for f in dataclasses.fields(EngineConfig)}
     if unknown:

@@ -85,10 +85,11 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jaxpaged")
 
 
-# the choices of EngineConfig's string fields (validated in __post_init__ by the modules named)
+# the choices of EngineConfig's string fields, offered by their flags; the modules named validate them
+# (they import jax, which this module must not; tests/test_flags.py checks that the two agree)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3fn", "int8")  # jaxpaged/step/kv_cache.py
-QUANTIZATIONS = (None, "int8", "fp8")  # jaxpaged/models/quant.py's FORMATS
+QUANTIZATIONS = (None, "int8", "fp8")  # jaxpaged/models/quant.py
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # step/sampler.py
 
 # EngineConfig's fields by concern: each is one engine flag (jaxpaged/args.py), shown under its group's title

@@ -14,8 +14,8 @@ import pytest
 
 from jaxpaged.args import add_engine_args, engine_config, engine_kwargs, flag_name
 from jaxpaged.cli import GENERATE_DEFAULTS, build_parser
-from jaxpaged.config import (CACHE, COMPILATION, LORA, MODEL, PARALLEL, QUANTIZATIONS, RESEARCH, SCHEDULER,
-                             SPECULATIVE, EngineConfig)
+from jaxpaged.config import (CACHE, COMPILATION, KV_CACHE_DTYPES, LORA, MODEL, PARALLEL, QUANTIZATIONS, RESEARCH,
+                             SCHEDULER, SPECULATIVE, EngineConfig)
 
 FIELDS = dataclasses.fields(EngineConfig)
 BOOLS = {f.name for f in FIELDS if "bool" in str(f.type)}
@@ -93,8 +93,9 @@ def test_flag_types_reach_the_config():
         json.dumps({"method": "ngram", "num_speculative_tokens": 2}), "--quantization", "int8",
         "--no-warmup"])
     cfg = engine_config(args, show_progress=False)
-    assert (cfg.dtype, cfg.max_num_seqs, cfg.kv_cache_memory_gb, cfg.enable_prefix_caching) == ("float32", 4, 0.5, False)
-    assert (cfg.hidden_state_layers, cfg.quantization, cfg.warmup, cfg.show_progress) == ([0, 2], "int8", False, False)
+    assert (cfg.dtype, cfg.max_num_seqs, cfg.kv_cache_memory_gb) == ("float32", 4, 0.5)
+    assert (cfg.enable_prefix_caching, cfg.hidden_state_layers, cfg.quantization) == (False, [0, 2], "int8")
+    assert (cfg.warmup, cfg.show_progress) == (False, False)
     assert cfg.speculative_config.num_speculative_tokens == 2
     for bad in (["--dtype", "float64"], ["--max-num-seqs", "x"], ["--logprobs-mode", "raw"]):
         with pytest.raises(SystemExit):
@@ -114,5 +115,7 @@ def test_exclude_leaves_a_flag_to_the_entry_point():
 
 
 def test_choices_are_the_validating_modules():
-    from jaxpaged.models.quant import FORMATS
-    assert set(QUANTIZATIONS) == {None, *FORMATS}
+    """The flags offer what the modules that use the values accept (jaxpaged/config.py's choices)."""
+    from jaxpaged.models import quant
+    from jaxpaged.step import kv_cache
+    assert (KV_CACHE_DTYPES, QUANTIZATIONS) == (kv_cache.KV_CACHE_DTYPES, quant.QUANTIZATIONS)

@@ -19,13 +19,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.config import QUANTIZATIONS
 from jaxpaged.step.batch_invariant import row_tiled
 import ml_dtypes
 import numpy as np
 
-# format (each of QUANTIZATIONS but None) -> (storage dtype, largest representable magnitude)
+# format -> (storage dtype, largest representable magnitude)
 FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
+QUANTIZATIONS = (None,) + tuple(FORMATS)
 COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
 # layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
 # MoE router stay in the engine dtype

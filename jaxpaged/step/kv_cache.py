@@ -17,8 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.config import KV_CACHE_DTYPES
-
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3fn", "int8")
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
