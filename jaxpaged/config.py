@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, read_config_json
 
