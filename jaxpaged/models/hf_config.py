@@ -67,21 +67,7 @@ def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[
             kw.update(moe_fields(d, family, source))
     except KeyError as e:
         raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
-    act_field = "hidden_activation" if family in GEMMA else "hidden_act"
-    act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
-    if act not in ACTIVATIONS:
-        raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
-    kw["hidden_act"] = act
-    if family == "qwen2":
-        kw["attention_bias"] = True
-    elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
-        kw["attention_bias"] = bool(d.get("attention_bias", False))
-    kw["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
-    if family == "olmoe" and d.get("clip_qkv") is not None:
-        raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
-    if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
-                         " is not supported (only 1.0)")
+    kw.update(block_fields(d, family, source))
     try:
         kw.update(rope_fields(d, family, kw, source))
     except (KeyError, TypeError) as e:
@@ -89,13 +75,7 @@ def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[
                          f"({type(e).__name__}: {e})") from None
     kw.update(window_fields(d, family, kw["num_layers"], source))
     if family in GEMMA:
-        kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
-                  query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-                  # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
-                  attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
-                                                50.0 if family == "gemma2" else None),
-                  final_softcap=positive_or_none(d, "final_logit_softcapping", source,
-                                                 30.0 if family == "gemma2" else None))
+        kw.update(gemma_fields(d, family, source))
     eos = d.get("eos_token_id")
     kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
     kw["bos_token_id"] = d.get("bos_token_id")
@@ -103,6 +83,36 @@ def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[
         raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
     return kw
 
+
+def block_fields(d, family, source):
+    """The decoder block's variant: MLP activation, q/k/v bias, q/k norm (and what no family supports)."""
+    act_field = "hidden_activation" if family in GEMMA else "hidden_act"
+    act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
+    out = {"hidden_act": act}
+    if family == "qwen2":
+        out["attention_bias"] = True
+    elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
+        out["attention_bias"] = bool(d.get("attention_bias", False))
+    out["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
+    if family == "olmoe" and d.get("clip_qkv") is not None:
+        raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
+    if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
+                         " is not supported (only 1.0)")
+    return out
+
+
+def gemma_fields(d, family, source):
+    """Gemma's (1 + w) norms, sandwich norms, scaled embeddings, query scale and soft-caps."""
+    return dict(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
+                query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+                # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
+                attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
+                                              50.0 if family == "gemma2" else None),
+                final_softcap=positive_or_none(d, "final_logit_softcapping", source,
+                                               30.0 if family == "gemma2" else None))
 
 
 def positive_or_none(d, name, source, default=None):
