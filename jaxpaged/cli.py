@@ -1,20 +1,21 @@
-"""`jaxpaged generate | serve | convert | fetch-default`: the command-line entry point (flags shared with
-the server live in jaxpaged/args.py)."""
+"""`jaxpaged generate | serve | convert | fetch-default`: the command-line entry point. The engine flags of
+`generate` and `serve` are generated from EngineConfig (jaxpaged/args.py); each subcommand adds its own."""
 from __future__ import annotations
 
 import argparse
 import sys
 import time
 
-from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
-from jaxpaged.config import ATTENTION_BACKENDS
+from jaxpaged.args import add_engine_args, add_quantization_arg, engine_kwargs
+
+# `generate` runs a few prompts: a smaller batch and budget than the engine's defaults, so it compiles less;
+# its --seed is every prompt's sampling seed (none: unseeded)
+GENERATE_DEFAULTS = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256, seed=None)
 
 
 def _generate(args) -> int:
     from jaxpaged import LLM, SamplingParams
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend, quantization=args.quantization, **scale_out_kwargs(args))
+    llm = LLM(**engine_kwargs(args, seed=0 if args.seed is None else args.seed))
     if not llm.is_leader:  # a multi-host follower: it ran process 0's steps until process 0 stopped
         return 0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
@@ -51,29 +52,18 @@ def _serve(args) -> int:
     return run_server(args) or 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="jaxpaged", description="A small LLM inference engine on JAX")
-    sub = ap.add_subparsers(dest="command", required=True)
-
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one or more prompts")
-    g.add_argument("--model", default=None, help="HF or converted model directory (default: SmolLM2-135M)")
     g.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
     g.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     g.add_argument("--max-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
-                   help="KV cache storage (auto: the dtype); int8 / float8_e4m3fn: one scale per token per KV head")
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--max-num-batched-tokens", type=int, default=256)
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    add_quantization_arg(g)
-    add_scale_out_args(g)
+    add_engine_args(g, defaults=GENERATE_DEFAULTS, helps={"seed": "every prompt's sampling seed (default: unseeded)"})
     g.set_defaults(func=_generate)
 
+
+def _add_convert(sub) -> None:
     c = sub.add_parser("convert", help="convert a HF directory or .gguf file to the engine's format")
     c.add_argument("src")
     c.add_argument("dst")
@@ -82,9 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_arg(c)
     c.set_defaults(func=_convert)
 
-    f = sub.add_parser("fetch-default", help="install and convert the embedded default model")
-    f.set_defaults(func=_fetch_default)
 
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     try:
         from serve.app import add_serve_args
@@ -92,6 +81,17 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     s.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`jaxpaged`'s parser: one subparser per command (`_add_<command>` adds its flags)."""
+    ap = argparse.ArgumentParser(prog="jaxpaged", description="A small LLM inference engine on JAX")
+    sub = ap.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_convert(sub)
+    f = sub.add_parser("fetch-default", help="install and convert the embedded default model")
+    f.set_defaults(func=_fetch_default)
+    _add_serve(sub)
     return ap
 
 

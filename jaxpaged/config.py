@@ -2,30 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpaged.models.hf_config import (ACTIVATIONS, FULL, GEMMA, MOE, SLIDING, moe_fields, positive_or_none,
-                                rope_fields, rope_param, window_fields)
+from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, read_config_json
 
-# HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
 # what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
 
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Gemma2ForCausalLM": "gemma2",
-    "Gemma3ForCausalLM": "gemma3",
-    "Phi3ForCausalLM": "phi3",
-    "MixtralForCausalLM": "mixtral",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "OlmoeForCausalLM": "olmoe",
-}
+
 @dataclass(frozen=True)
 class ModelConfig:
     family: str
@@ -85,78 +72,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> "ModelConfig":
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        family = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-            kw = dict(
-                family=family,
-                vocab_size=int(d["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(d["intermediate_size"]),
-                num_layers=int(d["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(d.get("num_key_value_heads") or heads),
-                head_dim=int(d.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA)),
-            )
-            if family in MOE:
-                kw.update(moe_fields(d, family, source))
-        except KeyError as e:
-            raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
-        act_field = "hidden_activation" if family in GEMMA else "hidden_act"
-        act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
-        if act not in ACTIVATIONS:
-            raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
-        kw["hidden_act"] = act
-        if family == "qwen2":
-            kw["attention_bias"] = True
-        elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
-            kw["attention_bias"] = bool(d.get("attention_bias", False))
-        kw["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
-        if family == "olmoe" and d.get("clip_qkv") is not None:
-            raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
-        if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
-            raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
-                             " is not supported (only 1.0)")
-        try:
-            kw.update(rope_fields(d, family, kw, source))
-        except (KeyError, TypeError) as e:
-            raise ValueError(f"{source}: rope_scaling / rope_parameters lacks or mistypes a field "
-                             f"({type(e).__name__}: {e})") from None
-        kw.update(window_fields(d, family, kw["num_layers"], source))
-        if family in GEMMA:
-            kw.update(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
-                      query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
-                      # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
-                      attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
-                                                    50.0 if family == "gemma2" else None),
-                      final_softcap=positive_or_none(d, "final_logit_softcapping", source,
-                                                     30.0 if family == "gemma2" else None))
-        eos = d.get("eos_token_id")
-        kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-        kw["bos_token_id"] = d.get("bos_token_id")
-        if kw["num_heads"] % kw["num_kv_heads"]:
-            raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
-        return cls(**kw)
+        """From a Hugging Face config dict (jaxpaged/models/hf_config.py reads it family by family)."""
+        return cls(**model_config_fields(d, source))
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
-            raise ValueError(f"{path}: not a model directory (no config.json)")
-        try:
-            with open(f) as fh:
-                d = json.load(fh)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{f}: cannot read config: {e}") from None
-        return cls.from_hf_dict(d, source=f)
+        """From the config.json of model directory `path`."""
+        return cls.from_hf_dict(*read_config_json(path))
 
 
 def default_cache_dir() -> str:
@@ -164,50 +86,101 @@ def default_cache_dir() -> str:
     return os.path.join(base, "jaxpaged")
 
 
+# the choices of EngineConfig's string fields, offered by their flags; the modules named validate them
+# (they import jax, which this module must not; tests/test_flags.py checks that the two agree)
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3fn", "int8")  # jaxpaged/step/kv_cache.py
+QUANTIZATIONS = (None, "int8", "fp8")  # jaxpaged/models/quant.py
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # step/sampler.py
+
+# EngineConfig's fields by concern: each is one engine flag (jaxpaged/args.py), shown under its group's title
+MODEL, SCHEDULER, CACHE, PARALLEL = "model and loading", "scheduler", "KV cache", "parallel and multi-host"
+SPECULATIVE, LORA, RESEARCH, COMPILATION = "speculative decoding", "LoRA adapters", "RL and research", "compilation"
+
+
+def option(default: Any, group: str, help: str, *, factory: Callable[[], Any] | None = None, **argparse_kw) -> Any:
+    """An EngineConfig field: its default (`factory`: made per instance) and, as metadata, its flag's group,
+    help and further argparse keywords (choices, metavar). The flag's name, type and default are the field's."""
+    metadata = {"group": group, "help": help, **argparse_kw}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def _default_compilation_cache_dir() -> str:
+    return os.path.join(default_cache_dir(), "xla")
 
 
 @dataclass
 class EngineConfig:
-    """How to run a model. Every field is checked in __post_init__; errors name the field."""
+    """How to run a model. Every field is checked in __post_init__; errors name the field. Every field is
+    also an engine flag of `jaxpaged generate | serve` and the bench scripts (`--max-num-seqs` for
+    max_num_seqs; jaxpaged/args.py), documented by the help in its metadata."""
 
-    model: str | None = None
-    dtype: str = "auto"                     # auto: bfloat16 on GPU/TPU, float32 on CPU (see README)
-    kv_cache_dtype: str = "auto"            # auto (the dtype) | bfloat16 | float8_e4m3fn | int8 (jaxpaged/step/kv_cache.py)
-    block_size: int = 16
-    num_kv_blocks: int | None = None        # None: as many as kv_cache_memory_gb allows
-    kv_cache_memory_gb: float = 2.0         # per device: with tensor parallelism each holds 1/N of a block
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_model_len: int | None = None        # None: the model's max_position_embeddings, capped at 4096
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"         # one of ATTENTION_BACKENDS (jaxpaged/step/attention.py)
-    tensor_parallel_size: int = 1           # devices one model is split over (heads, MLP columns, vocab)
-    quantization: str | None = None         # weight-only: None, "int8" or "fp8" (per-output-channel scales)
-    seed: int = 0
-    async_scheduling: bool | None = None    # None: on for GPU/TPU, off on CPU (see docs/architecture.md)
-    max_logprobs: int = 20
-    logprobs_mode: str = "raw_logprobs"     # raw_ | processed_ logprobs | logits (jaxpaged/step/sampler.py)
-    batch_invariant: bool = False           # a request's bits independent of the batch (step/batch_invariant.py)
-    compilation_cache_dir: str | None = field(default_factory=lambda: os.path.join(default_cache_dir(), "xla"))
-    warmup: bool = True
-    show_progress: bool = True
-    # research hooks compiled into the step (docs/research.md); indices as transformers' output_hidden_states
-    hidden_state_layers: list[int] | None = None  # residual-stream states captured (0..num_layers)
-    steering_layers: list[int] | None = None      # where per-request steering vectors are added (0..num_layers-1)
-    # LoRA adapters (jaxpaged/lora/): device slots, the rank they are padded to, the host cache (None: max_loras)
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int | None = None
-    # scale-out beyond one engine (docs/scale-out.md)
-    data_parallel_size: int = 1             # replicas, each on its own tensor_parallel_size devices
-    coordinator_address: str | None = None  # multi-host: HOST:PORT of process 0 (jax.distributed)
-    num_processes: int = 1                  # multi-host: processes in the job
-    process_id: int = 0                     # multi-host: this process (0 leads: schedules and serves)
-    distributed_timeout: float = 60.0       # multi-host: seconds a step may take before the leader fails it
-    # speculative decoding (jaxpaged/spec_decode/): {"method": "ngram", "num_speculative_tokens": k, ...}
-    speculative_config: Any = None          # dict, JSON string or SpeculativeConfig; None: off
+    # -- model and loading
+    model: str | None = option(None, MODEL, "a Hugging Face or converted model directory (default: the embedded "
+                               "default model, SmolLM2-135M-Instruct)")
+    dtype: str = option("auto", MODEL, "weights and activations; auto: bfloat16 on GPU/TPU, float32 on CPU "
+                        "(where XLA's bfloat16 matmuls are slow)", choices=DTYPES)
+    quantization: str | None = option(None, MODEL, "weight-only quantization with per-output-channel scales "
+                                      "(default: none, the weights' dtype)", choices=QUANTIZATIONS[1:])
+    max_model_len: int | None = option(None, MODEL, "longest prompt + output (default: the model's "
+                                       "max_position_embeddings, capped at 4096)")
+    max_logprobs: int = option(20, MODEL, "most logprobs a request may ask for, per token")
+    seed: int = option(0, MODEL, "seed of the engine's random stream, from which a request without a seed of "
+                       "its own draws one")
+    # -- scheduler
+    max_num_seqs: int = option(64, SCHEDULER, "batch slots: requests that run at once")
+    max_num_batched_tokens: int = option(512, SCHEDULER, "token budget of one step, prefill chunks and decodes "
+                                         "together")
+    async_scheduling: bool | None = option(None, SCHEDULER, "prepare step t+1 while step t runs on the device "
+                                           "(default: on for GPU/TPU, off on CPU; see docs/architecture.md)")
+    # -- KV cache
+    block_size: int = option(16, CACHE, "tokens per KV block")
+    num_kv_blocks: int | None = option(None, CACHE, "KV blocks in the pool, the null block included (default: "
+                                       "as many as --kv-cache-memory-gb allows)")
+    kv_cache_memory_gb: float = option(2.0, CACHE, "GB of KV cache per device (with tensor parallelism each "
+                                       "device holds 1/N of every block)")
+    kv_cache_dtype: str = option("auto", CACHE, "KV cache storage; auto: the dtype; int8 / float8_e4m3fn: one "
+                                 "scale per token per KV head (jaxpaged/step/kv_cache.py)", choices=KV_CACHE_DTYPES)
+    enable_prefix_caching: bool = option(True, CACHE, "share the full KV blocks of equal prefixes between requests")
+    # -- parallel and multi-host (docs/scale-out.md)
+    tensor_parallel_size: int = option(1, PARALLEL, "devices one model is split over (heads, MLP columns, vocab)")
+    data_parallel_size: int = option(1, PARALLEL, "replicas, each on its own --tensor-parallel-size devices, "
+                                     "behind one front (routed by load and prefix)")
+    coordinator_address: str | None = option(None, PARALLEL, "multi-host: HOST:PORT of process 0 (as "
+                                             "jax.distributed.initialize); every process gets the same flags")
+    num_processes: int = option(1, PARALLEL, "multi-host: processes in the job")
+    process_id: int = option(0, PARALLEL, "multi-host: this process (0 schedules and serves, the others follow)")
+    distributed_timeout: float = option(60.0, PARALLEL, "multi-host: seconds a step may take before the leader "
+                                        "declares a follower lost")
+    # -- speculative decoding (jaxpaged/spec_decode/): a dict, JSON string or SpeculativeConfig; None: off
+    speculative_config: Any = option(None, SPECULATIVE, 'as JSON: \'{"method": "ngram", "num_speculative_tokens": '
+                                     '4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}\' or \'{"method": '
+                                     '"draft_model", "model": "DIR", "num_speculative_tokens": 4}\' (default: off)',
+                                     metavar="JSON")
+    # -- LoRA adapters (jaxpaged/lora/): device slots, the rank they are padded to, the host cache
+    enable_lora: bool = option(False, LORA, "run LoRA adapters: each request may name one")
+    max_loras: int = option(1, LORA, "adapters on the device at once")
+    max_lora_rank: int = option(16, LORA, "largest adapter rank")
+    max_cpu_loras: int | None = option(None, LORA, "adapters kept in host memory (default: --max-loras)")
+    # -- RL and research (docs/research.md); layer indices as transformers' output_hidden_states
+    logprobs_mode: str = option("raw_logprobs", RESEARCH, "what logprobs describe: the model's raw distribution "
+                                "(raw_logprobs, raw_logits) or the one tokens are drawn from (processed_logprobs, "
+                                "processed_logits; jaxpaged/step/sampler.py)", choices=LOGPROBS_MODES)
+    batch_invariant: bool = option(False, RESEARCH, "a request's tokens and logprobs bit for bit independent of "
+                                   "the other requests in its steps (slower; jaxpaged/step/batch_invariant.py)")
+    hidden_state_layers: list[int] | None = option(None, RESEARCH, "residual-stream states captured, by layer "
+                                                   "index (0..num_layers)", metavar="LAYER")
+    steering_layers: list[int] | None = option(None, RESEARCH, "layers where per-request steering vectors are "
+                                               "added (0..num_layers-1)", metavar="LAYER")
+    # -- compilation
+    attention_backend: str = option("auto", COMPILATION, "attention kernels, resolved for the devices the step is "
+                                    "compiled for (jaxpaged/step/attention.py)", choices=ATTENTION_BACKENDS)
+    compilation_cache_dir: str | None = option(None, COMPILATION, "JAX's persistent compilation cache, so a second "
+                                               "start is fast ('': none)", factory=_default_compilation_cache_dir)
+    warmup: bool = option(True, COMPILATION, "compile every step shape at start-up (off: each on first use)")
+    show_progress: bool = option(True, COMPILATION, "progress bars (compilation at start-up, LLM.generate)")
 
     def __post_init__(self):
         def positive(name):
@@ -227,7 +200,7 @@ class EngineConfig:
             self.async_scheduling = jax.default_backend() != "cpu" and self.speculative_config is None
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES[1:]:
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         from jaxpaged.step.kv_cache import check_kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxpaged.config import ATTENTION_BACKENDS
+from jaxpaged.args import add_engine_args as add_engine_flags
+from jaxpaged.args import engine_kwargs as engine_flag_kwargs
 
 TIMING_NOTE = "only generation is timed (model load, compilation and a warm-up run come before the clock)"
 
@@ -51,23 +52,16 @@ def say(msg: str) -> None:
 
 # -- arguments ------------------------------------------------------------------------------
 def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=None,
-                    num_kv_blocks=None):
-    g = ap.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="model directory, or random:smollm2-135m / random:tiny (random weights, real shapes); "
-                        "default: the embedded default model, SmolLM2-135M-Instruct")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float8_e4m3fn", "int8"])
-    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=max_num_batched_tokens)
-    g.add_argument("--max-model-len", type=int, default=max_model_len,
-                   help=f"default: {max_model_len or 'the longest request the workload can draw'}")
-    g.add_argument("--num-kv-blocks", type=int, default=num_kv_blocks, help="default: the engine's choice")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--quantization", default=None, choices=["int8", "fp8"], help="weight-only quantization")
-    g.add_argument("--compilation-cache-dir", default=None, help="default: the engine's (~/.cache/jaxpaged/xla)")
-    ap.add_argument("--seed", type=int, default=0)
+                    num_kv_blocks=None, exclude=()):
+    """The engine flags (jaxpaged/args.py), with the benches' defaults (float32, no progress bars and
+    the script's sizes), and --json. `exclude`: engine flags the script declares its own way."""
+    helps = dict(model="model directory, or random:smollm2-135m / random:tiny (random weights, real shapes); "
+                       "default: the embedded default model, SmolLM2-135M-Instruct")
+    if max_model_len is None:
+        helps["max_model_len"] = "longest prompt + output (default: the longest request the workload can draw)"
+    add_engine_flags(ap, exclude=exclude, helps=helps, defaults=dict(
+        dtype="float32", show_progress=False, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len, num_kv_blocks=num_kv_blocks))
     ap.add_argument("--json", metavar="PATH", help="write the results here as JSON")
 
 
@@ -122,14 +116,10 @@ def make_random_model(preset: str, root: str | None = None) -> str:
 
 
 def engine_kwargs(args, **over) -> dict:
-    kw = dict(dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-              attention_backend=args.attention_backend, seed=args.seed, show_progress=False,
-              quantization=getattr(args, "quantization", None))
-    if args.compilation_cache_dir:
-        kw["compilation_cache_dir"] = args.compilation_cache_dir
-    kw.update(over)
+    """EngineConfig's keyword arguments from the engine flags (`over` wins), less the model (the scripts
+    resolve --model: resolve_model)."""
+    kw = engine_flag_kwargs(args, **over)
+    del kw["model"]
     return kw
 
 

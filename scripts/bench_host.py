@@ -363,7 +363,8 @@ def main(argv=None) -> dict:
                     "(as LLM.generate does: no intermediate outputs); default: streamed, as by the server")
     ap.add_argument("--async-scheduling", choices=["on", "off", "auto"], default="auto",
                     help="the engine's async_scheduling (auto: its default for the platform)")
-    bc.add_engine_args(ap)  # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs
+    # --max-num-seqs is N; --max-model-len and --num-kv-blocks default to what N needs; --async-scheduling above
+    bc.add_engine_args(ap, exclude=("async_scheduling",))
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
     if args.null_device:

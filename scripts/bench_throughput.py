@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
                     help="hf's dtype (default: --dtype), e.g. --dtype bfloat16 --hf-dtype float32 (jaxpaged's "
                     "fast CPU dtype against transformers' usual one)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
-    bc.add_engine_args(ap)
+    bc.add_engine_args(ap, exclude=("tensor_parallel_size", "data_parallel_size"))  # repeatable here, below
     bench_vllm.add_args(ap)
     ap.add_argument("--json-fraction", type=float, default=0.0,
                     help="also run jaxpaged with this fraction of requests JSON-schema constrained")

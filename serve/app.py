@@ -22,9 +22,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Route
 
+from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
-from jaxpaged.config import LOGPROBS_MODES
-from jaxpaged.args import add_quantization_arg, add_scale_out_args, scale_out_kwargs
 from serve import lora as serve_lora
 from serve import rl_routes, routes
 from serve.errors import APIError
@@ -107,48 +106,24 @@ async def _server_error(request: Request, exc: Exception):
 
 # -- `jaxpaged serve` -------------------------------------------------------------------------
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the flags of `jaxpaged serve` to `parser`."""
-    parser.add_argument("--model", default=None, help="model directory (HF or converted); default: the "
-                        "embedded default model")
+    """Add the flags of `jaxpaged serve` to `parser`: the engine flags (jaxpaged/args.py) and the server's."""
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model` "
                         "(default: --model as given, or the default model's name)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
-    parser.add_argument("--max-num-seqs", type=int, default=None, help="batch slots (default 64)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step "
-                        "(default 512)")
-    parser.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: "
-                        "the model's, capped at 4096)")
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 16)")
-    parser.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights and KV cache (default: bfloat16 on GPU, float32 on CPU, where "
-                        "bfloat16 matmuls are slow)")
-    parser.add_argument("--kv-cache-dtype", default=None, choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
-                        help="KV cache storage (default auto: the dtype); int8 / float8_e4m3fn with one scale "
-                        "per token per KV head")
-    parser.add_argument("--logprobs-mode", default=None, choices=list(LOGPROBS_MODES), help="what logprobs "
-                        "describe: the model's raw distribution (default raw_logprobs), raw_logits, or the "
-                        "distribution tokens are drawn from (processed_logprobs, processed_logits)")
-    parser.add_argument("--batch-invariant", action="store_true", default=None, help="a request's tokens and "
-                        "logprobs bit for bit independent of the other requests in its steps (slower; see "
-                        "docs/research.md)")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
-    g = parser.add_argument_group("LoRA adapters")
-    g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (requests pick one by `model`)")
-    g.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
-                   help="PEFT adapter directories to serve, by name")
-    g.add_argument("--max-loras", type=int, default=None, help="adapters on the device at once (default 1)")
-    g.add_argument("--max-lora-rank", type=int, default=None, help="largest adapter rank (default 16)")
-    g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory "
-                   "(default: --max-loras)")
-    g.add_argument("--enable-runtime-lora-updating", action="store_true",
-                   help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    return add_scale_out_args(add_quantization_arg(parser))
+    lora = parser.add_argument_group("server: LoRA adapters (with --enable-lora)")
+    lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                      help="PEFT adapter directories to serve, by name (requests pick one by `model`)")
+    lora.add_argument("--enable-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    add_engine_args(parser)
+    return parser
 
 
 class _Server(uvicorn.Server):
@@ -171,23 +146,13 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_kwargs: dict | None = None) -> None:
     """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get `grace_period` seconds
     to finish, then are aborted. Returns normally (exit status 0)."""
-    from jaxpaged.config import EngineConfig
     from jaxpaged.parallel.replicas import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: getattr(args, k, None) for k in ("dtype", "max_num_seqs", "max_num_batched_tokens",
-                                                     "max_model_len", "block_size", "quantization",
-                                                     "kv_cache_dtype", "max_loras", "max_lora_rank",
-                                                     "max_cpu_loras", "logprobs_mode", "batch_invariant")}
-    lora_modules = serve_lora.parse_modules(getattr(args, "lora_modules", None))
-    lora_on = bool(getattr(args, "enable_lora", False))
-    if (lora_modules or getattr(args, "enable_runtime_lora_updating", False)) and not lora_on:
+    lora_modules = serve_lora.parse_modules(args.lora_modules)
+    if (lora_modules or args.enable_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
-    if lora_on:
-        overrides["enable_lora"] = True
-    scale = scale_out_kwargs(args)  # multi-host: jax.distributed starts here, before anything else uses JAX
-    cfg = EngineConfig(model=args.model, **{k: v for k, v in overrides.items() if v is not None},
-                       **scale, **(engine_kwargs or {}))
+    cfg = engine_config(args, **(engine_kwargs or {}))  # multi-host: jax.distributed starts first
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
     t0 = time.perf_counter()
     engine = build_engine(cfg)
@@ -200,15 +165,14 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
              time.perf_counter() - t0, s["num_compilations"], s["compile_seconds"], s["kv_blocks_total"],
              cfg.block_size, engine.max_model_len, s["attention_backend"], cfg.data_parallel_size,
              cfg.tensor_parallel_size, cfg.num_processes)
-    adapters = serve_lora.Adapters() if lora_on else None
+    adapters = serve_lora.Adapters() if cfg.enable_lora else None
     for lora_name, path in lora_modules:  # checked and loaded now: a bad adapter stops the start
         adapters.by_name[lora_name] = lr = adapters.new(lora_name, path)
         engine.add_lora(lr)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting,
-                               max_step_failures=getattr(args, "max_step_failures", 3))
+    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, max_step_failures=args.max_step_failures)
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
-                     adapters=adapters, runtime_lora_updating=getattr(args, "enable_runtime_lora_updating", False))
+                     adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on",
                             timeout_graceful_shutdown=grace_period, log_level="info")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)

@@ -184,13 +184,14 @@ def test_async_scheduling_flag():
     default (None: off on this CPU)."""
     import argparse
 
-    from jaxpaged.args import add_scale_out_args, scale_out_kwargs
+    from jaxpaged.args import add_engine_args, engine_kwargs
     from serve.app import add_serve_args
-    for add in (add_scale_out_args, add_serve_args):
-        parse = add(argparse.ArgumentParser()).parse_args
+    engine_only = argparse.ArgumentParser()
+    add_engine_args(engine_only)
+    for parser in (engine_only, add_serve_args(argparse.ArgumentParser())):
         for argv, want, resolved in (([], None, False), (["--async-scheduling"], True, True),
                                      (["--no-async-scheduling"], False, False)):
-            kw = scale_out_kwargs(parse(argv))
+            kw = engine_kwargs(parser.parse_args(argv))
             assert kw["async_scheduling"] is want
             assert EngineConfig(**kw).async_scheduling is resolved
 

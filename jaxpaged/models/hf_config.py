@@ -1,13 +1,118 @@
-"""Reading a Hugging Face config.json, family by family: the fields ModelConfig derives (windows and
-layer kinds, RoPE variants, MoE routing), with a ValueError naming the field for what is not supported."""
+"""Reading a Hugging Face config.json, family by family: `model_config_fields` turns it into ModelConfig's
+keyword arguments (windows and layer kinds, RoPE variants, MoE routing), with a ValueError naming the field
+for what is not supported. Imports nothing of jaxpaged: jaxpaged/config.py builds ModelConfig from it."""
 from __future__ import annotations
 
+import json
 import math
+import os
+from typing import Any
 
 GEMMA = ("gemma2", "gemma3")
 MOE = ("mixtral", "qwen3_moe", "olmoe")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 SLIDING, FULL = "sliding_attention", "full_attention"
+
+# HF `architectures[0]` -> family; the families differ only in the flags ModelConfig carries.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
+}
+
+
+def read_config_json(path: str) -> tuple[dict[str, Any], str]:
+    """The parsed config.json of model directory `path`, and that file's path (for error messages)."""
+    f = os.path.join(path, "config.json")
+    if not os.path.isfile(f):
+        raise ValueError(f"{path}: not a model directory (no config.json)")
+    try:
+        with open(f) as fh:
+            return json.load(fh), f
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{f}: cannot read config: {e}") from None
+
+
+def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
+    """ModelConfig's keyword arguments from a HF config dict; `source` names it in errors."""
+    archs = d.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    family = SUPPORTED_ARCHITECTURES[arch]
+    try:
+        hidden, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+        kw = dict(
+            family=family,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", family in GEMMA)),
+        )
+        if family in MOE:
+            kw.update(moe_fields(d, family, source))
+    except KeyError as e:
+        raise ValueError(f"{source}: missing field {e.args[0]!r}") from None
+    kw.update(block_fields(d, family, source))
+    try:
+        kw.update(rope_fields(d, family, kw, source))
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{source}: rope_scaling / rope_parameters lacks or mistypes a field "
+                         f"({type(e).__name__}: {e})") from None
+    kw.update(window_fields(d, family, kw["num_layers"], source))
+    if family in GEMMA:
+        kw.update(gemma_fields(d, family, source))
+    eos = d.get("eos_token_id")
+    kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
+    kw["bos_token_id"] = d.get("bos_token_id")
+    if kw["num_heads"] % kw["num_kv_heads"]:
+        raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
+    return kw
+
+
+def block_fields(d, family, source):
+    """The decoder block's variant: MLP activation, q/k/v bias, q/k norm (and what no family supports)."""
+    act_field = "hidden_activation" if family in GEMMA else "hidden_act"
+    act = d.get(act_field) or ("gelu_pytorch_tanh" if family in GEMMA else "silu")
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{source}: {act_field} {act!r} is not supported (only {', '.join(ACTIVATIONS)})")
+    out = {"hidden_act": act}
+    if family == "qwen2":
+        out["attention_bias"] = True
+    elif family in ("llama", "mistral", "qwen3", "phi3", "mixtral", "qwen3_moe", "olmoe") + GEMMA:
+        out["attention_bias"] = bool(d.get("attention_bias", False))
+    out["qk_norm"] = {"qwen3": "head", "qwen3_moe": "head", "gemma3": "head", "olmoe": "flat"}.get(family)
+    if family == "olmoe" and d.get("clip_qkv") is not None:
+        raise ValueError(f"{source}: clip_qkv {d['clip_qkv']!r} is not supported (only null)")
+    if family == "phi3" and float(rope_param(d, "partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"{source}: partial_rotary_factor {rope_param(d, 'partial_rotary_factor', 1.0)!r}"
+                         " is not supported (only 1.0)")
+    return out
+
+
+def gemma_fields(d, family, source):
+    """Gemma's (1 + w) norms, sandwich norms, scaled embeddings, query scale and soft-caps."""
+    return dict(norm_plus_one=True, sandwich_norms=True, embed_scale=True,
+                query_scale=float(d.get("query_pre_attn_scalar", 256)) ** -0.5,
+                # absent: the HF config classes' defaults (Gemma 2: 50 and 30; Gemma 3: none)
+                attn_softcap=positive_or_none(d, "attn_logit_softcapping", source,
+                                              50.0 if family == "gemma2" else None),
+                final_softcap=positive_or_none(d, "final_logit_softcapping", source,
+                                               30.0 if family == "gemma2" else None))
 
 
 def positive_or_none(d, name, source, default=None):
