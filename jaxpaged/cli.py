@@ -92,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     s.set_defaults(func=_serve)
+
+    from jaxpaged import bench
+    b = sub.add_parser("bench", help="run a benchmark (`jaxpaged bench WHAT --help`)",
+                       description="\n".join(f"{k:<20}{v}" for k, v in bench.COMMANDS.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("what", choices=list(bench.COMMANDS), metavar="WHAT", help="one of the commands listed above")
+    b.add_argument("flags", nargs=argparse.REMAINDER, help="the command's own flags")
+    b.set_defaults(func=lambda a: bench.run(a.what, a.flags))
     return ap
 
 

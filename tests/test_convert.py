@@ -12,7 +12,7 @@ import pytest
 from jaxpaged import ModelConfig
 from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
 from jaxpaged.checkpoints.weights import load_params
-from models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
 

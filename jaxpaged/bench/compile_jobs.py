@@ -1,7 +1,7 @@
 """Jobs that `gpu_compile.run` executes in a CPU-only subprocess with the CUDA plugin: compile kernels or
 whole engine steps for H100 / H200 (sm_90a) and report what the compiler made. Each job returns JSON.
 
-    python scripts/compile_jobs.py JOB JSON_ARGS OUT_JSON   (what gpu_compile.run starts)
+    python -m jaxpaged.bench.compile_jobs JOB JSON_ARGS OUT_JSON   (what gpu_compile.run starts)
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from gpu_compile import cuda_mesh, mosaic_stats, new_files, triton_stats
+from jaxpaged.bench.gpu_compile import cuda_mesh, mosaic_stats, new_files, triton_stats
 
 _KERNEL_NAMES = {("triton", "decode"): "paged_attention_decode", ("triton", "ragged"): "ragged_paged_attention",
                  ("mosaic", "decode"): "mosaic_paged_attention_decode",
@@ -105,7 +105,7 @@ def _costs(c: dict, cfg, mesh, variant, layers: int) -> dict:
     MAX_UNROLLED layers (a very long compile), flops from 2- and 4-layer compiles, extrapolated linearly
     (exact for a stack of identical layers); bytes are then not reported."""
     from jaxpaged.step.aot import abstract_runner, compile_steps
-    from gpu_compile import FULL_UNROLL, step_costs
+    from jaxpaged.bench.gpu_compile import FULL_UNROLL, step_costs
 
     def unrolled(num_layers):
         runner = abstract_runner(model_config(c["size"], num_layers), cfg, mesh, num_blocks=c["num_blocks"])
@@ -128,7 +128,7 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
     del dumps
     from jaxpaged.config import EngineConfig
     from jaxpaged.step.aot import abstract_runner, compile_steps
-    from gpu_compile import KERNEL_TARGETS, memory
+    from jaxpaged.bench.gpu_compile import KERNEL_TARGETS, memory
     out = []
     for c in configs:
         mc = model_config(c["size"], c.get("num_layers"))

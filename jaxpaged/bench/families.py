@@ -3,7 +3,7 @@ random MoE against a dense model with the same active parameters, and the KV blo
 
     python scripts/bench_families.py [compile] [moe] [window] [--json PATH]
 
-compile: tiny random models of every family (tests/models.py), every bucket of a 64-token budget compiled
+compile: tiny random models of every family (tiny_models.py), every bucket of a 64-token budget compiled
   without the persistent cache; seconds per bucket.
 moe: Mixtral-shaped (8 experts, top-2) vs Mistral-shaped dense with intermediate = 2 x the experts', same
   attention and embeddings; 16 requests decoding 64 tokens each at batch 16; generation timed after a
@@ -20,12 +20,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "tests"))
-
 
 def bench_compile() -> dict:
     from jaxpaged import LLM, ModelConfig
-    from models import NEW_FAMILIES, make_tiny_model
+    from jaxpaged.bench.tiny_models import NEW_FAMILIES, make_tiny_model
     out = {}
     with tempfile.TemporaryDirectory() as d:
         for f in ("llama",) + NEW_FAMILIES:

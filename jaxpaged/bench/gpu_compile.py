@@ -27,8 +27,9 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPEC = os.path.join(ROOT, "scripts", "targets", "h100_sxm.txtpb")
+from jaxpaged.bench import ROOT
+
+SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h100_sxm.txtpb")
 # What a compile without a device cannot do: autotune (XLA's default kernel choices instead), and size
 # CUB's radix-sort scratch (large sorts, the sampler's top-k over the vocabulary, take XLA's own sort)
 DEVICELESS_FLAGS = "--xla_gpu_autotune_level=0 --xla_gpu_enable_cub_radix_sort=false"
@@ -68,12 +69,10 @@ def run(job: str, args: dict, timeout: float = 600) -> dict:
         for d in dumps.values():
             os.makedirs(d)
         env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_dump_to={dumps['xla']} {DEVICELESS_FLAGS}",
-                   MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dumps["mosaic"],
-                   PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "scripts")]))
+                   MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dumps["mosaic"])
         out = os.path.join(tmp, "result.json")
         payload = json.dumps(dict(args, dumps=dumps))
-        worker = os.path.join(ROOT, "scripts", "compile_jobs.py")
-        proc = subprocess.run([sys.executable, worker, job, payload, out], cwd=ROOT, env=env,
+        proc = subprocess.run([sys.executable, "-m", "jaxpaged.bench.compile_jobs", job, payload, out], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"compile job {job} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

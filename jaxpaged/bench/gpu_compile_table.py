@@ -13,12 +13,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import gpu_compile  # noqa: E402
-from gpu_compile import H200  # noqa: E402
+from jaxpaged.bench import gpu_compile
+from jaxpaged.bench.gpu_compile import H200
 
 # (label, q heads, kv heads, head_dim) as one device's kernel sees them
 SHAPES = [("SmolLM2-135M", 9, 3, 64), ("Llama-3-8B", 32, 8, 128), ("Llama-3-70B", 64, 8, 128),

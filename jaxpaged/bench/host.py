@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-import bench_common as bc
-import roofline
+from jaxpaged.bench import common as bc
+from jaxpaged.bench import roofline
 
 
 class Timed:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -27,11 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels import (paged_attention, paged_attention_reference,  # noqa: E402
+from pallas_kernels import (paged_attention, paged_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
-from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention  # noqa: E402
-from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention  # noqa: E402
+from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
+from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
 
 # --backend: (decode, ragged) kernels and the decode tuning sweep of each
 KERNELS = {"triton": (paged_attention, ragged_paged_attention), "mosaic": (mosaic_paged_attention,

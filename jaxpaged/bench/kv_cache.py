@@ -19,8 +19,8 @@ import statistics
 
 import numpy as np
 
-import bench_common as bc
-from bench_host import capture_next_step, replay
+from jaxpaged.bench import common as bc
+from jaxpaged.bench.host import capture_next_step, replay
 
 
 def filled_engine(model_dir: str, args, kv: str, N: int):

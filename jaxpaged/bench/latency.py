@@ -6,7 +6,7 @@ time it takes this machine to read the weights once, with the peers side by side
 Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 with int8 weights
 (each its own engine in this process, `max_num_seqs` 64 as `LLM()`; a KV pool just large enough
 for the largest N at `--max-model-len`, so three engines fit beside each other), vLLM's CPU build (`--vllm-python`,
-scripts/bench_vllm.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
+scripts/vllm_peer.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
 from) when they are installed; a missing peer is reported with the reason.
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
@@ -33,8 +33,8 @@ import time
 
 import numpy as np
 
-import bench_common as bc
-import roofline
+from jaxpaged.bench import common as bc
+from jaxpaged.bench import roofline
 
 CONCURRENCY = (1, 2, 4, 8)
 JAXPAGED = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
@@ -101,8 +101,8 @@ def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[
 
 
 def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, str | None]:
-    import bench_vllm
-    why = bench_vllm.unavailable(args)
+    from jaxpaged.bench import vllm_peer
+    why = vllm_peer.unavailable(args)
     if why:
         return {}, why
     out = {}
@@ -111,7 +111,7 @@ def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, 
         t = {}
         for length in (1, args.output_len):
             wl = bc.Workload([bc.Req(p, length) for p in prompts[:n]])
-            t[length] = bench_vllm.run_vllm(model_dir, wl, args, export_root)["elapsed_s"]
+            t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root)["elapsed_s"]
         per_token = 1e3 * (t[args.output_len] - t[1]) / (args.output_len - 1)
         out["vllm " + (args.vllm_dtype or "float32"), n] = dict(
             ms_per_token=per_token, ttft_ms=1e3 * t[1], load=[os.getloadavg()[0]],
@@ -158,17 +158,17 @@ def _default_gguf() -> str | None:
 
 
 def measure_startup(model_dir: str, args) -> dict:
-    """Cold and warm start to the first token of a lone short prompt (bench_startup.py's child process:
+    """Cold and warm start to the first token of a lone short prompt (startup.py's child process:
     interpreter, imports, weights, every bucket compiled or loaded from the cache, one token), per dtype."""
     import tempfile
 
-    import bench_startup
+    from jaxpaged.bench import startup
     out = {}
     for dtype in args.startup:
         cache = tempfile.mkdtemp(prefix="jaxpaged-latency-startup-")
         a = argparse.Namespace(**{**vars(args), "dtype": dtype})
-        cold = bench_startup.spawn(a, model_dir, cache)
-        warm = bench_startup.spawn(a, model_dir, cache)
+        cold = startup.spawn(a, model_dir, cache)
+        warm = startup.spawn(a, model_dir, cache)
         out[dtype] = dict(cold=cold, warm=warm, load=os.getloadavg()[0])
         bc.say(f"start-up {dtype}: cold {cold['time_to_first_token_s']:.1f} s (compile {cold['compile_s']:.1f} s), "
                f"warm {warm['time_to_first_token_s']:.1f} s")
@@ -186,8 +186,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--startup", nargs="*", default=[], choices=["float32", "bfloat16"],
                     help="also time cold and warm start to the first token in fresh processes, per dtype")
     ap.add_argument("--gguf", default=None, help="llama-cpp-python's model (default: the default model's GGUF)")
-    import bench_vllm
-    bench_vllm.add_args(ap)
+    from jaxpaged.bench import vllm_peer
+    vllm_peer.add_args(ap)
     bc.add_engine_args(ap, max_model_len=1024)
     ap.set_defaults(random_tokens=False)
     args = ap.parse_args(argv)

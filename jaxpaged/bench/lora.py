@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from collections import deque
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 
 class Sampler:
@@ -134,7 +133,7 @@ def weights_memory(model_dir: str, args, argv: list[str]) -> dict:
     rows = {}
     for fmt in args.weight_formats:
         bc.say(f"weights {fmt}: loading in a fresh process")
-        p = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--model", model_dir,
+        p = subprocess.run([sys.executable, "-m", "jaxpaged.bench.memory", *argv, "--model", model_dir,
                             "--weights-child", fmt], capture_output=True, text=True)
         if p.returncode:
             raise SystemExit(f"weights {fmt}: the child process failed:\n{p.stderr[-3000:]}")

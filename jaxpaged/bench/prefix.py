@@ -13,7 +13,7 @@ import gc
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 
 def main(argv=None) -> dict:

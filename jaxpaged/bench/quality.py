@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
 

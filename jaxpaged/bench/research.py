@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 
 class _Asking:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import time
 
-import bench_common as bc
-from bench_throughput import run_engine
+from jaxpaged.bench import common as bc
+from jaxpaged.bench.throughput import run_engine
 
 
 def sleep_wake(llm) -> dict:

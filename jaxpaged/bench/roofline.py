@@ -102,7 +102,7 @@ def attach(model: dict, step_s: float, peaks: dict) -> dict:
 
 def report(rows: list[dict], peaks: dict) -> str:
     """The roofline table (rows: {running, roofline: attach(...)})."""
-    from bench_common import table
+    from jaxpaged.bench.common import table
     g, m = 1e9, 1e6
     head = (f"machine: matmul {peaks['matmul_flops_per_s'] / g:.1f} GFLOP/s ({peaks['dtype']}), read "
             f"{peaks['read_bytes_per_s'] / g:.1f} GB/s, copy {peaks['copy_bytes_per_s'] / g:.1f} GB/s")
@@ -114,10 +114,17 @@ def report(rows: list[dict], peaks: dict) -> str:
                                       "step ms", "% matmul rate", "% bandwidth", "bound", "% of roofline"])
 
 
-if __name__ == "__main__":
+def main(argv=None) -> dict:
+    """The micro-benchmarks alone: this machine's matmul rate and read / copy bandwidth."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--reps", type=int, default=5)
-    p = machine_peaks(ap.parse_args().dtype, ap.parse_args().reps)
+    args = ap.parse_args(argv)
+    p = machine_peaks(args.dtype, args.reps)
     print(f"matmul {p['matmul_flops_per_s'] / 1e9:.1f} GFLOP/s, read {p['read_bytes_per_s'] / 1e9:.1f} GB/s, "
           f"copy {p['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    return p
+
+
+if __name__ == "__main__":
+    main()

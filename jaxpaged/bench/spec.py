@@ -14,7 +14,7 @@ with speculation equal the plain ones token for token (tests/test_spec_decode.py
 timed: engines are built and warmed before.
 
 --vllm: vLLM's offline LLM runs the same requests first, plain and with its n-gram proposer for each k
-(rows vllm_plain, vllm_ngram_k2, ...; scripts/bench_vllm_spec.py says how), each row also as a ratio to
+(rows vllm_plain, vllm_ngram_k2, ...; scripts/vllm_spec_peer.py says how), each row also as a ratio to
 jaxpaged's plain; when vLLM cannot be imported under --vllm-python the note says why and only jaxpaged runs.
 """
 from __future__ import annotations
@@ -23,12 +23,10 @@ import argparse
 import os
 import statistics
 
-import bench_common as bc
-import bench_vllm
-import bench_vllm_spec
+from jaxpaged.bench import ROOT, vllm_peer, vllm_spec_peer
+from jaxpaged.bench import common as bc
 from jaxpaged.core.tokenizer import Tokenizer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUESTIONS = ["Why is the sky blue?", "Give three tips for staying healthy.", "What is a neural network?",
              "Describe a day at the beach.", "How do plants make food?", "What makes a good friend?",
              "Explain how a bicycle works.", "Write a short poem about autumn."]
@@ -109,14 +107,14 @@ def _vllm_side(model_dir: str, cases: dict, batch_sizes: list[int], ks: list[int
     """vLLM on the same requests: ({(workload, b): {config: summary}}, the note's sentence about vLLM)."""
     if not args.vllm:
         return {}, "vLLM not measured (--vllm runs its n-gram side by side)"
-    why = bench_vllm.unavailable(args)
+    why = vllm_peer.unavailable(args)
     if why:
         bc.say(why)
         return {}, why
     from jaxpaged.config import default_cache_dir
     export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
     keyed = {f"{w}/{b}": (reqs, b) for (w, b), reqs in cases.items()}
-    per_config, version = bench_vllm_spec.run_configs(model_dir, keyed, batch_sizes, ks, args, export)
+    per_config, version = vllm_spec_peer.run_configs(model_dir, keyed, batch_sizes, ks, args, export)
     out = {case: {name: _summary(got[f"{case[0]}/{case[1]}"]) for name, got in per_config.items()} for case in cases}
     return out, (f"vLLM {version} ran the same requests (dtype {args.vllm_dtype or args.dtype}, "
                  f"OMP_NUM_THREADS={args.vllm_threads} bound to {args.vllm_cpu_bind}, one generate per static "
@@ -154,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--vllm", action="store_true", help="also vLLM plain and n-gram (each k) on the same requests, "
                     "in workers under --vllm-python (--method ngram only)")
     bc.add_engine_args(ap, max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=512)
-    bench_vllm.add_args(ap, dtype="float32")
+    vllm_peer.add_args(ap, dtype="float32")
     return ap
 
 
@@ -168,7 +166,7 @@ def main(argv=None) -> dict:
     model_dir = bc.resolve_model(args.model)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
-    method = (bench_vllm_spec.NGRAM if args.method == "ngram"  # the lookup window both sides use
+    method = (vllm_spec_peer.NGRAM if args.method == "ngram"  # the lookup window both sides use
               else {"method": "draft_model", "model": bc.resolve_model(args.draft)})
     configs = [("plain", None)] + [(f"{args.method}_k{k}", {**method, "num_speculative_tokens": k}) for k in ks]
     tok = Tokenizer.from_dir(model_dir)

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 
 def child(args) -> None:
@@ -42,7 +42,7 @@ def child(args) -> None:
 
 
 def spawn(args, model_dir: str, cache_dir: str) -> dict:
-    argv = [sys.executable, os.path.abspath(__file__), "--child", "--model", model_dir, "--cache-dir", cache_dir,
+    argv = [sys.executable, "-m", "jaxpaged.bench.startup", "--child", "--model", model_dir, "--cache-dir", cache_dir,
             "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--block-size", str(args.block_size),
             "--attention-backend", args.attention_backend, "--seed", str(args.seed)]

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 
 def main(argv=None) -> dict:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 
 PRODUCTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 

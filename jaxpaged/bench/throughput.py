@@ -8,7 +8,7 @@ Backends:
   static    the same engine (same instance, same compiled steps) with static batching: a batch of up to
             --max-num-seqs requests is queued, runs until its longest request finishes, then the next.
   vllm      vLLM's offline LLM in a subprocess (--vllm-python; skipped with a message when vLLM is not
-            importable there): see scripts/bench_vllm.py, which says how to install it.
+            importable there): see scripts/vllm_peer.py, which says how to install it.
   hf        transformers `generate` on left-padded batches of --hf-batch-size, same weights and dtype,
             greedy, EOS suppressed (min_new_tokens = max_new_tokens). Each batch runs to its longest
             drawn output length; only each request's own drawn length is counted as output tokens
@@ -34,10 +34,8 @@ import argparse
 import os
 import time
 
-import numpy as np
-
-import bench_common as bc
-import bench_vllm
+from jaxpaged.bench import common as bc
+from jaxpaged.bench import vllm_peer
 
 BACKENDS = ("jaxpaged", "static", "hf")  # the default set; vllm runs when asked for
 BENCH_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
@@ -128,7 +126,7 @@ def main(argv=None) -> dict:
                     "fast CPU dtype against transformers' usual one)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap)
-    bench_vllm.add_args(ap)
+    vllm_peer.add_args(ap)
     ap.add_argument("--json-fraction", type=float, default=0.0,
                     help="also run jaxpaged with this fraction of requests JSON-schema constrained")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
@@ -157,11 +155,11 @@ def main(argv=None) -> dict:
 
     skipped = {}
     if "vllm" in backends:  # first: its worker failed to start after the engines had run in this process
-        skipped["vllm"] = bench_vllm.unavailable(args)
+        skipped["vllm"] = vllm_peer.unavailable(args)
         if skipped["vllm"] is None:
             from jaxpaged.config import default_cache_dir
             export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
-            run("vllm", lambda: bench_vllm.run_vllm(model_dir, wl, args, export))
+            run("vllm", lambda: vllm_peer.run_vllm(model_dir, wl, args, export))
         else:
             bc.say(skipped["vllm"])
     sizes = [(tp, dp) for tp in tp_sizes for dp in dp_sizes]

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-import bench_common as bc
+from jaxpaged.bench import common as bc
 from jaxpaged.config import ATTENTION_BACKENDS
 
 

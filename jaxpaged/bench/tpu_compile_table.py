@@ -19,8 +19,7 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_aot  # noqa: E402
+from jaxpaged.bench import ROOT, tpu_aot
 
 MODELS = {  # Hugging Face config fields
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
@@ -193,10 +192,10 @@ def main(argv=None):
                for t in args.tp or TPS for k in args.kv_dtype or KV_DTYPES]
     rows = []
     for chip, model, tp, kv in configs:  # one process each: libtpu and the compile caches start clean
-        code = (f"import json, tpu_compile_table as t; "
+        code = (f"import json; from jaxpaged.bench import tpu_compile_table as t; "
                 f"print('ROWS' + json.dumps(t.measure({chip!r}, {model!r}, {tp}, {kv!r}, {args.buckets!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **tpu_aot.environment()})
+                             cwd=ROOT, env={**os.environ, **tpu_aot.environment()})
         line = [x for x in res.stdout.splitlines() if x.startswith("ROWS")]
         rows += json.loads(line[0][4:]) if line else [dict(chip=chip, model=model, tp=tp, kv_dtype=kv, weight_bytes=0,
                                                            error="compile process failed: " + res.stderr[-200:])]

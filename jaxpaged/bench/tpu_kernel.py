@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -23,9 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention  # noqa: E402
-from pallas_kernels.reference import ragged_paged_attention_reference  # noqa: E402
+from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference
 
 TPU = dict(Hq=32, Hkv=8, D=128, bs=16, batches=[1, 8, 64, 256], contexts=[512, 4096], mixed=(64, 4096, [512, 512]),
            copy_bytes=1 << 30)

@@ -16,8 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tpu_aot  # noqa: E402
+from jaxpaged.bench import ROOT, tpu_aot
 
 # name, q heads, KV heads, head_dim (per device)
 SHAPES = [("SmolLM2-135M, TP=1", 9, 3, 64), ("Llama-3-8B, TP=1", 32, 8, 128), ("Llama-3-8B, TP=4", 8, 2, 128)]
@@ -93,17 +92,18 @@ def table(rows) -> str:
     return "\n".join(out)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="docs/results/tpu_kernels.json")
     ap.add_argument("--chip", action="append", choices=sorted(tpu_aot.CHIPS), help="default: every chip")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows = []
     for chip in args.chip or sorted(tpu_aot.CHIPS):  # one process a chip: libtpu's dump flag is per process
         dump = tempfile.mkdtemp(prefix="libtpu_dump_")
-        code = f"import json, tpu_kernel_compare as t; print('ROWS' + json.dumps(t.measure({chip!r}, {dump!r})))"
+        code = ("import json; from jaxpaged.bench import tpu_kernel_compare as t; "
+                f"print('ROWS' + json.dumps(t.measure({chip!r}, {dump!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.abspath(__file__)), env={**os.environ, **tpu_aot.environment(dump)})
+                             cwd=ROOT, env={**os.environ, **tpu_aot.environment(dump)})
         line = [x for x in res.stdout.splitlines() if x.startswith("ROWS")]
         if not line:
             raise SystemExit(f"{chip}: compile process failed:\n{res.stderr[-3000:]}")

@@ -75,7 +75,7 @@ def hf_dir_for(model_dir: str, export_root: str) -> str:
     out = os.path.join(export_root, os.path.basename(os.path.normpath(model_dir)))
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    from bench_common import load_hf_model
+    from jaxpaged.bench.common import load_hf_model
     os.makedirs(export_root, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=export_root)
     load_hf_model(model_dir, "float32").save_pretrained(tmp, safe_serialization=True)
@@ -111,7 +111,7 @@ def call_worker(args, job: dict, export_root: str, script: str = __file__) -> di
 
 def run_vllm(model_dir: str, wl, args, export_root: str) -> dict:
     """Run the workload through vLLM in a subprocess; the summary as the other backends give it."""
-    import bench_common as bc
+    from jaxpaged.bench import common as bc
     dtype = args.vllm_dtype or args.dtype
     job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,

@@ -1,7 +1,7 @@
 """`bench_spec.py --vllm`: the same requests through vLLM's offline LLM, plain and with its n-gram proposer.
 
 One worker subprocess per config (vllm_plain, vllm_ngram_k2, vllm_ngram_k4, ...), run one after another
-under --vllm-python (scripts/bench_vllm.py says how to install vLLM's CPU build): each starts one
+under --vllm-python (scripts/vllm_peer.py says how to install vLLM's CPU build): each starts one
 `vllm.LLM` (max_num_seqs = the largest batch size; speculative_config ngram with bench_spec's lookup window
 2..5), warms it with one `generate` (the first batch's prompts reversed) and empties its prefix cache, then
 for every (workload, batch size) makes `repeats` passes over the requests, prefix caching on as in
@@ -54,13 +54,13 @@ def run_configs(model_dir: str, cases: dict, batch_sizes: list[int], ks: list[in
 
     The counts are bench_spec's accumulator (elapsed_s, output_tokens, spec_decode_num_* when speculating).
     """
-    import bench_common as bc
-    import bench_vllm
-    model = bench_vllm.hf_dir_for(model_dir, export_root)
+    from jaxpaged.bench import common as bc
+    from jaxpaged.bench import vllm_peer
+    model = vllm_peer.hf_dir_for(model_dir, export_root)
     out, version = {}, "unknown"
     for name, spec in configs(ks):
         bc.say(f"vllm: {name} on {len(cases)} (workload, batch size) cases, one engine in a worker")
-        got = bench_vllm.call_worker(args, make_job(model, args, spec, cases, batch_sizes), export_root, __file__)
+        got = vllm_peer.call_worker(args, make_job(model, args, spec, cases, batch_sizes), export_root, __file__)
         out[name], version = got["cases"], got["version"]
     return out, version
 

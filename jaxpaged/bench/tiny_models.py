@@ -1,4 +1,4 @@
-"""Tiny random Hugging Face models of every supported family, saved to disk, for tests."""
+"""Tiny random Hugging Face models of every supported family, saved to disk, for tests and benchmarks."""
 from __future__ import annotations
 
 import os
