@@ -1,12 +1,7 @@
 """Quality goal of weight-only int8 (issue 14): on the default model's golden prompts, teacher-forced on
 the float32 run's tokens, the mean |delta logprob| of those tokens stays under the goal
-(scripts/quality.py measures it; docs/benchmarks.md has the figures)."""
-import os
-import sys
-
+(jaxpaged/bench/quality.py measures it; docs/benchmarks.md has the figures)."""
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 
 pytestmark = pytest.mark.slow
 

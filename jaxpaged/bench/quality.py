@@ -1,10 +1,11 @@
 """Quality of quantized weights (and KV caches) against the model's own float32 run, on the golden prompts.
 
-    python scripts/bench_quality.py --weights float32 int8 fp8 --json docs/results/quality.json
-    python scripts/bench_quality.py --kv auto int8      # an engine with kv_cache_dtype
+    jaxpaged bench quality --weights float32 int8 fp8 --json docs/results/quality.json
+    jaxpaged bench quality --weights float32 --kv auto bfloat16 int8 float8_e4m3fn   # KV caches alone
 
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
-default model (tests/test_default_model.py: four texts, three chats; --max-tokens each, EOS ignored).
+default model (TEXTS and CHATS below, also tests/test_default_model.py's: four texts, three chats;
+--max-tokens each, EOS ignored).
 Every other configuration is then teacher-forced on those float32 tokens: for each position i it is
 asked for the next token after prompt + float32 tokens[:i] (one request per position, max_tokens 1,
 the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
@@ -15,26 +16,31 @@ the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
 Each configuration row: weights (--weights: float32, bfloat16 (the engine dtype: weights and activations),
 int8, fp8 (weight-only, float32 activations), bfloat16-int8 (int8 weights, bfloat16 activations and KV))
 x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
-`auto` is the engine dtype).
+`auto` is the engine dtype). The goals: GOAL_INT8_WEIGHTS for int8 weights, GOAL_KV per KV cache dtype
+(float32 weights), both asserted by tests (test_quality.py, test_kv_quality.py).
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import numpy as np
 
 from jaxpaged.bench import common as bc
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-
 GOAL_INT8_WEIGHTS = 0.05  # mean |delta logprob| of int8 weights (issue 14)
+GOAL_KV = {"bfloat16": 0.005, "int8": 0.02}  # mean |delta logprob| of the KV cache dtype, float32 weights
+
+# The default model's golden prompts: texts as they are, chats through its template.
+TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
+         "The capital of Japan is"]
+CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
+         [{"role": "system", "content": "You are a terse assistant."},
+          {"role": "user", "content": "Name two planets."}],
+         [{"role": "user", "content": "Write a haiku about the sea."}]]
 
 
 def golden_prompts(tokenizer) -> list[list[int]]:
-    """Token ids of the default model's golden prompts (texts as they are, chats through the template)."""
-    from test_default_model import CHATS, TEXTS
+    """Token ids of the golden prompts (texts as they are, chats through the template)."""
     return [tokenizer.encode(t) for t in TEXTS] + [tokenizer.apply_chat_template(c) for c in CHATS]
 
 
@@ -94,7 +100,8 @@ def run(model_dir: str, args) -> dict:
                 teacher_forced(engine(model_dir, args, w, kv), prompts, tokens, args.top_logprobs)
             rows.append(dict(weights=w, kv_cache_dtype=kv, **compare(got, ref)))
     return dict(prompts=len(prompts), max_tokens=args.max_tokens, model=model_dir, rows=rows,
-                goal_int8_weights_mean_abs_dlogprob=GOAL_INT8_WEIGHTS)
+                goal_int8_weights_mean_abs_dlogprob=GOAL_INT8_WEIGHTS,
+                goal_kv_mean_abs_dlogprob=GOAL_KV)
 
 
 def report(out: dict) -> str:
