@@ -1,4 +1,4 @@
-"""spec.py --vllm: vLLM's side (scripts/bench_vllm_spec.py) skipped with a message when vLLM cannot be
+"""spec.py --vllm: vLLM's side (jaxpaged/bench/vllm_spec_peer.py) skipped with a message when vLLM cannot be
 imported, and run through the stand-in `vllm` package of test_bench_vllm.py: the engines each config gets,
 the static batches, the requests, and the acceptance counts read from its metrics."""
 import json

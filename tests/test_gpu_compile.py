@@ -59,7 +59,7 @@ def test_whole_step_compiles_for_h100(tp, variant):
     """The engine's whole jitted step (jaxpaged/step/aot.py), Llama-3-8B-shaped (2 of its 32 layers: the
     layer scan compiles one body whatever the depth), for one H100 and for an 8-device H100 topology
     (tensor parallelism, with its collectives): the Mosaic GPU kernel inside, the pools updated in place.
-    Every bucket at full depth is scripts/compile_table.py's."""
+    Every bucket at full depth is jaxpaged/bench/gpu_compile_table.py's."""
     cfg = dict(config="test", size="8B", num_layers=2, tp=tp, kv_cache_dtype="auto", max_num_seqs=16,
                max_num_batched_tokens=32, max_model_len=1024, num_blocks=256, variants=[variant])
     (rec,) = gpu_compile.run("steps", dict(configs=[cfg]))

@@ -1,7 +1,7 @@
 """Issue 13's figures: compile time per bucket of each family, decode throughput of a ~100M-parameter
 random MoE against a dense model with the same active parameters, and the KV blocks a sliding window frees.
 
-    python scripts/bench_families.py [compile] [moe] [window] [--json PATH]
+    jaxpaged bench families [compile] [moe] [window] [--json PATH]
 
 compile: tiny random models of every family (tiny_models.py), every bucket of a 64-token budget compiled
   without the persistent cache; seconds per bucket.

@@ -3,10 +3,10 @@ and the Llama-3-8B / 70B shapes, both backends, bf16 / fp8 / int8 KV; and the en
 (all buckets) for a Llama-3-8B-shaped config at TP=1 and TP=8 (and Llama-3-70B at TP=8), with
 memory_analysis() and a roofline-predicted H200 step time for decode at 1 / 64 / 256 running.
 
-Everything compiles on this CPU-only machine (scripts/gpu_compile.py). Writes docs/results/compile_sm90.json
+Everything compiles on this CPU-only machine (jaxpaged/bench/gpu_compile.py). Writes docs/results/compile_sm90.json
 and prints the markdown tables docs/kernels.md quotes.
 
-    python scripts/compile_table.py [--out docs/results/compile_sm90.json] [--only kernels|steps]
+    jaxpaged bench gpu_compile_table [--out docs/results/compile_sm90.json] [--only kernels|steps]
 """
 from __future__ import annotations
 

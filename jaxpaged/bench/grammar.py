@@ -1,6 +1,6 @@
 """Grammar mask cost on the host: xgrammar vs llguidance per token, and the engine's per-step mask fill.
 
-    python scripts/bench_grammar.py [--model DIR] [--slots 64] [--json out.json]
+    jaxpaged bench grammar [--model DIR] [--slots 64] [--json out.json]
 
 1. Both libraries (xgrammar only if installed) under one nested JSON schema (enums, bounds, arrays): one
    matcher walks the tokens of a conforming document; per token, the time to fill the mask over the whole

@@ -1,7 +1,7 @@
 """Host overhead per decode step, and decode efficiency against a plain matmul microbenchmark.
 
-    python scripts/bench_host.py --running 8 64 128 256 --json results/host.json
-    python scripts/bench_host.py --null-device --running 8 64 256 --json results/host_null.json
+    jaxpaged bench host --running 8 64 128 256 --json results/host.json
+    jaxpaged bench host --null-device --running 8 64 256 --json results/host_null.json
 
 --null-device: the runner's compiled step is replaced by one that only moves the step's inputs to the
 device and returns fixed fake tokens at once, through the same engine code. Then the whole step is host

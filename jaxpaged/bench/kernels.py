@@ -6,9 +6,9 @@ Decode (``paged_attention``) over a batch x context grid, and one mixed prefill/
 K/V bytes read / time, set against a device-to-device copy measured in the same run. Every part is
 guarded and results are rewritten after each measurement: ``results.json`` and ``results.md`` in --out.
 
-    python scripts/bench_kernels.py --out DIR [--time-budget 300]   # GPU
-    python scripts/bench_kernels.py --cpu-smoke --out DIR            # tiny shapes, interpret mode
-    python scripts/bench_kernels.py --kv-dtype float8_e4m3fn --out DIR   # decode over a quantized pool
+    jaxpaged bench kernels --out DIR [--time-budget 300]   # GPU
+    jaxpaged bench kernels --cpu-smoke --out DIR            # tiny shapes, interpret mode
+    jaxpaged bench kernels --kv-dtype float8_e4m3fn --out DIR   # decode over a quantized pool
 
 With --kv-dtype int8 / float8_e4m3fn the pool holds quantized values with one float32 scale per token
 per KV head (jaxpaged/step/kv_cache.py): only the decode grid runs (the shipped kernel and the ragged kernel's

@@ -1,6 +1,6 @@
 """Decode step time by kv_cache_dtype, A/B in one run: device time of the same decode step per KV dtype.
 
-    python scripts/bench_kv_cache.py --running 128 --kv auto int8 --rounds 7 --json results/kv_cache.json
+    jaxpaged bench kv_cache --running 128 --kv auto int8 --rounds 7 --json results/kv_cache.json
 
 For each KV dtype an engine (max_num_seqs = N) is filled with the same N requests (seeded random prompts of
 --context tokens) until all of them decode, and its next decode step is captured (bench_host's capture).

@@ -1,12 +1,12 @@
 """Latency of a few requests: ms per output token at 1, 2, 4 and 8 concurrent requests, against the
 time it takes this machine to read the weights once, with the peers side by side in one run.
 
-    python scripts/bench_latency.py --json docs/results/latency.json
+    jaxpaged bench latency --json docs/results/latency.json
 
 Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 with int8 weights
 (each its own engine in this process, `max_num_seqs` 64 as `LLM()`; a KV pool just large enough
 for the largest N at `--max-model-len`, so three engines fit beside each other), vLLM's CPU build (`--vllm-python`,
-scripts/vllm_peer.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
+jaxpaged/bench/vllm_peer.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
 from) when they are installed; a missing peer is reported with the reason.
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`

@@ -2,8 +2,8 @@
 q/k/v/o/gate/up/down, against the base model alone, side by side in one run; adapter load time; and the
 batched LoRA product's two forms (one-hot matrix products vs per-token gather) timed on this machine.
 
-    python scripts/bench_lora.py --json docs/results/lora.json
-    python scripts/bench_lora.py --product-only      # the product micro-benchmark alone
+    jaxpaged bench lora --json docs/results/lora.json
+    jaxpaged bench lora --product-only      # the product micro-benchmark alone
 
 vLLM's CPU build is not run here (see docs/benchmarks.md).
 """

@@ -1,6 +1,6 @@
 """KV memory under a fixed budget: the paged pool against a contiguous allocation, and prefix sharing.
 
-    python scripts/bench_memory.py --num-kv-blocks 1024 --max-model-len 2048 --json results/memory.json
+    jaxpaged bench memory --num-kv-blocks 1024 --max-model-len 2048 --json results/memory.json
 
 The engine runs each workload to completion with a pool of --num-kv-blocks blocks; after every step the
 block manager's counters are sampled (no timing). Reported:

@@ -1,6 +1,6 @@
 """PNG figures from the benchmark JSON files (any subset of them).
 
-    python scripts/plot_benchmarks.py --throughput results/throughput.json --memory results/memory.json \
+    jaxpaged bench plot --throughput results/throughput.json --memory results/memory.json \
         --prefix results/prefix.json --host results/host.json --out-dir docs/figures
 
 Figures: throughput.png (output and total tok/s by backend), latency.png (per-request latency and TTFT

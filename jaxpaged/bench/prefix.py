@@ -1,7 +1,7 @@
 """Shared-prefix workload (one long system prompt + short questions): TTFT and throughput with prefix
 caching on vs off, same engine settings, same requests, in one run.
 
-    python scripts/bench_prefix.py --system-len 1024 --num-prompts 32 --json results/prefix.json
+    jaxpaged bench prefix --system-len 1024 --num-prompts 32 --json results/prefix.json
 
 Requests arrive all at once (default) or as a Poisson process (--request-rate R per second); TTFT is
 measured from each request's arrival. Only generation is timed.

@@ -1,6 +1,6 @@
 """What the research hooks cost, and how long `update_weights` takes (docs/research.md).
 
-    python scripts/bench_research.py --num-prompts 32 --json results/research.json
+    jaxpaged bench research --num-prompts 32 --json results/research.json
 
 Throughput (one seeded workload, continuous batching, greedy): the same model in two engines, one plain and
 one compiled with `hidden_state_layers=[0, L/2, L]` and `steering_layers=[L/2]`, run alternately

@@ -1,8 +1,8 @@
 """The costs of the RL controls, side by side in one run (docs/research.md, "The RL recipe"):
 
-    python scripts/bench_rl.py --num-prompts 128 --json docs/results/rl.json
+    jaxpaged bench rl --num-prompts 128 --json docs/results/rl.json
 
-- batch_invariant off vs on: the 128-request workload of scripts/bench_throughput.py, the same engine
+- batch_invariant off vs on: the 128-request workload of jaxpaged/bench/throughput.py, the same engine
   settings, one engine after the other (compile seconds reported too);
 - sleep / wake: `sleep(1)` + `wake_up()` and `sleep(2)` + `wake_up(reload=True)` seconds, with the
   device bytes before and after (`jax.live_arrays`; `memory_stats()` where the backend has it), for the

@@ -1,7 +1,7 @@
 """A roofline for the decode step: its FLOPs and bytes against this machine's measured matmul rate and
-memory bandwidth (used by bench_host.py; also runnable alone for the micro-benchmarks).
+memory bandwidth (used by host.py; also runnable alone for the micro-benchmarks).
 
-    python scripts/roofline.py            # the micro-benchmarks only
+    jaxpaged bench roofline            # the micro-benchmarks only
 
 Per decode step of N running requests with mean context c (tokens already in the pool):
   FLOPs          N x (2 x matmul parameters read per token, the logits included

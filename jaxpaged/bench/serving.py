@@ -1,6 +1,6 @@
 """Load generator for an OpenAI-compatible server; reports what vLLM's `bench serve` reports.
 
-    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --num-prompts 200 \
+    jaxpaged bench serving --base-url http://127.0.0.1:8000 --num-prompts 200 \
         --request-rate 8 --max-concurrency 32 --input-len 128 --output-len 128
 
 Prompts are random words (`--input-len` of them, about as many tokens), every request streams with

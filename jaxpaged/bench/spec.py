@@ -1,8 +1,8 @@
 """Speculative decoding (n-gram or draft-model proposals) against plain decoding on the same requests.
 
-    python scripts/bench_spec.py --json docs/results/spec.json
-    python scripts/bench_spec.py --method draft_model --draft DIR --json docs/results/spec_draft.json
-    python scripts/bench_spec.py --vllm --vllm-python ~/vllm-venv/bin/python --json docs/results/spec_vllm.json
+    jaxpaged bench spec --json docs/results/spec.json
+    jaxpaged bench spec --method draft_model --draft DIR --json docs/results/spec_draft.json
+    jaxpaged bench spec --vllm --vllm-python ~/vllm-venv/bin/python --json docs/results/spec_vllm.json
 
 Two workloads on the default model (greedy, chat template): (a) input-grounded — the model is asked to
 repeat / lightly rewrite a paragraph of this repository's docs, so outputs copy spans of the prompt; (b)
@@ -14,7 +14,7 @@ with speculation equal the plain ones token for token (tests/test_spec_decode.py
 timed: engines are built and warmed before.
 
 --vllm: vLLM's offline LLM runs the same requests first, plain and with its n-gram proposer for each k
-(rows vllm_plain, vllm_ngram_k2, ...; scripts/vllm_spec_peer.py says how), each row also as a ratio to
+(rows vllm_plain, vllm_ngram_k2, ...; jaxpaged/bench/vllm_spec_peer.py says how), each row also as a ratio to
 jaxpaged's plain; when vLLM cannot be imported under --vllm-python the note says why and only jaxpaged runs.
 """
 from __future__ import annotations
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     tok = Tokenizer.from_dir(model_dir)
     cases = {(w, b): _workload(tok, w, args.requests_per_batch_size or max(b, 4), args.output_len)
              for w in args.workloads.split(",") for b in batch_sizes}
-    # vLLM first: its worker does not start beside this process's engines (bench_throughput.py found)
+    # vLLM first: its worker does not start beside this process's engines (throughput.py found)
     vllm_results, vllm_note = _vllm_side(model_dir, cases, batch_sizes, ks, args)
     engines = {}
     for name, spec in configs:  # all built first: the runs below alternate, so a change of load hits all

@@ -1,6 +1,6 @@
 """Start-up: cold vs warm time to first token, each in a fresh process.
 
-    python scripts/bench_startup.py --warm-runs 2 --json results/startup.json
+    jaxpaged bench startup --warm-runs 2 --json results/startup.json
 
 A child process imports jaxpaged, builds the engine (loads the weights, compiles every step shape)
 and generates one token for a short prompt. Time to first token is measured from just before the

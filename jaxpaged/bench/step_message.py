@@ -1,6 +1,6 @@
 """Bytes the multi-host leader sends per step (docs/scale-out.md, "Bytes per step"), on one process.
 
-    python scripts/bench_step_message.py --model DIR --num-kv-blocks 2560 --json results/step_message.json
+    jaxpaged bench step_message --model DIR --num-kv-blocks 2560 --json results/step_message.json
 
 (defaults: max_num_seqs 64, max_model_len 4096, 48 prompts of 600 tokens, 32 output tokens). The message
 depends on those sizes, not on the model's weights: the figures in docs/scale-out.md come from a 2-layer

@@ -1,6 +1,6 @@
 """Where a lone request's decode step goes: the engine's step against its parts run alone.
 
-    python scripts/bench_step_parts.py --dtype float32 --json docs/results/step_parts_float32.json
+    jaxpaged bench step_parts --dtype float32 --json docs/results/step_parts_float32.json
 
 The whole step is the engine's (ms per step of one decoding request, `--tokens` rows: the smallest token
 bucket, 8 by default). Its parts are jitted functions on the same shapes, dtype and weights, timed alone

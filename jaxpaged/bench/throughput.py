@@ -1,6 +1,6 @@
 """Offline throughput of one seeded workload on several backends, side by side in one run.
 
-    python scripts/bench_throughput.py --num-prompts 128 --backend jaxpaged --backend static \
+    jaxpaged bench throughput --num-prompts 128 --backend jaxpaged --backend static \
         --backend hf --hf-batch-size 32 --json results/throughput.json
 
 Backends:
@@ -8,7 +8,7 @@ Backends:
   static    the same engine (same instance, same compiled steps) with static batching: a batch of up to
             --max-num-seqs requests is queued, runs until its longest request finishes, then the next.
   vllm      vLLM's offline LLM in a subprocess (--vllm-python; skipped with a message when vLLM is not
-            importable there): see scripts/vllm_peer.py, which says how to install it.
+            importable there): see jaxpaged/bench/vllm_peer.py, which says how to install it.
   hf        transformers `generate` on left-padded batches of --hf-batch-size, same weights and dtype,
             greedy, EOS suppressed (min_new_tokens = max_new_tokens). Each batch runs to its longest
             drawn output length; only each request's own drawn length is counted as output tokens

@@ -1,6 +1,6 @@
 """Tensor-parallel correctness: greedy tokens (float32) at TP=N equal TP=1 on a mixed workload.
 
-    python scripts/check_tp.py --tensor-parallel-size 2 [--model DIR | random:PRESET] [--json PATH]
+    jaxpaged bench tp_check --tensor-parallel-size 2 [--model DIR | random:PRESET] [--json PATH]
 
 Runs on GPUs, or on simulated CPU devices (the flag is set here when no device count is forced).
 Prints one JSON line and exits 1 when any request's tokens differ.

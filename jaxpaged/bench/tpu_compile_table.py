@@ -8,7 +8,7 @@ bucket that holds them, plus the K/V those requests read at CONTEXT tokens each 
 custom call, opaque to XLA's cost model, which counts its whole pool operand instead: that count is taken
 out). Predictions, not measurements: scripts/tpu_check.sh measures on a TPU.
 
-    python scripts/tpu_compile_table.py [--out docs/results/tpu_compile.json] [--quick]
+    jaxpaged bench tpu_compile_table [--out docs/results/tpu_compile.json] [--quick]
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ re-laid out to its fused pool, and the plain-JAX reference; the largest differen
 achieved bandwidth = K/V bytes read / time, against a device-to-device copy timed in the same run. Results
 are rewritten after every measurement (``results.json``, ``results.md`` in --out).
 
-    python scripts/bench_tpu_kernel.py --out DIR [--time-budget 300]   # TPU
-    python scripts/bench_tpu_kernel.py --cpu-smoke --out DIR            # tiny shapes, TPU interpret mode
+    jaxpaged bench tpu_kernel --out DIR [--time-budget 300]   # TPU
+    jaxpaged bench tpu_kernel --cpu-smoke --out DIR            # tiny shapes, TPU interpret mode
 """
 from __future__ import annotations
 

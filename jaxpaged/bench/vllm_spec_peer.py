@@ -1,7 +1,7 @@
-"""`bench_spec.py --vllm`: the same requests through vLLM's offline LLM, plain and with its n-gram proposer.
+"""`spec.py --vllm`: the same requests through vLLM's offline LLM, plain and with its n-gram proposer.
 
 One worker subprocess per config (vllm_plain, vllm_ngram_k2, vllm_ngram_k4, ...), run one after another
-under --vllm-python (scripts/vllm_peer.py says how to install vLLM's CPU build): each starts one
+under --vllm-python (jaxpaged/bench/vllm_peer.py says how to install vLLM's CPU build): each starts one
 `vllm.LLM` (max_num_seqs = the largest batch size; speculative_config ngram with bench_spec's lookup window
 2..5), warms it with one `generate` (the first batch's prompts reversed) and empties its prefix cache, then
 for every (workload, batch size) makes `repeats` passes over the requests, prefix caching on as in
@@ -18,7 +18,7 @@ spec_decode_num_drafts, _num_draft_tokens, _num_accepted_tokens and the vector
 _num_accepted_tokens_per_pos), read before and after each batch; the record keeps jaxpaged's key names
 (vLLM's without the `vllm:` prefix), so bench_spec summarizes both sides alike.
 
-This file is also the worker: `python bench_vllm_spec.py JOB.json OUT.json` under vLLM's interpreter
+This file is also the worker: `python vllm_spec_peer.py JOB.json OUT.json` under vLLM's interpreter
 (it imports only the standard library and vllm).
 """
 from __future__ import annotations
