@@ -42,6 +42,7 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
 from jaxpaged.bench import roofline
 
 
@@ -86,13 +87,11 @@ def replay(runner, captured: dict, reps: int) -> list[float]:
     import jax
     fn = captured["fn"]
     inputs = jax.device_put(captured["inputs"])
-    times = []
-    for _ in range(reps + 1):
-        t = time.perf_counter()
+
+    def step():  # the same K/V are written again: the engine's state is unchanged
         out, runner.k_pool, runner.v_pool = fn(runner.params, runner.k_pool, runner.v_pool, *inputs)
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - t)
-    return times[1:]  # the same K/V are written again: the engine's state is unchanged
+        return out
+    return timing.samples(step, reps=reps)
 
 
 def null_step(S: int, num_logprobs: int, vocab_size: int):
@@ -257,13 +256,7 @@ def matmul_times(mc, rows: int, dtype: str, reps: int) -> list[float]:
             x = x + jnp.dot(a, p["wo"]) + jnp.dot(g, p["w_down"]) + (k.sum() + v.sum()).astype(x.dtype)
         return jnp.dot(x, head, preferred_element_type=jnp.float32)
 
-    jax.block_until_ready(chain(x, layers, head))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(chain(x, layers, head))
-        times.append(time.perf_counter() - t)
-    return times
+    return timing.samples(chain, x, layers, head, reps=reps)
 
 
 def matmul_params(mc) -> int:

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.bench import timing
 from pallas_kernels import (paged_attention, paged_attention_reference,
                             ragged_paged_attention, ragged_paged_attention_reference)
 from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
@@ -51,18 +52,9 @@ SMOKE = dict(num_q_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="b
 
 def timeit(fn, *args, reps=3, min_time=0.05):
     """Seconds per call: compile once, then the best of `reps` batches of back-to-back async calls."""
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    n = max(1, min(200, int(min_time / max(time.perf_counter() - t0, 1e-6))))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        best = min(best, (time.perf_counter() - t0) / n)
-    return best
+    (once,) = timing.samples(fn, *args, reps=1)
+    n = max(1, min(200, int(min_time / max(once, 1e-6))))
+    return min(timing.samples(fn, *args, reps=reps, calls=n, warmup=0))
 
 
 def copy_bandwidth(nbytes):

@@ -20,6 +20,7 @@ import statistics
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
 from jaxpaged.bench.host import capture_next_step, replay
 
 
@@ -48,7 +49,6 @@ def filled_engine(model_dir: str, args, kv: str, N: int):
 
 def attention_times(model_dir: str, args, N: int) -> list[dict]:
     """Milliseconds of one layer's reference attention at the decode step's shapes, per KV dtype."""
-    import time
 
     import jax
     import jax.numpy as jnp
@@ -78,9 +78,7 @@ def attention_times(model_dir: str, args, N: int) -> list[dict]:
     times = {kv: [] for kv in cases}
     for _ in range(args.rounds * args.replays):
         for kv, a in cases.items():
-            t = time.perf_counter()
-            jax.block_until_ready(fn(*a))
-            times[kv].append(time.perf_counter() - t)
+            times[kv] += timing.samples(fn, *a, reps=1, warmup=0)
     base = statistics.median(times[args.kv[0]])
     return [dict(running=N, kv_cache_dtype=kv, layer_ms=1e3 * statistics.median(t), layer_min_ms=1e3 * min(t),
                  ratio=base / statistics.median(t), all_ms=[1e3 * x for x in t]) for kv, t in times.items()]

@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
 from jaxpaged.bench import roofline
 
 CONCURRENCY = (1, 2, 4, 8)
@@ -45,12 +46,7 @@ def memcpy_bytes_per_s(mib: int = 256, reps: int = 5) -> float:
     """Bytes one np.copyto moves per second (best of reps), each byte counted once."""
     src = np.ones(mib * 2 ** 20 // 4, np.float32)
     dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
-    return src.nbytes / best
+    return src.nbytes / min(timing.samples(np.copyto, dst, src, reps=reps, warmup=0))
 
 
 def weight_bytes(engine, n: int) -> float:

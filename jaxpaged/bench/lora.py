@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
 
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -70,11 +71,7 @@ def bench_product(repeats: int = 20) -> dict:
         idx = jnp.asarray(rng.integers(0, NS, T), jnp.int32)
         row = {}
         for name, fn, args in (("onehot", onehot, (x, idx)), ("gather", gather, (x, idx)), ("base_matmul", base, (x,))):
-            fn(*args).block_until_ready()
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                fn(*args).block_until_ready()
-            row[f"{name}_ms"] = (time.perf_counter() - t0) / repeats * 1e3
+            row[f"{name}_ms"] = float(np.mean(timing.samples(fn, *args, reps=repeats))) * 1e3
         out[str(T)] = row
         bc.say(f"product T={T}: {row}")
     return out

@@ -24,18 +24,12 @@ read + write, of x * 2 in place over it beside it).
 from __future__ import annotations
 
 import argparse
-import time
+
+from jaxpaged.bench import timing
 
 
 def _best(fn, *args, reps: int) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t)
-    return best
+    return min(timing.samples(fn, *args, reps=reps))
 
 
 def machine_peaks(dtype: str = "float32", reps: int = 5, matmul_n: int = 2048, mib: int = 256) -> dict:
@@ -49,11 +43,12 @@ def machine_peaks(dtype: str = "float32", reps: int = 5, matmul_n: int = 2048, m
     x = jnp.ones((mib * 2 ** 20 // 4,), jnp.float32)
     t_read = _best(jax.jit(jnp.sum), x, reps=reps)
     double = jax.jit(lambda v: v * 2, donate_argnums=0)  # in place: no fresh pages to fault in
-    y, t_copy = double(jnp.ones_like(x)), float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        y = jax.block_until_ready(double(y))
-        t_copy = min(t_copy, time.perf_counter() - t)
+    y = [double(jnp.ones_like(x))]
+
+    def again():  # the same buffer each call, donated
+        y[0] = double(y[0])
+        return y[0]
+    t_copy = min(timing.samples(again, reps=reps, warmup=0))
     read, copy = x.nbytes / t_read, 2 * x.nbytes / t_copy
     return dict(dtype=dtype, matmul_flops_per_s=2 * matmul_n ** 3 / t_mm, read_bytes_per_s=read,
                 copy_bytes_per_s=copy, bandwidth_bytes_per_s=max(read, copy), matmul_n=matmul_n, array_mib=mib)

@@ -22,19 +22,13 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
 
 PRODUCTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def median_ms(fn, *args, repeats: int) -> float:
-    import jax
-    jax.block_until_ready(fn(*args))  # compile and warm
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return 1e3 * float(np.median(times))
+    return 1e3 * float(np.median(timing.samples(fn, *args, reps=repeats)))
 
 
 def part_functions(params: dict, cfg, rows: int, dtype) -> dict:

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.bench import timing
 from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
 from pallas_kernels.reference import ragged_paged_attention_reference
 
@@ -31,12 +32,8 @@ SMOKE = dict(Hq=4, Hkv=2, D=64, bs=16, batches=[2], contexts=[40], mixed=(2, 40,
 
 
 def _time(fn, *args, reps=10):
-    jax.block_until_ready(fn(*args))
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / reps
+    """Seconds per call of `reps` back-to-back calls, after one untimed."""
+    return timing.samples(fn, *args, reps=1, calls=reps)[0]
 
 
 def make_step(cfg, decodes, ctx, prefills=(), seed=0):
