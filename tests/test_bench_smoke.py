@@ -236,7 +236,7 @@ def test_hf_model_from_converted_dir(model, tmp_path):
 
 
 def test_plots(throughput, memory, prefix, host, tmp_path):
-    import plot_benchmarks
+    from jaxpaged.bench import plot as plot_benchmarks
     paths = plot_benchmarks.main(["--throughput", throughput[1], "--memory", memory[1], "--prefix", prefix[1],
                                   "--host", host[1], "--out-dir", str(tmp_path)])
     names = sorted(os.path.basename(p) for p in paths)
