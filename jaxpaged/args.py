@@ -1,5 +1,5 @@
 """Engine flags, generated once from EngineConfig's fields: `jaxpaged generate | serve` (jaxpaged/cli.py,
-serve/app.py) and the bench scripts (scripts/bench_common.py) take the same ones.
+serve/app.py) and the bench scripts (jaxpaged/bench/common.py) take the same ones.
 
     add_engine_args(parser, defaults={"max_num_seqs": 8})  # per entry point: defaults, helps, exclude
     cfg = engine_config(parser.parse_args())                # or engine_kwargs(args) for LLM(**kw)

@@ -83,6 +83,16 @@ def _add_serve(sub) -> None:
     s.set_defaults(func=_serve)
 
 
+def _add_bench(sub) -> None:
+    from jaxpaged import bench
+    b = sub.add_parser("bench", help="run a benchmark (`jaxpaged bench WHAT --help`)",
+                       description="\n".join(f"{k:<20}{v}" for k, v in bench.COMMANDS.items()),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    b.add_argument("what", choices=list(bench.COMMANDS), metavar="WHAT", help="one of the commands listed above")
+    b.add_argument("flags", nargs=argparse.REMAINDER, help="the command's own flags")
+    b.set_defaults(func=lambda a: bench.run(a.what, a.flags))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """`jaxpaged`'s parser: one subparser per command (`_add_<command>` adds its flags)."""
     ap = argparse.ArgumentParser(prog="jaxpaged", description="A small LLM inference engine on JAX")
@@ -92,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fetch-default", help="install and convert the embedded default model")
     f.set_defaults(func=_fetch_default)
     _add_serve(sub)
+    _add_bench(sub)
     return ap
 
 

@@ -4,11 +4,11 @@
 # No installs, no network. Usage (from anywhere): scripts/gpu_check.sh [OUT_DIR]   (DRY_RUN=1: print the
 # plan, run nothing; any machine). OUT_DIR defaults to $OUT, else ./gpu_check_out. Writes there:
 #   env.txt                            jax, devices, nvidia-smi
-#   kernels_{triton,mosaic}/           scripts/bench_kernels.py --backend B, bf16 pool: decode grid (batch x
+#   kernels_{triton,mosaic}/           jaxpaged/bench/kernels.py --backend B, bf16 pool: decode grid (batch x
 #                                      context) and one mixed step, bytes/s against a device copy measured in
 #                                      the same run, max error against the reference for every shape
 #   kernels_{triton,mosaic}_fp8/       the decode grid over a float8_e4m3fn pool (scales included in bytes)
-#   e2e_{triton,mosaic_gpu}_{bf16,fp8}.json   scripts/bench_host.py: the engine, decode at 1 / 64 / 256
+#   e2e_{triton,mosaic_gpu}_{bf16,fp8}.json   jaxpaged/bench/host.py: the engine, decode at 1 / 64 / 256
 #                                      running, bfloat16 weights, KV bf16 or fp8: step time, device time,
 #                                      roofline share
 #   summary.md                         every table above, and each part's exit status
@@ -30,7 +30,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # the benchmarks size their own pools
 STATUS=""
 
-# part NAME TIMEOUT LOG CMD...: run CMD (in scripts/ when it names a scripts/ file) under TIMEOUT, log to LOG
+# part NAME TIMEOUT LOG CMD...: run CMD under TIMEOUT, log to LOG
 part() {
   local name="$1" limit="$2" log="$3"; shift 3
   if [ "$DRY" = 1 ]; then echo "[dry run] $name: timeout $limit $* > $log"; STATUS="$STATUS
@@ -56,9 +56,9 @@ KB="${KERNEL_BUDGET:-50}"
 FB="${FP8_BUDGET:-20}"
 for backend in triton mosaic; do
   part "kernels $backend bf16" $((KB + 90)) "$OUT_DIR/kernels_$backend.log" \
-    "$PY" scripts/bench_kernels.py --backend "$backend" --out "$OUT_DIR/kernels_$backend" --time-budget "$KB"
+    "$PY" -m jaxpaged.bench.kernels --backend "$backend" --out "$OUT_DIR/kernels_$backend" --time-budget "$KB"
   part "kernels $backend fp8" $((FB + 60)) "$OUT_DIR/kernels_${backend}_fp8.log" \
-    "$PY" scripts/bench_kernels.py --backend "$backend" --kv-dtype float8_e4m3fn \
+    "$PY" -m jaxpaged.bench.kernels --backend "$backend" --kv-dtype float8_e4m3fn \
     --out "$OUT_DIR/kernels_${backend}_fp8" --time-budget "$FB"
 done
 
@@ -66,7 +66,7 @@ for backend in triton mosaic_gpu; do
   for kv in bf16 fp8; do
     kvd=$([ "$kv" = fp8 ] && echo float8_e4m3fn || echo auto)
     part "engine $backend KV $kv" "${E2E_TIMEOUT:-90}" "$OUT_DIR/e2e_${backend}_$kv.log" \
-      "$PY" scripts/bench_host.py --model "${E2E_MODEL:-random:smollm2-135m}" --running 1 64 256 --steps 16 \
+      "$PY" -m jaxpaged.bench.host --model "${E2E_MODEL:-random:smollm2-135m}" --running 1 64 256 --steps 16 \
       --replays 4 --dtype bfloat16 --kv-cache-dtype "$kvd" --attention-backend "$backend" \
       --json "$OUT_DIR/e2e_${backend}_$kv.json"
   done
@@ -75,15 +75,15 @@ done
 if [ "${EXTRA:-0}" = 1 ]; then
   num_gpus=$("$PY" -c "import jax; print(sum(d.platform == 'gpu' for d in jax.devices()))" 2>/dev/null || echo 0)
   if [ "${num_gpus:-0}" -ge 2 ]; then
-    part "TP=2 tokens vs TP=1" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_check.log" "$PY" scripts/check_tp.py \
+    part "TP=2 tokens vs TP=1" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_check.log" "$PY" -m jaxpaged.bench.tp_check \
       --tensor-parallel-size 2 --model "${TP_MODEL:-random:llama-8h}" --json "$OUT_DIR/tp_check.json"
-    part "TP throughput" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_throughput.log" "$PY" scripts/bench_throughput.py \
+    part "TP throughput" "${TP_TIMEOUT:-900}" "$OUT_DIR/tp_throughput.log" "$PY" -m jaxpaged.bench.throughput \
       --model "${TP_MODEL:-random:llama-8h}" --backend jaxpaged --dtype bfloat16 --num-prompts 256 \
       --max-num-seqs 64 --tensor-parallel-size 1 --tensor-parallel-size 2 --json "$OUT_DIR/tp_throughput.json"
   fi
   for mode in off on; do
     part "host path, async scheduling $mode" "${HOST_TIMEOUT:-600}" "$OUT_DIR/host_$mode.log" \
-      "$PY" scripts/bench_host.py --running 64 --steps 64 --replays 16 --dtype bfloat16 \
+      "$PY" -m jaxpaged.bench.host --running 64 --steps 64 --replays 16 --dtype bfloat16 \
       ${HOST_MODEL:+--model "$HOST_MODEL"} --async-scheduling "$mode" --json "$OUT_DIR/host_$mode.json"
   done
 fi

@@ -6,8 +6,8 @@
 # OUT_DIR defaults to $OUT, else ./tpu_check_out. Writes there:
 #   env.txt                         jax / libtpu versions and the devices
 #   pytest.txt, pytest.xml          tests/test_mosaic_tpu.py, run natively (interpret mode only off a TPU)
-#   bench.log, bench/results.{json,md}   scripts/bench_tpu_kernel.py (rewritten after every measurement)
-#   e2e_<backend>.json, e2e.log     scripts/bench_throughput.py, jaxpaged only, bf16, per attention backend
+#   bench.log, bench/results.{json,md}   jaxpaged/bench/tpu_kernel.py (rewritten after every measurement)
+#   e2e_<backend>.json, e2e.log     jaxpaged/bench/throughput.py, jaxpaged only, bf16, per attention backend
 #   summary.md                      what ran, its exit status, and the tables
 # Each part is guarded: a failing part is recorded and the next one still runs.
 # Environment: PYTHON (default python3), TEST_TIMEOUT (s, default 600), BENCH_BUDGET (s, default 300),
@@ -36,14 +36,14 @@ if "$PY" -c "import pytest" 2>/dev/null; then
 fi
 echo "tests: $test_status"
 
-timeout $(( ${BENCH_BUDGET:-300} + 300 )) "$PY" scripts/bench_tpu_kernel.py --out "$OUT_DIR/bench" \
+timeout $(( ${BENCH_BUDGET:-300} + 300 )) "$PY" -m jaxpaged.bench.tpu_kernel --out "$OUT_DIR/bench" \
   --time-budget "${BENCH_BUDGET:-300}" >"$OUT_DIR/bench.log" 2>&1
 bench_status="exit $?"
 echo "kernel bench: $bench_status"
 
 e2e_status=""
 for backend in auto reference; do
-  timeout "${E2E_TIMEOUT:-900}" "$PY" scripts/bench_throughput.py --backend jaxpaged \
+  timeout "${E2E_TIMEOUT:-900}" "$PY" -m jaxpaged.bench.throughput --backend jaxpaged \
     --model "${E2E_MODEL:-random:smollm2-135m}" --dtype bfloat16 --attention-backend "$backend" \
     --num-prompts "${E2E_PROMPTS:-128}" --json "$OUT_DIR/e2e_$backend.json" >>"$OUT_DIR/e2e.log" 2>&1
   e2e_status="$e2e_status $backend: exit $?;"

@@ -1,5 +1,4 @@
 import os
-import sys
 
 # With libtpu installed (the `test` extra, for the TPU compile tests) JAX probes for a TPU at start-up:
 # these two keep that probe quiet and local on a machine without one (no metadata-server query).
@@ -13,9 +12,7 @@ import pytest
 # the CPU; skipping that check keeps the suite's output as it was (a real GPU still starts).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from models import FAMILIES, make_tiny_model  # noqa: E402
+from jaxpaged.bench.tiny_models import FAMILIES, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,15 +13,13 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 
 def main(workdir: str) -> dict:
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "m"), "llama", num_heads=8, num_kv_heads=4, seed=3)
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               compilation_cache_dir=None, show_progress=False)

@@ -14,8 +14,6 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 TPS = (1, 2, 4)
 # name -> (family, query heads, KV heads, tied embeddings); TP=4 replicates qwen3's KV heads
 MODELS = {"llama_8q4kv": ("llama", 8, 4, False), "qwen3_8q2kv": ("qwen3", 8, 2, True)}
@@ -132,7 +130,7 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
 def pallas_checks(workdir: str) -> dict:
     """Pallas kernels (interpret mode) under shard_map at TP=2 against the reference backend at TP=1."""
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "pallas_llama"), "llama", num_heads=8, num_kv_heads=4,
                            head_dim=16, seed=3)
     prompts = workload()[:3]
@@ -151,7 +149,7 @@ def int8_checks(workdir: str) -> dict:
     against TP=1, bytes per device, and where each scale lives (the spec of its matrix, minus the
     reduced axis)."""
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "int8_qwen3"), "qwen3", num_heads=8, num_kv_heads=2,
                            head_dim=8, tie=True, seed=4)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -173,7 +171,7 @@ def kv_int8_checks(workdir: str) -> dict:
     shards, and the Pallas kernels (interpret mode) under shard_map at TP 2 against the reference at TP 1."""
     import jax
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = {}
     for name, (family, hq, hkv, tie) in MODELS.items():
@@ -227,7 +225,7 @@ def spec_checks(workdir: str) -> dict:
     proposals being the plain continuation with every third one wrong (accepted runs and rejections), or a
     draft model's (the target itself, sharded like it)."""
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "spec"), "llama", num_heads=8, num_kv_heads=4, head_dim=8, seed=4)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=1, presence_penalty=0.5, ignore_eos=True)]
@@ -276,7 +274,7 @@ def main() -> None:
     workdir = sys.argv[1]
     only = set(sys.argv[2:])
     import jax
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     out = {"num_devices": len(jax.devices())}
     for name, (family, hq, hkv, tie) in MODELS.items():
         if only and name not in only:

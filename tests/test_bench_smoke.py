@@ -7,15 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
-sys.path.insert(0, SCRIPTS)
-
-import bench_common as bc  # noqa: E402
+from jaxpaged.bench import common as bc
 
 # The same engine shapes for every in-process script, so the step compiles once (persistent cache).
 ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128", "--num-kv-blocks", "24"]
@@ -23,7 +19,7 @@ ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from models import add_tiny_tokenizer, make_tiny_model
+    from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
     path = make_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny"), "llama", vocab_size=320)
     add_tiny_tokenizer(path, vocab_size=300)
     return path
@@ -41,7 +37,7 @@ def common(model, compile_cache):
 
 @pytest.fixture(scope="module")
 def throughput(common, out_dir):
-    import bench_throughput
+    from jaxpaged.bench import throughput as bench_throughput
     path = str(out_dir / "throughput.json")
     out = bench_throughput.main([*common, "--num-prompts", "6", "--prompt-len", "4", "30", "--output-len", "2", "12",
                                  "--hf-batch-size", "4", "--json", path])
@@ -50,7 +46,7 @@ def throughput(common, out_dir):
 
 @pytest.fixture(scope="module")
 def memory(common, out_dir):
-    import bench_memory
+    from jaxpaged.bench import memory as bench_memory
     path = str(out_dir / "memory.json")
     out = bench_memory.main([*common, "--num-prompts", "8", "--prompt-len", "20", "40",
                              "--output-len", "2", "12", "--n", "3", "--n-prompts", "2", "--system-len", "48",
@@ -61,7 +57,7 @@ def memory(common, out_dir):
 
 @pytest.fixture(scope="module")
 def prefix(common, out_dir):
-    import bench_prefix
+    from jaxpaged.bench import prefix as bench_prefix
     path = str(out_dir / "prefix.json")
     out = bench_prefix.main([*common, "--system-len", "64", "--num-prompts", "4", "--prompt-len", "2", "6",
                              "--output-len", "2", "4", "--json", path])
@@ -70,7 +66,7 @@ def prefix(common, out_dir):
 
 @pytest.fixture(scope="module")
 def host(common, out_dir):
-    import bench_host
+    from jaxpaged.bench import host as bench_host
     path = str(out_dir / "host.json")
     out = bench_host.main([*common, "--running", "4", "--context", "12", "--steps", "3", "--warmup-steps", "1",
                            "--replays", "2", "--json", path])
@@ -83,7 +79,7 @@ def _json(path):
 
 
 def test_throughput(throughput):
-    import bench_throughput
+    from jaxpaged.bench import throughput as bench_throughput
     out, path = throughput
     assert _json(path)["results"].keys() == {"jaxpaged", "static", "hf"}
     wl = out["workload"]
@@ -126,7 +122,7 @@ def test_memory(memory):
 
 
 def test_contiguous_simulation():
-    import bench_memory
+    from jaxpaged.bench import memory as bench_memory
     reqs = [bc.Req([1] * 10, 5), bc.Req([1] * 20, 1, n=2)]
     res, series = bench_memory.simulate_contiguous(reqs, budget_tokens=100, max_num_seqs=8, reserve=lambda r: 40)
     # two fit at once: the first request (5 steps) and one sample of the second (1 step), then the other
@@ -170,7 +166,7 @@ def test_host(host):
 def test_host_null_device(common, out_dir, mode):
     """--null-device with a simulated 1 ms device step: every field; a synchronous step waits for its device
     step, so it takes at least that long (async overlaps it, and may show less on a median)."""
-    import bench_host
+    from jaxpaged.bench import host as bench_host
     path = str(out_dir / f"host_null_{mode}.json")
     out = bench_host.main([*common, "--null-device", "--running", "4", "--context", "12", "--steps", "6",
                            "--repeats", "2", "--warmup-steps", "1", "--device-ms", "1", "--async-scheduling", mode,
@@ -186,8 +182,8 @@ def test_host_null_device(common, out_dir, mode):
 
 
 def test_startup(tmp_path):
-    import bench_startup
-    from models import make_tiny_model
+    from jaxpaged.bench import startup as bench_startup
+    from jaxpaged.bench.tiny_models import make_tiny_model
     model = make_tiny_model(str(tmp_path / "bare"), "llama")  # no tokenizer: the children skip transformers
     path = str(tmp_path / "startup.json")
     out = bench_startup.main(["--model", model, "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
@@ -201,7 +197,7 @@ def test_startup(tmp_path):
 
 def test_latency(common, out_dir):
     """bench_latency: every jaxpaged row with its weight-read time; peers not installed are named."""
-    import bench_latency
+    from jaxpaged.bench import latency as bench_latency
     path = str(out_dir / "latency.json")
     out = bench_latency.main([*common, "--backend", "jaxpaged-float32", "--backend", "jaxpaged-int8",
                               "--backend", "llama-cpp", "--concurrency", "1", "2", "--prompt-len", "5",
@@ -218,7 +214,7 @@ def test_latency(common, out_dir):
 
 def test_bench_step_parts(common, out_dir):
     """bench_step_parts: the lone step and each part timed, the rest what the parts leave of the step."""
-    import bench_step_parts
+    from jaxpaged.bench import step_parts as bench_step_parts
     out = bench_step_parts.main([*common, "--output-len", "6", "--repeats", "2", "--json", str(out_dir / "parts.json")])
     parts = ("step_ms", "layer_products_ms", "lm_head_ms", "read_all_weights_ms")
     assert all(out[k] > 0 for k in parts) and out["weight_bytes"] > 0 and out["tokens"] == 8
@@ -229,7 +225,7 @@ def test_bench_step_parts(common, out_dir):
 def test_hf_model_from_converted_dir(model, tmp_path):
     """The hf backend loads the engine's converted format onto transformers' model: same logits."""
     import torch
-    from bench_common import load_hf_model
+    from jaxpaged.bench.common import load_hf_model
     from jaxpaged.checkpoints.convert import convert
     dst = convert(model, str(tmp_path / "converted"), dtype="float32", progress=False)
     ids = torch.tensor([[5, 17, 33, 2, 90]])
@@ -240,7 +236,7 @@ def test_hf_model_from_converted_dir(model, tmp_path):
 
 
 def test_plots(throughput, memory, prefix, host, tmp_path):
-    import plot_benchmarks
+    from jaxpaged.bench import plot as plot_benchmarks
     paths = plot_benchmarks.main(["--throughput", throughput[1], "--memory", memory[1], "--prefix", prefix[1],
                                   "--host", host[1], "--out-dir", str(tmp_path)])
     names = sorted(os.path.basename(p) for p in paths)
@@ -250,7 +246,7 @@ def test_plots(throughput, memory, prefix, host, tmp_path):
 
 def test_step_message(common, out_dir):
     """The multi-host message: every step measured, compressed below the raw arrays, decodable."""
-    import bench_step_message
+    from jaxpaged.bench import step_message as bench_step_message
     path = str(out_dir / "step_message.json")
     out = bench_step_message.main([*common, "--num-prompts", "6", "--prompt-len", "20", "40",
                                    "--output-len", "4", "8", "--json", path])
@@ -262,7 +258,7 @@ def test_step_message(common, out_dir):
 
 @pytest.mark.slow  # two engines and four workload runs
 def test_bench_research(common, out_dir):
-    import bench_research
+    from jaxpaged.bench import research as bench_research
     path = str(out_dir / "research.json")
     out = bench_research.main([*common, "--num-prompts", "4", "--prompt-len", "4", "20", "--output-len", "2", "6",
                                "--rounds", "1", "--step-reps", "2", "--json", path])
@@ -274,7 +270,7 @@ def test_bench_research(common, out_dir):
 
 
 def test_lora(common, out_dir):
-    import bench_lora
+    from jaxpaged.bench import lora as bench_lora
     path = str(out_dir / "lora.json")
     out = bench_lora.main([*common, "--num-adapters", "2", "--rank", "4", "--num-prompts", "4", "--prompt-len", "4",
                            "20", "--output-len", "2", "8", "--json", path])

@@ -1,18 +1,14 @@
-"""bench_throughput.py --backend vllm: skipped with a message when vLLM cannot be imported, and run through
+"""throughput.py --backend vllm: skipped with a message when vLLM cannot be imported, and run through
 a stand-in `vllm` package (vLLM itself is not installed here): the command, its environment, the job.
 The stand-in also serves tests/test_bench_vllm_spec.py."""
 import json
 import os
-import sys
 
 import numpy as np
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
-sys.path.insert(0, SCRIPTS)
-
-import bench_throughput  # noqa: E402
-import bench_vllm  # noqa: E402
-from models import add_tiny_tokenizer, make_tiny_model  # noqa: E402
+from jaxpaged.bench import throughput
+from jaxpaged.bench import vllm_peer
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 STAND_IN = '''
 import json, os
@@ -76,10 +72,10 @@ def _args(model, *extra):
 
 def test_skipped_with_a_message(tmp_path):
     model = _config_only(tmp_path / "m")
-    out = bench_throughput.main(_args(model, "--backend", "vllm"))  # this venv has no vllm
+    out = throughput.main(_args(model, "--backend", "vllm"))  # this venv has no vllm
     assert out["results"] == {} and "`import vllm` fails under" in out["skipped"]["vllm"]
     assert "--vllm-python" in out["skipped"]["vllm"]
-    out = bench_throughput.main(_args(model, "--backend", "vllm", "--vllm-python", str(tmp_path / "nope")))
+    out = throughput.main(_args(model, "--backend", "vllm", "--vllm-python", str(tmp_path / "nope")))
     assert "cannot run" in out["skipped"]["vllm"]
 
 
@@ -96,7 +92,7 @@ def use_stand_in(tmp_path, monkeypatch):
 def test_runs_through_a_stand_in(tmp_path, monkeypatch):
     model = _config_only(tmp_path / "m")
     log = use_stand_in(tmp_path, monkeypatch)
-    out = bench_throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--dtype", "float32"))
+    out = throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--dtype", "float32"))
     r = out["results"]["vllm"]
     init, warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
     assert init["omp"] == "2" and init["bind"] == "0-1"
@@ -116,9 +112,9 @@ def test_converted_model_exported_for_vllm(tmp_path):
     src = make_tiny_model(str(tmp_path / "hf"), "llama", vocab_size=300)
     add_tiny_tokenizer(src, 300)
     conv = convert(src, str(tmp_path / "conv"), dtype="float32", progress=False)
-    out = bench_vllm.hf_dir_for(conv, str(tmp_path / "export"))
+    out = vllm_peer.hf_dir_for(conv, str(tmp_path / "export"))
     assert out != conv and {"config.json", "tokenizer.json"} <= set(os.listdir(out))
-    assert bench_vllm.hf_dir_for(src, str(tmp_path / "export")) == src
+    assert vllm_peer.hf_dir_for(src, str(tmp_path / "export")) == src
     cfg = ModelConfig.from_dir(src)
     a, b = load_params(src, cfg, "float32"), load_params(out, cfg, "float32")
     np.testing.assert_array_equal(a["layers"]["wq"], b["layers"]["wq"])

@@ -1,30 +1,25 @@
-"""bench_spec.py --vllm: vLLM's side (scripts/bench_vllm_spec.py) skipped with a message when vLLM cannot be
+"""spec.py --vllm: vLLM's side (jaxpaged/bench/vllm_spec_peer.py) skipped with a message when vLLM cannot be
 imported, and run through the stand-in `vllm` package of test_bench_vllm.py: the engines each config gets,
 the static batches, the requests, and the acceptance counts read from its metrics."""
 import json
-import os
-import sys
 
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts")
-sys.path.insert(0, SCRIPTS)
-
-import bench_common as bc  # noqa: E402
-import bench_spec  # noqa: E402
-from test_bench_vllm import _config_only, use_stand_in  # noqa: E402
+from jaxpaged.bench import common as bc
+from jaxpaged.bench import spec
+from test_bench_vllm import _config_only, use_stand_in
 
 
 def test_vllm_side_off_or_skipped(tmp_path):
-    args = bench_spec._parser().parse_args([])
+    args = spec._parser().parse_args([])
     assert args.vllm_dtype == "float32" and not args.vllm
-    assert bench_spec._vllm_side("m", {}, [1], [2], args) == ({}, "vLLM not measured (--vllm runs its n-gram "
+    assert spec._vllm_side("m", {}, [1], [2], args) == ({}, "vLLM not measured (--vllm runs its n-gram "
                                                                    "side by side)")
-    args = bench_spec._parser().parse_args(["--vllm", "--vllm-python", str(tmp_path / "nope")])
-    got, note = bench_spec._vllm_side("m", {}, [1], [2], args)
+    args = spec._parser().parse_args(["--vllm", "--vllm-python", str(tmp_path / "nope")])
+    got, note = spec._vllm_side("m", {}, [1], [2], args)
     assert got == {} and "cannot run" in note and str(tmp_path / "nope") in note
     with pytest.raises(SystemExit):  # vLLM's side compares its n-gram proposer only
-        bench_spec.main(["--vllm", "--method", "draft_model", "--draft", "random:tiny"])
+        spec.main(["--vllm", "--method", "draft_model", "--draft", "random:tiny"])
 
 
 def test_vllm_side_through_a_stand_in(tmp_path, monkeypatch):
@@ -32,8 +27,8 @@ def test_vllm_side_through_a_stand_in(tmp_path, monkeypatch):
     log = use_stand_in(tmp_path, monkeypatch)
     reqs = [bc.Req([5, 6, 7], 3), bc.Req([8, 9], 4), bc.Req([10], 2)]
     cases = {("grounded", 1): reqs, ("grounded", 2): reqs}
-    args = bench_spec._parser().parse_args(["--vllm", "--repeats", "2", "--ks", "2,3"])
-    got, note = bench_spec._vllm_side(model, cases, [1, 2], [2, 3], args)
+    args = spec._parser().parse_args(["--vllm", "--repeats", "2", "--ks", "2,3"])
+    got, note = spec._vllm_side(model, cases, [1, 2], [2, 3], args)
     assert note.startswith("vLLM stand-in ran the same requests (dtype float32")
     lines = [json.loads(line) for line in log.read_text().splitlines()]
     inits = [ln["init"] for ln in lines if "init" in ln]
@@ -65,7 +60,7 @@ def test_ratios_to_own_plain_and_to_jaxpaged_plain():
              [("plain", 2.0), ("ngram_k2", 1.0), ("vllm_plain", 4.0), ("vllm_ngram_k2", 3.0)]}
     per_c["plain"]["pass_time_per_output_token_s"] = [2.0, 2.0, 4.0]     # the third pass slowed for plain
     per_c["ngram_k2"]["pass_time_per_output_token_s"] = [1.0, 1.2, 1.0]
-    bench_spec._add_ratios(per_c)
+    spec._add_ratios(per_c)
     assert per_c["ngram_k2"]["ratio_to_plain"] == 0.5 and "ratio_to_jaxpaged_plain" not in per_c["ngram_k2"]
     assert per_c["ngram_k2"]["median_pass_ratio"] == 0.5 and per_c["plain"]["median_pass_ratio"] == 1.0
     assert "median_pass_ratio" not in per_c["vllm_ngram_k2"]

@@ -12,7 +12,7 @@ import pytest
 from jaxpaged import ModelConfig
 from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
 from jaxpaged.checkpoints.weights import load_params
-from models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
 
@@ -165,16 +165,16 @@ def test_converted_dir_generates_like_hf(tmp_path, llama_dir, engine_kwargs):
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(llama_dir, p, 8) for p in prompts]
 
 
-def test_convert_script(tmp_path, llama_dir):
+def test_convert_command(tmp_path, llama_dir):
+    """`jaxpaged convert SRC DST`: prints DST; refuses a non-empty DST without --force."""
     import subprocess
     import sys
-    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "convert_hf.py")
-    r = subprocess.run([sys.executable, script, llama_dir, str(tmp_path / "dst"), "--dtype", "float32",
-                        "--no-progress"], capture_output=True, text=True)
+    cmd = [sys.executable, "-m", "jaxpaged.cli", "convert", llama_dir, str(tmp_path / "dst")]
+    r = subprocess.run(cmd + ["--dtype", "float32"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "dst")
-    r = subprocess.run([sys.executable, script, llama_dir, str(tmp_path / "dst")], capture_output=True, text=True)
-    assert r.returncode == 1 and "not empty" in r.stderr and "--force" in r.stderr
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and "not empty" in r.stderr and "--force" in r.stderr
 
 
 # -- GGUF --------------------------------------------------------------------------------------

@@ -9,16 +9,11 @@ import sys
 
 import pytest
 
+from jaxpaged.bench.quality import CHATS, TEXTS
 from jaxpaged.checkpoints.default_model import default_gguf_path, default_model_dir, fetch_default
 
 pytestmark = pytest.mark.slow
 
-TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
-         "The capital of Japan is"]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are a terse assistant."},
-          {"role": "user", "content": "Name two planets."}],
-         [{"role": "user", "content": "Write a haiku about the sea."}]]
 MAX_TOKENS = 48
 
 

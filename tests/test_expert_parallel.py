@@ -13,10 +13,9 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r'''
 import json, re, sys
-sys.path.insert(0, sys.argv[2])
 import jax, numpy as np
 from jaxpaged import LLM, SamplingParams
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=n)]} for n in (5, 23, 41)]
 sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -49,7 +48,7 @@ print(json.dumps(out))
 def test_new_families_under_tensor_parallelism(tmp_path):
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path), os.path.join(ROOT, "tests")], env=env,
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-4000:]
     f = json.loads(r.stdout.strip().splitlines()[-1])

@@ -9,7 +9,7 @@ import pytest
 from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.parallel.mesh import param_partition_specs
 from jaxpaged.checkpoints.weights import param_shapes
-from models import NEW_FAMILIES, WINDOW, make_tiny_model
+from jaxpaged.bench.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 from test_oracle import _forward_last_logits, _prompts
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import json
-import os
 import re
-import sys
 
 import pytest
 
+from jaxpaged.bench import common
 from jaxpaged.args import add_engine_args, engine_config, engine_kwargs, flag_name
 from jaxpaged.cli import GENERATE_DEFAULTS, build_parser
 from jaxpaged.config import (CACHE, COMPILATION, KV_CACHE_DTYPES, LORA, MODEL, PARALLEL, QUANTIZATIONS, RESEARCH,
@@ -20,15 +18,6 @@ from jaxpaged.config import (CACHE, COMPILATION, KV_CACHE_DTYPES, LORA, MODEL, P
 FIELDS = dataclasses.fields(EngineConfig)
 BOOLS = {f.name for f in FIELDS if "bool" in str(f.type)}
 ENGINE_FLAGS = {flag_name(f.name) for f in FIELDS} | {"--no-" + flag_name(n)[2:] for n in BOOLS}
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _bench_common():
-    """scripts/bench_common.py, loaded by path (scripts/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("bench_common", os.path.join(ROOT, "scripts", "bench_common.py"))
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
 
 
 def _command(name: str) -> argparse.ArgumentParser:
@@ -39,7 +28,7 @@ def _command(name: str) -> argparse.ArgumentParser:
 
 def _bench() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
-    _bench_common().add_engine_args(ap)
+    common.add_engine_args(ap)
     return ap
 
 

@@ -16,7 +16,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jaxpaged import __version__
 from jaxpaged.step.runner import NUM_BANNED
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 from serve.openapi import openapi_schema
 from test_server import Server, make_tokenizer, wait_idle
 

@@ -1,20 +1,18 @@
 """Compiled for an H100 / H200 (sm_90a) on this CPU-only machine: both kernel backends and the engine's
-whole step, through the jax-cuda plugin's compile-only client and ptxas (scripts/gpu_compile.py).
+whole step, through the jax-cuda plugin's compile-only client and ptxas (jaxpaged/bench/gpu_compile.py).
 
 Every compile runs in a fresh ``JAX_PLATFORMS=cpu`` subprocess, so this process never starts the CUDA
 plugin. Skips with the reason when the plugin or ptxas is not installed (the ``test`` extra brings both).
-The full table (every model shape x KV dtype x backend) is ``scripts/compile_table.py``'s.
+The full table (every model shape x KV dtype x backend) is ``jaxpaged/bench/gpu_compile_table.py``'s.
 """
 from __future__ import annotations
 
 import os
-import sys
 import warnings
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
-import gpu_compile  # noqa: E402
+from jaxpaged.bench import gpu_compile
 
 SMEM_PER_BLOCK = 232448  # sm_90a's opt-in shared memory per block (the spec's shared_memory_per_block_optin)
 needs_toolchain = pytest.mark.skipif(gpu_compile.missing() is not None, reason=str(gpu_compile.missing()))
@@ -61,7 +59,7 @@ def test_whole_step_compiles_for_h100(tp, variant):
     """The engine's whole jitted step (jaxpaged/step/aot.py), Llama-3-8B-shaped (2 of its 32 layers: the
     layer scan compiles one body whatever the depth), for one H100 and for an 8-device H100 topology
     (tensor parallelism, with its collectives): the Mosaic GPU kernel inside, the pools updated in place.
-    Every bucket at full depth is scripts/compile_table.py's."""
+    Every bucket at full depth is jaxpaged/bench/gpu_compile_table.py's."""
     cfg = dict(config="test", size="8B", num_layers=2, tp=tp, kv_cache_dtype="auto", max_num_seqs=16,
                max_num_batched_tokens=32, max_model_len=1024, num_blocks=256, variants=[variant])
     (rec,) = gpu_compile.run("steps", dict(configs=[cfg]))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 from serve import tools
 from serve.body import MAX_JSON_DEPTH, loads, nesting_depth
 from test_server import Server, assert_error, make_tokenizer, wait_idle

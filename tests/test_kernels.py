@@ -5,9 +5,7 @@ and skips without a GPU.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -328,10 +326,7 @@ def test_triton_compiles_the_kernels(tmp_path, monkeypatch):
 
 
 def test_bench_smoke(tmp_path):
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from jaxpaged.bench import kernels as bench
     bench.main(["--cpu-smoke", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     assert not res["errors"] or res["errors"] == ["jax.experimental.pallas.ops.gpu.paged_attention not importable"]
@@ -343,10 +338,7 @@ def test_bench_smoke(tmp_path):
 
 def test_bench_smoke_quantized_pool(tmp_path):
     """--kv-dtype: the decode grid over an int8 pool with its scales, bytes counted narrow."""
-    path = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "bench_kernels.py")
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from jaxpaged.bench import kernels as bench
     bench.main(["--cpu-smoke", "--kv-dtype", "int8", "--out", str(tmp_path)])
     res = json.loads((tmp_path / "results.json").read_text())
     assert not res["errors"] and res["decode"] and not res["ragged"]

@@ -1,7 +1,8 @@
 """The walls of the layout (docs/architecture.md), held by check rather than by prose:
 - every module of `jaxpaged/core/` imports in a fresh interpreter where jax cannot be imported;
-- no import cycle among the modules of jaxpaged/, serve/, pallas_kernels/ and scripts/, counting every
-  import statement, also the ones inside functions;
+- no import cycle among the modules of jaxpaged/, serve/ and pallas_kernels/ (the benchmarks in
+  jaxpaged/bench/ too), counting every import statement, also the ones inside functions;
+- the engine never imports the benchmarks: only `jaxpaged bench` (jaxpaged/cli.py) and jaxpaged/bench/ itself;
 - `from jaxpaged import ...` still gives the public API, without importing jax until a name is used.
 """
 from __future__ import annotations
@@ -26,8 +27,8 @@ sys.meta_path.insert(0, Block())
 """
 
 
-def _modules(root_dir: str, package: str | None) -> dict[str, str]:
-    """{dotted module name: path} of the .py files under root_dir (package=None: top-level scripts)."""
+def _modules(root_dir: str) -> dict[str, str]:
+    """{dotted module name: path} of the .py files under root_dir."""
     out = {}
     for dirpath, _, files in os.walk(root_dir):
         if "__pycache__" in dirpath:
@@ -36,8 +37,6 @@ def _modules(root_dir: str, package: str | None) -> dict[str, str]:
             if not f.endswith(".py"):
                 continue
             rel = os.path.relpath(os.path.join(dirpath, f), ROOT)[:-3].split(os.sep)
-            if package is None:
-                rel = rel[1:]  # scripts/x.py is imported as x (scripts put their folder on sys.path)
             if rel[-1] == "__init__":
                 rel = rel[:-1]
             out[".".join(rel)] = os.path.join(dirpath, f)
@@ -45,7 +44,7 @@ def _modules(root_dir: str, package: str | None) -> dict[str, str]:
 
 
 def _core_modules() -> list[str]:
-    return sorted(m for m in _modules(os.path.join(ROOT, "jaxpaged", "core"), "jaxpaged") if m != "jaxpaged.core")
+    return sorted(m for m in _modules(os.path.join(ROOT, "jaxpaged", "core")) if m != "jaxpaged.core")
 
 
 @pytest.mark.parametrize("module", _core_modules())
@@ -127,17 +126,22 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def import_graph() -> dict[str, set[str]]:
     mods = {}
     for p in PACKAGES:
-        mods.update(_modules(os.path.join(ROOT, p), p))
-    mods.update(_modules(os.path.join(ROOT, "scripts"), None))
+        mods.update(_modules(os.path.join(ROOT, p)))
     known = set(mods)
     return {m: _imports(path, m, known) for m, path in mods.items()}
 
 
 def test_no_import_cycles():
     graph = import_graph()
-    assert "jaxpaged.core.scheduler" in graph and "bench_throughput" in graph
+    assert "jaxpaged.core.scheduler" in graph and "jaxpaged.bench.throughput" in graph
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_engine_never_imports_the_benchmarks():
+    bench = lambda m: m == "jaxpaged.bench" or m.startswith("jaxpaged.bench.")  # noqa: E731
+    users = {m for m, deps in import_graph().items() if not bench(m) and any(bench(d) for d in deps)}
+    assert users == {"jaxpaged.cli"}, users
 
 
 def test_cycle_check_can_fail():

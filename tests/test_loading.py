@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.checkpoints.weights import load_params
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

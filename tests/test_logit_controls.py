@@ -7,7 +7,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.core.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
-from models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from oracle import hf_model
 
 V = 300

@@ -9,7 +9,7 @@ from safetensors.numpy import load_file, save_file
 from jaxpaged import ModelConfig
 from jaxpaged.lora.peft import load_peft
 from lora_adapters import make_adapter
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 
 PREFIX = "base_model.model.model.layers"
 

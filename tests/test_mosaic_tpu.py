@@ -96,12 +96,9 @@ def test_padding_rows_beyond_a_full_block():
 
 
 def test_bench_tpu_kernel_smoke(tmp_path):
-    """scripts/bench_tpu_kernel.py --cpu-smoke: tiny shapes in interpret mode, every row checked."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
-    import bench_tpu_kernel
-    res = bench_tpu_kernel.main(["--cpu-smoke", "--out", str(tmp_path)])
+    """jaxpaged/bench/tpu_kernel.py --cpu-smoke: tiny shapes in interpret mode, every row checked."""
+    from jaxpaged.bench import tpu_kernel
+    res = tpu_kernel.main(["--cpu-smoke", "--out", str(tmp_path)])
     assert [r["shape"] for r in res["rows"]] == ["decode 2 x 40", "mixed 2 x 40 + prefill [20]"]
     assert all(r["max_abs_diff"] < 2e-2 for r in res["rows"])
     assert (tmp_path / "results.md").read_text().count("|") > 10
@@ -113,7 +110,7 @@ def test_engine_on_the_tpu_kernel_matches_reference(tmp_path, engine_kwargs):
     reference backend's greedy tokens through prefill chunks mixed with decodes and decode-only steps
     (a tiny Llama with the default model's head_dim 64 and GQA 3)."""
     from jaxpaged import LLM, SamplingParams
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     path = make_tiny_model(str(tmp_path / "llama64"), "llama", hidden_size=192, num_heads=3, num_kv_heads=1,
                            head_dim=64)
     prompts = [{"prompt_token_ids": [int(t) for t in np.random.default_rng(i).integers(3, 256, size=n)]}

@@ -7,7 +7,7 @@ from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.step.attention import make_attention
 from jaxpaged.models.llama import forward
 from jaxpaged.checkpoints.weights import load_params
-from models import FAMILIES, make_tiny_model
+from jaxpaged.bench.tiny_models import FAMILIES, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 
 PROMPT_LENS = (1, 7, 16, 17, 33, 70)

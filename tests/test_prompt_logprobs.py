@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from models import FAMILIES, NEW_FAMILIES, make_tiny_model
+from jaxpaged.bench.tiny_models import FAMILIES, NEW_FAMILIES, make_tiny_model
 from oracle import hf_model
 
 BS = 4

@@ -1,22 +1,17 @@
 """Quality goal of weight-only int8 (issue 14): on the default model's golden prompts, teacher-forced on
 the float32 run's tokens, the mean |delta logprob| of those tokens stays under the goal
-(scripts/bench_quality.py measures it; docs/benchmarks.md has the figures)."""
-import os
-import sys
-
+(jaxpaged/bench/quality.py measures it; docs/benchmarks.md has the figures)."""
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))
 
 pytestmark = pytest.mark.slow
 
 
 def test_int8_weights_within_goal(compile_cache):
-    import bench_quality
-    out = bench_quality.main(["--weights", "float32", "int8", "--max-tokens", "16",
+    from jaxpaged.bench import quality
+    out = quality.main(["--weights", "float32", "int8", "--max-tokens", "16",
                               "--compilation-cache-dir", compile_cache])
     rows = {r["weights"]: r for r in out["rows"]}
     assert out["prompts"] == 7 and rows["int8"]["positions"] == 7 * 16
     assert rows["float32"]["mean_abs_dlogprob"] == 0 and rows["float32"]["greedy_agreement"] == 1
-    assert rows["int8"]["mean_abs_dlogprob"] <= bench_quality.GOAL_INT8_WEIGHTS, rows["int8"]
+    assert rows["int8"]["mean_abs_dlogprob"] <= quality.GOAL_INT8_WEIGHTS, rows["int8"]
     assert rows["int8"]["greedy_agreement"] >= 0.9, rows["int8"]

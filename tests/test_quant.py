@@ -11,7 +11,7 @@ from jaxpaged.models.llama import forward
 from jaxpaged.step.attention import make_attention
 from jaxpaged.models.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
 from jaxpaged.checkpoints.weights import load_params
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 
 RNG = np.random.default_rng(0)
 

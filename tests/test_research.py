@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from models import make_tiny_model, one_prompt_decoder_inputs
+from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 from oracle import hf_model
 
 LAYERS = [0, 2, 3]   # embeddings, output of layer 1, final norm (3 layers)

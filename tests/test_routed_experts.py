@@ -9,7 +9,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from jaxpaged import LLM, SamplingParams
-from models import make_tiny_model, one_prompt_decoder_inputs
+from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 from oracle import hf_greedy, hf_routed_experts
 
 BS = 4

@@ -6,7 +6,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.step.sampler import _filter, _penalize
 from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer
-from models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from models import make_tiny_model
+from jaxpaged.bench.tiny_models import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
@@ -522,7 +522,7 @@ def test_sigterm_drains_then_exits_0(model_dir, compile_cache, tmp_path):
 
 def test_bench_serving_smoke(server, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_serving.py"), "--base-url", server.url,
+    proc = subprocess.run([sys.executable, "-m", "jaxpaged.bench.serving", "--base-url", server.url,
                            "--api-key", API_KEY, "--num-prompts", "12", "--input-len", "10", "--output-len", "8",
                            "--request-rate", "inf", "--max-concurrency", "4", "--result-json", str(out),
                            "--no-progress"], capture_output=True, text=True, timeout=120)

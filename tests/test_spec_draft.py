@@ -109,7 +109,7 @@ SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=11, igno
 def models(tmp_path_factory):
     """target; unrelated (another random model); flat (the target with its head halved: the same
     ranking, a flatter q); other_vocab."""
-    from models import make_tiny_model
+    from jaxpaged.bench.tiny_models import make_tiny_model
     from safetensors.numpy import load_file, save_file
     root = tmp_path_factory.mktemp("draft")
     target = make_tiny_model(str(root / "target"), "llama", vocab_size=V)

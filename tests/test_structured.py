@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from jaxpaged.checkpoints.default_model import default_model_dir
 from jaxpaged.core.structured import StructuredOutputsParams
 from serve import tools
-from models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from test_server import Server
 
 

@@ -1,7 +1,7 @@
 """The Mosaic TPU kernel and the engine's whole step compiled by libtpu for TPU v5e / v6e on this CPU-only
 host (compile-only topology devices; `jax[tpu]` in the `test` extra). Each compile runs in a subprocess
-with `scripts/tpu_aot.environment()` (JAX_PLATFORMS=cpu, libtpu quiet), so this process stays CPU-only.
-The full table (every bucket, TP 1/4/8, both models, bf16 / int8 KV) is `scripts/tpu_compile_table.py`'s;
+with `jaxpaged/bench/tpu_aot.environment()` (JAX_PLATFORMS=cpu, libtpu quiet), so this process stays CPU-only.
+The full table (every bucket, TP 1/4/8, both models, bf16 / int8 KV) is `jaxpaged/bench/tpu_compile_table.py`'s;
 here: the kernel on both chips, and two representative steps of the Llama-3-8B-shaped model."""
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ import sys
 
 import pytest
 
-SCRIPTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts")
-sys.path.insert(0, SCRIPTS)
-import tpu_aot  # noqa: E402
+from jaxpaged.bench import ROOT, tpu_aot
 
 pytestmark = pytest.mark.skipif(not tpu_aot.has_libtpu(),
                                 reason='libtpu not installed (pip install "jax[tpu]==<jax version>", the test extra)')
@@ -22,7 +20,7 @@ pytestmark = pytest.mark.skipif(not tpu_aot.has_libtpu(),
 
 def _run(code: str, timeout: int = 900):
     """Run `code` (which prints one line 'OUT' + json) in a compile-only TPU process; its value."""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=SCRIPTS, timeout=timeout,
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout,
                          env={**os.environ, **tpu_aot.environment()})
     line = [x for x in res.stdout.splitlines() if x.startswith("OUT")]
     assert line, f"compile process failed:\n{res.stderr[-3000:]}"
@@ -30,7 +28,8 @@ def _run(code: str, timeout: int = 900):
 
 
 KERNEL = """
-import json, jax, jax.numpy as jnp, tpu_aot
+import json, jax, jax.numpy as jnp
+from jaxpaged.bench import tpu_aot
 from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention as attn
 out = []
@@ -59,7 +58,7 @@ def test_kernel_compiles_for_v5e_and_v6e():
 def test_llama_8b_step_compiles(chip, tp, kv, bucket):
     """The whole step of the 8B-shaped model, compiled for a TPU slice with the Mosaic kernel inside
     (chosen from the topology's devices), its pool donated and read in place, fitting the chip's HBM."""
-    rows = _run(f"import json, tpu_compile_table as t; "
+    rows = _run(f"import json; from jaxpaged.bench import tpu_compile_table as t; "
                 f"print('OUT' + json.dumps(t.measure({chip!r}, 'llama-3-8b', {tp}, {kv!r}, [{bucket}])))")
     assert len(rows) == 1 and "error" not in rows[0], rows
     r = rows[0]

@@ -1,0 +1,248 @@
+"""Latency of a few requests: ms per output token at 1, 2, 4 and 8 concurrent requests, against the
+time it takes this machine to read the weights once, with the peers side by side in one run.
+
+    jaxpaged bench latency --json docs/results/latency.json
+
+Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 with int8 weights
+(each its own engine in this process, `max_num_seqs` 64 as `LLM()`; a KV pool just large enough
+for the largest N at `--max-model-len`, so three engines fit beside each other), vLLM's CPU build (`--vllm-python`,
+jaxpaged/bench/vllm_peer.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
+from) when they are installed; a missing peer is reported with the reason.
+
+Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
+greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
+token) / (output tokens - 1); a row gives the median over the requests and the repeats, with the time to
+first token. The jaxpaged engines run interleaved (repeat r: every engine at every N, then r + 1), so a
+change of the machine's load falls on all of them alike; the load average is recorded beside each row.
+vLLM (a subprocess per N) is timed by elapsed time only: (t(output-len) - t(1)) / (output-len - 1).
+
+Weight-read time per row: the bytes of parameters a decode step reads (every matrix as stored, once; an
+untied embedding only for its N rows) divided by this machine's read bandwidth, measured in the same run
+(`roofline.machine_peaks`: a jitted sum over 256 MiB on all cores, bytes read per second: what a step
+that only streamed its weights would reach); `memcpy GB/s` beside it is the bytes one `np.copyto` moves
+per second (one core, each byte counted once: the issue's convention), with its ratio too. The in-place
+`x * 2` rate (bytes read plus written) is recorded in `peaks` but not used: a decode step writes little.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from jaxpaged.bench import common as bc
+from jaxpaged.bench import timing
+from jaxpaged.bench import roofline
+
+CONCURRENCY = (1, 2, 4, 8)
+JAXPAGED = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
+            "int8": dict(dtype="bfloat16", quantization="int8")}
+
+
+def memcpy_bytes_per_s(mib: int = 256, reps: int = 5) -> float:
+    """Bytes one np.copyto moves per second (best of reps), each byte counted once."""
+    src = np.ones(mib * 2 ** 20 // 4, np.float32)
+    dst = np.empty_like(src)
+    return src.nbytes / min(timing.samples(np.copyto, dst, src, reps=reps, warmup=0))
+
+
+def weight_bytes(engine, n: int) -> float:
+    """Parameter bytes one decode step of n requests reads (roofline.step_model's weights)."""
+    return roofline.step_model(engine, n, 0)["weight_bytes"]
+
+
+def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
+    """The prompts at once; per-request decode ms per token and time to first token."""
+    from jaxpaged import SamplingParams
+    sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    per_token, ttft = [], []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        per_token.append(1e3 * (m["finished_time"] - m["first_token_time"]) / (n - 1))
+        ttft.append(1e3 * (m["first_token_time"] - m["arrival_time"]))
+    return dict(ms_per_token=per_token, ttft_ms=ttft)
+
+
+def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[int]]) -> dict:
+    llms = {}
+    for name in names:
+        llm = bc.build_llm(model_dir, args, **JAXPAGED[name])
+        run_once(llm, prompts[:1], 8)  # warm-up
+        llms[name] = llm
+    runs = {(name, n): [] for name in names for n in args.concurrency}
+    for r in range(args.repeats):
+        for name in names:
+            for n in args.concurrency:
+                got = run_once(llms[name], prompts[:n], args.output_len)
+                got["load"] = os.getloadavg()[0]
+                runs[name, n].append(got)
+                bc.say(f"repeat {r + 1}/{args.repeats} {name} N={n}: "
+                       f"{statistics.median(got['ms_per_token']):.1f} ms/token (load {got['load']:.1f})")
+    out = {}
+    for name in names:
+        eng = llms[name].engine
+        for n in args.concurrency:
+            rs = runs[name, n]
+            per_token = [statistics.median(g["ms_per_token"]) for g in rs]
+            out[f"jaxpaged {name}", n] = dict(
+                ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token,
+                ttft_ms=statistics.median([statistics.median(g["ttft_ms"]) for g in rs]),
+                load=[g["load"] for g in rs], weight_bytes=weight_bytes(eng, n),
+                compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets))
+    return out
+
+
+def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, str | None]:
+    from jaxpaged.bench import vllm_peer
+    why = vllm_peer.unavailable(args)
+    if why:
+        return {}, why
+    out = {}
+    export_root = os.path.join(os.path.dirname(model_dir), "vllm-export")
+    for n in args.concurrency:
+        t = {}
+        for length in (1, args.output_len):
+            wl = bc.Workload([bc.Req(p, length) for p in prompts[:n]])
+            t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root)["elapsed_s"]
+        per_token = 1e3 * (t[args.output_len] - t[1]) / (args.output_len - 1)
+        out["vllm " + (args.vllm_dtype or "float32"), n] = dict(
+            ms_per_token=per_token, ttft_ms=1e3 * t[1], load=[os.getloadavg()[0]],
+            weight_bytes=None, note="elapsed time only")
+    return out, None
+
+
+def measure_llama_cpp(args, prompts: list[list[int]]) -> tuple[dict, str | None]:
+    try:
+        import llama_cpp
+    except ImportError as e:
+        return {}, f"llama-cpp-python not installed ({e}); `pip install llama-cpp-python` to add it"
+    path = args.gguf or _default_gguf()
+    if path is None:
+        return {}, "no GGUF file (pass --gguf)"
+    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
+    out = {}
+    per_token = []
+    for _ in range(args.repeats):  # one sequence at a time: llama-cpp-python serves one stream
+        llm.reset()
+        t0 = time.perf_counter()
+        first = None
+        n = 0
+        for _tok in llm.generate(prompts[0], temp=0.0, reset=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+            if n == args.output_len:
+                break
+        per_token.append(1e3 * (time.perf_counter() - first) / (n - 1))
+        ttft = 1e3 * (first - t0)
+    out[f"llama.cpp ({os.path.basename(path)})", 1] = dict(
+        ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token, ttft_ms=ttft,
+        load=[os.getloadavg()[0]], weight_bytes=float(os.path.getsize(path)), note="one sequence")
+    return out, None
+
+
+def _default_gguf() -> str | None:
+    from jaxpaged.checkpoints.default_model import default_gguf_path
+    try:
+        return default_gguf_path(verbose=False)
+    except (OSError, RuntimeError):
+        return None
+
+
+def measure_startup(model_dir: str, args) -> dict:
+    """Cold and warm start to the first token of a lone short prompt (startup.py's child process:
+    interpreter, imports, weights, every bucket compiled or loaded from the cache, one token), per dtype."""
+    import tempfile
+
+    from jaxpaged.bench import startup
+    out = {}
+    for dtype in args.startup:
+        cache = tempfile.mkdtemp(prefix="jaxpaged-latency-startup-")
+        a = argparse.Namespace(**{**vars(args), "dtype": dtype})
+        cold = startup.spawn(a, model_dir, cache)
+        warm = startup.spawn(a, model_dir, cache)
+        out[dtype] = dict(cold=cold, warm=warm, load=os.getloadavg()[0])
+        bc.say(f"start-up {dtype}: cold {cold['time_to_first_token_s']:.1f} s (compile {cold['compile_s']:.1f} s), "
+               f"warm {warm['time_to_first_token_s']:.1f} s")
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", action="append", choices=[f"jaxpaged-{n}" for n in JAXPAGED] + ["vllm", "llama-cpp"],
+                    help="default: all")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--startup", nargs="*", default=[], choices=["float32", "bfloat16"],
+                    help="also time cold and warm start to the first token in fresh processes, per dtype")
+    ap.add_argument("--gguf", default=None, help="llama-cpp-python's model (default: the default model's GGUF)")
+    from jaxpaged.bench import vllm_peer
+    vllm_peer.add_args(ap)
+    bc.add_engine_args(ap, max_model_len=1024)
+    ap.set_defaults(random_tokens=False)
+    args = ap.parse_args(argv)
+    if args.num_kv_blocks is None:  # room for the largest N at max_model_len, not the engine's 2 GB default
+        args.num_kv_blocks = max(args.concurrency) * -(-args.max_model_len // args.block_size) + 1
+    backends = args.backend or [f"jaxpaged-{n}" for n in JAXPAGED] + ["vllm", "llama-cpp"]
+    model_dir = bc.resolve_model(args.model)
+    vocab, tok = bc.model_vocab_and_tokenizer(model_dir)
+    rng = np.random.default_rng(args.seed)
+    prompts = [bc.prompt_ids(rng, args.prompt_len, tok, vocab) for _ in range(max(args.concurrency))]
+
+    rows, missing = {}, {}
+    if "vllm" in backends:  # first: its engine starts in a subprocess, before ours take the memory
+        got, why = measure_vllm(model_dir, args, prompts)
+        rows.update(got)
+        if why:
+            missing["vllm"] = why
+    if "llama-cpp" in backends:
+        got, why = measure_llama_cpp(args, prompts)
+        rows.update(got)
+        if why:
+            missing["llama-cpp"] = why
+    names = [b.split("-", 1)[1] for b in backends if b.startswith("jaxpaged-")]
+    if names:
+        rows.update(measure_jaxpaged(model_dir, args, names, prompts))
+    startup = measure_startup(model_dir, args) if args.startup else {}
+    peaks = roofline.machine_peaks("float32")
+    peaks["memcpy_bytes_per_s"] = memcpy_bytes_per_s()
+    for r in rows.values():
+        if r.get("weight_bytes"):
+            r["weight_read_ms"] = 1e3 * r["weight_bytes"] / peaks["read_bytes_per_s"]
+            r["weight_read_ms_memcpy"] = 1e3 * r["weight_bytes"] / peaks["memcpy_bytes_per_s"]
+            r["x_weight_read"] = r["ms_per_token"] / r["weight_read_ms"]
+            r["x_weight_read_memcpy"] = r["ms_per_token"] / r["weight_read_ms_memcpy"]
+    out = dict(rows=[dict(backend=b, running=n, **r) for (b, n), r in rows.items()], missing=missing,
+               startup=startup, peaks=peaks, load_at_end=os.getloadavg(),
+               workload=dict(prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
+                             concurrency=args.concurrency, greedy=True, ignore_eos=True),
+               engine={k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"},
+               machine=bc.machine_info())
+    print(report(out))
+    bc.write_json(args.json, out)
+    return out
+
+
+def report(out: dict) -> str:
+    p = out["peaks"]
+    head = (f"read bandwidth {p['read_bytes_per_s'] / 1e9:.1f} GB/s (in-place x*2, read + write: "
+            f"{p['copy_bytes_per_s'] / 1e9:.1f}), memcpy {p['memcpy_bytes_per_s'] / 1e9:.1f} GB/s")
+    body = [[r["backend"], r["running"], r["ms_per_token"], 1e3 / r["ms_per_token"] * r["running"], r["ttft_ms"],
+             (r.get("weight_bytes") or 0) / 1e6, r.get("weight_read_ms", "-"), r.get("x_weight_read", "-"),
+             r.get("x_weight_read_memcpy", "-"), max(r["load"])] for r in out["rows"]]
+    lines = [head, bc.table(body, ["backend", "running", "ms/token", "tok/s", "TTFT ms", "weights MB",
+                                   "weight read ms", "x weight read", "x memcpy read", "load max"])]
+    lines += [f"start-up {d}: cold {s['cold']['time_to_first_token_s']:.1f} s (compile {s['cold']['compile_s']:.1f} s), "
+              f"warm {s['warm']['time_to_first_token_s']:.1f} s" for d, s in out["startup"].items()]
+    lines += [f"missing: {k}: {v}" for k, v in out["missing"].items()]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
