@@ -7,7 +7,7 @@ all zeros = no adapter, scaling folded into b); each token t carries its slot in
   which XLA runs on its fast GEMM path (sglang-jax's choice for TPUs);
 - gather (`gather_delta`): each token's own a[idx[t]], b[idx[t]] gathered, [T, in, R] and [T, R, out],
   then batched vector products.
-On this CPU the one-hot form is the faster (scripts/bench_lora.py `product`, docs/results/lora.json).
+On this CPU the one-hot form is the faster (jaxpaged bench lora `product`, docs/results/lora.json).
 """
 from __future__ import annotations
 
