@@ -178,7 +178,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
         eng.step()
     parts = [(o, n) for o, n in ((sch, "schedule"), (getattr(runner, "batch", None), "prepare"),
                                  (runner, "_device_inputs"), (runner, "read"), (sch, "update_from_output"),
-                                 (eng, "_process")) if hasattr(o, n)]
+                                 (eng.outputs, "process")) if hasattr(o, n)]
     if not hasattr(runner, "launch"):  # before the persistent batch
         parts.append((runner, "execute"))
     reps = []
@@ -207,7 +207,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
             rep["prepare_ms"] = 1e3 * med["prepare"]
             rep["transfer_ms"] += 1e3 * med["_device_inputs"]
             rep["readback_ms"] = 1e3 * med["read"]
-            rep["detokenize_ms"] = 1e3 * med["_process"]
+            rep["detokenize_ms"] = 1e3 * med["process"]
         else:  # before the persistent batch: execute = prepare + transfer + reading back
             rep["prepare_ms"] = 1e3 * (run - xfer)
             rep["detokenize_ms"] = 1e3 * (wall - med["schedule"] - run - med["update_from_output"])
