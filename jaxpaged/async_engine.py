@@ -67,7 +67,8 @@ class AsyncEngine:
         self.max_waiting = max_waiting
         self.max_step_failures = max_step_failures  # consecutive failed steps that stop the loop
         self._cv = threading.Condition()
-        self._inbox: list[tuple] = []           # ("add", streams, prompts, params, arrival, stream, future) | ("abort", id)
+        # ("add", streams, prompts, params, arrival, stream, future) | ("abort", id)
+        self._inbox: list[tuple] = []
         self._pending = 0                       # samples in the inbox not yet added (guarded by _cv)
         self._stopping = False
         self._error: BaseException | None = None
@@ -287,7 +288,8 @@ class AsyncEngine:
             done = []
             try:
                 for i, (stream, prompt) in enumerate(zip(streams, prompts)):
-                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival, stream=stream_outputs,
+                    self.engine.add_request(stream.request_id, prompt, params, arrival_time=arrival,
+                                            stream=stream_outputs,
                                             **({} if lora is None else dict(lora_request=lora)))
                     done.append(stream.request_id)
             except Exception as e:  # noqa: BLE001 -- ValueError for bad input; anything else also goes back

@@ -6,7 +6,8 @@ Two executors, one chosen at start-up (`make_executor`):
   the next step while the device computes; each `run` returns the requests of the step it read.
 
 The plain executor returns the requests that got tokens, for the output processor
-(`core/output_processor.py`) to check for stops; the async one hands them to it itself, in between. Speculative decoding enters through the proposer seam (`spec_decode/decoder.py`): it
+(`core/output_processor.py`) to check for stops; the async one hands them to it itself, in between.
+Speculative decoding enters through the proposer seam (`spec_decode/decoder.py`): it
 rewrites what a verified step kept (`accept`) and frees the blocks of rejected proposals (`rollback`).
 """
 from __future__ import annotations

@@ -75,7 +75,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/is_paused", rl_routes.is_paused, methods=["GET"]),
     ] + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
           Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
-         if runtime_lora_updating else []), exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
+         if runtime_lora_updating else []),
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
     schema = openapi_schema(__version__, limits=engine.request_limits(), model_name=served_model_name,
                             api_key=bool(api_key))

@@ -50,7 +50,8 @@ def check_auth(request: Request) -> None:
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict,
                     structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
-    kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop, stop_token_ids=req.stop_token_ids,
+    kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop,
+              stop_token_ids=req.stop_token_ids,
               ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
               prompt_logprobs=prompt_logprobs, return_routed_experts=req.return_routed_experts)
     if req.logit_bias:  # OpenAI's string keys (the schema admits digits only)

@@ -106,7 +106,7 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
     mc = ModelConfig.from_dir(path)
     params = load_params(path, mc, "float32", quantization=quantization)
     lens, bs = (13, 6), 8
-    T, S = sum(lens), len(lens)
+    T = sum(lens)
     rng = np.random.default_rng(0)
     pos = np.concatenate([np.arange(n) for n in lens]).astype(np.int32)
     tables = np.array([[1, 2], [3, 4]], np.int32)

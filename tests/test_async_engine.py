@@ -57,8 +57,8 @@ def test_generate_matches_engine_and_streams(engine, aengine):
 
 def test_many_concurrent_requests_and_n(aengine):
     async def one(i):
-        stream = await aengine.add_request(f"r{i}", prompt(i), SamplingParams(max_tokens=8 + i, n=1 + i % 2,
-                                                                               temperature=1.0, seed=i, ignore_eos=True))
+        params = SamplingParams(max_tokens=8 + i, n=1 + i % 2, temperature=1.0, seed=i, ignore_eos=True)
+        stream = await aengine.add_request(f"r{i}", prompt(i), params)
         async for out in stream:
             pass
         return out

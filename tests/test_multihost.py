@@ -207,7 +207,8 @@ def test_generate_on_two_processes(model_dir, reference, tmp_path):
     assert printed == [reference[:2], []]
 
 
-GLOO_PIECES = re.compile(r"\[Gloo\] Rank | is connected to | peer ranks\. |Expected number of connected peer ranks is : ")
+GLOO_PIECES = re.compile(r"\[Gloo\] Rank | is connected to | peer ranks\. "
+                         r"|Expected number of connected peer ranks is : ")
 
 
 def _without_gloo(out: str) -> list[str]:

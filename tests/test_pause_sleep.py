@@ -101,7 +101,8 @@ def test_pause_keep_update_weights_continues_under_new_weights(llm, reference):
     llm.resume_generation()
     done = _finish(eng)
     fresh = [o.outputs[0].token_ids for o in llm.generate(
-        [{"prompt_token_ids": p["prompt_token_ids"] + ref[:before[i]]} for p, ref, i in zip(PROMPTS, reference[1], ids)],
+        [{"prompt_token_ids": p["prompt_token_ids"] + ref[:before[i]]}
+         for p, ref, i in zip(PROMPTS, reference[1], ids)],
         [SamplingParams(max_tokens=12 - before[i], temperature=0, ignore_eos=True) for i in ids], use_tqdm=False)]
     for i, ref, cont in zip(ids, reference[1], fresh):
         assert done[i][:before[i]] == ref[:before[i]]  # the old weights' tokens, kept

@@ -249,7 +249,8 @@ def test_draft_configs(models, engine_kwargs):
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", models["unrelated"], 2)
     from types import SimpleNamespace
     from jaxpaged.spec_decode.config import check_draft_engine
-    for over, name in [(dict(num_processes=2), "num_processes"), (dict(logprobs_mode="processed_logprobs"), "logprobs_mode")]:
+    for over, name in [(dict(num_processes=2), "num_processes"),
+                       (dict(logprobs_mode="processed_logprobs"), "logprobs_mode")]:
         with pytest.raises(ValueError, match=f"draft_model.*{name}"):  # kept when n-gram composes with them
             check_draft_engine(SimpleNamespace(**{"tensor_parallel_size": 1, "data_parallel_size": 1,
                                                   "num_processes": 1, "logprobs_mode": "raw_logprobs", **over}))

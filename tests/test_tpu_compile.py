@@ -38,7 +38,8 @@ for chip in ("v5e", "v6e"):
     a = lambda s, d=jnp.int32: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P()))
     for hq, hkv, d, kv, T in [(9, 3, 64, jnp.bfloat16, 64), (32, 8, 128, jnp.int8, 512), (4, 1, 128, jnp.bfloat16, 16)]:
         pools = [a((4096, 16, hkv, d), kv)] * 2
-        scales = dict(k_scale=a((4096, 16, hkv), jnp.float32), v_scale=a((4096, 16, hkv), jnp.float32)) if kv == jnp.int8 else {}
+        scales = (dict(k_scale=a((4096, 16, hkv), jnp.float32), v_scale=a((4096, 16, hkv), jnp.float32))
+                  if kv == jnp.int8 else {})
         with jax.set_mesh(mesh):
             c = jax.jit(lambda *x, **s: attn(*x, window=100, softcap=30.0, **s)).lower(
                 a((T, hq, d), jnp.bfloat16), *pools, a((64, 256)), a((64,)), a((65,)), **scales).compile()

@@ -192,7 +192,8 @@ def markdown(res):
               "| vs ref | max err |", "|---|---|---|---|---|---|---|---|---|"]
     for r in res["ragged"]:
         lines.append(f"| {r['decodes']} x {r['decode_ctx']} | {r['prefills']} | {r['tokens']} "
-                     f"| {fmt(r.get('ours_s'), 1e6)} | {fmt(r.get('ours_bw'), 1e-9)} | {fmt(r.get('ours_frac_copy'), 100)} "
+                     f"| {fmt(r.get('ours_s'), 1e6)} | {fmt(r.get('ours_bw'), 1e-9)} "
+                     f"| {fmt(r.get('ours_frac_copy'), 100)} "
                      f"| {fmt(r.get('ref_s'), 1e6)} | {fmt(r.get('speedup_vs_ref'), 1, '.2f')}x "
                      f"| {fmt(r.get('max_abs_err_vs_ref'), 1, '.1e')} |")
     lines += ["", "## Decode tuning sweep (defaults first)", "", "| batch | context | tuning | ours us | GB/s "
@@ -265,7 +266,8 @@ def main(argv=None):
     if shipped is None and not args.kv_dtype:
         res["errors"].append("jax.experimental.pallas.ops.gpu.paged_attention not importable")
     todo = [("decode", s) for s in shapes] if args.kv_dtype else \
-        ([("ragged", None)] + [("decode", s) for s in shapes] + [("sweep", (*cfg["sweep_shape"], t)) for t in cfg["sweep"]])
+        ([("ragged", None)] + [("decode", s) for s in shapes]
+         + [("sweep", (*cfg["sweep_shape"], t)) for t in cfg["sweep"]])
     for i, (kind, shape) in enumerate(todo):
         if time.perf_counter() - start > args.time_budget:
             res["skipped"] += [f"{k} {s}" for k, s in todo[i:]]

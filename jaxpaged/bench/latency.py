@@ -238,8 +238,9 @@ def report(out: dict) -> str:
              r.get("x_weight_read_memcpy", "-"), max(r["load"])] for r in out["rows"]]
     lines = [head, bc.table(body, ["backend", "running", "ms/token", "tok/s", "TTFT ms", "weights MB",
                                    "weight read ms", "x weight read", "x memcpy read", "load max"])]
-    lines += [f"start-up {d}: cold {s['cold']['time_to_first_token_s']:.1f} s (compile {s['cold']['compile_s']:.1f} s), "
-              f"warm {s['warm']['time_to_first_token_s']:.1f} s" for d, s in out["startup"].items()]
+    lines += [f"start-up {d}: cold {s['cold']['time_to_first_token_s']:.1f} s "
+              f"(compile {s['cold']['compile_s']:.1f} s), warm {s['warm']['time_to_first_token_s']:.1f} s"
+              for d, s in out["startup"].items()]
     lines += [f"missing: {k}: {v}" for k, v in out["missing"].items()]
     return "\n".join(lines)
 

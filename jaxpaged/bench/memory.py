@@ -5,7 +5,8 @@
 The engine runs each workload to completion with a pool of --num-kv-blocks blocks; after every step the
 block manager's counters are sampled (no timing). Reported:
   - paged: blocks in use vs tokens whose K/V they hold, at the step of peak use (of several equal
-    ones, the fullest; waste % = unfilled positions in used blocks) and averaged over steps; the peak number of running requests; preemptions.
+    ones, the fullest; waste % = unfilled positions in used blocks) and averaged over steps; the peak number of
+    running requests; preemptions.
   - contiguous: the same workload replayed through a contiguous allocator with the same budget, which
     must reserve max_model_len positions per request when it admits it (a non-paged engine that does
     not know output lengths), and an oracle variant that reserves exactly prompt + max_tokens. It

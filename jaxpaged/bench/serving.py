@@ -206,7 +206,8 @@ def main(argv=None) -> int:
     p.add_argument("--result-json", default=None, help="also write the JSON here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.num_prompts < 1 or args.request_rate <= 0 or (args.max_concurrency is not None and args.max_concurrency < 1):
+    if (args.num_prompts < 1 or args.request_rate <= 0
+            or (args.max_concurrency is not None and args.max_concurrency < 1)):
         p.error("--num-prompts, --request-rate and --max-concurrency must be positive")
     summary = asyncio.run(run(args))
     print(table(summary))

@@ -199,10 +199,12 @@ def main(argv=None) -> dict:
             _add_ratios(per_c)
             for name, r in per_c.items():
                 rows.append([w, b, name, r["time_per_output_token_s"] * 1e3, r["output_tokens_per_s"],
-                             r["ratio_to_plain"], r.get("median_pass_ratio", "-"), r.get("ratio_to_jaxpaged_plain", "-"),
+                             r["ratio_to_plain"], r.get("median_pass_ratio", "-"),
+                             r.get("ratio_to_jaxpaged_plain", "-"),
                              r.get("mean_accepted_per_draft", "-"),
                              " ".join(f"{x:.2f}" for x in r.get("acceptance_rate_per_pos", [])) or "-"])
-    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "median pass x", "x jaxpaged plain",
+    print(bc.table(rows, ["workload", "batch", "config", "ms/token", "tok/s", "x plain", "median pass x",
+                          "x jaxpaged plain",
                           "acc/draft", "accept rate per pos"]))
     out = dict(results=results, machine=bc.machine_info(), note=f"{bc.TIMING_NOTE}; {vllm_note}", args=vars(args))
     bc.write_json(args.json, out)

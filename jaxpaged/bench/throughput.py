@@ -111,8 +111,7 @@ def run_hf(model_dir: str, wl: bc.Workload, args) -> dict:
     res = bc.summarize(rec)
     res.update(hf_batch_size=B, hf_dtype=args.hf_dtype or args.dtype, torch_threads=torch.get_num_threads(),
                note="batches run to their longest request; output tokens counted are each request's drawn length")
-    del model
-    return res
+    return res  # the model goes with this frame
 
 
 def main(argv=None) -> dict:
@@ -178,7 +177,7 @@ def main(argv=None) -> dict:
             constrained = bc.Workload([bc.Req(r.prompt_ids, r.output_len, r.n, so if i % every == 0 else None)
                                        for i, r in enumerate(wl.requests)], wl.info)
             run("jaxpaged-json" + suffix, lambda: run_engine(llm, constrained, static=False))
-        del llm, eng
+        llm = eng = None  # the next size's engine loads after this one is freed
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))
     out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,

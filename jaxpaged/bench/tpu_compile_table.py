@@ -165,7 +165,8 @@ def table(rows) -> str:
         full = (big["full_pool_error"].split(":")[0].replace("pool of ", "") + ": out of HBM; then "
                 if big.get("full_pool_error") else "")
         out.append(f"{head} {full}{big['pool_tokens']} | {(big['argument_bytes'] - big['pool_bytes']) / GiB:.2f} + "
-                   f"{big['pool_bytes'] / GiB:.2f} + {big['temp_bytes'] / GiB:.2f} = {big['total_bytes'] / GiB:.2f} GiB | "
+                   f"{big['pool_bytes'] / GiB:.2f} + {big['temp_bytes'] / GiB:.2f} = "
+                   f"{big['total_bytes'] / GiB:.2f} GiB | "
                    f"{'yes' if all(r['fits'] for r in rs) else 'no'} | {len(rs)} | {rs[0]['compile_s']:.0f} | "
                    f"{max(r['pool_copies'] for r in rs)} | {cell} |")
     return "\n".join(out)

@@ -97,8 +97,8 @@ def write(out, results):
     cols = ["shape", "kv_mib", "ours_ms", "ours_gbps", "ours_of_copy", "jax_fused_ms", "reference_ms", "max_abs_diff"]
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     for r in results["rows"]:
-        lines.append("| " + " | ".join(f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols)
-                     + " |")
+        cells = (f"{r[c]:.4g}" if isinstance(r.get(c), float) else str(r.get(c, "")) for c in cols)
+        lines.append("| " + " | ".join(cells) + " |")
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(f"device: {results['device']}, copy {results['copy_gbps']:.0f} GB/s\n\n" + "\n".join(lines) + "\n")
 

@@ -87,7 +87,8 @@ def table(rows) -> str:
                       f"{r['scoped_vmem_bytes'] / 1024:.0f} / {r['bundles']} / {r['pool_copies']}")
     for r in rows:
         if r["kernel"] == "ours":
-            jaxr = next(j for j in rows if j["kernel"] == "jax" and all(j[k] == r[k] for k in ("chip", "model", "step")))
+            same = ("chip", "model", "step")
+            jaxr = next(j for j in rows if j["kernel"] == "jax" and all(j[k] == r[k] for k in same))
             out.append(f"| {r['chip']} | {r['model']} | {r['step']} (T={r['T']}) | {cell(r)} | {cell(jaxr)} |")
     return "\n".join(out)
 

@@ -4,7 +4,8 @@ Block 0 is the null block and is never handed out. A full block may be registere
 cache under the key (parent key's hash, its token ids): equal keys mean equal token prefixes, since
 dict lookup compares the token ids themselves. A request's first block has its steering's digest and its
 LoRA adapter as parent, so blocks computed under different steering or adapters never match. A cached
-block whose ref count drops to 0 stays cached and becomes evictable; evictable blocks are reused least recently freed first.
+block whose ref count drops to 0 stays cached and becomes evictable; evictable blocks are reused least recently
+freed first.
 
 Sliding window (only when every layer slides, as in Mistral): a query at position p sees keys
 p - window < k <= p, so once a request has computed c tokens, a block whose last position is

@@ -159,9 +159,9 @@ class OutputProcessor:
         else:
             first = min([r.first_token_time for r in samples if r.first_token_time is not None], default=None)
         plp = r.prompt_logprobs
+        metrics = dict(arrival_time=group.arrival, first_token_time=first, finished_time=group.finished_time)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
-                             r.num_cached_tokens,
-                             dict(arrival_time=group.arrival, first_token_time=first, finished_time=group.finished_time),
+                             r.num_cached_tokens, metrics,
                              error, r.prompt_hidden_states if finished else None,
                              prompt_logprobs=list(plp) if plp is not None else None,
                              prompt_routed_experts=_prompt_routes(r) if final else None)

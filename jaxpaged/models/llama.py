@@ -34,7 +34,6 @@ scales f32[L * N, block_size, Hkv]: K/V are quantized at the write, the scales h
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 

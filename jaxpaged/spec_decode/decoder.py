@@ -10,7 +10,8 @@
    block is offered to the prefix cache only once computed tokens fill it, so rejected K/V never is).
 
 `NoSpeculation` is the same seam when speculative decoding is off: it proposes nothing, and every step is
-the plain one. Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that runs on the
+the plain one. Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that
+runs on the
 device (the draft model, draft.py; a draft head would too) proposes placeholders and also has `fill(out)`:
 after scheduling it writes its proposals into the scheduled requests and returns its distributions q,
 which the step's verifier takes (rejection sampling); the verifier does not change per proposer.
