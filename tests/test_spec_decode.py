@@ -128,7 +128,7 @@ def test_proposals_within_padding_and_the_plain_variant(model, engine_kwargs, pl
         step = launch(out, *args, **kwargs)
         proposed = sum(len(req.spec_token_ids) for req, _ in out.scheduled)
         steps.append((runner.bucket_for(out.num_tokens), runner.bucket_for(out.num_tokens - proposed),
-                      proposed, step.verified))
+                      proposed, step.key[2]))
         return step
     runner.launch = spy
     assert _tokens(llm, GREEDY, _prompts()[3:]) == plain[1][3:]  # 5 requests: 3 rows of padding in bucket 8

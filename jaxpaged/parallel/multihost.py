@@ -135,14 +135,10 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool, b
         a = np.frombuffer(raw, dt, int(np.prod(shape)), offset).reshape(shape)
         offset += size
         (batch if name.startswith("b.") else sp)[name[2:]] = a
-    sp.setdefault("history", runner._no_history)
-    sp.setdefault("bitmask", runner.structured.all_ones)
-    for name, none in runner.controls.none.items():  # logit controls unused this step
-        sp.setdefault(name, none)
     key = tuple(header["key"])
-    for name, none in (runner.positions.none.items() if key[2] else ()):  # a verifying step's, likewise
-        sp.setdefault(name, none)
-    batch.setdefault("prev_tokens", runner._no_prev)
+    for name, none in runner.placeholders(key[2]).items():  # the device-resident inputs left out
+        if name not in batch:
+            sp.setdefault(name, none)
     return key, batch, sp
 
 

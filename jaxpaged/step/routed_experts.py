@@ -16,9 +16,12 @@ CompletionOutput.routed_experts i32[G - 1, L, k], in the final output.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from jaxpaged.core.validation import InvalidParam
+from jaxpaged.step.features import StepFeature
 
 
 def check_params(params, model_cfg) -> None:
@@ -55,6 +58,30 @@ def collect(wants: list[tuple], routes) -> None:
             req.routed_experts = buf = grown
         buf[pos:pos + n] = ids[row:row + n]
         req.num_routed = pos + n
+
+
+class RoutedExperts(StepFeature):
+    """The runner's feature (step/features.py) on a MoE model: the decoder returns the ids (`routes`), read
+    back after a step that scheduled a request asking (those `track` noted)."""
+
+    def __init__(self):
+        self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that asked
+
+    def track(self, req) -> None:
+        if req.params.return_routed_experts:
+            self.requests.add(req)
+
+    def inputs(self, out, slots, T, batch, sp):
+        return plan(out.scheduled, self.requests)
+
+    def decoder_args(self, batch, sp) -> dict:
+        return dict(routes=True)
+
+    def outputs(self, traced) -> tuple:
+        return (traced.decoded["routes"],)  # i32[T, L, k]
+
+    def read(self, plan, outputs, step) -> None:
+        collect(plan, outputs[0])
 
 
 def prompt_routes(req) -> np.ndarray | None:
