@@ -8,7 +8,9 @@ The runner owns a mesh (see `jaxpaged/parallel/mesh.py`): params sharded by thei
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
 Its host inputs come from the persistent batch (`jaxpaged/core/batch.py`) and go to the device as one packed
 buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
-next `launch` in between).
+next `launch` in between). The step's features (research hooks, prompt logprobs, routed experts, logit
+controls, grammar masks, LoRA) each add their inputs and read back their outputs through one interface
+(`jaxpaged/step/features.py`); the step itself is one pure function (`jaxpaged/step/traced.py`).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
-from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
+from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 (re-export)
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
