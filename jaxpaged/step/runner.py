@@ -266,9 +266,9 @@ class ModelRunner:
     def _dummy(self, T: int, verify: bool = False) -> tuple[dict, dict]:
         """The host inputs of a step with nothing scheduled (what a variant is compiled with)."""
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
-        return self._host_inputs(SchedulerOutput(), T, verify, empty, self._no_prev)[:2]
+        return self._step_inputs(SchedulerOutput(), T, verify, empty, self._no_prev)[:2]
 
-    def _host_inputs(self, out: SchedulerOutput, T: int, verify: bool, persistent: PersistentBatch, prev_tokens,
+    def _step_inputs(self, out: SchedulerOutput, T: int, verify: bool, persistent: PersistentBatch, prev_tokens,
                      pending=frozenset()) -> tuple[dict, dict, list, list]:
         """(batch, sp, slots, each feature's read-back plan) of one step: the persistent batch's arrays,
         the tokens fed from the previous step (prev_tokens i32[S], on the device), the penalties' history,
@@ -316,7 +316,7 @@ class ModelRunner:
         # some request proposes: the verifying variant (else the plain step, at a plain step's cost)
         verify = self.num_spec > 0 and any(req.spec_token_ids for req, _ in out.scheduled)
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]), verify)
-        batch, sp, slots, plans = self._host_inputs(out, T, verify, self.batch,
+        batch, sp, slots, plans = self._step_inputs(out, T, verify, self.batch,
                                                     prev.tokens if pending else self._no_prev, pending)
         inputs = self._device_inputs(batch, sp)
         ((tokens, *logprobs), outputs), self.k_pool, self.v_pool = \
