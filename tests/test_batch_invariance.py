@@ -75,13 +75,13 @@ def test_batch_invariant_bfloat16(tiny_models, kw):
 
 
 def test_check_catches_a_batch_dependent_reduction(tiny_models, kw, monkeypatch):
-    from jaxpaged.step import runner
+    from jaxpaged.step import traced
 
-    lm_logits = runner.lm_logits
+    lm_logits = traced.lm_logits
 
     def leaky(params, cfg, h):  # logits shifted by a mean over every row of the step: batch-dependent
         return lm_logits(params, cfg, h) + 1e-3 * jnp.mean(h)
-    monkeypatch.setattr(runner, "lm_logits", leaky)
+    monkeypatch.setattr(traced, "lm_logits", leaky)
     llm = LLM(model=tiny_models["llama"], **{**kw, "warmup": False})
     assert len(mismatches(llm, llm, seeds=range(8))) >= 4
 

@@ -10,6 +10,7 @@ from starlette.testclient import TestClient
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
+from jaxpaged.step.routed_experts import RoutedExperts
 from oracle import hf_greedy, hf_routed_experts
 
 BS = 4
@@ -67,8 +68,10 @@ def test_routes_equal_hf(moe_models, engine_kwargs, family):
             assert o.prompt_routed_experts is None and o.outputs[0].routed_experts is None
         if again:
             assert sum(o.num_cached_tokens for o in outs[3:]) >= 40
-        asked = {id(r) for r in llm.engine.runner._routes_requests}
-        assert all(id(w[0]) in asked for s in launched for w in s.routes_rows)  # read back only for them
+        (routes,) = [f for f in llm.engine.runner.features if isinstance(f, RoutedExperts)]
+        asked = {id(r) for r in routes.requests}
+        plans = [plan for s in launched for f, plan, _ in s.reads if f is routes]
+        assert all(id(w[0]) in asked for plan in plans for w in plan)  # read back only for them
     # no step variant for routes: every compilation is one of the start-up buckets
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants())
 

@@ -128,7 +128,7 @@ def test_proposals_within_padding_and_the_plain_variant(model, engine_kwargs, pl
         step = launch(out, *args, **kwargs)
         proposed = sum(len(req.spec_token_ids) for req, _ in out.scheduled)
         steps.append((runner.bucket_for(out.num_tokens), runner.bucket_for(out.num_tokens - proposed),
-                      proposed, step.verified))
+                      proposed, step.key[2]))
         return step
     runner.launch = spy
     assert _tokens(llm, GREEDY, _prompts()[3:]) == plain[1][3:]  # 5 requests: 3 rows of padding in bucket 8
@@ -158,13 +158,15 @@ def test_stops_inside_accepted_runs(model, engine_kwargs, plain):
     base_llm, greedy, _ = plain
     llm = _spec_llm(model, engine_kwargs, Oracle(_truth(greedy)))
     prompts = _prompts()[:4]
-    for kw in (dict(stop_token_ids=[greedy[2][6]]), dict(max_tokens=7), dict(min_tokens=9, stop_token_ids=[greedy[3][4]])):
+    for kw in (dict(stop_token_ids=[greedy[2][6]]), dict(max_tokens=7),
+               dict(min_tokens=9, stop_token_ids=[greedy[3][4]])):
         p = SamplingParams(**{**GREEDY.__dict__, **kw})
         assert _tokens(llm, p, prompts) == _tokens(base_llm, p, prompts), kw
     text = base_llm.generate(prompts[1:2], GREEDY, use_tqdm=False)[0].outputs[0].text
     p = SamplingParams(**{**GREEDY.__dict__, "stop": [text[5:8]]})
     a, b = (llm_.generate(prompts[1:2], p, use_tqdm=False)[0].outputs[0] for llm_ in (base_llm, llm))
-    assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason) and b.finish_reason == "stop"
+    assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+    assert b.finish_reason == "stop"
     lp = SamplingParams(**{**SAMPLED.__dict__, "logprobs": 2})
     a, b = (llm_.generate(prompts[:2], lp, use_tqdm=False) for llm_ in (base_llm, llm))
     for x, y in zip(a, b):

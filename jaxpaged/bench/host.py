@@ -177,7 +177,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
     for _ in range(args.warmup_steps):
         eng.step()
     parts = [(o, n) for o, n in ((sch, "schedule"), (getattr(runner, "batch", None), "prepare"),
-                                 (runner, "_device_inputs"), (runner, "read"), (sch, "update_from_output"),
+                                 (runner, "device_inputs"), (runner, "read"), (sch, "update_from_output"),
                                  (eng.outputs, "process")) if hasattr(o, n)]
     if not hasattr(runner, "launch"):  # before the persistent batch
         parts.append((runner, "execute"))
@@ -205,7 +205,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
                    transfer_ms=1e3 * xfer, update_ms=1e3 * med["update_from_output"])
         if "prepare" in med:  # the persistent batch: prepare, pack (+ transfer), read back
             rep["prepare_ms"] = 1e3 * med["prepare"]
-            rep["transfer_ms"] += 1e3 * med["_device_inputs"]
+            rep["transfer_ms"] += 1e3 * med["device_inputs"]
             rep["readback_ms"] = 1e3 * med["read"]
             rep["detokenize_ms"] = 1e3 * med["process"]
         else:  # before the persistent batch: execute = prepare + transfer + reading back

@@ -59,7 +59,7 @@ def step_ratios(plain, hooked, reps: int) -> dict:
         best = {}
         for _ in range(reps):
             for name, r in (("plain", plain), ("hooked", hooked)):
-                inputs = r._device_inputs(*r._dummy(T))
+                inputs = r.device_inputs(*r.dummy_inputs(T))
                 t0 = time.perf_counter()
                 outs, r.k_pool, r.v_pool = r.compiled_step((T, False))(r.params, r.k_pool, r.v_pool, *inputs)
                 jax.block_until_ready(outs)

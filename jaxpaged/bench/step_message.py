@@ -31,7 +31,7 @@ def main(argv=None) -> dict:
     wl = bc.make_workload(args, model_dir)
     llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len)
     runner = llm.engine.runner
-    device_inputs, compiled_step = runner._device_inputs, runner.compiled_step
+    device_inputs, compiled_step = runner.device_inputs, runner.compiled_step
     host, rows = {}, []  # rows: (T, raw bytes, message bytes, encode s, decode s)
 
     def record_inputs(batch, sp):
@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
             rows.append((key[0], raw, len(msg), t1 - t0, time.perf_counter() - t1))
         return compiled_step(key)
 
-    runner._device_inputs, runner.compiled_step = record_inputs, record_step
+    runner.device_inputs, runner.compiled_step = record_inputs, record_step
     bc.drive(llm.engine, wl.requests)
     a = np.array(rows)
     out = {}

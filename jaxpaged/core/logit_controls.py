@@ -120,7 +120,7 @@ class LogitControls:
         self.ids = np.full((max_num_seqs, NUM_BIAS), -1, np.int32)      # [S, NB]
         self.values = np.zeros((max_num_seqs, NUM_BIAS), np.float32)    # [S, NB]
         self._dirty: list[int] = []
-        self.none = dict(bias_ids=self.ids.copy(), bias_values=self.values.copy())  # the runner may place them
+        self.none = dict(bias_ids=self.ids.copy(), bias_values=self.values.copy())  # placed by step.features
         self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that use these controls (`track`)
 
     def arrays(self, scheduled) -> dict:

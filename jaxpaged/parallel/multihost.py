@@ -110,10 +110,10 @@ def check_same_config(config: EngineConfig, model_dir: str, timeout_s: float = 3
 
 # -- the step message --------------------------------------------------------------------------------
 def encode_step(key: tuple[int, bool, bool], batch: dict, sp: dict) -> bytes:
-    """(step variant (T, decode_only, verify), host batch, host sampling arrays) -> bytes; device-resident inputs (the runner's
-    placeholders: all -1 `history`, zero `prev_tokens`, all-ones grammar `bitmask`, unused logit-control
-    and speculative per-position arrays) are left out and rebuilt by the follower (a multi-host engine steps synchronously, so no token
-    waits on the device)."""
+    """(step variant (T, decode_only, verify), host batch, host sampling arrays) -> bytes; device-resident
+    inputs (the runner's placeholders: all -1 `history`, zero `prev_tokens`, all-ones grammar `bitmask`,
+    unused logit-control and speculative per-position arrays) are left out and rebuilt by the follower (a
+    multi-host engine steps synchronously, so no token waits on the device)."""
     def host(d):
         return {k: v for k, v in d.items() if isinstance(v, (np.ndarray, np.generic))}
     arrays = {f"b.{k}": np.asarray(v) for k, v in host(batch).items()}
@@ -135,14 +135,10 @@ def decode_step(message: bytes, runner: ModelRunner) -> tuple[tuple[int, bool, b
         a = np.frombuffer(raw, dt, int(np.prod(shape)), offset).reshape(shape)
         offset += size
         (batch if name.startswith("b.") else sp)[name[2:]] = a
-    sp.setdefault("history", runner._no_history)
-    sp.setdefault("bitmask", runner.structured.all_ones)
-    for name, none in runner.controls.none.items():  # logit controls unused this step
-        sp.setdefault(name, none)
     key = tuple(header["key"])
-    for name, none in (runner.positions.none.items() if key[2] else ()):  # a verifying step's, likewise
-        sp.setdefault(name, none)
-    batch.setdefault("prev_tokens", runner._no_prev)
+    for name, none in runner.placeholders(key[2]).items():  # the device-resident inputs left out
+        if name not in batch:
+            sp.setdefault(name, none)
     return key, batch, sp
 
 
@@ -179,9 +175,9 @@ class LeaderRunner(ModelRunner):
         self._failure: str | None = None
         self._closed = False
 
-    def _device_inputs(self, batch: dict, sp: dict):
+    def device_inputs(self, batch: dict, sp: dict):
         self._host_inputs = (batch, sp)
-        return super()._device_inputs(batch, sp)
+        return super().device_inputs(batch, sp)
 
     def compiled_step(self, key):
         host, self._host_inputs = self._host_inputs, None
@@ -255,7 +251,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
     while message := channel.recv():
         key, batch, sp = decode_step(message, runner)
         outs, runner.k_pool, runner.v_pool = runner.compiled_step(key)(
-            runner.params, runner.k_pool, runner.v_pool, *runner._device_inputs(batch, sp))
+            runner.params, runner.k_pool, runner.v_pool, *runner.device_inputs(batch, sp))
         jax.block_until_ready(outs)
         steps += 1
     return steps

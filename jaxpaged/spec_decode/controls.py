@@ -12,7 +12,7 @@ positions.py): what changes along the proposals d_1 .. d_m of a request.
 
 Arrays: spec_bitmask i32[S, K, W], spec_bias_ids i32[S, K, NB], spec_bias_values f32[S, K, NB]; row j - 1
 is position j. With no speculating slot that uses a control, constant arrays (`none`, placed on the
-device once by the runner) go to the step instead.
+device once by spec_decode/step.py's Verification) go to the step instead.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class PositionControls:
         self._dirty_mask: list[int] = []
         self._dirty_bias: list[int] = []
         self.none = dict(spec_bitmask=self.bitmask.copy(), spec_bias_ids=self.bias_ids.copy(),
-                         spec_bias_values=self.bias_values.copy())  # the runner may place them
+                         spec_bias_values=self.bias_values.copy())  # placed on the device by Verification
 
     def arrays(self, scheduled, structured, biased, pbatch) -> dict:
         """The step's spec_* arrays for (request, tokens) pairs; `structured`: core.structured's

@@ -132,7 +132,8 @@ class SpecDecoder:
             self.propose_seconds += time.perf_counter() - t0
 
     def accept(self, out, sampled: dict) -> dict:
-        """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None) (step.read_verified).
+        """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None)
+        (`Verification.read_tokens`, spec_decode/step.py).
         Appends the accepted proposals to each request's tokens, rewrites `out.scheduled` to the tokens kept
         and returns slot -> (target's next token, its logprobs), what the scheduler's update appends."""
         plain = {}

@@ -42,9 +42,3 @@ def position_rows(sp: dict, batch: dict, at, num_spec: int) -> dict:
         prow[name] = jnp.where(later, sp[f"spec_{name}"][flat_at, prev], prow[name])  # [R*(K+1), ...]
     return prow
 
-
-def verified_hidden(states, batch: dict, num_spec: int):
-    """The captured states f32[S, K+1, nL, D] of every slot's verified positions (research hooks: position
-    j's state is that of the row whose logits gave the j-th new token); states [T, nL, D]."""
-    rows = proposal_rows(batch["logits_indices"], batch["num_drafts"], num_spec + 1)  # [S, K+1]
-    return states[rows].astype(jnp.float32)

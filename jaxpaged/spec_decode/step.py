@@ -1,9 +1,19 @@
-"""Host glue of a speculative step: the proposals as step inputs, and the verified tokens read back."""
+"""Speculative decoding in the runner: the verifying step's draw (step/features.py `Sampling`), its inputs
+(the proposals, the per-position controls) and its tokens read back; and the plain step of a speculative
+engine, read back in the same form.
+
+The runner compiles the verifying variant beside the plain one (runner.variants) and runs it when some
+scheduled request proposes; then a slot's result is (its new tokens: accepted proposals, then the
+target's next token; their logprob dicts or None).
+"""
 from __future__ import annotations
 
 import numpy as np
 
-from jaxpaged.step.research import read_hidden
+from jaxpaged.spec_decode.controls import PositionControls
+from jaxpaged.spec_decode.positions import proposal_rows
+from jaxpaged.spec_decode.verify import verify_rows
+from jaxpaged.step.features import Sampling
 
 
 def draft_inputs(scheduled, num_slots: int, num_spec: int, draft_probs=None) -> dict:
@@ -23,36 +33,62 @@ def draft_inputs(scheduled, num_slots: int, num_spec: int, draft_probs=None) -> 
     return out if draft_probs is None else dict(out, draft_probs=draft_probs)
 
 
-def read_verified(step) -> dict[int, tuple[list[int], list | None]]:
-    """A launched speculative step (runner.Launched; tokens i32[S, K+1], -1 past each slot's output) ->
-    slot -> (its new tokens: accepted proposals then the target's next token, their logprobs or None)."""
-    tokens = np.asarray(step.tokens)
-    counts = (tokens >= 0).sum(axis=1)                                  # [S]
-    result = {s: (tokens[s, :counts[s]].tolist(), None) for s in step.slots}
-    if step.hidden_plan:
-        _read_hidden(step.hidden_plan, step.hidden, counts)
-    if not step.any_logprobs:
+class Unverified(Sampling):
+    """A speculative engine's step in which no request proposes: the plain draw, read back as a verified
+    step is: slot -> ([token], [its logprobs] or None)."""
+
+    def read_tokens(self, step) -> dict:
+        return {s: ([tok], None if lp is None else [lp]) for s, (tok, lp) in super().read_tokens(step).items()}
+
+
+class Verification(Sampling):
+    """The verifying step: each slot's proposals verified by the target (verify.py), K + 1 positions.
+
+    structured: core.structured's StructuredOutputs; controls: core.logit_controls' LogitControls (its
+    requests use logit_bias / bad_words); pbatch: the persistent batch (penalties see the proposals);
+    draft_model: the proposer hands its distributions q (draft_probs) with the schedule; place: host
+    array -> device array (the constant inputs stay there)."""
+
+    def __init__(self, num_logprobs: int, logprobs_mode: str, num_spec: int, structured, controls, pbatch,
+                 vocab_size: int, draft_model: bool, place):
+        super().__init__(num_logprobs, logprobs_mode)
+        S = pbatch.max_num_seqs
+        self.num_spec, self.structured, self.controls, self.pbatch = num_spec, structured, controls, pbatch
+        self.no_draft_probs = place(np.zeros((S, num_spec, vocab_size), np.float32)) if draft_model else None
+        self.positions = PositionControls(S, num_spec, structured.words)  # masks, bans, history per position
+        self.positions.none = self.placeholders = {k: place(v) for k, v in self.positions.none.items()}
+
+    def inputs(self, out, slots, T, batch, sp):
+        """draft_tokens, num_drafts, min_tokens (and draft_probs), the spec_* per-position controls."""
+        q = out.draft_probs if out.draft_probs is not None else self.no_draft_probs  # [S, K, V] or None
+        batch.update(draft_inputs(out.scheduled, self.pbatch.max_num_seqs, self.num_spec, q))
+        sp.update(self.positions.arrays(out.scheduled, self.structured, self.controls.requests, self.pbatch))
+
+    def draw(self, logits_of, h, batch, sp) -> tuple:
+        """tokens i32[R, K+1] (-1 past each row's output), logprob f32[R, K+1], top [R, K+1, NL] x2."""
+        return verify_rows(logits_of, h, batch, sp, self.num_spec, self.num_logprobs, self.logprobs_mode)
+
+    def token_rows(self, batch):
+        """i32[S, K+1]: the row whose logits gave each slot's j-th new token (positions.proposal_rows)."""
+        return proposal_rows(batch["logits_indices"], batch["num_drafts"], self.num_spec + 1)
+
+    def read_tokens(self, step) -> dict[int, tuple[list[int], list | None]]:
+        """slot -> (its new tokens, their logprobs or None) of a launched verifying step (runner.Launched;
+        tokens i32[S, K+1], -1 past each slot's output)."""
+        tokens = np.asarray(step.tokens)
+        counts = (tokens >= 0).sum(axis=1)                                  # [S]
+        result = {s: (tokens[s, :counts[s]].tolist(), None) for s in step.slots}
+        if not step.any_logprobs:
+            return result
+        tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)     # [S, K+1], [S, K+1, NL] x2
+        for (req, _), s in zip(step.out.scheduled, step.slots):
+            k = req.params.logprobs
+            if k is None:
+                continue
+            toks, lps = result[s][0], []
+            for j, t in enumerate(toks):
+                lp = {int(i): float(v) for i, v in zip(top_ids[s, j, :k], top_lp[s, j, :k])}
+                lp[t] = float(tok_lp[s, j])
+                lps.append(lp)
+            result[s] = (toks, lps)
         return result
-    tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)     # [S, K+1], [S, K+1, NL] x2
-    for (req, _), s in zip(step.out.scheduled, step.slots):
-        k = req.params.logprobs
-        if k is None:
-            continue
-        toks, lps = result[s][0], []
-        for j, t in enumerate(toks):
-            lp = {int(i): float(v) for i, v in zip(top_ids[s, j, :k], top_lp[s, j, :k])}
-            lp[t] = float(tok_lp[s, j])
-            lps.append(lp)
-        result[s] = (toks, lps)
-    return result
-
-
-def _read_hidden(plan, hidden, counts) -> None:
-    """Store the states of a verified step on the requests that asked: the prompt's as in a plain step,
-    and one per new token (accepted proposals and the target's next token; hidden[0] f32[S, K+1, nL, D])."""
-    rows = np.asarray(hidden[0])                                        # [S, K+1, nL, D]
-    read_hidden([(req, s, None, row, pos, m) for req, s, _, row, pos, m in plan], (rows[:, 0], hidden[1]))
-    for req, s, token, *_ in plan:
-        if token is not None:
-            for j in range(counts[s]):
-                req.hidden_states[token + j] = rows[s, j]

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxpaged.spec_decode.positions import position_rows, proposal_rows
 from jaxpaged.spec_decode.rejection import rejection_sample
-from jaxpaged.step.sampler import controlled_logits, processed_logits, sample, slot_rows
+from jaxpaged.step.sampler import controlled_logits, processed_logits, sample
 
 
 def accepted_prefix(target, drafts, num_drafts):

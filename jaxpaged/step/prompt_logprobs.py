@@ -15,24 +15,23 @@ computed, not matched, and still offered to the cache for others.
 """
 from __future__ import annotations
 
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxpaged.models.llama import lm_logits
+from jaxpaged.step.features import StepFeature
 
 
-def step_prompt_logprobs(params, cfg, h, next_ids, flag, k: int, logits_shardings=()):
+def step_prompt_logprobs(logits_fn, h, next_ids, flag, k: int):
     """h [T, D] final hidden states, next_ids i32[T] (-1: not asked), flag bool[] -> (logprob of the next
     token f32[T], top-k logprobs f32[T, k], their ids i32[T, k]); zeros when flag is off.
-    logits_shardings: constraints on the [T, V] logits, as the sampler's (vocab-sharded, then replicated)."""
+    logits_fn: hidden [T, D] -> logits [T, V], as the sampler's (lm_head, vocab-sharded, then replicated)."""
     T = h.shape[0]
 
     def on(h):
-        logits = lm_logits(params, cfg, h)  # [T, V]
-        for sharding in logits_shardings:
-            logits = jax.lax.with_sharding_constraint(logits, sharding)
-        lp = jax.nn.log_softmax(logits, axis=-1)
+        lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [T, V]
         tok = jnp.take_along_axis(lp, jnp.maximum(next_ids, 0)[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(lp, k)
         return tok, top_lp, top_ids.astype(jnp.int32)
@@ -71,3 +70,28 @@ def collect(wants: list[tuple], arrays) -> None:
             d = {int(t): float(v) for t, v in zip(top_ids[r, :k], top_lp[r, :k])}
             d[req.prompt_token_ids[c + 1 + i]] = float(tok_lp[r])
             out.append(d)
+
+
+class PromptLogprobs(StepFeature):
+    """The runner's feature (step/features.py): prompt_next i32[T] and any_prompt_logprobs in, the [T], [T, K]
+    logprobs out, read back only after a step that scheduled a request asking (those `track` noted)."""
+
+    def __init__(self, num_logprobs: int):
+        self.k = num_logprobs
+        self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that asked
+
+    def track(self, req) -> None:
+        if req.prompt_logprobs is not None:
+            self.requests.add(req)
+
+    def inputs(self, out, slots, T, batch, sp):
+        batch["prompt_next"], wants = targets(out.scheduled, T, self.requests)  # [T]
+        sp["any_prompt_logprobs"] = np.bool_(bool(wants))
+        return wants
+
+    def outputs(self, traced) -> tuple:
+        return step_prompt_logprobs(traced.logits_of, traced.h, traced.batch["prompt_next"],
+                                    traced.sp["any_prompt_logprobs"], self.k)
+
+    def read(self, plan, outputs, step) -> None:
+        collect(plan, outputs)

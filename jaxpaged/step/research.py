@@ -7,9 +7,10 @@ captures and where it adds; requests choose per slot, with no recompilation:
 
 - steering: each slot's vectors live on the device ([S, nS, D], a step input beside the packed buffer)
   and are copied there again only after a request with (or a slot that had) steering joins a slot;
-- hidden states: the step returns the captured states at the logits rows ([S, nL, D], always) and at
-  every token ([T, nL, D], computed only when a scheduled request asks for its prompt's states); they
-  are read back to the host only for the requests that ask.
+- hidden states: the step returns the captured states at the rows whose logits gave each slot's tokens
+  ([S, N, nL, D], always; N = 1, or K + 1 in a verifying speculative step) and at every token ([T, nL, D],
+  computed only when a scheduled request asks for its prompt's states); they are read back to the host
+  only for the requests that ask.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.validation import InvalidParam
+from jaxpaged.step.features import StepFeature
 
 
 def check_layers(name: str, layers, num_layers: int, upper: int) -> tuple[int, ...]:
@@ -47,15 +49,16 @@ def check_params(params, capture: tuple, steer: tuple, hidden_size: int) -> None
                                                    f"model's hidden size is {hidden_size}")
 
 
-class SlotHooks:
-    """Per-slot research settings on the host (numpy): steering vectors and who wants hidden states.
+class SlotHooks(StepFeature):
+    """Per-slot research settings on the host (numpy): steering vectors and who wants hidden states; the
+    runner's feature for them (step/features.py).
 
-    Written by `join` when a request takes a slot (PersistentBatch calls it); `device_steering` re-places
-    the [S, nS, D] vectors only when a join changed them."""
+    Written by `join` when a request takes a slot (PersistentBatch calls it); the [S, nS, D] vectors are
+    placed on the device again (`place(host array)`) only when a join changed them."""
 
-    def __init__(self, max_num_seqs: int, capture: tuple, steer: tuple, hidden_size: int, dtype):
+    def __init__(self, max_num_seqs: int, capture: tuple, steer: tuple, hidden_size: int, dtype, place):
         S = max_num_seqs
-        self.capture, self.steer = capture, steer
+        self.capture, self.steer, self.place = capture, steer, place
         self.vectors = np.zeros((S, len(steer), hidden_size), dtype)  # [S, nS, D]
         self.steered = np.zeros(S, np.bool_)          # [S] the row holds non-zero vectors
         self.wants_hidden = np.zeros(S, np.bool_)     # [S] return_hidden_states or return_prompt_hidden_states
@@ -72,11 +75,16 @@ class SlotHooks:
                 self.vectors[s, self.steer.index(layer)] = vec
             self.steered[s], self._dirty = bool(p.steering_vectors), True
 
-    def device_steering(self, place):
-        """The [S, nS, D] vectors on the device (`place(host array)` copies them when they changed)."""
-        if self._dirty:
-            self._device, self._dirty = place(self.vectors), False
-        return self._device
+    def inputs(self, out, slots, T, batch, sp):
+        """steering [S, nS, D] (on the device) and any_prompt_hidden; returns `plan`'s read-back plan."""
+        if self.steer:
+            if self._dirty:
+                self._device, self._dirty = self.place(self.vectors), False
+            sp["steering"] = self._device
+        if self.capture:
+            sp["any_prompt_hidden"] = np.bool_(self.wants_prompt[slots].any())
+            return self.plan(out.scheduled, slots)
+        return None
 
     def plan(self, scheduled, slots) -> list[tuple]:
         """What to read back after a step: (request, slot, sampled token index or None, first packed row,
@@ -94,46 +102,41 @@ class SlotHooks:
             row += n
         return out
 
+    # -- inside the step (traced) ---------------------------------------------------------------------
+    def decoder_args(self, batch: dict, sp: dict) -> dict:
+        """The decoder's hook arguments: per-token steering vectors [T, nS, D] from the per-slot ones."""
+        if not self.steer:
+            return dict(capture=self.capture)
+        T, S = batch["input_ids"].shape[0], sp["steering"].shape[0]
+        slot = jnp.searchsorted(batch["query_start_loc"], jnp.arange(T), side="right") - 1  # [T]
+        return dict(capture=self.capture, steer=self.steer, steering=sp["steering"][jnp.clip(slot, 0, S - 1)])
 
-def read_hidden(plan, outputs) -> None:
-    """Store a finished step's states on its requests (`outputs`: the step's (rows, all) device arrays)."""
-    plan = [p for p in plan if not p[0].is_finished]  # finished meanwhile (async): its token is dropped
-    if not plan:
-        return
-    rows = np.asarray(outputs[0])                     # [S, nL, D]
-    every = np.asarray(outputs[1]) if any(p[5] for p in plan) else None  # [T, nL, D]
-    for req, s, token, row, pos, m in plan:
-        if token is not None:
-            req.hidden_states[token] = rows[s]
-        if m:
-            if req.prompt_hidden_states is None:
-                req.prompt_hidden_states = np.zeros((req.num_prompt_tokens,) + rows.shape[1:], np.float32)
-            req.prompt_hidden_states[pos:pos + m] = every[row:row + m]
+    def outputs(self, traced) -> tuple:
+        """(f32[S, N, nL, D] at the rows of each slot's N tokens of this step, f32[T, nL, D] at every token
+        when a request asks for its prompt's states, else zeros)."""
+        if not self.capture:
+            return ()
+        st = traced.decoded["states"]  # [T, nL, D]
+        every = jax.lax.cond(traced.sp["any_prompt_hidden"], lambda a: a.astype(jnp.float32),
+                             lambda a: jnp.zeros(a.shape, jnp.float32), st)
+        return st[traced.rows].astype(jnp.float32), every
 
+    # -- after the step ---------------------------------------------------------------------------------
+    def read(self, plan, outputs, step) -> None:
+        """Store a finished step's states on its requests: each new token's (one per slot, or with
+        speculative decoding the accepted proposals' and the next token's) and the prompt's asked for."""
+        plan = [p for p in plan if not p[0].is_finished]  # finished meanwhile (async): its token is dropped
+        if not plan:
+            return
+        rows = np.asarray(outputs[0])                     # [S, N, nL, D]
+        new = (np.asarray(step.tokens).reshape(rows.shape[:2]) >= 0).sum(axis=1)  # [S] tokens of each slot
+        every = np.asarray(outputs[1]) if any(p[5] for p in plan) else None  # [T, nL, D]
+        for req, s, token, row, pos, m in plan:
+            if token is not None:
+                for j in range(new[s]):
+                    req.hidden_states[token + j] = rows[s, j]
+            if m:
+                if req.prompt_hidden_states is None:
+                    req.prompt_hidden_states = np.zeros((req.num_prompt_tokens,) + rows.shape[2:], np.float32)
+                req.prompt_hidden_states[pos:pos + m] = every[row:row + m]
 
-def completion_hidden(req) -> np.ndarray | None:
-    """The request's generated tokens' states, f32[num_generated, nL, D] (None unless it asked)."""
-    if not req.params.return_hidden_states:
-        return None
-    first = req.num_prompt_tokens
-    return np.stack([req.hidden_states[i] for i in range(first, len(req.token_ids))])
-
-
-# -- inside the step (traced) ---------------------------------------------------------------------
-def step_hooks(sp: dict, batch: dict, capture: tuple, steer: tuple) -> dict:
-    """The decoder's hook arguments: per-token steering vectors [T, nS, D] from the per-slot ones."""
-    if not steer:
-        return dict(capture=capture)
-    T, S = batch["input_ids"].shape[0], sp["steering"].shape[0]
-    slot = jnp.searchsorted(batch["query_start_loc"], jnp.arange(T), side="right") - 1  # [T]
-    return dict(capture=capture, steer=steer, steering=sp["steering"][jnp.clip(slot, 0, S - 1)])
-
-
-def hidden_outputs(states: list, batch: dict, sp: dict) -> tuple:
-    """(f32[S, nL, D] at the logits rows, f32[T, nL, D] at every token when a request asks, else zeros)."""
-    if not states:
-        return ()
-    (st,) = states  # [T, nL, D]
-    every = jax.lax.cond(sp["any_prompt_hidden"], lambda a: a.astype(jnp.float32),
-                         lambda a: jnp.zeros(a.shape, jnp.float32), st)
-    return st[batch["logits_indices"]].astype(jnp.float32), every

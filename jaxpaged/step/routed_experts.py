@@ -16,9 +16,12 @@ CompletionOutput.routed_experts i32[G - 1, L, k], in the final output.
 """
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from jaxpaged.core.validation import InvalidParam
+from jaxpaged.step.features import StepFeature
 
 
 def check_params(params, model_cfg) -> None:
@@ -57,16 +60,25 @@ def collect(wants: list[tuple], routes) -> None:
         req.num_routed = pos + n
 
 
-def prompt_routes(req) -> np.ndarray | None:
-    """Sample 0's prompt tokens' ids, i32[P, L, k] (None unless it asked)."""
-    if not req.params.return_routed_experts or req.routed_experts is None:
-        return None
-    return req.routed_experts[:req.num_prompt_tokens].copy()
+class RoutedExperts(StepFeature):
+    """The runner's feature (step/features.py) on a MoE model: the decoder returns the ids (`routes`), read
+    back after a step that scheduled a request asking (those `track` noted)."""
 
+    def __init__(self):
+        self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that asked
 
-def completion_routes(req) -> np.ndarray | None:
-    """The generated tokens' ids but the last's, i32[G - 1, L, k] (None unless the request asked)."""
-    if not req.params.return_routed_experts or req.routed_experts is None:
-        return None
-    end = max(min(req.num_routed, len(req.token_ids) - 1), req.num_prompt_tokens)
-    return req.routed_experts[req.num_prompt_tokens:end].copy()
+    def track(self, req) -> None:
+        if req.params.return_routed_experts:
+            self.requests.add(req)
+
+    def inputs(self, out, slots, T, batch, sp):
+        return plan(out.scheduled, self.requests)
+
+    def decoder_args(self, batch, sp) -> dict:
+        return dict(routes=True)
+
+    def outputs(self, traced) -> tuple:
+        return (traced.decoded["routes"],)  # i32[T, L, k]
+
+    def read(self, plan, outputs, step) -> None:
+        collect(plan, outputs[0])

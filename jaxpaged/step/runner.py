@@ -8,7 +8,9 @@ The runner owns a mesh (see `jaxpaged/parallel/mesh.py`): params sharded by thei
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
 Its host inputs come from the persistent batch (`jaxpaged/core/batch.py`) and go to the device as one packed
 buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
-next `launch` in between).
+next `launch` in between). The step's features (research hooks, prompt logprobs, routed experts, logit
+controls, grammar masks, LoRA) each add their inputs and read back their outputs through one interface
+(`jaxpaged/step/features.py`); the step itself is one pure function (`jaxpaged/step/traced.py`).
 """
 from __future__ import annotations
 
@@ -16,8 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import time
-import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -26,25 +27,21 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
-from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention, row_tiled_sample
-from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 -- NUM_BANNED: re-exported
+from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
+from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 (re-export)
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
                            sharded_model_config, vocab_sharded)
 from jaxpaged.core.logit_controls import LogitControls
-from jaxpaged.models.llama import decoder, lm_logits
-from jaxpaged.step.prompt_logprobs import collect, step_prompt_logprobs, targets
-from jaxpaged.step.research import SlotHooks, hidden_outputs, read_hidden, step_hooks
-from jaxpaged.step import routed_experts
-from jaxpaged.step.sampler import sample, slot_rows
+from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature
+from jaxpaged.step.prompt_logprobs import PromptLogprobs
+from jaxpaged.step.research import SlotHooks
+from jaxpaged.step.routed_experts import RoutedExperts
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
-from jaxpaged.spec_decode.controls import PositionControls
-from jaxpaged.spec_decode.positions import verified_hidden
-from jaxpaged.spec_decode.step import draft_inputs, read_verified
-from jaxpaged.spec_decode.verify import verify_rows
-
+from jaxpaged.spec_decode.step import Unverified, Verification
+from jaxpaged.step.traced import Variant, traced_step
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -60,71 +57,12 @@ class Launched:
     """A step started on the device: its schedule and its outputs (device arrays, maybe not ready)."""
     out: SchedulerOutput
     slots: list[int]       # of out.scheduled, at launch (a request may leave its slot before the read)
-    tokens: jax.Array      # i32[S]
-    logprobs: tuple        # token f32[S], top f32[S, K], top ids i32[S, K]
+    key: tuple             # the variant run, (T, decode_only, verify)
+    tokens: jax.Array      # i32[S]; verifying: i32[S, K+1], -1 past each slot's new tokens
+    logprobs: tuple        # token f32[S(, K+1)], top f32[S(, K+1), NL], top ids i32[S(, K+1), NL]
+    any_logprobs: bool     # some scheduled request asked for logprobs (else none are read back)
+    reads: tuple = ()      # (feature, its plan, its outputs) for each feature with something to read back
     pending: frozenset = frozenset()  # requests whose token of this step is not on the host yet
-    hidden: tuple = ()     # captured states: f32[S, nL, D] at the logits rows, f32[T, nL, D] (research.py)
-    hidden_plan: tuple = ()  # what to read back of them (SlotHooks.plan)
-    prompt: tuple = ()     # prompt logprobs: next token f32[T], top f32[T, K], top ids i32[T, K]
-    prompt_rows: list = field(default_factory=list)  # prompt_logprobs.targets: the requests that asked
-    any_logprobs: bool = True  # some scheduled request asked for logprobs (else none are read back)
-    routes: object = None  # MoE models: the experts each token was routed to, i32[T, L, k] (routed_experts.py)
-    routes_rows: list = field(default_factory=list)  # routed_experts.plan: the requests that asked
-    verified: bool = False  # the verifying variant ran (some request proposed): tokens i32[S, K+1]
-
-
-def unpack(packed, layout) -> tuple[dict, dict]:
-    """The packed int32 buffer -> (batch, sampling) dicts, by the static `batch.layout`."""
-    out = ({}, {})
-    for which, name, shape, dtype, start, size in layout:
-        a = packed[start:start + size].reshape(shape)
-        if dtype == "bool":
-            a = a != 0
-        elif dtype != "int32":
-            a = jax.lax.bitcast_convert_type(a, jnp.dtype(dtype))
-        out[which][name] = a
-    return out
-
-
-def _step(params, k_pool, v_pool, packed, extra, *, layout, cfg, attn_fn, num_logprobs, logits_shardings,
-          logprobs_mode="raw_logprobs", capture=(), steer=(), num_spec=0, routes=False):
-    batch, sp = unpack(packed, layout)
-    extra = dict(extra)
-    prev = batch.pop("prev_index")  # [T]: tokens still on the device, taken from the previous step's output
-    batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
-    sp.update(extra)
-    h, k_pool, v_pool, *outs = decoder(params, cfg, k_pool, v_pool, batch, attn_fn, routes=routes,
-                                       **step_hooks(sp, batch, capture, steer))
-    states, routed = (outs[:-1], outs[-1:]) if routes else (outs, [])  # routed: [i32[T, L, k]] (MoE)
-    # logits and sampling only for the R = min(S, T) rows of the slots this step advances: a step of a
-    # few requests does not pay for S rows of lm_head and sampler (a lone request, 256 slots: 5.6x a step)
-    S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]  # rows i32[R]: slots, then S (padding)
-    at = jnp.minimum(rows, S - 1)
-
-    def logits_of(hidden):  # [N, D] -> [N, V]
-        logits = lm_logits(params, cfg, hidden)
-        # vocab-sharded logits (else XLA may gather the lm_head instead), then replicated: the sampler
-        # sees the full [N, V] logits on every device, so it draws exactly what one device would
-        for sharding in logits_shardings:
-            logits = jax.lax.with_sharding_constraint(logits, sharding)
-        return logits
-    if num_spec:  # speculative decoding: each slot's proposals verified, [R, K+1] (jaxpaged/spec_decode/verify.py)
-        drawn = verify_rows(logits_of, h, batch, sp, num_spec, num_logprobs, logprobs_mode)
-    else:
-        logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
-        draw = functools.partial(sample, num_logprobs=num_logprobs, logprobs_mode=logprobs_mode)
-        if cfg.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too
-            drawn = row_tiled_sample(draw, logits, slot_rows(sp, at, S), cfg.row_tile)
-        else:
-            drawn = draw(logits, slot_rows(sp, at, S))  # a row's draw depends on its slot's seed only
-    tokens, tok_lp, top_lp, top_ids = (jnp.zeros((S,) + a.shape[1:], a.dtype).at[rows].set(a, mode="drop")
-                                       for a in drawn)  # back to one entry per slot
-    prompt = step_prompt_logprobs(params, cfg, h, batch["prompt_next"], sp["any_prompt_logprobs"], num_logprobs,
-                                  logits_shardings)
-    hidden = hidden_outputs(states, batch, sp)
-    if num_spec and hidden:  # the states of every verified position: [S, K+1, nL, D]
-        hidden = (verified_hidden(states[0], batch, num_spec), hidden[1])
-    return ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routed), k_pool, v_pool
 
 
 def _separate(batch: dict, sp: dict) -> dict:
@@ -224,21 +162,37 @@ class ModelRunner:
         self._no_history = self._put(self.batch.history)
         self._no_prev = self._put(np.zeros(S, np.int32))
         self.structured = structured or StructuredOutputs(None, model_cfg.vocab_size, S)  # grammar masks
-        self.structured.all_ones = self._put(self.structured.all_ones)  # stays on device
-        capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
-        if capture or steer:  # research hooks compiled in (validated by the engine)
-            self.batch.hooks = SlotHooks(S, capture, steer, model_cfg.hidden_size, self.dtype)
         self.controls = LogitControls(S)  # logit_bias, bad_words
-        self.controls.none = {k: self._put(v) for k, v in self.controls.none.items()}
-        self._prompt_logprobs_requests: weakref.WeakSet = weakref.WeakSet()
-        self._routes_requests: weakref.WeakSet = weakref.WeakSet()  # return_routed_experts
         spec = cfg.speculative_config
         self.num_spec = spec.num_speculative_tokens if spec is not None else 0  # K proposals verified per slot
-        self._no_draft_probs = (self._put(np.zeros((S, self.num_spec, model_cfg.vocab_size), np.float32))
-                                if spec is not None and spec.method == "draft_model" else None)  # q [S, K, V]
-        if self.num_spec:  # masks, bans and history at each proposed position (spec_decode/controls.py)
-            self.positions = PositionControls(S, self.num_spec, self.structured.words)
-            self.positions.none = {k: self._put(v) for k, v in self.positions.none.items()}
+        self.features = self._features()
+        self._sampling = self._samplings()  # verify -> how the variant draws
+
+    def _features(self) -> tuple[StepFeature, ...]:
+        """The step's features, chosen once (step/features.py); research hooks before routes, as the
+        decoder returns their outputs."""
+        cfg, S = self.cfg, self.cfg.max_num_seqs
+        features = [LoRAIndex(self.lora)] if self.lora is not None else []
+        features += [GrammarMask(self.structured, S, self._put), LogitBias(self.controls, self._put),
+                     PromptLogprobs(self.num_logprobs)]
+        capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
+        if capture or steer:  # research hooks compiled in (validated by the engine)
+            self.batch.hooks = SlotHooks(S, capture, steer, self.model_cfg.hidden_size, self.dtype, self._put)
+            features.append(self.batch.hooks)
+        if self.model_cfg.num_experts:
+            features.append(RoutedExperts())
+        return tuple(features)
+
+    def _samplings(self) -> dict[bool, Sampling]:
+        """How each variant draws, by its `verify`: the plain sampler; with speculative decoding, the
+        verifier beside it, and the plain step's tokens read back in the verified steps' form."""
+        lp, mode = self.num_logprobs, self.cfg.logprobs_mode
+        if not self.num_spec:
+            return {False: Sampling(lp, mode, self.step_cfg.row_tile)}
+        verify = Verification(lp, mode, self.num_spec, self.structured, self.controls, self.batch,
+                              self.model_cfg.vocab_size, self.cfg.speculative_config.method == "draft_model",
+                              self._put)
+        return {False: Unverified(lp, mode), True: verify}
 
     @property
     def step_params(self) -> dict:
@@ -274,19 +228,16 @@ class ModelRunner:
         return self._compiled.get(key) or self._compile(*key)
 
     def _compile(self, T: int, decode_only: bool, verify: bool = False):
-        host = self._dummy(T, verify)
-        fn = functools.partial(_step, layout=layout(*host), cfg=self.step_cfg, num_logprobs=self.num_logprobs,
-                               attn_fn=self._attention(decode_only),
-                               logits_shardings=self._logits_shardings, logprobs_mode=self.cfg.logprobs_mode,
-                               num_spec=self.num_spec if verify else 0, routes=bool(self.model_cfg.num_experts),
-                               **({} if self.batch.hooks is None else dict(capture=self.batch.hooks.capture,
-                                                                          steer=self.batch.hooks.steer)))
+        host = self.dummy_inputs(T, verify)
+        variant = Variant(layout(*host), self.step_cfg, self._attention(decode_only), self._logits_shardings,
+                          self._sampling[verify], self.features)
+        fn = functools.partial(traced_step, variant=variant)
         if self.abstract:  # shapes only; Pallas lowers for the mesh's devices under jax.set_mesh
             packed, extra = jax.tree.map(lambda a: a if isinstance(a, jax.ShapeDtypeStruct) else
                                          self._put(np.asarray(a)), (pack(*host), _separate(*host)))
             target = jax.set_mesh(self.mesh)
         else:
-            packed, extra = self._device_inputs(*host)
+            packed, extra = self.device_inputs(*host)
             target = contextlib.nullcontext()
         rep, pool = self._replicated, self._pool_sharding
         params = jax.tree.map(lambda a: a.sharding, self.step_params)
@@ -312,45 +263,38 @@ class ModelRunner:
         for key in tqdm(todo, desc="compiling step buckets", disable=not show_progress, unit="bucket"):
             self._compile(*key)
 
-    def _dummy(self, T: int, verify: bool = False):
+    def dummy_inputs(self, T: int, verify: bool = False) -> tuple[dict, dict]:
+        """The host inputs of a step with nothing scheduled (what a variant is compiled with)."""
         empty = PersistentBatch(self.cfg.max_num_seqs, self.max_blocks_per_seq, 1, self.block_size)
-        batch, sp = empty.prepare([], T)
-        if self.lora is not None:
-            batch["lora_index"] = np.zeros(T, np.int32)  # [T] each token's adapter slot
-        batch["prev_tokens"], sp["history"] = self._no_prev, self._no_history
-        sp.update(self.structured.bitmask_arrays([], self.cfg.max_num_seqs))  # all ones, any_mask False
-        self._hook_inputs(sp, [])
-        self._research_inputs([], T, batch, sp)
-        if verify:
-            batch.update(draft_inputs([], self.cfg.max_num_seqs, self.num_spec, self._no_draft_probs))
-            sp.update(self.positions.none)
-        return batch, sp
+        return self._step_inputs(SchedulerOutput(), T, verify, empty, self._no_prev)[:2]
 
-    def _hook_inputs(self, sp: dict, slots) -> None:
-        """The research hooks' step inputs: steering [S, nS, D] (on the device), any_prompt_hidden."""
-        hooks = self.batch.hooks
-        if hooks is not None:
-            if hooks.steer:
-                sp["steering"] = hooks.device_steering(self._put)
-            if hooks.capture:
-                sp["any_prompt_hidden"] = np.bool_(hooks.wants_prompt[slots].any())
+    def _step_inputs(self, out: SchedulerOutput, T: int, verify: bool, persistent: PersistentBatch, prev_tokens,
+                     pending=frozenset()) -> tuple[dict, dict, list, list]:
+        """(batch, sp, slots, each feature's read-back plan) of one step: the persistent batch's arrays,
+        the tokens fed from the previous step (prev_tokens i32[S], on the device), the penalties' history,
+        then each feature's inputs and the variant's draw's."""
+        batch, sp = persistent.prepare(out.scheduled, T, pending)
+        batch["prev_tokens"] = prev_tokens
+        sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
+        slots = [req.slot for req, _ in out.scheduled]
+        plans = [f.inputs(out, slots, T, batch, sp) for f in self.features]
+        self._sampling[verify].inputs(out, slots, T, batch, sp)
+        return batch, sp, slots, plans
 
     def track(self, req) -> None:
-        """Note a request that asks for prompt logprobs or routed experts or uses logit controls: steps that
-        schedule none of them skip the per-request work of each."""
-        if req.prompt_logprobs is not None:
-            self._prompt_logprobs_requests.add(req)
-        if req.params.return_routed_experts:
-            self._routes_requests.add(req)
-        if req.params.logit_bias or req.bad_words_token_ids:
-            self.controls.requests.add(req)
+        """Note an admitted request: a feature (prompt logprobs, routed experts, logit controls) skips the
+        per-request work of steps that schedule none of the requests using it."""
+        for f in self.features:
+            f.track(req)
 
-    def _research_inputs(self, scheduled, T: int, batch: dict, sp: dict) -> list:
-        """Add the inputs of prompt logprobs and logit controls; return prompt_logprobs.targets' rows."""
-        batch["prompt_next"], rows = targets(scheduled, T, self._prompt_logprobs_requests)  # [T]
-        sp["any_prompt_logprobs"] = np.bool_(bool(rows))
-        sp.update(self.controls.arrays(scheduled))  # bias_ids [S, NB], bias_values [S, NB], any_bias
-        return rows
+    def placeholders(self, verify: bool = False) -> dict:
+        """The device arrays that stand in for step inputs nobody uses this step (the previous step's
+        tokens, the penalties' history, the features' unused masks and controls): a multi-host follower
+        rebuilds from them what the step message leaves out."""
+        out = dict(prev_tokens=self._no_prev, history=self._no_history)
+        for f in (*self.features, self._sampling[verify]):
+            out.update(f.placeholders)
+        return out
 
     # -- one step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
@@ -368,62 +312,26 @@ class ModelRunner:
 
         prev, pending (async scheduling): the previous step, not read back yet, and the requests whose
         last token is that step's sampled token: the device feeds it to this step."""
-        S = self.cfg.max_num_seqs
-        T = self.bucket_for(out.num_tokens)
-        batch, sp = self.batch.prepare(out.scheduled, T, pending)
-        if self.lora is not None:
-            batch["lora_index"] = self.lora.token_index(out.scheduled, T)  # [T]
-        batch["prev_tokens"] = prev.tokens if pending else self._no_prev
-        sp["history"] = self.batch.history if sp["any_penalty"] else self._no_history
-        sp.update(self.structured.bitmask_arrays(out.scheduled, S))  # bitmask [S, W], any_mask
-        slots = [req.slot for req, _ in out.scheduled]
-        self._hook_inputs(sp, slots)
-        rows = self._research_inputs(out.scheduled, T, batch, sp)
+        S, T = self.cfg.max_num_seqs, self.bucket_for(out.num_tokens)
+        # some request proposes: the verifying variant (else the plain step, at a plain step's cost)
         verify = self.num_spec > 0 and any(req.spec_token_ids for req, _ in out.scheduled)
-        if verify:  # some request proposes: the verifying variant (else the plain step, at a plain step's cost)
-            q = out.draft_probs if out.draft_probs is not None else self._no_draft_probs
-            batch.update(draft_inputs(out.scheduled, S, self.num_spec, q))
-            sp.update(self.positions.arrays(out.scheduled, self.structured, self.controls.requests, self.batch))
         key = (T, self.backend in DECODE_KERNELS and out.decode_only and T <= max(S, self.buckets[0]), verify)
-        inputs = self._device_inputs(batch, sp)
-        ((tokens, tok_lp, top_lp, top_ids, *hidden), prompt, *routes), self.k_pool, self.v_pool = \
+        batch, sp, slots, plans = self._step_inputs(out, T, verify, self.batch,
+                                                    prev.tokens if pending else self._no_prev, pending)
+        inputs = self.device_inputs(batch, sp)
+        ((tokens, *logprobs), outputs), self.k_pool, self.v_pool = \
             self.compiled_step(key)(self.step_params, self.k_pool, self.v_pool, *inputs)
-        plan = self.batch.hooks.plan(out.scheduled, slots) if hidden else ()
-        return Launched(out, slots, tokens, (tok_lp, top_lp, top_ids), hidden=tuple(hidden), hidden_plan=plan,
-                        prompt=prompt, prompt_rows=rows, any_logprobs=bool(sp["any_logprobs"]),
-                        routes=routes[0] if routes else None,
-                        routes_rows=routed_experts.plan(out.scheduled, self._routes_requests) if routes else [],
-                        verified=verify)
+        reads = tuple((f, plan, o) for f, plan, o in zip(self.features, plans, outputs) if plan)
+        return Launched(out, slots, key, tokens, tuple(logprobs), bool(sp["any_logprobs"]), reads)
 
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
         speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
-        routed_experts.collect(step.routes_rows, step.routes)  # read back only when some request asked
-        collect(step.prompt_rows, step.prompt)
-        if step.verified:
-            return read_verified(step)
-        result = self._read_sampled(step)
-        if self.num_spec:  # a step without proposals, in the verified steps' form
-            return {s: ([tok], None if lp is None else [lp]) for s, (tok, lp) in result.items()}
-        return result
+        for feature, plan, outputs in step.reads:
+            feature.read(plan, outputs, step)
+        return self._sampling[step.key[2]].read_tokens(step)
 
-    def _read_sampled(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
-        tokens = np.asarray(step.tokens).tolist()
-        if step.hidden_plan:
-            read_hidden(step.hidden_plan, step.hidden)
-        result = {s: (tokens[s], None) for s in step.slots}
-        if not step.any_logprobs:
-            return result
-        want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
-        tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)
-        for req, s in want_lp:
-            k = req.params.logprobs
-            lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
-            lp[tokens[s]] = float(tok_lp[s])
-            result[s] = (tokens[s], lp)
-        return result
-
-    def _device_inputs(self, batch: dict, sp: dict) -> tuple:
+    def device_inputs(self, batch: dict, sp: dict) -> tuple:
         """The step's host inputs -> what the compiled step takes: one packed int32 buffer (a single
         host->device copy) and the arrays that may already live on the device (prev_tokens, history).
 

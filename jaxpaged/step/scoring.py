@@ -10,6 +10,7 @@ R * L at most max(max_num_batched_tokens, L)), so each shape compiles once.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +107,15 @@ def score(engine, prompts, continuations) -> list[list[float]]:
     return out
 
 
+_SCORE_FNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # runner -> its jitted dense_logprobs
+
+
 def _compiled(runner):
-    """dense_logprobs jitted for the runner's model, attention backend and mesh (cached on the runner)."""
-    fn = getattr(runner, "_score_fn", None)
+    """dense_logprobs jitted for the runner's model, attention backend and mesh (one per runner)."""
+    fn = _SCORE_FNS.get(runner)
     if fn is None:
         sharding = NamedSharding(runner.mesh, POOL_SPEC) if runner.mesh.shape[MODEL_AXIS] > 1 else None
-        fn = runner._score_fn = jax.jit(functools.partial(
+        fn = _SCORE_FNS[runner] = jax.jit(functools.partial(
             dense_logprobs, cfg=runner.step_cfg, attn_fn=make_attention(runner.backend, False, runner.mesh),
             block_size=runner.block_size, pool_sharding=sharding), compiler_options=runner.compiler_options)
     return fn
