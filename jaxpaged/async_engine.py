@@ -24,10 +24,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.rl.pause import PAUSE_MODES
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import InvalidParam
+from jaxpaged.engine import LLMEngine, RequestOutput
+from jaxpaged.rl.pause import PAUSE_MODES
 
 log = logging.getLogger("jaxpaged.async_engine")
 

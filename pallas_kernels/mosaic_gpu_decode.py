@@ -18,9 +18,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, fetch, gather_scales, init_carry,
-                                              interpret_params, iota, kernel_with_scratch,
-                                              ready, ring_scratch, smem)
+from pallas_kernels.mosaic_gpu_common import (
+    ROWS,
+    Ring,
+    attend,
+    check_mosaic,
+    fetch,
+    gather_scales,
+    init_carry,
+    interpret_params,
+    iota,
+    kernel_with_scratch,
+    ready,
+    ring_scratch,
+    smem,
+)
 from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.reference import check_options, with_tuning
 

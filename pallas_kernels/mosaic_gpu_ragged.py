@@ -19,9 +19,21 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu_common import (ROWS, Ring, attend, check_mosaic, fetch, gather_scales, init_carry,
-                                              interpret_params, iota, kernel_with_scratch, ready, ring_scratch,
-                                              smem)
+from pallas_kernels.mosaic_gpu_common import (
+    ROWS,
+    Ring,
+    attend,
+    check_mosaic,
+    fetch,
+    gather_scales,
+    init_carry,
+    interpret_params,
+    iota,
+    kernel_with_scratch,
+    ready,
+    ring_scratch,
+    smem,
+)
 from pallas_kernels.paged_attention import _pow2, check_pow2, compute_dtype, pad_table, validate
 from pallas_kernels.ragged_paged_attention import tile_layout
 from pallas_kernels.reference import check_options, check_query_start_loc, with_tuning

@@ -26,8 +26,7 @@ try:
 except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
     plgpu = None
 
-from pallas_kernels.reference import (QUANTIZED, check_options, check_scales, paged_attention_reference,
-                                      with_tuning)
+from pallas_kernels.reference import QUANTIZED, check_options, check_scales, paged_attention_reference, with_tuning
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)

@@ -18,8 +18,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import (_NEG, _pow2, check_pow2, compiler_params, compute_dtype,
-                                            dequantize_block, online_softmax_step, pad_table, plgpu, validate)
+from pallas_kernels.paged_attention import (
+    _NEG,
+    _pow2,
+    check_pow2,
+    compiler_params,
+    compute_dtype,
+    dequantize_block,
+    online_softmax_step,
+    pad_table,
+    plgpu,
+    validate,
+)
 from pallas_kernels.reference import check_options, check_query_start_loc, ragged_paged_attention_reference, with_tuning
 
 

@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass
 
 import uvicorn
-
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request

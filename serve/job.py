@@ -13,8 +13,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
-from jaxpaged.engine import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.engine import RequestOutput
 from serve.errors import APIError, from_value_error
 from serve.protocol import ErrorInfo
 

@@ -13,8 +13,15 @@ from pydantic.json_schema import models_json_schema
 
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS
 from serve.body import MAX_JSON_DEPTH
-from serve.protocol import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-                            CompletionRequest, CompletionResponse, ErrorResponse, ModelList)
+from serve.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+)
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [

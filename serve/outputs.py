@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from jaxpaged.engine import CompletionOutput, RequestOutput
 from serve.errors import APIError
-from serve.protocol import (ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails,
-                            TopLogprob, Usage)
+from serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, TopLogprob, Usage
 
 
 class TokenText:

@@ -15,8 +15,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
-from jaxpaged.core.sampling_params import (FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END,
-                                           SEED_MIN)
+from jaxpaged.core.sampling_params import FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END, SEED_MIN
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 MAX_LOGPROBS = 20

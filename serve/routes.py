@@ -15,9 +15,20 @@ from serve import tools
 from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
-from serve.protocol import (AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk,
-                            ChatCompletionRequest, ChatCompletionResponse, ChatDelta, CompletionChoice,
-                            CompletionRequest, CompletionResponse, ModelCard, ModelList)
+from serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 def main(workdir: str) -> dict:
     import jax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.bench.tiny_models import make_tiny_model

@@ -64,6 +64,7 @@ def hlo_facts(runner) -> dict:
 
 def engine_checks(path: str, out: dict) -> None:
     import jax
+
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.config import EngineConfig
     from jaxpaged.engine import LLMEngine
@@ -98,11 +99,12 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
-    from jaxpaged.step.attention import make_attention
-    from jaxpaged.config import ModelConfig
-    from jaxpaged.parallel.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
-    from jaxpaged.models.llama import forward
+
     from jaxpaged.checkpoints.weights import load_params
+    from jaxpaged.config import ModelConfig
+    from jaxpaged.models.llama import forward
+    from jaxpaged.parallel.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
+    from jaxpaged.step.attention import make_attention
     mc = ModelConfig.from_dir(path)
     params = load_params(path, mc, "float32", quantization=quantization)
     lens, bs = (13, 6), 8
@@ -170,6 +172,7 @@ def kv_int8_checks(workdir: str) -> dict:
     TP 1, 2, 4 (qwen3's 2 KV heads replicated at TP 4, their scales with them), the scale pools' local
     shards, and the Pallas kernels (interpret mode) under shard_map at TP 2 against the reference at TP 1."""
     import jax
+
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.bench.tiny_models import make_tiny_model
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -274,6 +277,7 @@ def main() -> None:
     workdir = sys.argv[1]
     only = set(sys.argv[2:])
     import jax
+
     from jaxpaged.bench.tiny_models import make_tiny_model
     out = {"num_devices": len(jax.devices())}
     for name, (family, hq, hkv, tie) in MODELS.items():

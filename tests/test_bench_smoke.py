@@ -225,6 +225,7 @@ def test_bench_step_parts(common, out_dir):
 def test_hf_model_from_converted_dir(model, tmp_path):
     """The hf backend loads the engine's converted format onto transformers' model: same logits."""
     import torch
+
     from jaxpaged.bench.common import load_hf_model
     from jaxpaged.checkpoints.convert import convert
     dst = convert(model, str(tmp_path / "converted"), dtype="float32", progress=False)

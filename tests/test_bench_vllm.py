@@ -6,8 +6,7 @@ import os
 
 import numpy as np
 
-from jaxpaged.bench import throughput
-from jaxpaged.bench import vllm_peer
+from jaxpaged.bench import throughput, vllm_peer
 from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 STAND_IN = '''
@@ -106,9 +105,9 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
 
 
 def test_converted_model_exported_for_vllm(tmp_path):
-    from jaxpaged.config import ModelConfig
     from jaxpaged.checkpoints.convert import convert
     from jaxpaged.checkpoints.weights import load_params
+    from jaxpaged.config import ModelConfig
     src = make_tiny_model(str(tmp_path / "hf"), "llama", vocab_size=300)
     add_tiny_tokenizer(src, 300)
     conv = convert(src, str(tmp_path / "conv"), dtype="float32", progress=False)

@@ -4,10 +4,10 @@ the static batches, the requests, and the acceptance counts read from its metric
 import json
 
 import pytest
+from test_bench_vllm import _config_only, use_stand_in
 
 from jaxpaged.bench import common as bc
 from jaxpaged.bench import spec
-from test_bench_vllm import _config_only, use_stand_in
 
 
 def test_vllm_side_off_or_skipped(tmp_path):

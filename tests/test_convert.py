@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import ModelConfig
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
 from jaxpaged.checkpoints.weights import load_params
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
 
@@ -156,8 +156,9 @@ def test_hf_roundtrip_bfloat16_within_rounding(tmp_path, llama_dir):
 
 
 def test_converted_dir_generates_like_hf(tmp_path, llama_dir, engine_kwargs):
-    from jaxpaged import LLM, SamplingParams
     from oracle import hf_greedy
+
+    from jaxpaged import LLM, SamplingParams
     dst = convert(llama_dir, str(tmp_path / "dst"), dtype="float32", progress=False)
     llm = LLM(model=dst, **{**engine_kwargs, "warmup": False})
     prompts = [llm.tokenizer.encode(p) for p in ("The quick brown fox", "Hello world!")]

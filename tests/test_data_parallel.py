@@ -25,8 +25,8 @@ def prompts() -> list[list[int]]:
 
 def worker(model_dir: str, cache: str) -> dict:
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.parallel.replicas import AFFINITY_SLACK_STEPS
     from jaxpaged.checkpoints.weights import read_safetensors, safetensors_files
+    from jaxpaged.parallel.replicas import AFFINITY_SLACK_STEPS
     from serve.metrics import Metrics
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=BUDGET, max_model_len=128,
               block_size=BLOCK, num_kv_blocks=9, compilation_cache_dir=cache, show_progress=False)

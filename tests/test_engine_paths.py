@@ -1,9 +1,9 @@
 """Forced engine paths (preemption, chunked prefill, prefix cache hits, caching off) never change outputs."""
 import numpy as np
 import pytest
+from oracle import hf_greedy
 
 from jaxpaged import LLM, SamplingParams
-from oracle import hf_greedy
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

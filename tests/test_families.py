@@ -5,13 +5,13 @@ import json
 
 import numpy as np
 import pytest
-
-from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.parallel.mesh import param_partition_specs
-from jaxpaged.checkpoints.weights import param_shapes
-from jaxpaged.bench.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 from oracle import hf_greedy, hf_last_logits
 from test_oracle import _forward_last_logits, _prompts
+
+from jaxpaged import LLM, ModelConfig, SamplingParams
+from jaxpaged.bench.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
+from jaxpaged.checkpoints.weights import param_shapes
+from jaxpaged.parallel.mesh import param_partition_specs
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -188,6 +188,7 @@ def test_convert_keeps_params(family_models, tmp_path, family):
     """`jaxpaged convert` of the new families (fused Phi-3 tensors split, experts stacked, Gemma's extra
     norms): the orbax directory restores to the very arrays the HF directory loads to."""
     import jax
+
     from jaxpaged.checkpoints.convert import convert
     from jaxpaged.checkpoints.weights import load_params
     src = family_models[family]

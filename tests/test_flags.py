@@ -9,11 +9,22 @@ import re
 
 import pytest
 
-from jaxpaged.bench import common
 from jaxpaged.args import add_engine_args, engine_config, engine_kwargs, flag_name
+from jaxpaged.bench import common
 from jaxpaged.cli import GENERATE_DEFAULTS, build_parser
-from jaxpaged.config import (CACHE, COMPILATION, KV_CACHE_DTYPES, LORA, MODEL, PARALLEL, QUANTIZATIONS, RESEARCH,
-                             SCHEDULER, SPECULATIVE, EngineConfig)
+from jaxpaged.config import (
+    CACHE,
+    COMPILATION,
+    KV_CACHE_DTYPES,
+    LORA,
+    MODEL,
+    PARALLEL,
+    QUANTIZATIONS,
+    RESEARCH,
+    SCHEDULER,
+    SPECULATIVE,
+    EngineConfig,
+)
 
 FIELDS = dataclasses.fields(EngineConfig)
 BOOLS = {f.name for f in FIELDS if "bool" in str(f.type)}

@@ -13,12 +13,12 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from test_server import Server, make_tokenizer, wait_idle
 
 from jaxpaged import __version__
-from jaxpaged.step.runner import NUM_BANNED
 from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.step.runner import NUM_BANNED
 from serve.openapi import openapi_schema
-from test_server import Server, make_tokenizer, wait_idle
 
 MAX_EXAMPLES, BUDGET_S, SEED = 30, 120.0, 9
 STATS = {"sent": 0, "skipped": 0, "by_status": {}, "start": None, "constrained_ok": 0}

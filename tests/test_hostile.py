@@ -11,12 +11,12 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_server import Server, assert_error, make_tokenizer, wait_idle
 
-from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from serve import tools
 from serve.body import MAX_JSON_DEPTH, loads, nesting_depth
-from test_server import Server, assert_error, make_tokenizer, wait_idle
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]

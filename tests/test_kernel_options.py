@@ -8,11 +8,25 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels import (
+    DECODE_LENS,
+    ON_GPU,
+    PAD_ROWS,
+    RAGGED,
+    assert_close,
+    dense_attention,
+    lowered_for_cuda,
+    make_case,
+    ragged_case,
+    reference,
+)
 
-from pallas_kernels import (paged_attention, paged_attention_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference)
-from test_kernels import (DECODE_LENS, ON_GPU, PAD_ROWS, RAGGED, assert_close, dense_attention,
-                          lowered_for_cuda, make_case, ragged_case, reference)
+from pallas_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 # window 1 (only itself), shorter than a block, crossing blocks, longer than every context
 OPTIONS = [dict(window=1), dict(window=5, softcap=2.0), dict(window=24, scale=0.3), dict(softcap=1.5),

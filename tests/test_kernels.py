@@ -12,8 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (paged_attention, paged_attention_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference)
+from pallas_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 BS = 16
@@ -300,8 +304,8 @@ def test_triton_compiles_the_kernels(tmp_path, monkeypatch):
     """Without a GPU: compile the kernels' Triton IR to PTX for sm_90 with the `triton` package, when
     installed (not a project dependency: `pip install --target DIR triton`, then PYTHONPATH=DIR)."""
     triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
     from jax._src.pallas.triton import pallas_call_registration as registration
+    from triton.backends.compiler import GPUTarget
     lower, modules = registration.lowering.lower_jaxpr_to_triton_module, []
 
     def capture(*args, **kwargs):

@@ -5,13 +5,14 @@ step rebuilds a quantized pool, and a bad value is a ValueError naming kv_cache_
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_engine_paths import _workload
+from test_step_failure import GREEDY as FAILURE_GREEDY
+from test_step_failure import _prompts, assert_all_free, run
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.config import EngineConfig
 from jaxpaged.engine import LLMEngine
 from jaxpaged.step.kv_cache import QuantPool
-from test_engine_paths import _workload
-from test_step_failure import GREEDY as FAILURE_GREEDY, _prompts, assert_all_free, run
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 

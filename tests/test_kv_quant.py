@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 
 from jaxpaged.step.kv_cache import dequantize, quantize
-from pallas_kernels import (paged_attention, paged_attention_reference, ragged_paged_attention,
-                            ragged_paged_attention_reference)
+from pallas_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from tests.test_kernels import dense_attention, make_case, ragged_case
 
 QUANT = ("int8", "float8_e4m3fn")

@@ -70,7 +70,7 @@ def test_public_api_is_lazy():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     import jaxpaged
-    from jaxpaged import LLM, LLMEngine, EngineConfig, ModelConfig  # noqa: F401 -- the names resolve
+    from jaxpaged import LLM, EngineConfig, LLMEngine, ModelConfig  # noqa: F401 -- the names resolve
     assert jaxpaged.LLM is LLM
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         jaxpaged.nope  # noqa: B018

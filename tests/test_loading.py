@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.checkpoints.weights import load_params
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def test_no_tokenizer_means_token_ids_only(f32_dir, engine_kwargs):
 
 def test_missing_tensor_named(tmp_path, f32_dir):
     import shutil
+
     from safetensors.numpy import load_file, save_file
     d = tmp_path / "m"
     shutil.copytree(f32_dir, d)

@@ -4,11 +4,11 @@ import math
 
 import numpy as np
 import pytest
+from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.core.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
 from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
-from oracle import hf_model
+from jaxpaged.core.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
 
 V = 300
 GREEDY = dict(temperature=0, ignore_eos=True, max_tokens=6)

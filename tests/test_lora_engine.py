@@ -5,10 +5,10 @@ import shutil
 
 import numpy as np
 import pytest
+from lora_adapters import make_adapter, peft_greedy
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, LoRARequest, SamplingParams
-from lora_adapters import make_adapter, peft_greedy
 from jaxpaged.bench.tiny_models import make_tiny_model
 
 N_NEW = 6

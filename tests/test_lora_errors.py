@@ -4,12 +4,12 @@ import shutil
 
 import numpy as np
 import pytest
+from lora_adapters import make_adapter
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import ModelConfig
-from jaxpaged.lora.peft import load_peft
-from lora_adapters import make_adapter
 from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.lora.peft import load_peft
 
 PREFIX = "base_model.model.model.layers"
 

@@ -2,9 +2,9 @@
 their parent, unknown names are 404s, adapters loaded and unloaded at run time."""
 import httpx
 import pytest
-
 from lora_adapters import make_adapter, peft_greedy
 from test_server import Server, make_tokenizer
+
 from jaxpaged.bench.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 33, 9, 100, 42, 7, 61]

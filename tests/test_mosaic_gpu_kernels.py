@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from mgpu_interpret import original_wgmma, transposed_wgmma
+from test_kernels import BS, DECODE_LENS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case, reference
 
 from jaxpaged.step.kv_cache import quantize
-from mgpu_interpret import original_wgmma, transposed_wgmma
 from pallas_kernels import paged_attention_reference, ragged_paged_attention_reference
 from pallas_kernels.mosaic_gpu_common import interpret_params, smem
 from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
 from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
-from test_kernels import BS, DECODE_LENS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case, reference
 
 LONG_DECODE = DECODE_LENS + [9 * BS + 7]
 LONG_RAGGED = RAGGED + [(6 * BS + 3, 40)]

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from test_server import Server, free_port, make_tokenizer
 
 pytestmark = pytest.mark.slow

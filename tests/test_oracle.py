@@ -2,13 +2,13 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import hf_greedy, hf_last_logits
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.step.attention import make_attention
-from jaxpaged.models.llama import forward
-from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.bench.tiny_models import FAMILIES, make_tiny_model
-from oracle import hf_greedy, hf_last_logits
+from jaxpaged.checkpoints.weights import load_params
+from jaxpaged.models.llama import forward
+from jaxpaged.step.attention import make_attention
 
 PROMPT_LENS = (1, 7, 16, 17, 33, 70)
 

@@ -2,10 +2,10 @@
 transformers' log_softmax on tiny random float32 models; with chunked prefill, a prefix hit, preemption."""
 import numpy as np
 import pytest
+from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.bench.tiny_models import FAMILIES, NEW_FAMILIES, make_tiny_model
-from oracle import hf_model
 
 BS = 4
 FAST = ("llama", "gemma2", "mixtral")  # untied, soft-capped and tied, MoE; the others are the same code

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, EngineConfig, SamplingParams
+from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import forward
-from jaxpaged.step.attention import make_attention
 from jaxpaged.models.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
-from jaxpaged.checkpoints.weights import load_params
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.step.attention import make_attention
 
 RNG = np.random.default_rng(0)
 
@@ -117,8 +117,9 @@ def _dir_bytes(path):
 def test_gguf_to_int8(tmp_path, qtype):
     """A Q8_0 / Q4_1 GGUF converts straight to int8 (tensors widened one at a time): within half an int8
     step of the GGUF's own values, a third of the float32 checkpoint's bytes."""
-    from jaxpaged.checkpoints.convert import convert
     from test_convert import _hf_dir, write_gguf
+
+    from jaxpaged.checkpoints.convert import convert
     gguf = write_gguf(_hf_dir(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
     f32 = convert(gguf, str(tmp_path / "f32"), dtype="float32", progress=False)
     i8 = convert(gguf, str(tmp_path / "i8"), dtype="float32", progress=False, quantization="int8")
@@ -138,8 +139,9 @@ def test_convert_quantized_round_trip(tmp_path, engine_kwargs):
     """`jaxpaged convert --quantization int8` writes the quantized pytree; it loads back bit for bit as
     int8, widened to float (quantization=None) or re-quantized (fp8), and the engine's greedy tokens on
     the int8 weights equal those on the same weights widened to float32."""
-    from jaxpaged.cli import main
     from test_convert import _hf_dir
+
+    from jaxpaged.cli import main
     src = _hf_dir(tmp_path / "hf", initializer_range=0.2)
     dst = str(tmp_path / "i8")
     assert main(["convert", src, dst, "--quantization", "int8", "--dtype", "float32"]) == 0
@@ -165,6 +167,7 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     each layer's slice is widened inside the layer loop, the head chunk by chunk), and never copies the
     stacked weights into the loop (the scan reads them where they are)."""
     import re
+
     import jaxpaged.models.quant as quant
     monkeypatch.setattr(quant, "COLUMN_CHUNK", 64)  # the tiny vocabulary (256) takes the wide-head path
     path = make_tiny_model(str(tmp_path / "m"), "llama", tie=True, num_layers=3, seed=2)

@@ -1,10 +1,10 @@
 """Research hooks against transformers: hidden states, steering (forward hooks as the oracle), weight updates."""
 import numpy as np
 import pytest
+from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
-from oracle import hf_model
 
 LAYERS = [0, 2, 3]   # embeddings, output of layer 1, final norm (3 layers)
 STEER = [0, 2]
@@ -138,8 +138,8 @@ def test_hooks_inside_a_layer_pattern(tmp_path):
     import torch
 
     from jaxpaged import ModelConfig
-    from jaxpaged.step.attention import make_attention
     from jaxpaged.models.llama import decoder
+    from jaxpaged.step.attention import make_attention
     path = make_tiny_model(str(tmp_path / "gemma3"), "gemma3", seed=3)
     cfg = ModelConfig.from_dir(path)
     assert cfg.layer_period == 3 and cfg.num_layers == 4

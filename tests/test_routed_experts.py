@@ -6,12 +6,12 @@ with requests that do not ask; a dense model refuses by name (400 on the server)
 parallelism: tests/test_expert_parallel.py."""
 import numpy as np
 import pytest
+from oracle import hf_greedy, hf_routed_experts
 from starlette.testclient import TestClient
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 from jaxpaged.step.routed_experts import RoutedExperts
-from oracle import hf_greedy, hf_routed_experts
 
 BS = 4
 ROUTES = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, return_routed_experts=True)

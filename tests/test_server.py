@@ -538,7 +538,6 @@ def test_bench_serving_smoke(server, tmp_path):
 # -- prompt logprobs (echo) and logit_bias: what lm-evaluation-harness's local-completions sends ------------
 def _hf_logprobs(model_dir, ids):
     import torch
-
     from oracle import hf_model
     with torch.no_grad():
         return torch.log_softmax(hf_model(model_dir)(torch.tensor([ids])).logits[0].double(), -1).numpy()

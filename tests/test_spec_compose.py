@@ -8,9 +8,9 @@ import re
 
 import numpy as np
 import pytest
+from test_spec_decode import GREEDY, NGRAM, SAMPLED, AlwaysPropose, V, _prompts, model  # noqa: F401 -- model: fixture
 
 from jaxpaged import LLM, SamplingParams, StructuredOutputsParams
-from test_spec_decode import GREEDY, NGRAM, SAMPLED, AlwaysPropose, V, _prompts, model  # noqa: F401 -- model: fixture
 
 
 class SampleOracle:
@@ -178,6 +178,7 @@ def test_logprobs_modes_and_research_hooks(model, engine_kwargs, mode):
 def test_lora(model, engine_kwargs, tmp_path):
     """Adapters and the base model in one batch: each proposal's row runs its request's adapter."""
     from lora_adapters import make_adapter
+
     from jaxpaged import LoRARequest
     loras = [LoRARequest(f"a{j}", j + 1, make_adapter(str(tmp_path / f"a{j}"), model, seed=40 + j, r=4))
              for j in range(2)]

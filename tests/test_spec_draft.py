@@ -10,11 +10,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_spec_decode import AlwaysPropose
 
 from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.spec_decode import rejection
 from jaxpaged.spec_decode.rejection import rejection_sample
-from test_spec_decode import AlwaysPropose
 
 CRITICAL = {5: 20.52, 6: 22.46, 7: 24.32}  # chi-square, df -> 99.9th percentile
 
@@ -109,8 +109,9 @@ SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, top_k=40, seed=11, igno
 def models(tmp_path_factory):
     """target; unrelated (another random model); flat (the target with its head halved: the same
     ranking, a flatter q); other_vocab."""
-    from jaxpaged.bench.tiny_models import make_tiny_model
     from safetensors.numpy import load_file, save_file
+
+    from jaxpaged.bench.tiny_models import make_tiny_model
     root = tmp_path_factory.mktemp("draft")
     target = make_tiny_model(str(root / "target"), "llama", vocab_size=V)
     flat = str(root / "flat")
@@ -248,6 +249,7 @@ def test_draft_configs(models, engine_kwargs):
                        '"num_speculative_tokens": 2}' % models["unrelated"]).speculative_config
     assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", models["unrelated"], 2)
     from types import SimpleNamespace
+
     from jaxpaged.spec_decode.config import check_draft_engine
     for over, name in [(dict(num_processes=2), "num_processes"),
                        (dict(logprobs_mode="processed_logprobs"), "logprobs_mode")]:

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.async_engine import AsyncEngine
-from jaxpaged.engine import LLMEngine, EngineConfig
+from jaxpaged.engine import EngineConfig, LLMEngine
 from serve.app import create_app
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

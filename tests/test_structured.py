@@ -9,12 +9,12 @@ from enum import Enum
 import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
+from test_server import Server
 
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.checkpoints.default_model import default_model_dir
 from jaxpaged.core.structured import StructuredOutputsParams
 from serve import tools
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
-from test_server import Server
 
 
 class Color(str, Enum):
@@ -184,6 +184,7 @@ def test_matcher_state_survives_recompute():
     """The matcher follows the request's output tokens, so dropping the KV (preemption, prefix hit)
     and recomputing cannot change it: feed the same tokens twice, masks equal."""
     import numpy as np
+
     from jaxpaged.core.request import Request
     from jaxpaged.core.sampling_params import SamplingParams
     from jaxpaged.core.structured import StructuredOutputs

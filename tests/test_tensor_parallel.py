@@ -9,10 +9,16 @@ import sys
 import numpy as np
 import pytest
 
-from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.parallel.mesh import (device_groups, kv_head_replication, make_mesh, param_partition_specs,
-                           replicate_kv_heads, sharded_model_config)
 from jaxpaged.checkpoints.weights import param_shapes
+from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.parallel.mesh import (
+    device_groups,
+    kv_head_replication,
+    make_mesh,
+    param_partition_specs,
+    replicate_kv_heads,
+    sharded_model_config,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPS = (1, 2, 4)
@@ -217,6 +223,7 @@ def test_cli_flags_reach_the_engine(tiny_models, capsys):
     """--tensor-parallel-size of `generate` and `serve` reaches EngineConfig: asking for more devices than
     this process has fails with the engine's message, before any weights load."""
     import jax
+
     from jaxpaged.cli import main
     n = len(jax.devices()) + 1
     for cmd in (["generate", "--prompt", "hi"], ["serve"]):

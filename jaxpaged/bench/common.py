@@ -347,8 +347,8 @@ def load_hf_model(model_dir: str, dtype: str):
     import torch
     import transformers as tf
 
-    from jaxpaged.config import ModelConfig
     from jaxpaged.checkpoints.weights import HF_LAYER_NAMES, HF_TOP_NAMES, is_orbax_dir, load_params
+    from jaxpaged.config import ModelConfig
     tdtype = getattr(torch, dtype)
     if not is_orbax_dir(model_dir):
         return tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=tdtype).eval()

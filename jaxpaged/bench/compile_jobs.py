@@ -12,7 +12,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.bench.gpu_compile import cuda_mesh, mosaic_stats, new_files, triton_stats
 
@@ -104,8 +105,8 @@ def _costs(c: dict, cfg, mesh, variant, layers: int) -> dict:
     """HLO costs of `variant` with the layer scan fully unrolled (XLA counts a while body once). Past
     MAX_UNROLLED layers (a very long compile), flops from 2- and 4-layer compiles, extrapolated linearly
     (exact for a stack of identical layers); bytes are then not reported."""
-    from jaxpaged.step.aot import abstract_runner, compile_steps
     from jaxpaged.bench.gpu_compile import FULL_UNROLL, step_costs
+    from jaxpaged.step.aot import abstract_runner, compile_steps
 
     def unrolled(num_layers):
         runner = abstract_runner(model_config(c["size"], num_layers), cfg, mesh, num_blocks=c["num_blocks"])
@@ -126,9 +127,9 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
     max_num_batched_tokens, max_model_len, num_blocks (per layer), variants (list of [T, decode_only], or
     None for all), cost_variants (list of [T, decode_only]), plus labels."""
     del dumps
+    from jaxpaged.bench.gpu_compile import KERNEL_TARGETS, memory
     from jaxpaged.config import EngineConfig
     from jaxpaged.step.aot import abstract_runner, compile_steps
-    from jaxpaged.bench.gpu_compile import KERNEL_TARGETS, memory
     out = []
     for c in configs:
         mc = model_config(c["size"], c.get("num_layers"))

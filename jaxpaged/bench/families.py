@@ -48,6 +48,7 @@ def _save(cfg, path):
 def bench_moe() -> dict:
     import numpy as np
     import transformers as tf
+
     from jaxpaged import LLM, SamplingParams
     common = dict(vocab_size=8192, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, max_position_embeddings=1024, sliding_window=None)
@@ -79,6 +80,7 @@ def bench_moe() -> dict:
 
 def bench_window(window=4096, bs=16, budget=512, prompt=16384, new=512, n=8) -> dict:
     import random
+
     from jaxpaged.core.block_manager import BlockManager
     from jaxpaged.core.request import Request
     from jaxpaged.core.sampling_params import SamplingParams

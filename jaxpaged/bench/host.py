@@ -42,8 +42,7 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
-from jaxpaged.bench import timing
-from jaxpaged.bench import roofline
+from jaxpaged.bench import roofline, timing
 
 
 class Timed:

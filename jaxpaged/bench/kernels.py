@@ -27,8 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.bench import timing
-from pallas_kernels import (paged_attention, paged_attention_reference,
-                            ragged_paged_attention, ragged_paged_attention_reference)
+from pallas_kernels import (
+    paged_attention,
+    paged_attention_reference,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
 from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
 

@@ -53,8 +53,8 @@ def attention_times(model_dir: str, args, N: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
-    from jaxpaged.step import kv_cache
     from jaxpaged.config import ModelConfig
+    from jaxpaged.step import kv_cache
     from pallas_kernels.reference import ragged_paged_attention_reference as attend
     mc, bs, ctx = ModelConfig.from_dir(model_dir), args.block_size, args.context + 3
     B = -(-(args.context + 64) // bs)

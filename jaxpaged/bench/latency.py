@@ -34,8 +34,7 @@ import time
 import numpy as np
 
 from jaxpaged.bench import common as bc
-from jaxpaged.bench import timing
-from jaxpaged.bench import roofline
+from jaxpaged.bench import roofline, timing
 
 CONCURRENCY = (1, 2, 4, 8)
 JAXPAGED = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),

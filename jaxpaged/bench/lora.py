@@ -28,8 +28,8 @@ def random_adapter(path: str, model_dir: str, r: int, seed: int, std: float = 0.
     """Save a PEFT LoRA adapter with random A and B on every q/k/v/o/gate/up/down of the model."""
     from safetensors.numpy import save_file
 
-    from jaxpaged.config import ModelConfig
     from jaxpaged.checkpoints.weights import param_shapes
+    from jaxpaged.config import ModelConfig
     cfg = ModelConfig.from_dir(model_dir)
     shapes = param_shapes(cfg)["layers"]
     leaf = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_proj": "w_gate",

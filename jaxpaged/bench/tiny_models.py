@@ -99,6 +99,7 @@ def one_prompt_decoder_inputs(path: str, cfg, prompt: list[int]):
     """(params, pool, batch) for calling `llama.decoder` directly on one prompt: the model's float32
     parameters as jax arrays, a zero pool of 2 blocks of 16 per layer, the prompt in block 1 of slot 0."""
     import jax.numpy as jnp
+
     from jaxpaged.checkpoints.weights import load_params
     params = {k: (jnp.asarray(v) if k != "layers" else {n: jnp.asarray(a) for n, a in v.items()})
               for k, v in load_params(path, cfg, "float32").items()}

@@ -53,9 +53,10 @@ def kv_bytes_per_token(cfg, tp: int, kv_dtype: str) -> int:
 
 def weight_bytes(cfg, tp: int) -> int:
     """Parameter bytes on each chip (bf16; KV heads replicated where tp exceeds them; vocab sharded)."""
+    import jax
+
     from jaxpaged.checkpoints.weights import param_shapes
     from jaxpaged.parallel.mesh import param_partition_specs, sharded_model_config
-    import jax
     shapes = param_shapes(sharded_model_config(cfg, tp))
     specs = param_partition_specs(cfg, tp)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
@@ -94,7 +95,8 @@ def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
     from the mesh's devices (mosaic_tpu). The decode-only variants the engine also compiles are the same
     program on TPU (one ragged kernel serves both), so they are not compiled again here."""
     from jaxpaged.config import EngineConfig
-    from jaxpaged.step.aot import abstract_runner, compile_steps as compile_variants
+    from jaxpaged.step.aot import abstract_runner
+    from jaxpaged.step.aot import compile_steps as compile_variants
     ecfg = EngineConfig(**ENGINE, kv_cache_dtype=kv_dtype, attention_backend="auto", compilation_cache_dir=None,
                         tensor_parallel_size=mesh.shape["model"])
     runner = abstract_runner(cfg, ecfg, mesh, num_blocks)

@@ -29,7 +29,8 @@ def _compile_one(chip, kernel, shape, step, dump):
 
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
     _, Hq, Hkv, D = shape

@@ -13,10 +13,16 @@ import shutil
 import sys
 import tempfile
 
+from jaxpaged.checkpoints.weights import (
+    NP_DTYPES,
+    count_tensors,
+    params_from_named_tensors,
+    read_safetensors,
+    safetensors_files,
+    save_orbax_params,
+)
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.quant import check_quantization
-from jaxpaged.checkpoints.weights import NP_DTYPES, count_tensors, params_from_named_tensors, read_safetensors, \
-    safetensors_files, save_orbax_params
 
 # Files of a HF directory that travel with the weights (whichever exist).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

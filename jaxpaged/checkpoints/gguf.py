@@ -106,8 +106,9 @@ class GGUFModel:
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
         import gguf
-        from jaxpaged.config import ModelConfig
+
         from jaxpaged.checkpoints.weights import HF_TOP_NAMES, layer_name_map
+        from jaxpaged.config import ModelConfig
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         n_layers = self.config["num_hidden_layers"]
         name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
@@ -146,8 +147,7 @@ class GGUFModel:
     def tokenizer(self):
         """The HF fast tokenizer transformers builds from this file's metadata (chat template included)."""
         from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
         meta = self.metadata
         if "tokenizer.ggml.tokens" not in meta:
             raise ValueError(f"{self.path}: no tokenizer in the GGUF metadata")

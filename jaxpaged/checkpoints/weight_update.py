@@ -21,9 +21,9 @@ import functools
 import jax
 import numpy as np
 
-from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
-from jaxpaged.models.quant import QArray, quantize
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
+from jaxpaged.models.quant import QArray, quantize
+from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
 
 
 def _put(arr: np.ndarray, sharding) -> jax.Array:

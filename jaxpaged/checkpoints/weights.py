@@ -17,8 +17,15 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.quant import FORMATS, QArray, check_quantization, convert_leaf, is_quantized_tree, leaf_axis, \
-    quantize
+from jaxpaged.models.quant import (
+    FORMATS,
+    QArray,
+    check_quantization,
+    convert_leaf,
+    is_quantized_tree,
+    leaf_axis,
+    quantize,
+)
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -284,8 +291,8 @@ def is_orbax_dir(model_dir: str) -> bool:
 
 def save_orbax_params(params: dict, model_dir: str) -> None:
     """Save the pytree (a QArray as the dict {q, scale}) uncompressed under model_dir/params."""
-    import orbax.checkpoint as ocp
     import jax
+    import orbax.checkpoint as ocp
     params = jax.tree.map(lambda a: {"q": a.q, "scale": a.scale} if isinstance(a, QArray) else a, params,
                           is_leaf=lambda a: isinstance(a, QArray))
     # uncompressed: restoring is then bound by the disk, and saving needs no second copy in memory

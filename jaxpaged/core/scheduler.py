@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Request, RequestStatus
 
-
 PLACEHOLDER = -1  # a token sampled on the device, not read back yet (async scheduling)
 
 

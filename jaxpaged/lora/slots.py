@@ -22,7 +22,8 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.checkpoints.weights import param_shapes
 from jaxpaged.config import ModelConfig

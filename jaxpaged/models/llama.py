@@ -40,12 +40,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxpaged.step import kv_cache
 from jaxpaged.config import SLIDING, ModelConfig
+from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
-from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.quant import dot, take_rows
+from jaxpaged.step import kv_cache
 from jaxpaged.step.batch_invariant import row_tiled
 
 # attn_fn(q [T,Hq,hd], k_pool, v_pool, block_tables [S,B], seq_lens [S], query_start_loc [S+1], *,

@@ -18,10 +18,10 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
-from jaxpaged.step.batch_invariant import row_tiled
 import ml_dtypes
 import numpy as np
+
+from jaxpaged.step.batch_invariant import row_tiled
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}

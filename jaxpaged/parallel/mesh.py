@@ -18,7 +18,8 @@ import inspect
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.quant import QArray

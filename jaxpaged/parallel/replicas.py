@@ -17,9 +17,9 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import LLMEngine, RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import prompt_ids
+from jaxpaged.engine import LLMEngine, RequestOutput
 
 AFFINITY_SLACK_STEPS = 4     # affinity yields when the cached replica is this many full steps behind
 AFFINITY_MAP_SIZE = 1 << 16  # first blocks remembered by the router (least recently routed dropped first)

@@ -23,8 +23,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (_chunk_logits, _chunk_values, _first_block, _gather_chunk, _NEG, _rows,
-                                      _scale_rows, query_layout)
+from pallas_kernels.reference import (
+    _NEG,
+    _chunk_logits,
+    _chunk_values,
+    _first_block,
+    _gather_chunk,
+    _rows,
+    _scale_rows,
+    query_layout,
+)
 
 ROW_TILE = 64    # rows a tile: any fixed size does (a row rounds alike anywhere in a tile of one shape,
                  # measured); 64: a decode step of 64 running requests is one trip

@@ -23,24 +23,34 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 (re-export)
+from jaxpaged.core.logit_controls import LogitControls
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.structured import StructuredOutputs
+from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.parallel.mesh import (
+    MODEL_AXIS,
+    POOL_SPEC,
+    REPLICATED,
+    SCALE_SPEC,
+    make_mesh,
+    place,
+    place_params,
+    sharded_model_config,
+    vocab_sharded,
+)
+from jaxpaged.spec_decode.step import Unverified, Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
-from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 (re-export)
-from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.parallel.mesh import (MODEL_AXIS, POOL_SPEC, REPLICATED, SCALE_SPEC, make_mesh, place, place_params,
-                           sharded_model_config, vocab_sharded)
-from jaxpaged.core.logit_controls import LogitControls
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
 from jaxpaged.step.routed_experts import RoutedExperts
-from jaxpaged.core.scheduler import SchedulerOutput
-from jaxpaged.core.structured import StructuredOutputs
-from jaxpaged.lora.slots import LoRASlots
-from jaxpaged.spec_decode.step import Unverified, Verification
 from jaxpaged.step.traced import Variant, traced_step
 
 
