@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, read_config_json
+from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, published_dtype, read_config_json
 
 # what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
 ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
@@ -47,6 +48,7 @@ class ModelConfig:
     moe_intermediate_size: int = 0    # MoE: F of each expert
     norm_topk_prob: bool = False      # MoE: renormalize the top-k router probabilities
     bos_token_id: int | None = None
+    torch_dtype: str | None = None    # the checkpoint's dtype as published (config.json); dtype="auto" follows it
     eos_token_ids: tuple[int, ...] = ()
     row_tile: int = 0                 # the step's, not the model's: products over tiles of rows (batch_invariant)
 
@@ -111,6 +113,40 @@ def _default_compilation_cache_dir() -> str:
     return os.path.join(default_cache_dir(), "xla")
 
 
+def cpu_has_bfloat16() -> bool:
+    """Whether this machine's CPU has bfloat16 arithmetic units (x86 AVX512-BF16 or AMX-BF16, Arm BF16):
+    where it has not, XLA emulates bfloat16 and float32 is faster."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:  # not Linux: no flags to read
+        return False
+    return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def auto_dtype(model: str | None) -> str:
+    """dtype="auto", as vLLM: the checkpoint's published dtype (config.json's `torch_dtype`; the embedded
+    default model's when `model` is None) where the platform computes in it. On CPU: bfloat16 for bfloat16
+    and float16 checkpoints where the CPU has bfloat16 units, float32 otherwise. On GPU/TPU: the published
+    bfloat16 or float16, bfloat16 for float32 checkpoints."""
+    import jax
+    published = _published_dtype(model)
+    if jax.default_backend() == "cpu":
+        return "bfloat16" if published in ("bfloat16", "float16") and cpu_has_bfloat16() else "float32"
+    return published if published in ("bfloat16", "float16") else "bfloat16"
+
+
+def _published_dtype(model: str | None) -> str | None:
+    if model is None:
+        from jaxpaged.checkpoints.default_model import TORCH_DTYPE
+        return TORCH_DTYPE
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            return published_dtype(json.load(f))
+    except (OSError, ValueError, AttributeError):  # no (readable) config: the engine's loading names the problem
+        return None
+
+
 @dataclass
 class EngineConfig:
     """How to run a model. Every field is checked in __post_init__; errors name the field. Every field is
@@ -120,8 +156,9 @@ class EngineConfig:
     # -- model and loading
     model: str | None = option(None, MODEL, "a Hugging Face or converted model directory (default: the embedded "
                                "default model, SmolLM2-135M-Instruct)")
-    dtype: str = option("auto", MODEL, "weights and activations; auto: bfloat16 on GPU/TPU, float32 on CPU "
-                        "(where XLA's bfloat16 matmuls are slow)", choices=DTYPES)
+    dtype: str = option("auto", MODEL, "weights and activations; auto: the checkpoint's torch_dtype where the "
+                        "hardware computes in it (bfloat16 on CPUs with bfloat16 units: AVX512-BF16, AMX, Arm "
+                        "BF16), else float32 on CPU, bfloat16 on GPU/TPU", choices=DTYPES)
     quantization: str | None = option(None, MODEL, "weight-only quantization with per-output-channel scales "
                                       "(default: none, the weights' dtype)", choices=QUANTIZATIONS[1:])
     max_model_len: int | None = option(None, MODEL, "longest prompt + output (default: the model's "
@@ -190,9 +227,6 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_logprobs",
                      "tensor_parallel_size"):
             positive(name)
-        if self.dtype == "auto":
-            import jax
-            self.dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
         from jaxpaged.spec_decode.config import SpeculativeConfig, check_draft_engine, check_engine
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.async_scheduling is None:
@@ -200,6 +234,8 @@ class EngineConfig:
             self.async_scheduling = jax.default_backend() != "cpu" and self.speculative_config is None
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool or None, got {self.async_scheduling!r}")
+        if self.dtype == "auto":
+            self.dtype = auto_dtype(self.model)
         if self.dtype not in DTYPES[1:]:
             raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
         from jaxpaged.step.kv_cache import check_kv_cache_dtype

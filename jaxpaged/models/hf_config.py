@@ -40,6 +40,12 @@ def read_config_json(path: str) -> tuple[dict[str, Any], str]:
         raise ValueError(f"{f}: cannot read config: {e}") from None
 
 
+def published_dtype(d: dict[str, Any]) -> str | None:
+    """The checkpoint's dtype as its config.json records it ("bfloat16", ...; None when it says nothing)."""
+    published = d.get("torch_dtype") or d.get("dtype")  # transformers 5 writes "dtype"
+    return str(published).removeprefix("torch.") if published else None
+
+
 def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[str, Any]:
     """ModelConfig's keyword arguments from a HF config dict; `source` names it in errors."""
     archs = d.get("architectures") or []
@@ -79,6 +85,7 @@ def model_config_fields(d: dict[str, Any], source: str = "config.json") -> dict[
     eos = d.get("eos_token_id")
     kw["eos_token_ids"] = tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
     kw["bos_token_id"] = d.get("bos_token_id")
+    kw["torch_dtype"] = published_dtype(d)
     if kw["num_heads"] % kw["num_kv_heads"]:
         raise ValueError(f"{source}: num_attention_heads must be a multiple of num_key_value_heads")
     return kw
