@@ -91,7 +91,7 @@ def use_stand_in(tmp_path, monkeypatch):
 def test_runs_through_a_stand_in(tmp_path, monkeypatch):
     model = _config_only(tmp_path / "m")
     log = use_stand_in(tmp_path, monkeypatch)
-    out = throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--dtype", "float32"))
+    out = throughput.main(_args(model, "--backend", "vllm", "--vllm-cpu-bind", "0-1", "--vllm-dtype", "float32"))
     r = out["results"]["vllm"]
     init, warm, timed = [json.loads(line) for line in log.read_text().splitlines()]
     assert init["omp"] == "2" and init["bind"] == "0-1"
@@ -102,6 +102,20 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
                for p in timed["params"])
     assert r["output_tokens"] == sum(lens) and r["num_requests"] == 3 and r["vllm_version"] == "stand-in"
     assert len(timed["prompts"]) == 3 and all(4 <= len(p["prompt_token_ids"]) <= 8 for p in timed["prompts"])
+
+
+def test_vllm_at_its_best_dtype_or_both(tmp_path, monkeypatch):
+    """--vllm-dtype best (the default): bfloat16 on AMX CPUs (oneDNN), float32 elsewhere; both: one run each,
+    labelled by dtype."""
+    assert vllm_peer.best_dtype(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) == "bfloat16"
+    assert vllm_peer.best_dtype(["avx512f", "avx512_bf16"]) == vllm_peer.best_dtype(["avx2"]) == "float32"
+    model = _config_only(tmp_path / "m")
+    log = use_stand_in(tmp_path, monkeypatch)
+    out = throughput.main(_args(model, "--backend", "vllm", "--vllm-dtype", "both"))
+    assert set(out["results"]) == {"vllm-float32", "vllm-bfloat16"}
+    assert {r["vllm_dtype"] for r in out["results"].values()} == {"float32", "bfloat16"}
+    inits = [json.loads(line)["init"]["dtype"] for line in log.read_text().splitlines() if "init" in line]
+    assert inits == ["float32", "bfloat16"]
 
 
 def test_converted_model_exported_for_vllm(tmp_path):

@@ -102,15 +102,15 @@ def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, 
         return {}, why
     out = {}
     export_root = os.path.join(os.path.dirname(model_dir), "vllm-export")
-    for n in args.concurrency:
-        t = {}
-        for length in (1, args.output_len):
-            wl = bc.Workload([bc.Req(p, length) for p in prompts[:n]])
-            t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root)["elapsed_s"]
-        per_token = 1e3 * (t[args.output_len] - t[1]) / (args.output_len - 1)
-        out["vllm " + (args.vllm_dtype or "float32"), n] = dict(
-            ms_per_token=per_token, ttft_ms=1e3 * t[1], load=[os.getloadavg()[0]],
-            weight_bytes=None, note="elapsed time only")
+    for dtype in vllm_peer.dtypes(args):
+        for n in args.concurrency:
+            t = {}
+            for length in (1, args.output_len):
+                wl = bc.Workload([bc.Req(p, length) for p in prompts[:n]])
+                t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root, dtype)["elapsed_s"]
+            per_token = 1e3 * (t[args.output_len] - t[1]) / (args.output_len - 1)
+            out["vllm " + dtype, n] = dict(ms_per_token=per_token, ttft_ms=1e3 * t[1], load=[os.getloadavg()[0]],
+                                            weight_bytes=None, note="elapsed time only")
     return out, None
 
 

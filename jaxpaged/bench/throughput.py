@@ -158,7 +158,9 @@ def main(argv=None) -> dict:
         if skipped["vllm"] is None:
             from jaxpaged.config import default_cache_dir
             export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
-            run("vllm", lambda: vllm_peer.run_vllm(model_dir, wl, args, export))
+            for d in vllm_peer.dtypes(args):  # each labelled by its dtype when there are two
+                name = "vllm" if len(vllm_peer.dtypes(args)) == 1 else f"vllm-{d}"
+                run(name, lambda d=d: vllm_peer.run_vllm(model_dir, wl, args, export, d))
         else:
             bc.say(skipped["vllm"])
     sizes = [(tp, dp) for tp in tp_sizes for dp in dp_sizes]
