@@ -2,6 +2,7 @@
 /openapi.json; and their plumbing (auth, body limit, JSON, schema, model name, sampling parameters)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from pydantic import ValidationError
@@ -11,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from jaxpaged.core.sampling_params import SamplingParams
 from serve import lora as serve_lora
 from serve import outputs as fmt
-from serve import tools
+from serve import prompt_size, tools
 from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
@@ -37,7 +38,7 @@ async def parse(request: Request, model_cls):
     """Auth, the body (size limit, JSON, nesting depth), schema and model name; any failure is an APIError."""
     st = request.app.state.server
     check_auth(request)
-    data = await read_json(request, st.max_body_bytes)
+    data = await read_json(request, st.max_body_bytes, st.body_timeout)
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:
@@ -97,6 +98,9 @@ async def completions(request: Request) -> Response:
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     fmt.check_routes_request(req, len(prompts))
+    engine = request.app.state.server.engine
+    await prompt_size.check_prompts(engine.tokenizer, [x for x in prompts if isinstance(x, str)],
+                                    engine.max_model_len)
     job = Job(request, "cmpl", rename)
     await job.start(prompts, params, stream=req.stream)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
@@ -153,16 +157,21 @@ async def completions(request: Request) -> Response:
 
 # -- chat -------------------------------------------------------------------------------------
 def chat_prompt(engine, messages, tool_list=None) -> list[int]:
+    """The conversation's token ids (call in a worker thread: it renders and tokenizes). The rendered text
+    is refused from its size before it is tokenized if it cannot fit max_model_len (serve/prompt_size.py)."""
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
                             "with token ids", param="messages")
     msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
-        return tok.apply_chat_template(msgs, tools=template_tools)
+        text = tok.render_chat_template(msgs, tools=template_tools)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
+    if prompt_size.refused_unseen(tok, text, engine.max_model_len, "messages") is None:
+        prompt_size.check_prefix(tok, text, engine.max_model_len, "messages")
+    return tok.encode(text, add_special_tokens=False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -179,7 +188,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(req, max_tokens, k, rename, structured)
     fmt.check_routes_request(req, 1)
     use_tools = req.tools if mode is not None else None
-    prompt = chat_prompt(st.engine, req.messages, use_tools)
+    prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools)
     named = req.tool_choice.function.name if mode == "named" else None
     job = Job(request, "chatcmpl", rename)
     await job.start([prompt], params, stream=req.stream)
