@@ -53,14 +53,16 @@ class ServerState:
     adapters: serve_lora.Adapters | None = None  # LoRA adapters by name (--enable-lora)
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to read a body (None: no deadline)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
+    model_root: str | None = None  # /v1/models' `root` of the base model: its path or name as given
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
                adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
-               body_timeout: float | None = DEFAULT_BODY_TIMEOUT) -> Starlette:
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
-    a request body must arrive within `body_timeout` seconds (408).
+    a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
+    name as given (/v1/models' `root`; default `served_model_name`).
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -91,7 +93,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
                                    Metrics(engine, served_model_name), schema, int(time.time()),
                                    adapters if adapters is not None else
-                                   serve_lora.Adapters() if runtime_lora_updating else None, body_timeout)
+                                   serve_lora.Adapters() if runtime_lora_updating else None, body_timeout,
+                                   model_root=model_root or served_model_name)
     return app
 
 
@@ -220,7 +223,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating,
-                     body_timeout=args.request_body_timeout)
+                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

@@ -202,7 +202,7 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
         choices = []
         for c in job.lasts[0].outputs:
-            content, calls = tools.parse(mode, c.text, named)
+            content, calls = tools.parse(mode, c.text, named) if c.finish_reason != "length" else (c.text, [])
             reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
                                       logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason,
@@ -238,7 +238,7 @@ async def chat_completions(request: Request) -> Response:
                 elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
                     if reason is None:
                         continue
-                    content, calls = tools.parse(mode, c.text, None)
+                    content, calls = tools.parse(mode, c.text, None) if reason != "length" else (c.text, [])
                     delta = ChatDelta(content=content, tool_calls=[DeltaToolCall(
                         index=j, id=t.id, type="function", function=DeltaFunction(
                             name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
@@ -260,10 +260,11 @@ async def chat_completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     check_auth(request)
     st = request.app.state.server
-    card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len)
+    card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len,
+                     root=st.model_root)
     adapters = [ModelCard(id=name, created=st.created, max_model_len=st.engine.max_model_len, root=lr.lora_path,
                           parent=st.model_name) for name, lr in (st.adapters.by_name.items() if st.adapters else ())]
-    return JSONResponse(ModelList(data=[card] + adapters).model_dump(exclude_none=True))
+    return JSONResponse(ModelList(data=[card] + adapters).model_dump())  # the base model's parent: null
 
 
 async def load_lora_adapter(request: Request) -> Response:
