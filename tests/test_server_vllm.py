@@ -19,7 +19,8 @@ def server(compile_cache, tmp_path_factory):
     d = str(tmp_path_factory.mktemp("vllm_model"))
     make_tiny_model(d, "llama", vocab_size=320)
     make_byte_tokenizer(d)
-    srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm.log"))
+    srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm.log"),
+                 extra=("--max-model-len", "512"))  # the tools, rendered into the prompt, take ~350 tokens
     srv.model_dir = d
     yield srv
     srv.stop()
