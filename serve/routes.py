@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.validation import InvalidParam, check_text
 from serve import lora as serve_lora
 from serve import outputs as fmt
 from serve import prompt_size, tools
@@ -169,6 +170,10 @@ def chat_prompt(engine, messages, tool_list=None) -> list[int]:
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
+    try:
+        check_text("messages", text)  # a lone surrogate the template passed through
+    except InvalidParam as e:
+        raise APIError(400, str(e), param="messages") from None
     if prompt_size.refused_unseen(tok, text, engine.max_model_len, "messages") is None:
         prompt_size.check_prefix(tok, text, engine.max_model_len, "messages")
     return tok.encode(text, add_special_tokens=False)

@@ -62,3 +62,11 @@ def test_no_partial_tool_calls_on_length(server, tool_choice):
                             "max_tokens": 3, "stream": True}) as s:
         chunks = [line for line in s.iter_lines() if line.startswith("data: {")]
     assert chunks and all('"tool_calls":[' not in c for c in chunks)
+
+
+def test_every_invalid_logit_bias_key_named(server):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "ab", "max_tokens": 1, "logit_bias": {"5": 1, "400": 1, "999": -1}})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "logit_bias" and "token ids 400, 999 are out of vocabulary" in err["message"], err
