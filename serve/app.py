@@ -13,7 +13,7 @@ import logging
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from starlette.applications import Starlette
@@ -26,6 +26,7 @@ from jaxpaged.async_engine import AsyncEngine
 from serve import lora as serve_lora
 from serve import rl_routes, routes
 from serve.errors import APIError
+from serve.http_protocol import protocol
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
 
@@ -34,6 +35,10 @@ log = logging.getLogger("jaxpaged.serve")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
 DEFAULT_MAX_WAITING = 512
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get after SIGTERM
+DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a request's header may take to arrive
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request's body may take to arrive
+SHUTDOWN_FLUSH = 5.0  # seconds after --shutdown-timeout for the final events to reach clients
 
 
 @dataclass
@@ -46,12 +51,18 @@ class ServerState:
     openapi: dict
     created: int
     adapters: serve_lora.Adapters | None = None  # LoRA adapters by name (--enable-lora)
+    body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to read a body (None: no deadline)
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
+    model_root: str | None = None  # /v1/models' `root` of the base model: its path or name as given
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
-               adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False) -> Starlette:
-    """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`.
+               adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None) -> Starlette:
+    """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
+    a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
+    name as given (/v1/models' `root`; default `served_model_name`).
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -82,7 +93,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
                                    Metrics(engine, served_model_name), schema, int(time.time()),
                                    adapters if adapters is not None else
-                                   serve_lora.Adapters() if runtime_lora_updating else None)
+                                   serve_lora.Adapters() if runtime_lora_updating else None, body_timeout,
+                                   model_root=model_root or served_model_name)
     return app
 
 
@@ -117,6 +129,19 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
+    limits = parser.add_argument_group("server: deadlines and connection bounds")
+    limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds "
+                        "in-flight requests get to finish after SIGTERM/SIGINT; streams still open then end "
+                        "with an error event (code server_shutdown) and [DONE] (default %(default)s)")
+    limits.add_argument("--request-header-timeout", type=_seconds, default=DEFAULT_HEADER_TIMEOUT,
+                        help="seconds a request's header may take to arrive, else the connection is closed; "
+                        "0: no deadline (default %(default)s)")
+    limits.add_argument("--request-body-timeout", type=_seconds, default=DEFAULT_BODY_TIMEOUT,
+                        help="seconds a request's body may take to arrive, else 408; 0: no deadline "
+                        "(default %(default)s)")
+    limits.add_argument("--max-connections-per-client", type=int, default=0, help="connections one client "
+                        "(IP address) may hold open at once, further ones closed at once; 0: no bound "
+                        "(default %(default)s)")
     lora = parser.add_argument_group("server: LoRA adapters (with --enable-lora)")
     lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
                       help="PEFT adapter directories to serve, by name (requests pick one by `model`)")
@@ -126,8 +151,33 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _seconds(text: str) -> float | None:
+    """A deadline flag's value: seconds > 0, or 0 for none (None)."""
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: no deadline), got {text}")
+    return value or None
+
+
 class _Server(uvicorn.Server):
-    """uvicorn's server, but SIGTERM/SIGINT end `run()` normally (exit 0) instead of being re-raised."""
+    """uvicorn's server, but SIGTERM/SIGINT end `run()` normally (exit 0) instead of being re-raised; and
+    `shutdown_timeout` seconds into the shutdown, `stopping` is set: the streams still open end with an error
+    event and [DONE] (uvicorn's own timeout, SHUTDOWN_FLUSH later, is the backstop)."""
+
+    def __init__(self, config: uvicorn.Config, stopping: asyncio.Event, shutdown_timeout: float):
+        super().__init__(config)
+        self.stopping, self.shutdown_timeout = stopping, shutdown_timeout
+
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._expire)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _expire(self) -> None:
+        log.info("--shutdown-timeout (%gs) expired: ending the requests still open", self.shutdown_timeout)
+        self.stopping.set()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -142,10 +192,10 @@ class _Server(uvicorn.Server):
                 signal.signal(s, handler)
 
 
-def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, engine_kwargs: dict | None = None) -> None:
-    """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get `grace_period` seconds
-    to finish, then are aborted. Returns normally (exit status 0)."""
+def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               engine_kwargs: dict | None = None) -> None:
+    """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get --shutdown-timeout
+    seconds to finish, then end (streams with an error event). Returns normally (exit status 0)."""
     from jaxpaged.parallel.replicas import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -172,10 +222,12 @@ def run_server(args: argparse.Namespace, *, grace_period: float = 30.0,
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, max_step_failures=args.max_step_failures)
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
-                     adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating)
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=grace_period, log_level="info")
+                     adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating,
+                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME)
+    http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
+    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
-    _Server(config).run()
+    _Server(config, app.state.server.stopping, args.shutdown_timeout).run()
     async_engine.shutdown()
     log.info("stopped")

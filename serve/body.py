@@ -9,10 +9,11 @@ same depth with a ValueError: such text is then kept as text, as when it is not 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from serve.errors import APIError
 
@@ -53,17 +54,27 @@ def loads(text: str):
     return json.loads(text)
 
 
-async def read_json(request: Request, limit: int) -> dict:
-    """The body of `request` as a JSON object: at most `limit` bytes (else 413), UTF-8/16/32 as JSON allows,
-    finite numbers only, nested at most MAX_JSON_DEPTH deep; any failure is an APIError."""
+async def read_json(request: Request, limit: int, timeout: float | None = None) -> dict:
+    """The body of `request` as a JSON object: at most `limit` bytes (else 413), read whole within `timeout`
+    seconds (else 408), UTF-8/16/32 as JSON allows, finite numbers only, nested at most MAX_JSON_DEPTH deep;
+    any failure is an APIError (a client that disconnects while sending it: 499)."""
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise APIError(413, f"request body is {length} bytes; the limit is {limit}", code="request_too_large")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                   code="request_too_large")
+    except TimeoutError:
+        raise APIError(408, f"the request body was not received within {timeout:g}s ({len(body)} bytes came; "
+                       "--request-body-timeout)", code="request_timeout", headers={"Connection": "close"}) from None
+    except ClientDisconnect:  # nobody to answer: one quiet log line (the app's APIError handler), no traceback
+        raise APIError(499, f"the client disconnected after {len(body)} bytes of its body",
+                       code="client_disconnected") from None
     try:
         text = body.decode(json.detect_encoding(body), "surrogatepass")  # as json.loads(bytes) does
     except UnicodeDecodeError as e:

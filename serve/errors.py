@@ -2,6 +2,8 @@
 exceptions (pydantic's ValidationError, the engine's ValueError) onto them."""
 from __future__ import annotations
 
+import math
+
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -39,7 +41,9 @@ def from_validation_error(e: ValidationError) -> APIError:
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
         "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
     msg, code = first["msg"], None
-    if _float_int(first):
+    if _float_int(first) and not math.isfinite(first["input"]):
+        msg, code = "is not finite (a number such as 1e400 overflows); it must be a JSON integer", "integer_required"
+    elif _float_int(first):
         msg, code = "must be written as a JSON integer (2, not 2.0)", "integer_required"
     elif first["type"] == "missing":
         msg = "field required"

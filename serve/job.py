@@ -98,11 +98,16 @@ class Job:
             async for _ in self.outputs():
                 pass
         work, watch = asyncio.create_task(drain()), asyncio.create_task(_disconnected(self.request))
+        stop = asyncio.create_task(self.st.stopping.wait())
         try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({work, watch, stop}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for t in (work, watch):
+            for t in (work, watch, stop):
                 t.cancel()
+        if not work.done() and stop.done() and not stop.cancelled():
+            self.status = "shutdown"
+            raise APIError(503, "the server is shutting down (its --shutdown-timeout expired)",
+                           code="server_shutdown")
         if not work.done() or work.cancelled():
             self.status = "disconnected"
             return False
@@ -160,9 +165,25 @@ def sse(obj) -> str:
 
 
 async def _stream(job: Job, events) -> AsyncIterator[str]:
-    """Server-sent events from `events` (an async iterator of strings), ending in [DONE]."""
+    """Server-sent events from `events` (an async iterator of strings), ending in [DONE]; when the server's
+    shutdown timeout expires first, in an error event (code `server_shutdown`) and [DONE]."""
+    stop, step = asyncio.ensure_future(job.st.stopping.wait()), None
     try:
-        async for event in events:
+        while True:
+            step = asyncio.ensure_future(anext(events))
+            await asyncio.wait({step, stop}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():  # shutting down: the generator is cancelled where it waits, then closed
+                step.cancel()
+                await asyncio.gather(step, return_exceptions=True)
+                job.status = "shutdown"
+                err = ErrorInfo(message="the server is shutting down (its --shutdown-timeout expired)",
+                                type="server_error", code="server_shutdown")
+                yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+                break
+            try:
+                event = step.result()
+            except StopAsyncIteration:
+                break
             yield event
         yield "data: [DONE]\n\n"
     except (EngineDeadError, RequestFailedError) as e:
@@ -170,6 +191,10 @@ async def _stream(job: Job, events) -> AsyncIterator[str]:
         job.status = "engine-error" if dead else "step-error"
         err = ErrorInfo(message=str(e), type="server_error", code="engine_unavailable" if dead else "step_failed")
         yield f"data: {json.dumps({'error': err.model_dump()})}\n\n"
+    finally:
+        stop.cancel()
+        if step is not None:
+            step.cancel()
 
 
 class JobStream(StreamingResponse):

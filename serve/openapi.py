@@ -32,6 +32,8 @@ _COMMON_RULES = [
      "not 2.0 (which JSON Schema also calls an integer)"},
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
      "max_model_len) must not exceed max_model_len"},
+    {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
+     "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"},
     {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
     {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
      "response_format, tool parameters when tool_choice is required or named) must be one llguidance "

@@ -181,6 +181,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
     routed_experts: list | None = None  # [generated - 1, L, k] (return_routed_experts)
+    prompt_logprobs: list | None = None  # vLLM's field: present, null (prompt_logprobs is not a request field)
 
 
 class CompletionResponse(BaseModel):
@@ -230,6 +231,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_routed_experts: list | None = None  # [prompt tokens, L, k] (return_routed_experts)
+    prompt_logprobs: list | None = None  # vLLM's field: present, null (prompt_logprobs is not a request field)
 
 
 class ChatDelta(BaseModel):
@@ -260,8 +262,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "jaxpaged"
     max_model_len: int | None = None
-    root: str | None = None    # a LoRA adapter: its directory
-    parent: str | None = None  # a LoRA adapter: the base model's name
+    root: str | None = None    # the base model's path or name as given; a LoRA adapter's directory
+    parent: str | None = None  # null for the base model; a LoRA adapter: the base model's name
 
 
 class ModelList(BaseModel):

@@ -2,6 +2,7 @@
 /openapi.json; and their plumbing (auth, body limit, JSON, schema, model name, sampling parameters)."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 
 from pydantic import ValidationError
@@ -9,9 +10,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.validation import InvalidParam, check_text
 from serve import lora as serve_lora
 from serve import outputs as fmt
-from serve import tools
+from serve import prompt_size, tools
 from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
@@ -37,7 +39,7 @@ async def parse(request: Request, model_cls):
     """Auth, the body (size limit, JSON, nesting depth), schema and model name; any failure is an APIError."""
     st = request.app.state.server
     check_auth(request)
-    data = await read_json(request, st.max_body_bytes)
+    data = await read_json(request, st.max_body_bytes, st.body_timeout)
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:
@@ -97,6 +99,9 @@ async def completions(request: Request) -> Response:
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     fmt.check_routes_request(req, len(prompts))
+    engine = request.app.state.server.engine
+    await prompt_size.check_prompts(engine.tokenizer, [x for x in prompts if isinstance(x, str)],
+                                    engine.max_model_len)
     job = Job(request, "cmpl", rename)
     await job.start(prompts, params, stream=req.stream)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
@@ -153,16 +158,25 @@ async def completions(request: Request) -> Response:
 
 # -- chat -------------------------------------------------------------------------------------
 def chat_prompt(engine, messages, tool_list=None) -> list[int]:
+    """The conversation's token ids (call in a worker thread: it renders and tokenizes). The rendered text
+    is refused from its size before it is tokenized if it cannot fit max_model_len (serve/prompt_size.py)."""
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
                             "with token ids", param="messages")
     msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
-        return tok.apply_chat_template(msgs, tools=template_tools)
+        text = tok.render_chat_template(msgs, tools=template_tools)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
+    try:
+        check_text("messages", text)  # a lone surrogate the template passed through
+    except InvalidParam as e:
+        raise APIError(400, str(e), param="messages") from None
+    if prompt_size.refused_unseen(tok, text, engine.max_model_len, "messages") is None:
+        prompt_size.check_prefix(tok, text, engine.max_model_len, "messages")
+    return tok.encode(text, add_special_tokens=False)
 
 
 async def chat_completions(request: Request) -> Response:
@@ -179,7 +193,7 @@ async def chat_completions(request: Request) -> Response:
     params = sampling_params(req, max_tokens, k, rename, structured)
     fmt.check_routes_request(req, 1)
     use_tools = req.tools if mode is not None else None
-    prompt = chat_prompt(st.engine, req.messages, use_tools)
+    prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools)
     named = req.tool_choice.function.name if mode == "named" else None
     job = Job(request, "chatcmpl", rename)
     await job.start([prompt], params, stream=req.stream)
@@ -193,7 +207,7 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
         choices = []
         for c in job.lasts[0].outputs:
-            content, calls = tools.parse(mode, c.text, named)
+            content, calls = tools.parse(mode, c.text, named) if c.finish_reason != "length" else (c.text, [])
             reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=calls),
                                       logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason,
@@ -229,7 +243,7 @@ async def chat_completions(request: Request) -> Response:
                 elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
                     if reason is None:
                         continue
-                    content, calls = tools.parse(mode, c.text, None)
+                    content, calls = tools.parse(mode, c.text, None) if reason != "length" else (c.text, [])
                     delta = ChatDelta(content=content, tool_calls=[DeltaToolCall(
                         index=j, id=t.id, type="function", function=DeltaFunction(
                             name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
@@ -251,10 +265,11 @@ async def chat_completions(request: Request) -> Response:
 async def models(request: Request) -> Response:
     check_auth(request)
     st = request.app.state.server
-    card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len)
+    card = ModelCard(id=st.model_name, created=st.created, max_model_len=st.engine.max_model_len,
+                     root=st.model_root)
     adapters = [ModelCard(id=name, created=st.created, max_model_len=st.engine.max_model_len, root=lr.lora_path,
                           parent=st.model_name) for name, lr in (st.adapters.by_name.items() if st.adapters else ())]
-    return JSONResponse(ModelList(data=[card] + adapters).model_dump(exclude_none=True))
+    return JSONResponse(ModelList(data=[card] + adapters).model_dump())  # the base model's parent: null
 
 
 async def load_lora_adapter(request: Request) -> Response:

@@ -125,9 +125,9 @@ def new_call(name: str, arguments: str) -> ToolCall:
 
 def parse(mode: str | None, text: str, named: str | None) -> tuple[str | None, list[ToolCall]]:
     """(content, tool calls) of one choice's text under a tool mode. Output that does not parse (cut by
-    max_tokens, or no call in "auto") stays content."""
+    max_tokens, or no call in "auto") stays content; a named call's content is "" (as vLLM's)."""
     if mode == "named":
-        return None, [new_call(named, text)]
+        return "", [new_call(named, text)]
     if mode == "required":
         try:
             return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in loads(text)]

@@ -53,17 +53,18 @@ def free_port() -> int:
 class Server:
     """`run_server` in a subprocess (so SIGTERM and exit codes are real); logs go to a file."""
 
-    def __init__(self, model_dir, cache_dir, log_path, *, grace=30.0, extra=()):
+    def __init__(self, model_dir, cache_dir, log_path, *, grace=30.0, extra=(), prelude="", max_body=MAX_BODY):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         code = ("import argparse, sys, jax; jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
+                + prelude +
                 "from serve.app import add_serve_args, run_server\n"
                 "args = add_serve_args(argparse.ArgumentParser()).parse_args(sys.argv[1:])\n"
-                f"run_server(args, grace_period={grace}, max_body_bytes={MAX_BODY}, "
+                f"run_server(args, max_body_bytes={max_body}, "
                 f"engine_kwargs=dict(compilation_cache_dir={cache_dir!r}, show_progress=False))\n")
         argv = ["--model", model_dir, "--served-model-name", "tiny", "--port", str(self.port), "--dtype", "float32",
                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-num-batched-tokens", "64", "--max-model-len", "256",
-                "--max-waiting", str(MAX_WAITING), *extra]
+                "--max-waiting", str(MAX_WAITING), "--shutdown-timeout", str(grace), *extra]
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=ROOT, stdout=self.log,

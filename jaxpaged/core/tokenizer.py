@@ -1,6 +1,7 @@
 """Tokenizer wrapper, incremental detokenizer, stop strings (host only)."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -98,13 +99,45 @@ class Tokenizer:
                             tools: list[dict] | None = None) -> list[int]:
         """Render the conversation (and `tools`, for templates that use them) with the chat template and
         tokenize it (no extra special tokens)."""
+        return self.encode(self.render_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+
+    def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                             tools: list[dict] | None = None) -> str:
+        """The conversation rendered with the chat template, as text (not tokenized)."""
         if not self.chat_template:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **self.special)
-        return self.encode(text, add_special_tokens=False)
+
+    @functools.cached_property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of text one token can stand for, or None where no sound bound is known.
+
+        Sound for BPE with no normalizer and pre-tokenizers that keep every character (ByteLevel, Metaspace,
+        Digits, Punctuation, Split not removing): each token then stands for at most its vocabulary string's
+        UTF-8 bytes (a byte-level or metaspace string encodes to at least the bytes it stands for), an
+        unknown token for one character (<= 4 bytes). A text of B bytes therefore has >= B / this tokens."""
+        spec = json.loads(self.backend.to_str())
+        if spec["model"].get("type") != "BPE" or spec.get("normalizer") is not None:
+            return None
+        if not _keeps_text(spec.get("pre_tokenizer")):
+            return None
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max(4, max((len(t.encode("utf-8")) for t in vocab), default=0))
+
+
+def _keeps_text(pre: dict | None) -> bool:
+    """Whether a tokenizer.json pre-tokenizer keeps every character of the text in some piece."""
+    if pre is None:
+        return True
+    kind = pre.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers", ()))
+    if kind == "Split":
+        return pre.get("behavior") != "Removed"
+    return kind in ("ByteLevel", "Metaspace", "Digits", "Punctuation")
 
 
 def _compile_template(source: str):

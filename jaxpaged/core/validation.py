@@ -86,9 +86,12 @@ def check_request(ids: list[int], params, limits: dict, blocks_held, usable_bloc
                            f"({limits['max_logprobs']})")
     for name, ids in (("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ())):
-        bad = [t for t in ids if t >= V]
-        if bad:
-            raise InvalidParam(name, f"{name} token id {bad[0]} is out of vocabulary (vocab_size {V})",
+        bad = sorted({t for t in ids if t >= V})
+        if bad:  # every bad key named (at most 32 of them: the message stays bounded)
+            more = f" and {len(bad) - 32} more" if len(bad) > 32 else ""
+            many = len(bad) > 1
+            raise InvalidParam(name, f"{name} token id{'s' if many else ''} {', '.join(map(str, bad[:32]))}{more} "
+                               f"{'are' if many else 'is'} out of vocabulary (vocab_size {V})",
                                code="invalid_token_id")
     banned = (0 if params.ignore_eos else limits["num_eos_ids"]) + len(params.stop_token_ids)
     if params.min_tokens and banned > NB:
