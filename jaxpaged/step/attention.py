@@ -6,7 +6,7 @@
 
 | asked | CPU target | GPU target (sm_90+ / older) | TPU target |
 | --- | --- | --- | --- |
-| auto | cpu (reference if it cannot build) | pallas if shapes fit, else reference | pallas if shapes fit, else reference |
+| auto | cpu (reference if it cannot build) | pallas if shapes fit, else reference | pallas if shapes fit, else ref. |
 | pallas | triton (interpret mode) | mosaic_gpu / triton | mosaic_tpu |
 | mosaic | error: say mosaic_gpu or mosaic_tpu | mosaic_gpu (sm_90+ only) | mosaic_tpu |
 | triton, mosaic_gpu, mosaic_tpu | that kernel in its interpret mode | that kernel (GPU ones only) | mosaic_tpu only |
