@@ -66,7 +66,7 @@ def _build() -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC",
+    cmd = [cxx, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
            "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
