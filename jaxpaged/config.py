@@ -176,8 +176,8 @@ class EngineConfig:
                                                "added (0..num_layers-1)", metavar="LAYER")
     # -- compilation
     attention_backend: str = option("auto", COMPILATION, "attention kernels, resolved for the devices the step is "
-                                    "compiled for (jaxpaged/step/attention.py; 'cpu': the C++ kernel over the "
-                                    "paged pool, what auto picks on a CPU when it builds)", choices=ATTENTION_BACKENDS)
+                                    "compiled for (jaxpaged/step/attention.py; 'cpu': the C++ kernel that reads "
+                                    "the paged pool in place, CPU targets only)", choices=ATTENTION_BACKENDS)
     compilation_cache_dir: str | None = option(None, COMPILATION, "JAX's persistent compilation cache, so a second "
                                                "start is fast ('': none)", factory=_default_compilation_cache_dir)
     warmup: bool = option(True, COMPILATION, "compile every step shape at start-up (off: each on first use)")

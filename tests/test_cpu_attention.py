@@ -73,8 +73,8 @@ def test_quantized_pools_take_the_reference():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_auto_resolves_to_the_kernel_on_cpu():
-    assert resolve_backend("auto", 64, 16) == "cpu"
+def test_resolve():
+    assert resolve_backend("auto", 64, 16) == "reference"  # until the kernel is measured faster
     assert resolve_backend("reference", 64, 16) == "reference"
     assert resolve_backend("cpu", 64, 16) == "cpu"
 
