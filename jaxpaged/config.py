@@ -11,7 +11,7 @@ from typing import Any
 from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, published_dtype, read_config_json
 
 # what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
-ATTENTION_BACKENDS = ("auto", "reference", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
+ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
 
 
 @dataclass(frozen=True)
@@ -213,7 +213,8 @@ class EngineConfig:
                                                "added (0..num_layers-1)", metavar="LAYER")
     # -- compilation
     attention_backend: str = option("auto", COMPILATION, "attention kernels, resolved for the devices the step is "
-                                    "compiled for (jaxpaged/step/attention.py)", choices=ATTENTION_BACKENDS)
+                                    "compiled for (jaxpaged/step/attention.py; 'cpu': the C++ kernel that reads "
+                                    "the paged pool in place, CPU targets only)", choices=ATTENTION_BACKENDS)
     compilation_cache_dir: str | None = option(None, COMPILATION, "JAX's persistent compilation cache, so a second "
                                                "start is fast ('': none)", factory=_default_compilation_cache_dir)
     warmup: bool = option(True, COMPILATION, "compile every step shape at start-up (off: each on first use)")

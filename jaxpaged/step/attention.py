@@ -10,8 +10,10 @@
 | pallas | triton (interpret mode) | mosaic_gpu / triton | mosaic_tpu |
 | mosaic | error: say mosaic_gpu or mosaic_tpu | mosaic_gpu (sm_90+ only) | mosaic_tpu |
 | triton, mosaic_gpu, mosaic_tpu | that kernel in its interpret mode | that kernel (GPU ones only) | mosaic_tpu only |
+| cpu | the C++ kernel (error if it cannot be built) | error | error |
 
-`reference`: plain JAX over the paged pool (the CPU path, and the oracle of the kernels). The kernels
+`reference`: plain JAX over the paged pool (the oracle of the kernels). `cpu`: the C++ kernel of
+pallas_kernels/cpu_ffi.py, reading the pool in place through the XLA FFI, built at first use. The kernels
 (pallas_kernels/) run in their interpret mode only when the target is the CPU (tests).
 
 With tensor parallelism the chosen function runs per device through `shard_map`: each device attends
@@ -28,9 +30,10 @@ from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ATTENTION_BACKENDS
 from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
+from pallas_kernels import cpu_ffi
 from pallas_kernels.reference import ragged_paged_attention_reference
 
-IMPLEMENTATIONS = ("reference", "triton", "mosaic_gpu", "mosaic_tpu")
+IMPLEMENTATIONS = ("reference", "cpu", "triton", "mosaic_gpu", "mosaic_tpu")
 _PLATFORM_OF = {"triton": "gpu", "mosaic_gpu": "gpu", "mosaic_tpu": "tpu"}
 
 
@@ -66,9 +69,16 @@ def resolve_backend(name: str, head_dim: int, block_size: int, devices=None) -> 
     platform, cc = target_platform(jax.devices() if devices is None else devices)
     fits = _pow2(block_size) and _pow2(head_dim) and 16 <= head_dim <= 256
     hopper = cc is not None and cc >= 9.0
-    if name == "auto":
+    if name == "auto":  # on CPU targets the reference: the C++ kernel (`cpu`) was not faster yet (docs/kernels.md)
         name = "pallas" if platform != "cpu" and fits and _pallas_for(platform, hopper) else "reference"
     if name == "reference":
+        return name
+    if name == "cpu":
+        if platform != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU targets, not {platform}")
+        if not cpu_ffi.available():
+            raise ValueError("attention_backend='cpu': the C++ kernel could not be built here (see the log); "
+                             "use 'reference'")
         return name
     if not fits:
         raise ValueError(f"attention_backend={name!r} needs a power-of-two block_size and head_dim in "
@@ -114,8 +124,12 @@ def make_attention(backend: str, decode_only: bool, mesh=None):
     With a `mesh` whose "model" axis has more than one device, the function runs per head shard. The
     kernels run in interpret mode when the mesh's devices are CPUs."""
     devices = jax.devices() if mesh is None else mesh.devices.flat
-    attn = ragged_paged_attention_reference if backend == "reference" else \
-        KERNELS[backend](decode_only, target_platform(devices)[0] == "cpu")
+    if backend == "reference":
+        attn = ragged_paged_attention_reference
+    elif backend == "cpu":
+        attn = cpu_ffi.cpu_ragged_paged_attention
+    else:
+        attn = KERNELS[backend](decode_only, target_platform(devices)[0] == "cpu")
     return shard_heads(attn, mesh)
 
 

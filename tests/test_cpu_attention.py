@@ -1,0 +1,121 @@
+"""The CPU paged attention kernel (pallas_kernels/cpu_paged_attention.cc) against the plain-JAX reference."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.step.attention import resolve_backend
+from pallas_kernels import cpu_ffi
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+pytestmark = pytest.mark.skipif(not cpu_ffi.available(), reason="the CPU kernel cannot be built here")
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _case(rng, n_rows, lens, Hkv, G, D, bs, dtype):
+    """Random pools, a randomly permuted block table and ragged queries (3 padding rows at the end)."""
+    S, B = len(lens), max(-(-max(lens) // bs), 1) + 1
+    num_blocks = S * B + 8
+    k_pool = jnp.asarray(rng.standard_normal((num_blocks, bs, Hkv, D)), dtype)
+    v_pool = jnp.asarray(rng.standard_normal((num_blocks, bs, Hkv, D)), dtype)
+    ids = rng.permutation(np.arange(1, num_blocks))[:S * B].reshape(S, B)  # distinct blocks, 0 is the null block
+    qsl = np.concatenate([[0], np.cumsum(n_rows)]).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((int(qsl[-1]) + 3, G * Hkv, D)), dtype)
+    return q, k_pool, v_pool, jnp.asarray(ids, jnp.int32), jnp.asarray(lens, jnp.int32), jnp.asarray(qsl)
+
+
+def _check(args, dtype, **options):
+    got = jax.jit(lambda *a: cpu_ffi.cpu_ragged_paged_attention(*a, **options))(*args)
+    want = ragged_paged_attention_reference(*args, **options)
+    assert got.dtype == want.dtype == args[0].dtype and got.shape == want.shape
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    assert not got[-3:].any()  # padding rows: zeros
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("G", [1, 3, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_decode(dtype, G, D):
+    bs = 16
+    lens = [1, bs - 1, bs, bs + 1, 300, 0]  # 0: an empty slot (no rows)
+    rng = np.random.default_rng(G * D)
+    n_rows = [1, 1, 1, 1, 1, 0]
+    _check(_case(rng, n_rows, lens, 2, G, D, bs, dtype), dtype)
+
+
+OPTIONS = [{}, {"window": 20}, {"softcap": 3.0}, {"window": 33, "softcap": 10.0, "scale": 0.2}]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("options", OPTIONS)
+def test_mixed(dtype, options):
+    rng = np.random.default_rng(len(options))
+    lens = [1, 15, 16, 17, 40, 200, 9]
+    n_rows = [1, 15, 1, 17, 13, 1, 9]  # whole prompts, chunks and decodes
+    _check(_case(rng, n_rows, lens, 2, 4, 64, 16, dtype), dtype, **options)
+
+
+def test_quantized_pools_take_the_reference():
+    rng = np.random.default_rng(1)
+    q, k_pool, v_pool, tables, lens, qsl = _case(rng, [1, 4], [5, 20], 2, 2, 64, 8, jnp.float32)
+    k8, v8 = (jnp.clip(jnp.round(p * 20), -127, 127).astype(jnp.int8) for p in (k_pool, v_pool))
+    scales = jnp.full(k_pool.shape[:3], 0.05, jnp.float32)
+    args = (q, k8, v8, tables, lens, qsl)
+    got = cpu_ffi.cpu_ragged_paged_attention(*args, k_scale=scales, v_scale=scales)
+    want = ragged_paged_attention_reference(*args, k_scale=scales, v_scale=scales)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_resolve():
+    assert resolve_backend("auto", 64, 16) == "reference"  # until the kernel is measured faster
+    assert resolve_backend("reference", 64, 16) == "reference"
+    assert resolve_backend("cpu", 64, 16) == "cpu"
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def test_engine_tokens_equal_the_reference(tiny_models, engine_kwargs):
+    """Greedy float32 tokens through chunked prefill (prompts longer than a step's 64 tokens) and prefix hits
+    (the same prompts twice) are the reference backend's."""
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=n)]} for n in (5, 90, 17, 130)]
+    kw = {**engine_kwargs, "enable_prefix_caching": True}
+    tokens = {}
+    for backend in ("reference", "cpu"):
+        llm = LLM(model=tiny_models["llama"], **kw, attention_backend=backend)
+        assert llm.engine.runner.backend == backend
+        tokens[backend] = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+                           for _ in range(2)]
+        del llm
+    assert tokens["cpu"] == tokens["reference"]
+
+
+def test_tensor_parallel_two_devices():
+    """TP=2 on two simulated CPU devices: each device runs the kernel on its heads (shard_heads)."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh
+        from jaxpaged.parallel.mesh import MODEL_AXIS
+        from jaxpaged.step.attention import make_attention
+        from pallas_kernels.reference import ragged_paged_attention_reference as ref
+        mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", MODEL_AXIS))
+        rng = np.random.default_rng(0)
+        k, v = (jnp.asarray(rng.standard_normal((32, 8, 4, 64)), jnp.float32) for _ in range(2))
+        q = jnp.asarray(rng.standard_normal((12, 8, 64)), jnp.float32)
+        tables = jnp.asarray(rng.permutation(32)[:12].reshape(3, 4), jnp.int32)
+        args = (q, k, v, tables, jnp.array([3, 30, 9], jnp.int32), jnp.array([0, 1, 2, 11], jnp.int32))
+        got = jax.jit(make_attention("cpu", False, mesh))(*args)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref(*args)), atol=2e-5, rtol=2e-5)
+        print("ok")
+    """)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
