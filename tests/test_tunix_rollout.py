@@ -1,8 +1,8 @@
 """JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3 and Qwen3 models
-(float32): greedy tokens, per-token logps (Tunix's trainer path, `VanillaRollout.get_per_token_logps`),
-seeded sampling, weight sync.
+(float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's trainer
+path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync.
 
-The greedy reference is Tunix's model itself, run over the whole sequence each step (no KV cache): Tunix
+The greedy reference is Tunix's model itself, one forward over prompt + generated tokens: Tunix
 0.1.7's vanilla `Sampler` returns tokens that are not the model's argmax on these models (e.g. [0, 1, 0, 5]
 where the model's own forward gives 214 first), so it cannot be the reference here."""
 import numpy as np
@@ -13,6 +13,7 @@ pytest.importorskip("tunix.rl.rollout.base_rollout")
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
+from tunix.generate import utils as tunix_utils  # noqa: E402
 from tunix.models.llama3 import model as llama3  # noqa: E402
 from tunix.models.qwen3 import model as qwen3  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
@@ -41,21 +42,18 @@ def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
     return m
 
 
-def tunix_greedy(model, tok, prompt: str, n: int, eos: int) -> list[int]:
-    """Greedy continuation of `prompt` by the Tunix model's full forward (BOS + encoding, as the sampler),
-    at most n tokens, ending before EOS."""
+def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
+    """`tokens` is the Tunix model's greedy continuation of `prompt` (BOS + encoding, as the sampler): one
+    full forward over prompt + tokens, each token the argmax after its prefix, and the last argmax EOS
+    unless n tokens were generated."""
     import jax.numpy as jnp
     ids = [tok.bos_token_id] + tok.encode(prompt)
-    out = []
-    for _ in range(n):
-        T = len(ids)
-        logits, _ = model(jnp.asarray(ids)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
-        t = int(jnp.argmax(logits[0, -1]))
-        if t == eos:
-            break
-        out.append(t)
-        ids.append(t)
-    return out
+    seq = ids + list(tokens)
+    T = len(seq)
+    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
+    best = np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]  # [len(tokens) + 1]
+    assert best[:len(tokens)].tolist() == list(tokens)
+    assert len(tokens) == n or best[len(tokens)] == eos
 
 
 def rollout_config(**kw) -> base_rollout.RolloutConfig:
@@ -86,10 +84,14 @@ def test_greedy_equals_tunix_model(pair, tokenizer):
     rc = rollout_config(return_logprobs=True)
     a = ours.generate(PROMPTS, rc)
     for p, x in zip(PROMPTS, a.tokens):
-        assert x.tolist() == tunix_greedy(model, tokenizer, p, GEN, ours.eos_id())
+        assert_tunix_greedy(model, tokenizer, p, x.tolist(), GEN, ours.eos_id())
     assert a.text == [tokenizer.decode(t.tolist()) for t in a.tokens]
-    # padding exactly as the vanilla sampler's
-    np.testing.assert_array_equal(a.left_padded_prompt_tokens, vanilla.generate(PROMPTS, rc).left_padded_prompt_tokens)
+    # padding exactly as the vanilla sampler's: left, with pad_id, to the next power of two over the longest
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
+    width = 16 if max(map(len, prompts)) <= 16 else tunix_utils.next_power_of_2(max(map(len, prompts)))
+    np.testing.assert_array_equal(a.left_padded_prompt_tokens, np.array(
+        [tunix_utils.pad_to_length(np.array(p), target_length=width, pad_value=ours.pad_id(), left=True)
+         for p in prompts]))
     # the sampled tokens' processed logprobs are the trainer's logps of the same tokens
     comp = _completions(a, ours.eos_id(), ours.pad_id())
     ref = np.asarray(vanilla.get_per_token_logps(a.left_padded_prompt_tokens, comp))
@@ -136,7 +138,8 @@ def test_update_params_follows_new_weights(pair, tokenizer):
     ours.update_params(params)
     vanilla.update_params(params)
     a = ours.generate(PROMPTS, rc)
-    assert [t.tolist() for t in a.tokens] == [tunix_greedy(new, tok, p, GEN, ours.eos_id()) for p in PROMPTS]
+    for p, x in zip(PROMPTS, a.tokens):
+        assert_tunix_greedy(new, tok, p, x.tolist(), GEN, ours.eos_id())
     assert [t.tolist() for t in a.tokens] != before
     assert ours.engine.stats()["num_compilations"] == compiles
     assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1

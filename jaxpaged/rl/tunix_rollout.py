@@ -24,10 +24,10 @@ from flax import nnx
 from tunix.generate import tokenizer_adapter
 from tunix.rl.rollout import base_rollout
 
+from jaxpaged.config import EngineConfig
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.engine import LLMEngine
 from jaxpaged.llm import LLM
-from jaxpaged.config import EngineConfig
 
 # Tunix model class name -> (architecture, model_type) of the config.json the engine reads
 FAMILIES = {"Llama3": ("LlamaForCausalLM", "llama"), "Qwen3": ("Qwen3ForCausalLM", "qwen3")}
