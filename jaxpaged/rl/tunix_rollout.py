@@ -72,7 +72,8 @@ def to_engine_params(state, cfg, tied: bool, dtype) -> dict:
     the state holds). Arrays stay on their devices; reshapes and the layer stack run there."""
     D = cfg.embed_dim
     st = state.to_pure_dict() if hasattr(state, "to_pure_dict") else state
-    cast = lambda a: jnp.asarray(_value(a), dtype)
+    # copies: the engine may donate its parameter buffers, which stay the trainer's
+    cast = lambda a: jnp.array(_value(a), dtype, copy=True)
     out: dict = {}
     if "embedder" in st:
         out["embed"] = cast(st["embedder"]["input_embedding"])  # [V, D]
