@@ -17,7 +17,8 @@ $(DEMO_STAMP): pyproject.toml
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,tunix]'
+	$(BIN)/pip install -q --no-deps google-tunix==0.1.7
 	touch $(STAMP)
 
 demo: $(DEMO_STAMP)

@@ -49,9 +49,11 @@ def _freeze_startup_heap() -> None:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, devices: list | None = None):
+    def __init__(self, config: EngineConfig, devices: list | None = None, params: dict | None = None):
         """Load the model onto a mesh of the first config.tensor_parallel_size of `devices`
-        (default: jax.devices()) and compile every step shape."""
+        (default: jax.devices()) and compile every step shape. `params`: the parameter pytree to start from
+        (the layout of jaxpaged/models/llama.py, host or device arrays) instead of the model directory's
+        weights (the directory then needs only config.json; e.g. an RL trainer's model, device to device)."""
         self.config = cfg = config
         self.model_dir = path = loading.model_dir(cfg)
         self.model_config = mc = ModelConfig.from_dir(path)
@@ -64,7 +66,7 @@ class LLMEngine:
         self.max_model_len = loading.max_model_len(cfg, mc)
         self.tokenizer = Tokenizer.from_dir(path)
         self.eos_token_ids = loading.eos_token_ids(mc, self.tokenizer, path)
-        params, self.load_seconds = loading.load_weights(path, mc, cfg)
+        params, self.load_seconds = (params, 0.0) if params is not None else loading.load_weights(path, mc, cfg)
         self.num_blocks = loading.num_kv_blocks(cfg, mc, self.max_model_len)
         self.structured = StructuredOutputs(os.path.join(path, "tokenizer.json") if self.tokenizer else None,
                                             mc.vocab_size, cfg.max_num_seqs, self.eos_token_ids)

@@ -1,0 +1,217 @@
+"""Tunix rollout engine: `JaxpagedRollout`, a `tunix.rl.rollout.base_rollout.BaseRollout` that rolls out
+through jaxpaged (continuous batching, paged KV) instead of Tunix's vanilla sampler.
+
+    cluster_config = ClusterConfig(..., rollout_engine=functools.partial(JaxpagedRollout, max_num_seqs=64))
+
+Keyword arguments of the partial are EngineConfig fields. The engine starts from the rollout actor itself:
+Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`, dense) models map onto the engine's
+parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's [D, N, H] einsum weights flattened to
+[D, N*H]); the weights move device to device, only a config.json goes through a temporary directory. Tunix
+is imported only here (the `tunix` extra).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.generate import tokenizer_adapter
+from tunix.rl.rollout import base_rollout
+
+from jaxpaged.config import EngineConfig
+from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.engine import LLMEngine
+from jaxpaged.llm import LLM
+
+# Tunix model class name -> (architecture, model_type) of the config.json the engine reads
+FAMILIES = {"Llama3": ("LlamaForCausalLM", "llama"), "Qwen3": ("Qwen3ForCausalLM", "qwen3")}
+
+
+def _family(model) -> tuple[str, str]:
+    name = type(model).__name__
+    if name not in FAMILIES or getattr(model.config, "num_experts", None):
+        raise ValueError(f"JaxpagedRollout: rollout_actor {name} (module {type(model).__module__}) is not "
+                         f"supported; supported: {', '.join(sorted(FAMILIES))} (dense)")
+    return FAMILIES[name]
+
+
+def _tied(cfg) -> bool:
+    return bool(getattr(cfg, "weight_tying", False) or getattr(cfg, "use_tied_embedding", False))
+
+
+def rope_theta(model) -> float:
+    """The RoPE base the model's layers compute with: Tunix 0.1.7's Llama 3 and Qwen3 attention call their
+    module's `apply_rope` without the config's rope_theta, so its default (1e6) is what the trainer uses."""
+    default = inspect.signature(sys.modules[type(model).__module__].apply_rope).parameters["rope_theta"].default
+    return float(default)
+
+
+def hf_config(model, eos_id: int, max_model_len: int) -> dict:
+    """The Hugging Face config.json of a Tunix Llama 3 / Qwen3 model (its ModelConfig's fields)."""
+    arch, model_type = _family(model)
+    c = model.config
+    return dict(architectures=[arch], model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.embed_dim,
+                intermediate_size=c.hidden_dim, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=rope_theta(model),
+                rms_norm_eps=c.norm_eps, tie_word_embeddings=_tied(c), max_position_embeddings=max_model_len,
+                eos_token_id=eos_id, hidden_act="silu", rope_scaling=None, attention_bias=False)
+
+
+def _value(v):
+    return v.value if hasattr(v, "value") else v
+
+
+def to_engine_params(state, cfg, tied: bool, dtype) -> dict:
+    """Tunix model state (nnx.State of nnx.Param, or a part of it) -> the engine's parameter pytree (the part
+    the state holds). Arrays stay on their devices; reshapes and the layer stack run there."""
+    D = cfg.embed_dim
+    st = state.to_pure_dict() if hasattr(state, "to_pure_dict") else state
+    # copies: the engine may donate its parameter buffers, which stay the trainer's
+    cast = lambda a: jnp.array(_value(a), dtype, copy=True)
+    out: dict = {}
+    if "embedder" in st:
+        out["embed"] = cast(st["embedder"]["input_embedding"])  # [V, D]
+    if "final_norm" in st:
+        out["final_norm"] = cast(st["final_norm"]["w"])  # [D]
+    if "lm_head" in st and not tied:
+        out["lm_head"] = cast(st["lm_head"]["w"])  # [D, V]
+    layers = st.get("layers")
+    if layers:
+        per = [layers[i] if i in layers else layers[str(i)] for i in range(cfg.num_layers)]
+        leaves = {
+            "attn_norm": lambda p: p["input_layernorm"]["w"],
+            "mlp_norm": lambda p: p["post_attention_layernorm"]["w"],
+            "wq": lambda p: _value(p["attn"]["q_proj"]["w"]).reshape(D, -1),   # [D, N, H] -> [D, N*H]
+            "wk": lambda p: _value(p["attn"]["k_proj"]["w"]).reshape(D, -1),
+            "wv": lambda p: _value(p["attn"]["v_proj"]["w"]).reshape(D, -1),
+            "wo": lambda p: _value(p["attn"]["o_proj"]["w"]).reshape(-1, D),   # [N, H, D] -> [N*H, D]
+            "w_gate": lambda p: p["mlp"]["gate_proj"]["kernel"],               # [D, F]
+            "w_up": lambda p: p["mlp"]["up_proj"]["kernel"],
+            "w_down": lambda p: p["mlp"]["down_proj"]["kernel"],               # [F, D]
+        }
+        if "q_norm" in per[0]["attn"]:
+            leaves["q_norm"] = lambda p: p["attn"]["q_norm"]["w"]              # [hd]
+            leaves["k_norm"] = lambda p: p["attn"]["k_norm"]["w"]
+        out["layers"] = {k: jnp.stack([cast(f(p)) for p in per]) for k, f in leaves.items()}  # [L, ...]
+    return out
+
+
+class JaxpagedRollout(base_rollout.BaseRollout):
+    """Tunix's rollout through a jaxpaged engine built from `rollout_actor` (see the module docstring)."""
+
+    def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh: jax.sharding.Mesh | None = None,
+                 rollout_config: base_rollout.RolloutConfig | None = None, **engine_kwargs):
+        self._model = rollout_actor
+        self._tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
+        cfg = rollout_config or base_rollout.RolloutConfig()
+        self._tied = _tied(rollout_actor.config)
+        self.mesh = mesh
+        # as long as the vanilla sampler's KV cache (prompts longer than max_prompt_length are not cut)
+        engine_kwargs.setdefault("max_model_len", max(cfg.kv_cache_size,
+                                                      cfg.max_prompt_length + cfg.max_tokens_to_generate))
+        engine_kwargs.setdefault("dtype", "float32" if cfg.data_type is None else jnp.dtype(cfg.data_type).name)
+        engine_kwargs.setdefault("logprobs_mode", "processed_logprobs")
+        engine_kwargs.setdefault("show_progress", False)
+        self._dtype = jnp.dtype(engine_kwargs["dtype"])
+        with tempfile.TemporaryDirectory() as d:  # config.json only: the weights come as a pytree
+            conf = hf_config(rollout_actor, self.eos_id(), engine_kwargs["max_model_len"])
+            with open(f"{d}/config.json", "w") as f:
+                json.dump(conf, f)
+            params = to_engine_params(nnx.state(rollout_actor, nnx.Param), rollout_actor.config, self._tied,
+                                      self._dtype)
+            devices = list(mesh.devices.flat) if mesh is not None else None
+            self.engine = LLMEngine(EngineConfig(model=d, **engine_kwargs), devices, params=params)
+        self._llm = LLM.from_engine(self.engine)
+
+    # -- tokens ----------------------------------------------------------------------------
+    def _tokenize(self, prompt: str) -> list[int]:
+        """As Tunix's sampler: BOS (when the tokenizer has one) + the encoding, a doubled BOS removed."""
+        tok = self._tokenizer
+        bos = [tok.bos_id()] if tok.bos_id() else []
+        return list(np.asarray(tok.dedup_bos_ids(bos + list(tok.encode(prompt))), np.int32))
+
+    def _sampling(self, rc: base_rollout.RolloutConfig, i: int) -> SamplingParams:
+        seed = None if rc.seed is None else int(np.asarray(jax.random.key_data(rc.seed)
+                                                           if jnp.issubdtype(jnp.asarray(rc.seed).dtype,
+                                                                             jax.dtypes.prng_key)
+                                                           else rc.seed).ravel()[-1]) + i
+        greedy = not rc.temperature
+        return SamplingParams(max_tokens=rc.max_tokens_to_generate, temperature=0.0 if greedy else rc.temperature,
+                              top_p=1.0 if rc.top_p is None else rc.top_p,
+                              top_k=0 if rc.top_k is None else rc.top_k, seed=seed,
+                              stop_token_ids=list(rc.eos_tokens) if rc.eos_tokens else None,
+                              ignore_eos=bool(rc.eos_tokens), logprobs=0 if rc.return_logprobs else None)
+
+    def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig,
+                 **kwargs) -> base_rollout.RolloutOutput:
+        """Every prompt submitted at once; outputs in prompt order. Generated tokens end before the first EOS
+        (as Tunix's sampler returns them); prompts are left-padded with pad_id() to max_prompt_length (or
+        the next power of two above the longest prompt)."""
+        rc = rollout_config
+        tokens = [self._tokenize(p) for p in prompts]
+        outs = self._llm.generate([{"prompt_token_ids": t} for t in tokens],
+                                  [self._sampling(rc, i) for i in range(len(tokens))], use_tqdm=False)
+        eos = set(rc.eos_tokens or [self.eos_id()])
+        gen, logps = [], []
+        for o in outs:
+            c = o.outputs[0]
+            ids = list(c.token_ids)
+            n = next((j for j, t in enumerate(ids) if t in eos), len(ids))
+            gen.append(np.asarray(ids[:n], np.int32))
+            if rc.return_logprobs:
+                logps.append([c.logprobs[j][t] for j, t in enumerate(ids[:n])])
+        longest = max(len(t) for t in tokens)
+        width = rc.max_prompt_length
+        if width < longest:
+            width = 1 << (longest - 1).bit_length()
+        padded = np.full((len(tokens), width), self.pad_id(), np.int32)  # [B, width]
+        for i, t in enumerate(tokens):
+            padded[i, width - len(t):] = t
+        return base_rollout.RolloutOutput(text=[self._tokenizer.decode(g.tolist()) for g in gen], logits=[],
+                                          tokens=gen, left_padded_prompt_tokens=padded,
+                                          logprobs=logps if rc.return_logprobs else None)
+
+    def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
+        """f32[B, C]: log p of each completion token (left-padded prompts [B, P], right-padded completions
+        [B, C]) by the engine's dense scoring; positions at and after the first EOS (or a pad) are 0."""
+        prompts, comps = np.asarray(prompt_tokens), np.asarray(completion_tokens)
+        pad, eos = self.pad_id(), self.eos_id()
+        out = np.zeros(comps.shape, np.float32)  # [B, C]
+        p_list, c_list, lens = [], [], []
+        for p, c in zip(prompts, comps):
+            p_list.append([int(t) for t in p[np.argmax(p != pad):]] if (p != pad).any() else [])
+            stop = np.nonzero((c == eos) | (c == pad))[0]
+            n = int(stop[0]) + int(stop[0] < len(c) and c[stop[0]] == eos) if len(stop) else len(c)
+            c_list.append([int(t) for t in c[:n]])
+            lens.append(n)
+        rows = [i for i, n in enumerate(lens) if n]  # an empty completion has nothing to score
+        if rows:
+            scores = self._llm.score([p_list[i] for i in rows], [c_list[i] for i in rows])
+            for i, s in zip(rows, scores):
+                out[i, :lens[i]] = s
+        return jnp.asarray(out)
+
+    def update_params(self, params, filter_types=None) -> None:
+        """Full parameters (nnx.Param state, all or part of the model): mapped to the engine's pytree and
+        loaded with `update_weights` (no recompilation; prefix cache flushed; resharded onto the engine's
+        devices when they live elsewhere)."""
+        if filter_types is not None and any(t is nnx.LoRAParam or issubclass(t, nnx.LoRAParam)
+                                            for t in filter_types if isinstance(t, type)):
+            raise NotImplementedError("JaxpagedRollout.update_params: LoRA parameters (nnx.LoRAParam) are not "
+                                      "supported yet; sync full parameters")
+        self.engine.update_weights(to_engine_params(params, self._model.config, self._tied, self._dtype))
+
+    def pad_id(self) -> int:
+        return self._tokenizer.pad_id()
+
+    def eos_id(self) -> int:
+        return self._tokenizer.eos_id()
+
+    def model(self) -> nnx.Module:
+        return self._model

@@ -1,0 +1,152 @@
+"""JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3 and Qwen3 models
+(float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's trainer
+path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync.
+
+The greedy reference is Tunix's model itself, one forward over prompt + generated tokens: Tunix
+0.1.7's vanilla `Sampler` returns tokens that are not the model's argmax on these models (e.g. [0, 1, 0, 5]
+where the model's own forward gives 214 first), so it cannot be the reference here."""
+import numpy as np
+import pytest
+
+pytest.importorskip("tunix.rl.rollout.base_rollout")
+
+import jax  # noqa: E402
+from flax import nnx  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+from tunix.generate import utils as tunix_utils  # noqa: E402
+from tunix.models.llama3 import model as llama3  # noqa: E402
+from tunix.models.qwen3 import model as qwen3  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
+from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
+
+from jaxpaged.bench.tiny_models import add_tiny_tokenizer  # noqa: E402
+from jaxpaged.rl.tunix_rollout import JaxpagedRollout  # noqa: E402
+
+PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
+SIZES = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,
+             rope_theta=10000, norm_eps=1e-6)
+GEN = 12
+
+
+def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
+    """A Tunix model with peaked logits: matrices and embeddings redrawn with std 0.3 (norms stay ones)."""
+    if family == "llama3":
+        m = llama3.Llama3(llama3.ModelConfig(**SIZES), rngs=nnx.Rngs(seed))
+    else:
+        m = qwen3.Qwen3(qwen3.ModelConfig(**SIZES), rngs=nnx.Rngs(seed))
+    state = nnx.state(m, nnx.Param)
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [0.3 * jax.random.normal(k, a.shape, a.dtype) if a.ndim >= 2 else a for k, a in zip(keys, leaves)]
+    nnx.update(m, jax.tree_util.tree_unflatten(treedef, leaves))
+    return m
+
+
+def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
+    """`tokens` is the Tunix model's greedy continuation of `prompt` (BOS + encoding, as the sampler): one
+    full forward over prompt + tokens, each token the argmax after its prefix, and the last argmax EOS
+    unless n tokens were generated."""
+    import jax.numpy as jnp
+    ids = [tok.bos_token_id] + tok.encode(prompt)
+    seq = ids + list(tokens)
+    T = len(seq)
+    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
+    best = np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]  # [len(tokens) + 1]
+    assert best[:len(tokens)].tolist() == list(tokens)
+    assert len(tokens) == n or best[len(tokens)] == eos
+
+
+def rollout_config(**kw) -> base_rollout.RolloutConfig:
+    return base_rollout.RolloutConfig(**{**dict(max_tokens_to_generate=GEN, max_prompt_length=16,
+                                                temperature=0.0, kv_cache_size=64), **kw})
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("tunix_tok"))
+    add_tiny_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d)
+
+
+@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+def pair(request, tokenizer, compile_cache):
+    """(model, jaxpaged rollout, vanilla rollout) of one family."""
+    model = tiny_tunix_model(request.param)
+    ours = JaxpagedRollout(model, tokenizer, rollout_config=rollout_config(), max_num_seqs=4,
+                           max_num_batched_tokens=64, block_size=8, compilation_cache_dir=compile_cache)
+    c = model.config
+    vanilla = VanillaRollout(model, tokenizer, base_rollout.CacheConfig(64, c.num_layers, c.num_kv_heads, c.head_dim))
+    return model, ours, vanilla
+
+
+def test_greedy_equals_tunix_model(pair, tokenizer):
+    model, ours, vanilla = pair
+    rc = rollout_config(return_logprobs=True)
+    a = ours.generate(PROMPTS, rc)
+    for p, x in zip(PROMPTS, a.tokens):
+        assert_tunix_greedy(model, tokenizer, p, x.tolist(), GEN, ours.eos_id())
+    assert a.text == [tokenizer.decode(t.tolist()) for t in a.tokens]
+    # padding exactly as the vanilla sampler's: left, with pad_id, to the next power of two over the longest
+    prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
+    width = 16 if max(map(len, prompts)) <= 16 else tunix_utils.next_power_of_2(max(map(len, prompts)))
+    np.testing.assert_array_equal(a.left_padded_prompt_tokens, np.array(
+        [tunix_utils.pad_to_length(np.array(p), target_length=width, pad_value=ours.pad_id(), left=True)
+         for p in prompts]))
+    # the sampled tokens' processed logprobs are the trainer's logps of the same tokens
+    comp = _completions(a, ours.eos_id(), ours.pad_id())
+    ref = np.asarray(vanilla.get_per_token_logps(a.left_padded_prompt_tokens, comp))
+    for i, x in enumerate(a.logprobs):
+        np.testing.assert_allclose(x, ref[i, :len(x)], atol=1e-5)
+
+
+def _completions(out, eos: int, pad: int) -> np.ndarray:
+    """Completions right-padded to GEN, each ended by EOS when shorter."""
+    comp = np.full((len(out.tokens), GEN), pad, np.int32)
+    for i, t in enumerate(out.tokens):
+        t = list(t) + ([eos] if len(t) < GEN else [])
+        comp[i, :len(t)] = t
+    return comp
+
+
+def test_per_token_logps_equal_vanilla(pair):
+    _, ours, vanilla = pair
+    out = ours.generate(PROMPTS, rollout_config())
+    comp = _completions(out, ours.eos_id(), ours.pad_id())
+    a = np.asarray(ours.get_per_token_logps(out.left_padded_prompt_tokens, comp))
+    b = np.asarray(vanilla.get_per_token_logps(out.left_padded_prompt_tokens, comp))
+    mask = np.cumsum(np.cumsum(comp == ours.eos_id(), 1), 1) <= 1  # up to and including the first EOS
+    np.testing.assert_allclose(a[mask], b[mask], atol=1e-5)
+
+
+def test_seeded_sampling_reproducible(pair):
+    _, ours, _ = pair
+    rc = rollout_config(temperature=1.0, top_k=50, top_p=0.9, seed=jax.random.PRNGKey(7))
+    a, b = ours.generate(PROMPTS, rc), ours.generate(PROMPTS, rc)
+    assert [t.tolist() for t in a.tokens] == [t.tolist() for t in b.tokens]
+    other = ours.generate(PROMPTS, rollout_config(temperature=1.0, seed=jax.random.PRNGKey(8)))
+    assert [t.tolist() for t in other.tokens] != [t.tolist() for t in a.tokens]
+
+
+def test_update_params_follows_new_weights(pair, tokenizer):
+    tok = tokenizer
+    model, ours, vanilla = pair
+    rc = rollout_config()
+    before = [t.tolist() for t in ours.generate(PROMPTS, rc).tokens]
+    compiles = ours.engine.stats()["num_compilations"]
+    new = tiny_tunix_model(type(model).__name__.lower(), seed=3)
+    params = nnx.state(new, nnx.Param)
+    ours.update_params(params)
+    vanilla.update_params(params)
+    a = ours.generate(PROMPTS, rc)
+    for p, x in zip(PROMPTS, a.tokens):
+        assert_tunix_greedy(new, tok, p, x.tolist(), GEN, ours.eos_id())
+    assert [t.tolist() for t in a.tokens] != before
+    assert ours.engine.stats()["num_compilations"] == compiles
+    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+
+
+def test_unsupported_model_is_a_value_error(tokenizer):
+    class Gemma(nnx.Module):
+        config = None
+    with pytest.raises(ValueError, match="Gemma"):
+        JaxpagedRollout(Gemma(), tokenizer)
