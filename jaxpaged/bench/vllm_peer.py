@@ -114,7 +114,9 @@ def call_worker(args, job: dict, export_root: str, script: str = __file__) -> di
         job_path, out_path = os.path.join(d, "job.json"), os.path.join(d, "out.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
-        cmd = [args.vllm_python, os.path.abspath(script), job_path, out_path]
+        # -P: the script's folder (jaxpaged/bench/) is not put first on the worker's path, where its modules
+        # would shadow packages vLLM imports (`kernels`: Hugging Face's kernel hub, which transformers tries)
+        cmd = [args.vllm_python, "-P", os.path.abspath(script), job_path, out_path]
         p = subprocess.run(cmd, env=vllm_env(args), text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if p.returncode:  # the root cause is often far above the last lines: keep the whole log
             log_path = os.path.join(export_root, "vllm-worker.log")
