@@ -18,6 +18,7 @@ COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "latency": "ms per output token at 1-8 concurrent requests, beside the peers and the weight-read time",
     "throughput": "offline throughput of one seeded workload on several backends, side by side",
     "serving": "load generator for an OpenAI-compatible server (what vLLM's `bench serve` reports)",
+    "serving_vs_vllm": "`jaxpaged serve` against vLLM's server on the same model and loads, side by side",
     "spec": "speculative decoding (n-gram or draft model) against plain decoding",
     "quality": "quantized weights and KV caches against the model's own float32 run",
     "startup": "cold vs warm time to first token, each in a fresh process",
