@@ -1,10 +1,13 @@
 """JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3 and Qwen3 models
 (float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's trainer
-path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync.
+path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync, and real GRPO runs of Tunix
+(`GRPOLearner` over an `RLCluster` whose rollout engine is JaxpagedRollout), full parameters and qwix LoRA.
 
 The greedy reference is Tunix's model itself, one forward over prompt + generated tokens: Tunix
 0.1.7's vanilla `Sampler` returns tokens that are not the model's argmax on these models (e.g. [0, 1, 0, 5]
 where the model's own forward gives 214 first), so it cannot be the reference here."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -20,7 +23,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
 
 from jaxpaged.bench.tiny_models import add_tiny_tokenizer  # noqa: E402
-from jaxpaged.rl.tunix_rollout import JaxpagedRollout  # noqa: E402
+from jaxpaged.rl.tunix_rollout import JaxpagedRollout, to_engine_params  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
 SIZES = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,
@@ -42,16 +45,21 @@ def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
     return m
 
 
-def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
-    """`tokens` is the Tunix model's greedy continuation of `prompt` (BOS + encoding, as the sampler): one
-    full forward over prompt + tokens, each token the argmax after its prefix, and the last argmax EOS
-    unless n tokens were generated."""
+def tunix_argmax(model, tok, prompt: str, tokens: list[int]) -> np.ndarray:
+    """The Tunix model's argmax after each prefix of prompt (BOS + encoding, as the sampler) + tokens, from one
+    full forward: [len(tokens) + 1]."""
     import jax.numpy as jnp
     ids = [tok.bos_token_id] + tok.encode(prompt)
     seq = ids + list(tokens)
     T = len(seq)
     logits, _ = model(jnp.asarray(seq)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
-    best = np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]  # [len(tokens) + 1]
+    return np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]
+
+
+def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
+    """`tokens` is the Tunix model's greedy continuation of `prompt`: each token the argmax after its prefix,
+    and the last argmax EOS unless n tokens were generated."""
+    best = tunix_argmax(model, tok, prompt, tokens)
     assert best[:len(tokens)].tolist() == list(tokens)
     assert len(tokens) == n or best[len(tokens)] == eos
 
@@ -150,3 +158,74 @@ def test_unsupported_model_is_a_value_error(tokenizer):
         config = None
     with pytest.raises(ValueError, match="Gemma"):
         JaxpagedRollout(Gemma(), tokenizer)
+
+
+# -- real GRPO runs: Tunix's GRPOLearner over an RLCluster rolling out through JaxpagedRollout ----------------
+class RecordingRollout(JaxpagedRollout):
+    """JaxpagedRollout noting, at each weight sync, the filter types Tunix passed and the engine's compilations."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.syncs = []
+
+    def update_params(self, params, filter_types=None) -> None:
+        super().update_params(params, filter_types)
+        self.syncs.append((filter_types, self.engine.stats()["num_compilations"]))
+
+
+def grpo_learner(model, tokenizer, compile_cache, steps: int, **rollout_kwargs):
+    """(cluster, learner, dataset): GRPO with G = 2 on one CPU device (float32), the same engine shapes as `pair`
+    (so the step compiles come from the persistent cache), a toy reward (distinct characters of a
+    completion), Adam at a rate high enough that two steps move the greedy tokens, no KL term."""
+    import optax
+    from jax.sharding import AxisType
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl.grpo import grpo_learner as grpo
+    # Tunix's models shard with the mesh's axes in Auto mode (an Explicit mesh rejects their embedding gather)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * 2)
+    engine = functools.partial(RecordingRollout, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+                               compilation_cache_dir=compile_cache, **rollout_kwargs)
+    config = rl.ClusterConfig(
+        role_to_mesh={r: mesh for r in (rl.Role.ACTOR, rl.Role.REFERENCE, rl.Role.ROLLOUT)}, rollout_engine=engine,
+        training_config=rl.RLTrainingConfig(actor_optimizer=optax.adam(3e-2), eval_every_n_steps=1000,
+                                            max_steps=steps),
+        rollout_config=rollout_config(temperature=1.0, seed=jax.random.PRNGKey(0)))
+    cluster = rl.RLCluster(actor=model, tokenizer=tokenizer, cluster_config=config)
+    learner = grpo.GRPOLearner(cluster, grpo.GRPOConfig(num_generations=2, beta=0.0),
+                               reward_fns=lambda prompts, completions, **_: [float(len(set(c))) for c in completions])
+    return cluster, learner, [{"prompts": np.array(PROMPTS[:2])}] * steps  # 2 prompts x G = max_num_seqs
+
+
+def greedy(rollout) -> list[list[int]]:
+    return [t.tolist() for t in rollout.generate(PROMPTS, rollout_config()).tokens]
+
+
+def test_grpo_run_syncs_full_params(tokenizer, compile_cache):
+    steps = 2
+    cluster, learner, data = grpo_learner(tiny_tunix_model("llama3", seed=5), tokenizer, compile_cache, steps)
+    ours = cluster.rollout
+    assert isinstance(ours, RecordingRollout) and learner.should_sync_weights
+    actor = cluster.actor_trainer.model
+    start = jax.tree.map(np.array, nnx.state(actor, nnx.Param))
+    before = greedy(ours)
+    compiles = ours.engine.stats()["num_compilations"]
+    learner.train(data)
+    assert cluster.actor_trainer.train_steps == steps
+    # one full-parameter sync per global step, none of them compiling anything
+    assert ours.syncs == [((nnx.Param,), compiles)] * steps
+    # every KV block back in the pool at the end of the run
+    stats = ours.engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    # the engine runs the trained actor's weights, bit for bit, and its greedy tokens are the actor's
+    state = nnx.state(actor, nnx.Param)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(state)))
+    want = to_engine_params(state, actor.config, False, np.float32)
+    got = ours.engine.get_weights()
+    for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
+        np.testing.assert_array_equal(np.asarray(functools.reduce(lambda t, k: t[k.key], path, got)), np.asarray(w))
+    after = greedy(ours)
+    for p, x in zip(PROMPTS, after):
+        assert_tunix_greedy(actor, tokenizer, p, x, GEN, ours.eos_id())
+    assert after != before
+    assert ours.engine.stats()["num_compilations"] == compiles
