@@ -45,23 +45,31 @@ def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
     return m
 
 
-def tunix_argmax(model, tok, prompt: str, tokens: list[int]) -> np.ndarray:
-    """The Tunix model's argmax after each prefix of prompt (BOS + encoding, as the sampler) + tokens, from one
-    full forward: [len(tokens) + 1]."""
+@nnx.jit
+def _logits(model, ids):
     import jax.numpy as jnp
-    ids = [tok.bos_token_id] + tok.encode(prompt)
-    seq = ids + list(tokens)
-    T = len(seq)
-    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
-    return np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]
+    B, T = ids.shape
+    return model(ids, jnp.broadcast_to(jnp.arange(T), (B, T)), None, jnp.tril(jnp.ones((B, T, T), bool)))[0]
 
 
-def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
-    """`tokens` is the Tunix model's greedy continuation of `prompt`: each token the argmax after its prefix,
-    and the last argmax EOS unless n tokens were generated."""
-    best = tunix_argmax(model, tok, prompt, tokens)
-    assert best[:len(tokens)].tolist() == list(tokens)
-    assert len(tokens) == n or best[len(tokens)] == eos
+def tunix_argmax(model, tok, prompts: list[str], tokens: list[list[int]]) -> list[np.ndarray]:
+    """The Tunix model's argmax after each prefix of prompt (BOS + encoding, as the sampler) + tokens, from one
+    jitted forward over the batch, right-padded to 32 (causal: the padding changes no earlier position):
+    [len(tokens) + 1] per prompt."""
+    ids = [[tok.bos_token_id] + tok.encode(p) for p in prompts]
+    seqs = np.zeros((len(prompts), 32), np.int32)
+    for i, (a, t) in enumerate(zip(ids, tokens)):
+        seqs[i, :len(a) + len(t)] = a + list(t)
+    best = np.asarray(np.argmax(_logits(model, seqs), -1))
+    return [best[i, len(a) - 1:len(a) + len(t)] for i, (a, t) in enumerate(zip(ids, tokens))]
+
+
+def assert_tunix_greedy(model, tok, prompts: list[str], tokens: list[list[int]], n: int, eos: int) -> None:
+    """`tokens[i]` is the Tunix model's greedy continuation of `prompts[i]`: each token the argmax after its
+    prefix, and the last argmax EOS unless n tokens were generated."""
+    for best, t in zip(tunix_argmax(model, tok, prompts, tokens), tokens):
+        assert best[:len(t)].tolist() == list(t)
+        assert len(t) == n or best[len(t)] == eos
 
 
 def rollout_config(**kw) -> base_rollout.RolloutConfig:
@@ -91,8 +99,7 @@ def test_greedy_equals_tunix_model(pair, tokenizer):
     model, ours, vanilla = pair
     rc = rollout_config(return_logprobs=True)
     a = ours.generate(PROMPTS, rc)
-    for p, x in zip(PROMPTS, a.tokens):
-        assert_tunix_greedy(model, tokenizer, p, x.tolist(), GEN, ours.eos_id())
+    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
     assert a.text == [tokenizer.decode(t.tolist()) for t in a.tokens]
     # padding exactly as the vanilla sampler's: left, with pad_id, to the next power of two over the longest
     prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
@@ -146,8 +153,7 @@ def test_update_params_follows_new_weights(pair, tokenizer):
     ours.update_params(params)
     vanilla.update_params(params)
     a = ours.generate(PROMPTS, rc)
-    for p, x in zip(PROMPTS, a.tokens):
-        assert_tunix_greedy(new, tok, p, x.tolist(), GEN, ours.eos_id())
+    assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
     assert [t.tolist() for t in a.tokens] != before
     assert ours.engine.stats()["num_compilations"] == compiles
     assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
@@ -225,7 +231,56 @@ def test_grpo_run_syncs_full_params(tokenizer, compile_cache):
     for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
         np.testing.assert_array_equal(np.asarray(functools.reduce(lambda t, k: t[k.key], path, got)), np.asarray(w))
     after = greedy(ours)
-    for p, x in zip(PROMPTS, after):
-        assert_tunix_greedy(actor, tokenizer, p, x, GEN, ours.eos_id())
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, after, GEN, ours.eos_id())
     assert after != before
     assert ours.engine.stats()["num_compilations"] == compiles
+
+
+LORA_ALPHA = 8.0
+
+
+def tiny_lora_model(seed: int = 7):
+    """A qwix LoRA (rank 4, alpha 8) over every projection of a tiny Tunix Llama 3, B redrawn (std 0.1) so the
+    adapter changes the greedy tokens from the start (qwix starts B at zero)."""
+    import qwix
+    base = tiny_tunix_model("llama3", seed=seed)
+    provider = qwix.LoraProvider(module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", rank=4,
+                                 alpha=LORA_ALPHA)
+    import jax.numpy as jnp
+    T = 4  # qwix creates the LoRA parameters in one forward
+    model = qwix.apply_lora_to_model(base, provider, jnp.ones((1, T), jnp.int32), jnp.arange(T)[None], None,
+                                     jnp.tril(jnp.ones((1, T, T), bool)), rngs=nnx.Rngs(seed))
+    lora = nnx.state(model, nnx.LoRAParam)
+    key = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(lora))))
+    redraw = lambda p, a: 0.1 * jax.random.normal(next(key), a.shape, a.dtype) if "lora_b" in jax.tree_util.keystr(p) \
+        else a
+    lora = jax.tree_util.tree_map_with_path(redraw, lora)
+    nnx.update(model, lora)
+    return base, model
+
+
+def test_grpo_run_syncs_lora(tokenizer, compile_cache):
+    base, model = tiny_lora_model()
+    with pytest.raises(ValueError, match="lora_alpha"):  # qwix keeps alpha in its provider, not in the model
+        JaxpagedRollout(model, tokenizer)
+    cluster, learner, data = grpo_learner(model, tokenizer, compile_cache, 1, lora_alpha=LORA_ALPHA)
+    ours = cluster.rollout
+    actor = cluster.actor_trainer.model
+    # built merged: the engine's greedy tokens are the LoRA model's, not its base's
+    before = greedy(ours)
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, before, GEN, ours.eos_id())
+    assert any(b[:len(x)].tolist() != x for b, x in zip(tunix_argmax(base, tokenizer, PROMPTS, before), before))
+    lora0 = jax.tree.map(np.array, nnx.state(actor, nnx.LoRAParam))
+    frozen0 = jax.tree.map(np.array, nnx.state(actor, nnx.Not(nnx.LoRAParam)))
+    wq0 = np.array(ours.engine.get_weights()["layers"]["wq"])
+    compiles = ours.engine.stats()["num_compilations"]
+    learner.train(data)
+    # Tunix trained the adapter only and synced it alone; the engine merged it, compiling nothing
+    assert ours.syncs == [((nnx.LoRAParam,), compiles)]
+    lora1 = nnx.state(actor, nnx.LoRAParam)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(lora0), jax.tree.leaves(lora1)))
+    for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(nnx.state(actor, nnx.Not(nnx.LoRAParam)))):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(np.asarray(ours.engine.get_weights()["layers"]["wq"]), wq0)
+    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, greedy(ours), GEN, ours.eos_id())

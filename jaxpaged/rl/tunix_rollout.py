@@ -3,14 +3,23 @@ through jaxpaged (continuous batching, paged KV) instead of Tunix's vanilla samp
 
     cluster_config = ClusterConfig(..., rollout_engine=functools.partial(JaxpagedRollout, max_num_seqs=64))
 
-Keyword arguments of the partial are EngineConfig fields. The engine starts from the rollout actor itself:
-Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`, dense) models map onto the engine's
-parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's [D, N, H] einsum weights flattened to
-[D, N*H]); the weights move device to device, only a config.json goes through a temporary directory. Tunix
-is imported only here (the `tunix` extra).
+Keyword arguments of the partial are EngineConfig fields, and `lora_alpha` for a qwix LoRA actor. The engine
+starts from the rollout actor itself: Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`,
+dense) models map onto the engine's parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's
+[D, N, H] einsum weights flattened to [D, N*H]); the weights move device to device, only a config.json goes
+through a temporary directory. Tunix is imported only here (the `tunix` extra).
+
+LoRA (qwix `LoraProvider` on the projections, `nnx.LoRAParam`): merged into the engine's base weights,
+W + alpha / r * A.B in float32, not put in the engine's adapter slots. Why: the merged step is the plain
+step (no LoRA product compiled in, nothing per token); Tunix syncs under a CPU transfer guard that forbids
+host round trips, and the merge runs on the device while the slots are filled from host arrays; in float32
+the merged engine's greedy tokens are the qwix model's (tests/test_tunix_rollout.py). The cost: in bfloat16
+a LoRA delta under half a unit in the last place of W rounds away in the merged weight, where the qwix model
+adds it to the product. alpha is not in the model (qwix keeps it in its provider): pass the provider's.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import sys
@@ -48,8 +57,10 @@ def _tied(cfg) -> bool:
 def rope_theta(model) -> float:
     """The RoPE base the model's layers compute with: Tunix 0.1.7's Llama 3 and Qwen3 attention call their
     module's `apply_rope` without the config's rope_theta, so its default (1e6) is what the trainer uses."""
-    default = inspect.signature(sys.modules[type(model).__module__].apply_rope).parameters["rope_theta"].default
-    return float(default)
+    # the class Tunix defined: qwix (LoRA, quantization) wraps a model in a subclass made elsewhere
+    module = next(sys.modules[c.__module__] for c in type(model).__mro__
+                  if hasattr(sys.modules.get(c.__module__), "apply_rope"))
+    return float(inspect.signature(module.apply_rope).parameters["rope_theta"].default)
 
 
 def hf_config(model, eos_id: int, max_model_len: int) -> dict:
@@ -105,6 +116,14 @@ def _lora_keys(tree, prefix=()) -> set:
     return out
 
 
+@functools.partial(jax.jit, static_argnums=3)
+def _merge(w, a, b, scale: float):
+    """W + scale * A.B in float32. Jitted, the scale a constant of the program: Tunix syncs under a transfer
+    guard on CPU that refuses even a Python scalar sent to the device."""
+    f32 = jnp.float32
+    return w.astype(f32) + jnp.tensordot(a.astype(f32), b.astype(f32), axes=1) * scale
+
+
 class _Reader:
     """Weights of a pure-dict Tunix state at a path, with qwix LoRA merged in: W + alpha / r * A.B (A [in..., r],
     B [r, out...], contracted over r, in float32, then the engine's dtype). W comes from the state or, when the
@@ -129,13 +148,11 @@ class _Reader:
         if w is None or b is None:
             raise ValueError(f"JaxpagedRollout: LoRA at {'.'.join(map(str, path))} lacks its "
                              f"{'base weight' if w is None else 'B'}")
-        f32 = jnp.float32
-        delta = jnp.tensordot(a.astype(f32), b.astype(f32), axes=1) * (self.alpha / a.shape[-1])
-        if delta.shape != w.shape:
+        if a.shape[:-1] + b.shape[1:] != w.shape:
             raise ValueError(f"JaxpagedRollout: LoRA at {'.'.join(map(str, path))}: A {a.shape} . B {b.shape} is "
-                             f"{delta.shape}, the weight is {w.shape}")
+                             f"not the weight's shape {w.shape}")
         self.used.add(a_path)
-        return w.astype(f32) + delta
+        return _merge(w, a, b, self.alpha / a.shape[-1])
 
     def from_base(self, path):
         return None if self.base is None else _get(self.base, path)
