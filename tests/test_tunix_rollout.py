@@ -284,3 +284,15 @@ def test_grpo_run_syncs_lora(tokenizer, compile_cache):
     assert not np.array_equal(np.asarray(ours.engine.get_weights()["layers"]["wq"]), wq0)
     assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
     assert_tunix_greedy(actor, tokenizer, PROMPTS, greedy(ours), GEN, ours.eos_id())
+    # a LoRA on some layers only: the other layers' weights come from the base, unmerged
+    lora = nnx.state(actor, nnx.LoRAParam).to_pure_dict()
+    del lora["layers"][next(k for k in lora["layers"] if str(k) == "1")]
+    frozen = nnx.state(actor, nnx.Not(nnx.LoRAParam))
+    part = to_engine_params(lora, actor.config, False, np.float32, LORA_ALPHA, frozen)["layers"]
+    plain = to_engine_params(frozen, actor.config, False, np.float32)["layers"]
+    merged = ours.engine.get_weights()["layers"]
+    assert set(part) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    for leaf, w in part.items():
+        np.testing.assert_array_equal(np.asarray(w[0]), np.asarray(merged[leaf][0]))
+        np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(plain[leaf][1]))
+        assert not np.array_equal(np.asarray(w[0]), np.asarray(plain[leaf][0]))

@@ -176,7 +176,8 @@ def to_engine_params(state, cfg, tied: bool, dtype, lora_alpha: float | None = N
             out[leaf] = cast(w)
     layers = read.st.get("layers")
     if layers:
-        keys = [i if i in layers else str(i) for i in range(cfg.num_layers)]
+        base_layers = (read.base or {}).get("layers") or {}
+        keys = [i if i in layers or i in base_layers else str(i) for i in range(cfg.num_layers)]  # int or str keys
         stacked = {}
         for leaf, (path, how) in LAYER_LEAVES.items():
             per = [read(("layers", k) + path) for k in keys]
