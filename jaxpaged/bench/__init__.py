@@ -31,6 +31,7 @@ COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "grammar": "grammar mask cost on the host: xgrammar vs llguidance, and the per-step mask fill",
     "research": "what the research hooks cost, and how long update_weights takes",
     "tunix_rollout": "the rollout phase of one GRPO step: JaxpagedRollout against Tunix's vanilla sampler",
+    "tunix_grpo": "a few Tunix GRPO steps, rolling out through jaxpaged and through Tunix's vanilla sampler",
     "lora": "LoRA serving cost over random adapters, and the batched product",
     "rl": "the costs of the RL controls, side by side in one run",
     "families": "compile time per family, MoE against dense, the blocks a sliding window frees",
