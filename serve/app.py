@@ -54,15 +54,19 @@ class ServerState:
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to read a body (None: no deadline)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
     model_root: str | None = None  # /v1/models' `root` of the base model: its path or name as given
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), else null
+    max_logprobs: int = 20  # the most logprobs per token a request may ask (-1 asks this many)
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
                adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
-               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None) -> Starlette:
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
+               prompt_tokens_details: bool = False) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
-    name as given (/v1/models' `root`; default `served_model_name`).
+    name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
+    prompt_tokens_details.cached_tokens (else it is null, as vLLM's without --enable-prompt-tokens-details).
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -88,13 +92,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
          if runtime_lora_updating else []),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
-    schema = openapi_schema(__version__, limits=engine.request_limits(), model_name=served_model_name,
+    limits = engine.request_limits()
+    schema = openapi_schema(__version__, limits=limits, model_name=served_model_name,
                             api_key=bool(api_key))
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
                                    Metrics(engine, served_model_name), schema, int(time.time()),
                                    adapters if adapters is not None else
                                    serve_lora.Adapters() if runtime_lora_updating else None, body_timeout,
-                                   model_root=model_root or served_model_name)
+                                   model_root=model_root or served_model_name,
+                                   prompt_tokens_details=prompt_tokens_details,
+                                   max_logprobs=limits["max_logprobs"])
     return app
 
 
@@ -126,6 +133,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage carries "
+                        "prompt_tokens_details.cached_tokens, the prompt tokens served by the prefix cache "
+                        "(default: null)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
@@ -223,7 +233,8 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating,
-                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME)
+                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME,
+                     prompt_tokens_details=args.enable_prompt_tokens_details)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.engine import RequestOutput
+from serve import outputs as fmt
 from serve.errors import APIError, from_value_error
 from serve.protocol import ErrorInfo
 
@@ -120,6 +121,10 @@ class Job:
             self.status = "step-error"
             raise APIError(500, str(e), code="step_failed") from None
         return True
+
+    def usage(self):
+        """The response's usage (prompt_tokens_details with --enable-prompt-tokens-details, else null)."""
+        return fmt.usage(self.lasts, self.st.prompt_tokens_details)
 
     def close(self, http_status: int) -> None:
         """Abort what is unfinished, record it all (once)."""

@@ -44,6 +44,15 @@ def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
     return [(t, max(v, -9999.0)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
 
 
+def _legacy_top(text: TokenText, tid: int, lp: dict[int, float], k: int) -> dict[str, float]:
+    """A legacy `top_logprobs` entry, as vLLM's: the chosen token first, then the top k (so max(k, 1) to k + 1
+    entries; logprobs 0: the chosen token alone). Two ids of one text: the first listed keeps it."""
+    top = {text(tid): max(lp[tid], -9999.0)} if tid in lp else {}
+    for t, v in _top(lp, k):
+        top.setdefault(text(t), v)
+    return top
+
+
 def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: int) -> CompletionLogprobs:
     """Legacy completions format; offset is where the first token's text starts in the choice's text."""
     out = CompletionLogprobs()
@@ -51,7 +60,7 @@ def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: in
         s = text(tid)
         out.tokens.append(s)
         out.token_logprobs.append(lp.get(tid))
-        out.top_logprobs.append({text(t): v for t, v in _top(lp, k)} if k else None)
+        out.top_logprobs.append(_legacy_top(text, tid, lp, k))
         out.text_offset.append(offset)
         offset += len(s)
     return out
@@ -59,7 +68,7 @@ def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: in
 
 def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionLogprobs) -> CompletionLogprobs:
     """Completions with echo: the prompt's tokens (the first with null logprob and top_logprobs; offsets
-    from 0 in the prompt's text; top_logprobs hold the prompt token and the top k), then `then`."""
+    from 0 in the prompt's text; top_logprobs hold the prompt token first, then the top k), then `then`."""
     res = CompletionLogprobs()
     offset, lps = 0, out.prompt_logprobs or []
     for j, tid in enumerate(out.prompt_token_ids):
@@ -67,12 +76,7 @@ def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionL
         s = text(tid)
         res.tokens.append(s)
         res.token_logprobs.append(None if lp is None else lp.get(tid))
-        top = None
-        if lp is not None and k:
-            top = {}
-            for t, v in _top(lp, len(lp)):
-                top.setdefault(text(t), v)  # two ids of one text: the likelier one
-        res.top_logprobs.append(top)
+        res.top_logprobs.append(None if lp is None else _legacy_top(text, tid, lp, k))
         res.text_offset.append(offset)
         offset += len(s)
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
@@ -109,13 +113,15 @@ def check_routes_request(req, num_prompts: int) -> None:
                        param="return_routed_experts", code="invalid_combination")
 
 
-def usage(outs: list[RequestOutput | None]) -> Usage:
+def usage(outs: list[RequestOutput | None], details: bool = False) -> Usage:
+    """Token counts; with `details` (--enable-prompt-tokens-details) the prompt tokens the prefix cache
+    served as prompt_tokens_details.cached_tokens (else null, as vLLM)."""
     done = [o for o in outs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done)
     completion = sum(len(c.token_ids) for o in done for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in done)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None)
 
 
 @dataclass

@@ -18,8 +18,6 @@ from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
 from jaxpaged.core.sampling_params import FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END, SEED_MIN
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
-MAX_LOGPROBS = 20
-
 
 def limit(kind: str) -> dict:
     """A bound that depends on the served model: `serve.openapi` writes its value into the schema as
@@ -86,8 +84,9 @@ class CompletionRequest(_SamplingRequest):
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     max_tokens: int | None = Field(16, ge=0, description="null: up to max_model_len; 0 (only with echo): "
                                    "no generated token, the prompt's logprobs only", **limit("max_tokens"))
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token (with "
-                                 "echo, of the prompt's tokens too)", **limit("logprobs"))
+    logprobs: int | None = Field(None, ge=-1, description="top-N logprobs per token (with echo, of the prompt's "
+                                 "tokens too); -1: the whole vocabulary, capped by --max-logprobs",
+                                 **limit("logprobs"))
     echo: bool = Field(False, description="the prompt before the completion (and its tokens' logprobs)")
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
@@ -145,8 +144,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="null: up to max_model_len",
                                               **limit("max_tokens"))
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true",
-                                     **limit("logprobs"))
+    top_logprobs: int | None = Field(None, ge=-1, description="needs logprobs: true; -1: the whole vocabulary, "
+                                     "capped by --max-logprobs", **limit("logprobs"))
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")

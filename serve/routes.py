@@ -61,6 +61,17 @@ def check_auth(request: Request) -> None:
                        code="invalid_api_key")
 
 
+def num_logprobs(st, field: str, k: int | None) -> int | None:
+    """The logprobs per token a request asks (`field`: logprobs / top_logprobs): -1 is the whole vocabulary,
+    capped by --max-logprobs (as vLLM's); more than that cap is a 400 naming the field and the cap."""
+    if k == -1:
+        return st.max_logprobs
+    if k is not None and k > st.max_logprobs:
+        raise APIError(400, f"{field} ({k}) is greater than max_logprobs ({st.max_logprobs}): the server's "
+                            "--max-logprobs, capped by the vocabulary size", param=field)
+    return k
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict,
                     structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop,
@@ -94,8 +105,9 @@ async def completions(request: Request) -> Response:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens (0)", param="min_tokens",
                        code="invalid_combination")
     structured, _, rename = tools.constraint(req)
-    params = sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs, rename, structured,
-                             req.logprobs if req.echo else None)
+    k = num_logprobs(request.app.state.server, "logprobs", req.logprobs)
+    params = sampling_params(req, 1 if echo_only else req.max_tokens, k, rename, structured,
+                             k if req.echo else None)
     p = req.prompt
     prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
     fmt.check_routes_request(req, len(prompts))
@@ -105,7 +117,7 @@ async def completions(request: Request) -> Response:
     job = Job(request, "cmpl", rename)
     await job.start(prompts, params, stream=req.stream)
     text = fmt.TokenText(request.app.state.server.engine.tokenizer)
-    st, n, k = job.st, req.n, req.logprobs
+    st, n = job.st, req.n
 
     def choice(i, c, text_piece, ids, lps, offset, prompt=None):
         lp = fmt.completion_logprobs(text, ids, lps, k, offset) if k is not None else None
@@ -126,7 +138,7 @@ async def completions(request: Request) -> Response:
                                out if req.echo else None) for c in out.outputs]
         job.close(200)
         return JSONResponse(CompletionResponse(id=job.id, created=job.created, model=st.model_name,
-                                               choices=choices, usage=fmt.usage(job.lasts),
+                                               choices=choices, usage=job.usage(),
                                                prompt_routed_experts=fmt.routes(job.lasts[0].prompt_routed_experts)
                                                ).model_dump())
 
@@ -151,7 +163,7 @@ async def completions(request: Request) -> Response:
                 yield sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[ch]))
         if req.stream_options and req.stream_options.include_usage:
             yield sse(CompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=[],
-                                          usage=fmt.usage(job.lasts)))
+                                          usage=job.usage()))
 
     return JobStream(job, events())
 
@@ -185,7 +197,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     st = request.app.state.server
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    k = (req.top_logprobs or 0) if req.logprobs else None
+    k = num_logprobs(st, "top_logprobs", req.top_logprobs or 0) if req.logprobs else None
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
     structured, mode, rename_so = tools.constraint(req)
@@ -214,7 +226,7 @@ async def chat_completions(request: Request) -> Response:
                                       routed_experts=fmt.routes(c.routed_experts)))
         job.close(200)
         return JSONResponse(ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name,
-                                                   choices=choices, usage=fmt.usage(job.lasts),
+                                                   choices=choices, usage=job.usage(),
                                                    prompt_routed_experts=fmt.routes(job.lasts[0].prompt_routed_experts)
                                                    ).model_dump())
 
@@ -256,7 +268,7 @@ async def chat_completions(request: Request) -> Response:
                 yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp(ids, lps),
                                              finish_reason=reason)])
         if req.stream_options and req.stream_options.include_usage:
-            yield chunk([], fmt.usage(job.lasts))
+            yield chunk([], job.usage())
 
     return JobStream(job, events())
 

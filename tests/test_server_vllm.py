@@ -1,7 +1,12 @@
 """vLLM's server behaviours (issue #36, the observed incompatibilities), against a live server over a tiny
 model with a byte-level BPE tokenizer: prompt_logprobs present as null, /v1/models' root and parent, a
-named tool call's content "", no partial tool calls when max_tokens cuts the output."""
+named tool call's content "", no partial tool calls when max_tokens cuts the output, legacy top_logprobs
+with logprobs 0, prompt_tokens_details, logprobs -1 and --max-logprobs, ... One server with the default
+flags (`server`), one with vLLM's opt-in flags (`flagged`)."""
+import math
+
 import httpx
+import openai
 import pytest
 from test_server import Server
 from test_server_stall import make_byte_tokenizer
@@ -22,6 +27,15 @@ def server(compile_cache, tmp_path_factory):
     srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm.log"),
                  extra=("--max-model-len", "512"))  # the tools, rendered into the prompt, take ~350 tokens
     srv.model_dir = d
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def flagged(compile_cache, server, tmp_path_factory):
+    """The same model, served with the opt-in flags these tests need (one server for all of them)."""
+    srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_flags.log"),
+                 extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400"))
     yield srv
     srv.stop()
 
@@ -70,3 +84,70 @@ def test_every_invalid_logit_bias_key_named(server):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "logit_bias" and "token ids 400, 999 are out of vocabulary" in err["message"], err
+
+
+def refused(server, path, **body) -> dict:
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_completion_logprobs_zero_is_the_chosen_token(server):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, logprobs=0, temperature=0, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 3
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top == {tok: v}, (tok, v, top)
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=2, logprobs=0, echo=True, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == 5
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top == {tok: v}, (tok, v, top)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_first(server):
+    """As vLLM's: the chosen (or prompt) token, then the top k: max(k, 1) to k + 1 entries."""
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=4, logprobs=2, echo=True, temperature=1.5,
+             seed=3, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert 1 <= len(top) <= 3 and next(iter(top)) == tok and top[tok] == v, (tok, v, top)
+        rest = list(top.values())[1:]
+        assert rest == sorted(rest, reverse=True)  # then by rank
+
+
+def test_prompt_tokens_details_only_with_the_flag(server, flagged):
+    usage = post(server, "/v1/completions", prompt="x" * 40, max_tokens=1)["usage"]
+    assert "prompt_tokens_details" in usage and usage["prompt_tokens_details"] is None
+    chat = post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["usage"]
+    assert chat["prompt_tokens_details"] is None
+    client = openai.OpenAI(base_url=flagged.url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    prompt = "the prefix cache serves this prompt's full blocks" * 2
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert again.prompt_tokens_details.cached_tokens >= 16 * (len(prompt) // 16 - 1)
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_logprobs_minus_one_and_max_logprobs(server, flagged):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, logprobs=True, top_logprobs=-1)
+    assert [len(t.top_logprobs) for t in r.choices[0].logprobs.content] == [20, 20]  # --max-logprobs 20
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=1, logprobs=-1)
+    assert len(r["choices"][0]["logprobs"]["top_logprobs"][0]) >= 10  # 20 ids, some of one text
+    err = refused(server, "/v1/chat/completions", messages=USER, logprobs=True, top_logprobs=21)
+    assert err["param"] == "top_logprobs" and "max_logprobs (20)" in err["message"], err
+    err = refused(server, "/v1/completions", prompt="ab", logprobs=21)
+    assert err["param"] == "logprobs" and "max_logprobs (20)" in err["message"], err
+    assert refused(server, "/v1/completions", prompt="ab", logprobs=-2)["param"] == "logprobs"
+    # --max-logprobs 400 over a vocabulary of 320: -1 is the whole vocabulary; 25 is no longer refused
+    r = post(flagged, "/v1/chat/completions", messages=USER, max_tokens=1, logprobs=True, top_logprobs=-1)
+    top = r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == 320 and sum(math.exp(t["logprob"]) for t in top) == pytest.approx(1, abs=1e-3)
+    r = post(flagged, "/v1/chat/completions", messages=USER, max_tokens=1, logprobs=True, top_logprobs=25)
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    err = refused(flagged, "/v1/chat/completions", messages=USER, logprobs=True, top_logprobs=321)
+    assert err["param"] == "top_logprobs" and "max_logprobs (320)" in err["message"], err
