@@ -28,8 +28,6 @@ _COMMON_RULES = [
     {"code": "nested_too_deeply", "rule": f"the JSON body nests arrays and objects at most {MAX_JSON_DEPTH} "
      "levels deep (the body itself is level 1)"},
     {"code": "stop_too_long", "rule": f"the stop strings together have at most {MAX_STOP_CHARS} characters"},
-    {"code": "integer_required", "rule": "integers (token ids, counts) are written as JSON integers: 2, "
-     "not 2.0 (which JSON Schema also calls an integer)"},
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
      "max_model_len) must not exceed max_model_len"},
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "

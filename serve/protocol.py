@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
-strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
+in pydantic's lax mode, as vLLM's are ("5" is 5, 2.0 is 2, "true" is true; 2.5 or "five" for an integer are
+refused), with finite numbers and valid Unicode; every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
 OpenAI-compatible servers do; a field we cannot honour (suffix) only accepts null.
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
@@ -32,17 +33,17 @@ TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
 Float = Annotated[float, Field(le=FLOAT32_MAX)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id written as a JSON object key
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # all of them: MAX_STOP_CHARS
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no bool/float/str as int
+_LAX = ConfigDict(allow_inf_nan=False)  # pydantic's lax mode, as vLLM's: "5" -> 5, 2.0 -> 2, "true" -> True
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     include_usage: bool = False
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="the served model name; may be omitted")
     temperature: Float | None = Field(None, ge=0, description="0 is greedy; default 1")
@@ -93,7 +94,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["text"]
     text: str
 
@@ -103,7 +104,7 @@ Content = str | list[TextPart]
 
 class ChatMessage(BaseModel):
     """A system, developer or user message."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user"]
     content: Content
     name: str | None = None
@@ -111,7 +112,7 @@ class ChatMessage(BaseModel):
 
 class AssistantTurn(BaseModel):
     """An earlier assistant message: `content`, `tool_calls`, or both."""
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
         {"properties": {"content": {"type": ["string", "array"]}}, "required": ["content"]},
         {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]}]})
     role: Literal["assistant"]
@@ -128,7 +129,7 @@ class AssistantTurn(BaseModel):
 
 class ToolResult(BaseModel):
     """The result of a tool call, for the model."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     role: Literal["tool"]
     content: Content
     tool_call_id: str

@@ -3,6 +3,7 @@ model with a byte-level BPE tokenizer: prompt_logprobs present as null, /v1/mode
 named tool call's content "", no partial tool calls when max_tokens cuts the output, legacy top_logprobs
 with logprobs 0, prompt_tokens_details, logprobs -1 and --max-logprobs, ... One server with the default
 flags (`server`), one with vLLM's opt-in flags (`flagged`)."""
+import json
 import math
 
 import httpx
@@ -151,3 +152,57 @@ def test_logprobs_minus_one_and_max_logprobs(server, flagged):
     assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
     err = refused(flagged, "/v1/chat/completions", messages=USER, logprobs=True, top_logprobs=321)
     assert err["param"] == "top_logprobs" and "max_logprobs (320)" in err["message"], err
+
+
+def test_lax_types_as_vllm(server):
+    """pydantic's lax mode, as vLLM's request models: numbers and booleans written as strings, 2.0 for 2."""
+    r = post(server, "/v1/chat/completions", messages=USER, logprobs="true", top_logprobs="2", max_tokens="5",
+             temperature="0.5", ignore_eos="yes", seed=7.0)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(t["top_logprobs"]) == 2 for t in content)
+    r = post(server, "/v1/completions", prompt=[97, 98.0], max_tokens=3.0, n="1", temperature=0, ignore_eos=1)
+    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                          "prompt_tokens_details": None}
+    for body, param, words in (
+            ({"max_tokens": "five"}, "max_tokens", "[type=int_parsing]"),
+            ({"max_tokens": 2.5}, "max_tokens", "[type=int_from_float]"),
+            ({"max_tokens": -1}, "max_tokens", "Input should be greater than or equal to 0 [type=greater_than_equal]"),
+            ({"temperature": "hot"}, "temperature", "[type=float_parsing]"),
+            ({"stop": 5}, "stop", "[type=string_type]"),
+            ({"echo": "maybe"}, "echo", "[type=bool_parsing]"),
+            ({"prompt": [97, "b"]}, "prompt", "must be a non-empty string")):
+        err = refused(server, "/v1/completions", **{"prompt": "ab", **body})
+        assert err["param"] == param and words in err["message"], (body, err)
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "g", "parameters": {
+    "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "required": ["u"], "additionalProperties": False,
+    "$defs": {"Unit": {"enum": ["c"]}}}}}
+NESTED_TOOL = {"type": "function", "function": {"name": "h", "parameters": {
+    "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"},
+                                     "kids": {"type": "array", "items": {"$ref": "#/definitions/Person"}}},
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    "definitions": {"Person": {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"},
+                                                                "next": {"$ref": "#/definitions/Person"}}}}}}}
+
+
+def test_required_tools_with_defs_compile():
+    """Each tool's definitions are lifted to the combined schema's root, its references rewritten."""
+    from serve.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [TOOL, UNIT_TOOL, NESTED_TOOL],
+                                                "tool_choice": "required"})
+    so, mode, _ = tools.constraint(req)
+    defs = so.json["$defs"]
+    assert mode == "required" and set(defs) == {"tool1", "tool1.Unit", "tool2", "tool2.Address", "tool2.Person"}
+    assert defs["tool2.Person"]["properties"]["next"] == {"$ref": "#/$defs/tool2.Person"}
+    assert defs["tool2"]["properties"]["home"] == {"$ref": "#/$defs/tool2.Address"}
+    assert so.json["items"]["anyOf"][0]["properties"]["arguments"] == TOOL["function"]["parameters"]
+
+
+def test_required_tool_with_defs_served(server):
+    for tool_choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        r = post(server, "/v1/chat/completions", messages=USER, tools=[UNIT_TOOL], tool_choice=tool_choice,
+                 temperature=0)  # byte-level tokens: the tool in the prompt leaves ~100 of max_model_len
+        c = r["choices"][0]
+        assert c["finish_reason"] in ("tool_calls", "stop"), c
+        assert [json.loads(t["function"]["arguments"]) for t in c["message"]["tool_calls"]] == [{"u": "c"}], c
