@@ -24,7 +24,7 @@ from starlette.routing import Route
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
 from serve import lora as serve_lora
-from serve import rl_routes, routes
+from serve import rl_routes, routes, tokenize_routes
 from serve.errors import APIError
 from serve.http_protocol import protocol
 from serve.metrics import Metrics
@@ -62,11 +62,12 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
                adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
                body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
-               prompt_tokens_details: bool = False) -> Starlette:
+               prompt_tokens_details: bool = False, tokenizer_info: bool = False) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
     name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
-    prompt_tokens_details.cached_tokens (else it is null, as vLLM's without --enable-prompt-tokens-details).
+    prompt_tokens_details.cached_tokens (else it is null, as vLLM's without --enable-prompt-tokens-details);
+    `tokenizer_info`: serve GET /tokenizer_info too.
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -87,14 +88,18 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/pause", rl_routes.pause, methods=["POST"]),
         Route("/resume", rl_routes.resume, methods=["POST"]),
         Route("/is_paused", rl_routes.is_paused, methods=["GET"]),
-    ] + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+        Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
+        Route("/version", tokenize_routes.version, methods=["GET"]),
+    ] + ([Route("/tokenizer_info", tokenize_routes.tokenizer_info, methods=["GET"])] if tokenizer_info else [])
+      + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
           Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
          if runtime_lora_updating else []),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
     limits = engine.request_limits()
     schema = openapi_schema(__version__, limits=limits, model_name=served_model_name,
-                            api_key=bool(api_key))
+                            api_key=bool(api_key), tokenizer_info=tokenizer_info)
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
                                    Metrics(engine, served_model_name), schema, int(time.time()),
                                    adapters if adapters is not None else
@@ -136,6 +141,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage carries "
                         "prompt_tokens_details.cached_tokens, the prompt tokens served by the prefix cache "
                         "(default: null)")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET "
+                        "/tokenizer_info (the tokenizer's special tokens and chat template)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
@@ -234,7 +241,8 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating,
                      body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME,
-                     prompt_tokens_details=args.enable_prompt_tokens_details)
+                     prompt_tokens_details=args.enable_prompt_tokens_details,
+                     tokenizer_info=args.enable_tokenizer_info_endpoint)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

@@ -22,6 +22,14 @@ from serve.protocol import (
     ErrorResponse,
     ModelList,
 )
+from serve.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [
@@ -56,6 +64,9 @@ CHAT_RULES = _COMMON_RULES + [
      "must name one of the tools"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false"},
 ]
+TOKENIZE_RULES = [r for r in CHAT_RULES if r["code"] in ("nested_too_deeply", "chat_template_error")] + [
+    {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
+     "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"}]
 
 
 def _if_then(if_props: dict, then_props: dict, required: list[str], then_required=()) -> dict:
@@ -91,19 +102,24 @@ def _fill_limits(node, values: dict) -> None:
             _fill_limits(v, values)
 
 
-def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool) -> dict:
-    """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits())."""
+def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool,
+                   tokenizer_info: bool = False) -> dict:
+    """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits());
+    `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)."""
     models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-              ChatCompletionChunk, ModelList, ErrorResponse]
+              ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest, TokenizeChatRequest,
+              TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
     _, defs = models_json_schema([(m, "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
                            "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
+                 "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
     schemas["CompletionRequest"]["allOf"].append(
@@ -165,6 +181,27 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                                       "content": body("ErrorResponse")}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
+            "/tokenize": {"post": {
+                "summary": "a prompt's token ids, or a conversation's through the chat template (vLLM's)",
+                **security, "x-request-rules": TOKENIZE_RULES,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+                    ref("TokenizeCompletionRequest"), ref("TokenizeChatRequest")]}}}},
+                "responses": {"200": {"description": "the tokens", "content": body("TokenizeResponse")},
+                              **{c: errors[c] for c in errors if c in ("400", "401", "404", "413")}}}},
+            "/detokenize": {"post": {
+                "summary": "token ids -> text (vLLM's)", **security,
+                "requestBody": {"required": True, "content": body("DetokenizeRequest")},
+                "responses": {"200": {"description": "the text", "content": body("DetokenizeResponse")},
+                              **{c: errors[c] for c in errors if c in ("400", "401", "404", "413")}}}},
+            "/version": {"get": {"summary": "the server's version", "responses": {
+                "200": {"description": "version", "content": body("VersionResponse")}}}},
+            **({"/tokenizer_info": {"get": {"summary": "the tokenizer's special tokens, chat template and sizes",
+                                            **security, "responses": {
+                                                "200": {"description": "tokenizer information",
+                                                        "content": {"application/json": {"schema": {
+                                                            "type": "object"}}}},
+                                                **({"401": errors["401"]} if api_key else {})}}}}
+               if tokenizer_info else {}),
         },
         "components": {"schemas": schemas},
     }

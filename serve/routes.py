@@ -169,7 +169,8 @@ async def completions(request: Request) -> Response:
 
 
 # -- chat -------------------------------------------------------------------------------------
-def chat_prompt(engine, messages, tool_list=None) -> list[int]:
+def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
+                add_special_tokens: bool = False) -> list[int]:
     """The conversation's token ids (call in a worker thread: it renders and tokenizes). The rendered text
     is refused from its size before it is tokenized if it cannot fit max_model_len (serve/prompt_size.py)."""
     tok = engine.tokenizer
@@ -178,7 +179,7 @@ def chat_prompt(engine, messages, tool_list=None) -> list[int]:
                             "with token ids", param="messages")
     msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
-        text = tok.render_chat_template(msgs, tools=template_tools)
+        text = tok.render_chat_template(msgs, add_generation_prompt, tools=template_tools)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
@@ -188,7 +189,7 @@ def chat_prompt(engine, messages, tool_list=None) -> list[int]:
         raise APIError(400, str(e), param="messages") from None
     if prompt_size.refused_unseen(tok, text, engine.max_model_len, "messages") is None:
         prompt_size.check_prefix(tok, text, engine.max_model_len, "messages")
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 async def chat_completions(request: Request) -> Response:

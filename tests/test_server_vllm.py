@@ -36,7 +36,8 @@ def server(compile_cache, tmp_path_factory):
 def flagged(compile_cache, server, tmp_path_factory):
     """The same model, served with the opt-in flags these tests need (one server for all of them)."""
     srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_flags.log"),
-                 extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400"))
+                 extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400",
+                        "--enable-tokenizer-info-endpoint"))
     yield srv
     srv.stop()
 
@@ -206,3 +207,29 @@ def test_required_tool_with_defs_served(server):
         c = r["choices"][0]
         assert c["finish_reason"] in ("tool_calls", "stop"), c
         assert [json.loads(t["function"]["arguments"]) for t in c["message"]["tool_calls"]] == [{"u": "c"}], c
+
+
+def test_tokenize_detokenize_version(server, flagged):
+    hi = post(server, "/tokenize", prompt="hi", return_token_strs="true")
+    assert hi["count"] == len(hi["tokens"]) == 2 and hi["max_model_len"] == 512 and hi["token_strs"] == ["h", "i"]
+    chat = post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["usage"]["prompt_tokens"]
+    r = post(server, "/tokenize", messages=USER)
+    assert r["count"] == chat == len(r["tokens"]) and r["token_strs"] is None
+    bare = post(server, "/tokenize", messages=USER, add_generation_prompt=False)
+    assert bare["count"] < r["count"] and r["tokens"][:bare["count"]] == bare["tokens"]
+    assert post(server, "/detokenize", tokens=r["tokens"])["prompt"].endswith("<|im_start|>assistant ")
+    assert post(server, "/detokenize", tokens=hi["tokens"]) == {"prompt": "hi"}
+    err = refused(server, "/tokenize", prompt="x" * 9000)  # refused from its size (a prefix), not tokenized whole
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+    assert refused(server, "/detokenize", tokens=[5, 999])["param"] == "tokens"
+    assert refused(server, "/detokenize", tokens="hi")["param"] == "tokens"
+    assert refused(server, "/tokenize", prompt=5)["param"] == "prompt"
+    assert httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+    from jaxpaged import __version__
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404  # only with the flag
+    info = httpx.get(flagged.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and "im_start" in info["chat_template"] and info["model_max_length"] == 512
+    paths = httpx.get(flagged.url + "/openapi.json").json()["paths"]
+    assert {"/tokenize", "/detokenize", "/version", "/tokenizer_info"} <= set(paths)
+    assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
