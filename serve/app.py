@@ -164,8 +164,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="PEFT adapter directories to serve, by name (requests pick one by `model`)")
     lora.add_argument("--enable-runtime-lora-updating", action="store_true",
                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    unsupported = parser.add_argument_group("vLLM flags not supported here (refused by name)")
+    for flag, why in UNSUPPORTED_FLAGS.items():
+        unsupported.add_argument(flag, type=_refused(flag, why), help=f"not supported: {why}")
     add_engine_args(parser)
     return parser
+
+
+UNSUPPORTED_FLAGS = {
+    "--tool-call-parser": "tool calls are read in one syntax, the Hermes-style <tool_call>...</tool_call> "
+                          "blocks (tool_choice auto; SmolLM2's, Qwen2.5's and Hermes' templates), and constrained "
+                          "by grammar for tool_choice required or named: there is no per-model parser to choose; "
+                          "leave the flag out",
+    "--reasoning-parser": "reasoning is not separated from the answer (there is no reasoning_content field): "
+                          "a model's thinking stays in content; leave the flag out",
+}
+
+
+def _refused(flag: str, why: str):
+    def refuse(text: str):
+        raise argparse.ArgumentTypeError(f"{flag} is not supported: {why}")
+    return refuse
 
 
 def _seconds(text: str) -> float | None:

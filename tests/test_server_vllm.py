@@ -233,3 +233,15 @@ def test_tokenize_detokenize_version(server, flagged):
     paths = httpx.get(flagged.url + "/openapi.json").json()["paths"]
     assert {"/tokenize", "/detokenize", "/version", "/tokenizer_info"} <= set(paths)
     assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize("flag,why", [("--tool-call-parser", "Hermes-style"), ("--reasoning-parser", "reasoning")])
+def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
+    import argparse
+
+    from serve.app import add_serve_args
+    with pytest.raises(SystemExit) as e:
+        add_serve_args(argparse.ArgumentParser()).parse_args([flag, "hermes"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} is not supported" in err and why in err and "unrecognized" not in err, err
+    assert add_serve_args(argparse.ArgumentParser()).parse_args([]).tool_call_parser is None  # absent: fine
