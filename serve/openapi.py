@@ -114,7 +114,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
-                           "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
+                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
     for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
                  "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],

@@ -10,20 +10,29 @@ from dataclasses import dataclass
 
 from jaxpaged.engine import CompletionOutput, RequestOutput
 from serve.errors import APIError
-from serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, TopLogprob, Usage
+from serve.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    Logprob,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
 
 
 class TokenText:
-    """Token id -> the text it stands for (cached); `token_id:N` without a tokenizer."""
+    """Token id -> the text it stands for (cached); `token_id:N` without a tokenizer or with `as_ids`
+    (return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tok, self.as_ids = tokenizer, as_ids
         self.cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         s = self.cache.get(token_id)
         if s is None:
-            if self.tok is None:
+            if self.tok is None or self.as_ids:
                 s = f"token_id:{token_id}"
             else:
                 s = self.tok.decode([token_id], skip_special_tokens=False)
@@ -84,6 +93,27 @@ def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionL
     return res
 
 
+def prompt_logprobs(text: TokenText, out: RequestOutput, k: int | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token (the first null) {token id: Logprob}, the prompt token first,
+    then the top k by rank (rank null for a prompt token outside them); None when not asked (k None)."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    res = []
+    for j, tid in enumerate(out.prompt_token_ids):
+        lp = out.prompt_logprobs[j] if j < len(out.prompt_logprobs) else None
+        if lp is None:
+            res.append(None)
+            continue
+        top = _top(lp, k)
+        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+        entry = {str(tid): Logprob(logprob=max(lp.get(tid, -9999.0), -9999.0), rank=ranks.get(tid),
+                                   decoded_token=text(tid))}
+        for t, v in top:
+            entry.setdefault(str(t), Logprob(logprob=v, rank=ranks[t], decoded_token=text(t)))
+        res.append(entry)
+    return res
+
+
 def without_generated(out: RequestOutput) -> RequestOutput:
     """Completions with max_tokens 0 (the engine ran 1 token): the output without its generated token."""
     return dataclasses.replace(out, outputs=[dataclasses.replace(
@@ -138,8 +168,8 @@ class Delta:
         text = c.text[self.text_len:] if len(c.text) >= self.text_len else ""
         ids = c.token_ids[self.num_tokens:]
         lps = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
-        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), len(c.token_ids)
         self.done = c.finish_reason is not None
         if not text and not self.done and not (lps and ids):
-            return None
+            return None  # tokens with no text yet (a partial character) go with the next piece
+        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), len(c.token_ids)
         return text, ids, lps, c.finish_reason

@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response
 from serve import lora as serve_lora
 from serve import prompt_size
 from serve.body import read_json
+from serve.chat import chat_prompt
 from serve.errors import APIError, from_validation_error
 from serve.protocol_tokenize import (
     DetokenizeRequest,
@@ -21,7 +22,7 @@ from serve.protocol_tokenize import (
     TokenizeResponse,
     VersionResponse,
 )
-from serve.routes import chat_prompt, check_auth
+from serve.routes import check_auth
 
 
 async def _parse(request: Request, choose):

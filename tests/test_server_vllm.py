@@ -37,7 +37,8 @@ def flagged(compile_cache, server, tmp_path_factory):
     """The same model, served with the opt-in flags these tests need (one server for all of them)."""
     srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_flags.log"),
                  extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400",
-                        "--enable-tokenizer-info-endpoint"))
+                        "--enable-tokenizer-info-endpoint", "--enable-force-include-usage",
+                        "--return-tokens-as-token-ids"))
     yield srv
     srv.stop()
 
@@ -245,3 +246,148 @@ def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{flag} is not supported" in err and why in err and "unrecognized" not in err, err
     assert add_serve_args(argparse.ArgumentParser()).parse_args([]).tool_call_parser is None  # absent: fine
+
+
+def stream(server, path, **body) -> list[dict]:
+    with httpx.stream("POST", server.url + path, timeout=120, json={"model": "tiny", "stream": True, **body}) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(server):
+    r = post(server, "/v1/completions", prompt=[97, 98], max_tokens=3, temperature=0, ignore_eos=True,
+             return_token_ids=True)
+    c = r["choices"][0]
+    assert c["prompt_token_ids"] == [97, 98] and len(c["token_ids"]) == 3 == r["usage"]["completion_tokens"]
+    assert post(server, "/detokenize", tokens=c["token_ids"])["prompt"] == c["text"]
+    r = post(server, "/v1/completions", prompt=["ab", "cd"], max_tokens=2, n=2, return_token_ids=True)
+    assert [ch["prompt_token_ids"] for ch in r["choices"]] == [post(server, "/tokenize", prompt=p)["tokens"]
+                                                              for p in ("ab", "ab", "cd", "cd")]
+    plain = post(server, "/v1/completions", prompt="ab", max_tokens=2)["choices"][0]
+    assert plain["prompt_token_ids"] is None and plain["token_ids"] is None  # not asked: null
+    chunks = stream(server, "/v1/completions", prompt=[97, 98], max_tokens=3, temperature=0, ignore_eos=True,
+                    return_token_ids=True)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [97, 98]
+    assert all(ch["choices"][0]["prompt_token_ids"] is None for ch in chunks[1:])
+    assert sum((ch["choices"][0]["token_ids"] for ch in chunks), []) == c["token_ids"]
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"] and len(r["choices"][0]["token_ids"]) == \
+        r["usage"]["completion_tokens"]
+    chunks = stream(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert sum((ch["choices"][0]["token_ids"] or [] for ch in chunks[1:]), []) == r["choices"][0]["token_ids"]
+
+
+def test_truncate_prompt_tokens(server):
+    ids = list(range(97, 117))
+    for side, kept in ((None, ids[-5:]), ("left", ids[-5:]), ("right", ids[:5])):
+        r = post(server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=5, truncation_side=side,
+                 return_token_ids=True)
+        assert r["choices"][0]["prompt_token_ids"] == kept and r["usage"]["prompt_tokens"] == 5, (side, r)
+    assert refused(server, "/v1/completions", prompt="x" * 9000, max_tokens=1)["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", prompt="ab" * 4500, max_tokens=1, truncate_prompt_tokens=10, echo=True)
+    assert r["usage"]["prompt_tokens"] == 10 and r["choices"][0]["text"].startswith("ab" * 5)  # the kept tokens
+    r = post(server, "/v1/completions", prompt="x" * 9000, max_tokens=2, truncate_prompt_tokens=-1)
+    assert r["usage"]["prompt_tokens"] == 510  # max_model_len - max_tokens
+    err = refused(server, "/v1/completions", prompt="ab", truncate_prompt_tokens=513)
+    assert err["param"] == "truncate_prompt_tokens" and "max_model_len" in err["message"], err
+    assert refused(server, "/v1/completions", prompt="ab", truncate_prompt_tokens=-2)["param"] == \
+        "truncate_prompt_tokens"
+    assert refused(server, "/v1/completions", prompt="ab", truncation_side="middle")["param"] == "truncation_side"
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=1, truncate_prompt_tokens=3)
+    assert r["usage"]["prompt_tokens"] == 3
+
+
+def test_prompt_logprobs_request_field(server):
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=1, prompt_logprobs=2, return_token_ids=True)
+    plp, ids = r["choices"][0]["prompt_logprobs"], r["choices"][0]["prompt_token_ids"]
+    echo = post(server, "/v1/completions", prompt="abc", max_tokens=1, logprobs=2, echo=True)["choices"][0]["logprobs"]
+    assert plp[0] is None and len(plp) == len(ids) == 3
+    for tok_id, entry, v, s in zip(ids[1:], plp[1:], echo["token_logprobs"][1:3], "bc"):
+        assert next(iter(entry)) == str(tok_id) and entry[str(tok_id)]["logprob"] == pytest.approx(v, abs=1e-5)
+        assert entry[str(tok_id)]["decoded_token"] == s and 2 <= len(entry) <= 3
+        ranked = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2]  # the top 2; the prompt token's rank null outside them
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=1, prompt_logprobs=0, return_token_ids=True)
+    assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == len(r["prompt_token_ids"])
+    assert [list(e) for e in r["prompt_logprobs"][1:]] == [[str(t)] for t in r["prompt_token_ids"][1:]]
+    assert post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["prompt_logprobs"] is None
+    err = refused(server, "/v1/completions", prompt="ab", prompt_logprobs=1, stream=True)
+    assert err["param"] == "prompt_logprobs" and "stream" in err["message"], err
+    err = refused(server, "/v1/chat/completions", messages=USER, prompt_logprobs=21)
+    assert err["param"] == "prompt_logprobs" and "max_logprobs (20)" in err["message"], err
+
+
+def test_return_tokens_as_token_ids(server, flagged):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, logprobs=1, return_tokens_as_token_ids=True,
+             return_token_ids=True, ignore_eos=True)
+    c = r["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=2, logprobs=True, top_logprobs=2,
+             return_tokens_as_token_ids=True, return_token_ids=True)
+    content, ids = r["choices"][0]["logprobs"]["content"], r["choices"][0]["token_ids"]
+    assert [t["token"] for t in content] == [f"token_id:{t}" for t in ids]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    plain = post(server, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0)["choices"][0]["logprobs"]
+    assert not plain["tokens"][0].startswith("token_id:")
+    flag = post(flagged, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0)["choices"][0]["logprobs"]
+    assert flag["tokens"][0].startswith("token_id:")  # --return-tokens-as-token-ids
+    off = post(flagged, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0, return_tokens_as_token_ids=False)
+    assert not off["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_continuous_usage_stats_and_force_include_usage(server, flagged):
+    for path, body in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", {"messages": USER})):
+        chunks = stream(server, path, max_tokens=4, ignore_eos=True, **body,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True})
+        assert all(ch["usage"] is not None for ch in chunks), chunks
+        done = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert done == sorted(done) and done[-1] == 4 and chunks[-1]["choices"] == []
+        assert len({ch["usage"]["prompt_tokens"] for ch in chunks}) == 1
+        chunks = stream(server, path, max_tokens=2, **body, stream_options={"include_usage": True})
+        assert [ch["usage"] is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert all(ch["usage"] is None for ch in stream(server, path, max_tokens=2, **body))
+        forced = stream(flagged, path, max_tokens=2, **body)  # --enable-force-include-usage
+        assert forced[-1]["choices"] == [] and forced[-1]["usage"]["completion_tokens"] <= 2
+        assert all(ch["usage"] is None for ch in forced[:-1])
+
+
+def test_allowed_token_ids(server):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, ignore_eos=True, allowed_token_ids=[100, 120],
+             return_token_ids=True)
+    assert set(r["choices"][0]["token_ids"]) <= {100, 120}
+    err = refused(server, "/v1/completions", prompt="ab", allowed_token_ids=[5, 400])
+    assert err["param"] == "allowed_token_ids" and "400" in err["message"], err
+    assert refused(server, "/v1/chat/completions", messages=USER, allowed_token_ids=[])["param"] == "allowed_token_ids"
+
+
+CONT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+
+
+def test_chat_echo_generation_prompt_continue_and_custom_roles(server):
+    base = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert post(server, "/detokenize", tokens=base["prompt_token_ids"])["prompt"].endswith("<|im_start|>assistant ")
+    same = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, echo=True)
+    assert same["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]  # user last: no echo
+    bare = post(server, "/v1/chat/completions", messages=CONT, max_tokens=3, add_generation_prompt=False,
+                return_token_ids=True)
+    assert post(server, "/detokenize", tokens=bare["prompt_token_ids"])["prompt"].endswith("Hel<|im_end|>")
+    cont = post(server, "/v1/chat/completions", messages=CONT, max_tokens=3, temperature=0, echo=True,
+                add_generation_prompt=False, continue_final_message=True, return_token_ids=True)
+    assert post(server, "/detokenize", tokens=cont["prompt_token_ids"])["prompt"].endswith("assistant Hel")
+    msg = cont["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"].startswith("Hel")  # echo: the last message's content
+    chunks = stream(server, "/v1/chat/completions", messages=CONT, max_tokens=3, temperature=0, echo=True,
+                    add_generation_prompt=False, continue_final_message=True)
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == msg["content"]
+    err = refused(server, "/v1/chat/completions", messages=CONT, continue_final_message=True)
+    assert err["param"] == "continue_final_message" and err["code"] == "invalid_combination", err
+    custom = [{"role": "narrator", "content": "once"}, {"role": "user", "content": "hi"}]
+    r = post(server, "/v1/chat/completions", messages=custom, max_tokens=1, return_token_ids=True)
+    assert "<|im_start|>narrator once" in post(server, "/detokenize", tokens=r["prompt_token_ids"])["prompt"]
+    r = post(server, "/v1/chat/completions", messages=custom, max_tokens=1, add_generation_prompt=False, echo=True)
+    assert r["choices"][0]["message"]["role"] == "user" and r["choices"][0]["message"]["content"].startswith("hi")
+    assert refused(server, "/v1/chat/completions", messages=[{"role": "", "content": "x"}])["param"] == "messages"
+    assert refused(server, "/v1/chat/completions", messages=[{"role": "narrator"}])["param"] == "messages"
