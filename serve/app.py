@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
-from serve import chat, rl_routes, routes, tokenize_routes
+from serve import chat, invocations, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
 from serve.errors import APIError
 from serve.http_protocol import protocol
@@ -86,6 +86,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),
         Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/invocations", invocations.invocations, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),

@@ -63,7 +63,10 @@ CHAT_RULES = _COMMON_RULES + [
      "and tool_choice required or named; tool_choice other than none needs tools; a named tool_choice "
      "must name one of the tools"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false"},
+    {"code": "empty_prompt", "rule": "truncate_prompt_tokens must leave at least one token of the rendered "
+     "conversation (0, or -1 with max_tokens filling max_model_len, leave none)"},
 ]
+INVOCATIONS_RULES = COMPLETION_RULES + [r for r in CHAT_RULES if r not in COMPLETION_RULES]
 TOKENIZE_RULES = [r for r in CHAT_RULES if r["code"] in ("nested_too_deeply", "chat_template_error")] + [
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
      "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"}]
@@ -86,7 +89,8 @@ def _sampling_rules(limits: dict) -> list[dict]:
             _if_then({"min_tokens": {"minimum": 1}, "ignore_eos": {"const": False}}, at_most(nb - eos),
                      ["min_tokens"]),
             _if_then({"stream_options": {"type": "object"}}, {"stream": {"const": True}}, ["stream_options"],
-                     ["stream"])]
+                     ["stream"]),
+            _if_then({"prompt_logprobs": {"type": "integer"}}, {"stream": {"const": False}}, ["prompt_logprobs"])]
 
 
 def _fill_limits(node, values: dict) -> None:
@@ -127,6 +131,14 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     schemas["ChatCompletionRequest"]["allOf"].append(
         _if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}}, ["top_logprobs"],
                  ["logprobs"]))
+    schemas["ChatCompletionRequest"]["allOf"].append(
+        _if_then({"continue_final_message": {"const": True}}, {"add_generation_prompt": {"const": False}},
+                 ["continue_final_message"], ["add_generation_prompt"]))
+    schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
+        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}
+    for name, kinds in (("InvocationsResponse", ("ChatCompletionResponse", "CompletionResponse")),
+                        ("InvocationsChunk", ("ChatCompletionChunk", "CompletionResponse"))):
+        schemas[name] = {"anyOf": [{"$ref": f"#/components/schemas/{k}"} for k in kinds]}
     security = {"security": [{"bearer": []}]} if api_key else {}
 
     def ref(name):
@@ -171,6 +183,9 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
             "/v1/chat/completions": generate("chat completion (the model's chat template)",
                                              "ChatCompletionRequest", "ChatCompletionResponse",
                                              "ChatCompletionChunk", CHAT_RULES),
+            "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
+                                     "with prompt (and no messages) a completion", "InvocationsRequest",
+                                     "InvocationsResponse", "InvocationsChunk", INVOCATIONS_RULES),
             "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
                 "200": {"description": "model list", "content": body("ModelList")},
                 **({"401": errors["401"]} if api_key else {})}}},

@@ -30,7 +30,9 @@ async def parse(request: Request, model_cls):
     """Auth, the body (size limit, JSON, nesting depth), schema and model name; any failure is an APIError."""
     st = request.app.state.server
     check_auth(request)
-    data = await read_json(request, st.max_body_bytes, st.body_timeout)
+    data = getattr(request.state, "body", None)  # read already by /invocations
+    if data is None:
+        data = await read_json(request, st.max_body_bytes, st.body_timeout)
     try:
         req = model_cls.model_validate(data)
     except ValidationError as e:

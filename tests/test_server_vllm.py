@@ -391,3 +391,20 @@ def test_chat_echo_generation_prompt_continue_and_custom_roles(server):
     assert r["choices"][0]["message"]["role"] == "user" and r["choices"][0]["message"]["content"].startswith("hi")
     assert refused(server, "/v1/chat/completions", messages=[{"role": "", "content": "x"}])["param"] == "messages"
     assert refused(server, "/v1/chat/completions", messages=[{"role": "narrator"}])["param"] == "messages"
+
+
+def test_invocations_routes_by_body(server):
+    chat = post(server, "/invocations", messages=USER, max_tokens=2, temperature=0)
+    assert chat["object"] == "chat.completion" and chat == {**post(server, "/v1/chat/completions", messages=USER,
+                                                                   max_tokens=2, temperature=0),
+                                                            "id": chat["id"], "created": chat["created"]}
+    cmpl = post(server, "/invocations", prompt="ab", max_tokens=2, temperature=0)
+    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == post(
+        server, "/v1/completions", prompt="ab", max_tokens=2, temperature=0)["choices"][0]["text"]
+    chunks = stream(server, "/invocations", prompt="ab", max_tokens=2)
+    assert chunks and all(ch["object"] == "text_completion" for ch in chunks)
+    err = refused(server, "/invocations", max_tokens=2)
+    assert "messages" in err["message"] and "prompt" in err["message"], err
+    assert refused(server, "/invocations", messages=[])["param"] == "messages"  # a chat request's own checks
+    assert httpx.post(server.url + "/invocations", json={"model": "nope", "prompt": "a"}).status_code == 404
+    assert "/invocations" in httpx.get(server.url + "/openapi.json").json()["paths"]
