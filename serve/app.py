@@ -107,7 +107,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     schema = openapi_schema(__version__, limits=limits, model_name=served_model_name,
                             api_key=bool(api_key), tokenizer_info=tokenizer_info)
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
-                                   Metrics(engine, served_model_name), schema, int(time.time()),
+                                   Metrics(engine, served_model_name, limits["max_model_len"]), schema,
+                                   int(time.time()),
                                    adapters if adapters is not None else
                                    serve_lora.Adapters() if runtime_lora_updating else None, body_timeout,
                                    model_root=model_root or served_model_name,

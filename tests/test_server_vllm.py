@@ -408,3 +408,24 @@ def test_invocations_routes_by_body(server):
     assert refused(server, "/invocations", messages=[])["param"] == "messages"  # a chat request's own checks
     assert httpx.post(server.url + "/invocations", json={"model": "nope", "prompt": "a"}).status_code == 404
     assert "/invocations" in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+def test_request_histograms_as_vllm(server):
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("jaxpaged:")}
+    before = scrape()
+    post(server, "/v1/completions", prompt=[97, 98, 99], max_tokens=4, n=2, ignore_eos=True)
+    after = scrape()
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+    tiny = 'model_name="tiny"'
+    assert grew(f"jaxpaged:request_prompt_tokens_sum{{{tiny}}}") == 3
+    assert grew(f"jaxpaged:request_generation_tokens_sum{{{tiny}}}") == 8  # both samples
+    assert grew(f'jaxpaged:request_generation_tokens_bucket{{le="5.0",{tiny}}}') == 0
+    assert grew(f'jaxpaged:request_generation_tokens_bucket{{le="10.0",{tiny}}}') == 1
+    assert grew(f"jaxpaged:request_params_n_sum{{{tiny}}}") == 2
+    assert grew(f"jaxpaged:request_params_max_tokens_sum{{{tiny}}}") == 4
+    assert f'jaxpaged:request_params_max_tokens_bucket{{le="500.0",{tiny}}}' in after  # 1-2-5 up to max_model_len
+    assert f'jaxpaged:request_params_max_tokens_bucket{{le="1000.0",{tiny}}}' not in after
