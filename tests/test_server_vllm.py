@@ -413,7 +413,8 @@ def test_invocations_routes_by_body(server):
 def test_request_histograms_as_vllm(server):
     def scrape():
         text = httpx.get(server.url + "/metrics").text
-        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("jaxpaged:")}
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("jaxpaged:")}
     before = scrape()
     post(server, "/v1/completions", prompt=[97, 98, 99], max_tokens=4, n=2, ignore_eos=True)
     after = scrape()
