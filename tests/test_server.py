@@ -284,7 +284,11 @@ def test_bad_requests_400(server, body, param):
 
 def test_bad_chat_400(server):
     assert_error(raw(server, {"messages": []}, "/v1/chat/completions"), 400, "messages")
-    assert_error(raw(server, {"messages": [{"role": "wizard", "content": "x"}]}, "/v1/chat/completions"), 400)
+    assert_error(raw(server, {"messages": [{"role": "", "content": "x"}]}, "/v1/chat/completions"), 400, "messages")
+    assert_error(raw(server, {"messages": [{"role": 5, "content": "x"}]}, "/v1/chat/completions"), 400, "messages")
+    # another role's message goes to the chat template as it is (as vLLM's)
+    assert raw(server, {"messages": [{"role": "wizard", "content": "x"}], "max_tokens": 1},
+               "/v1/chat/completions").status_code == 200
     assert_error(raw(server, {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
                      "/v1/chat/completions"), 400, "top_logprobs")
 
