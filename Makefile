@@ -27,13 +27,17 @@ demo: $(DEMO_STAMP)
 	$(BIN)/jaxpaged generate --chat --prompt "Write a haiku about the sea." \
 		--prompt "What is the capital of France?" --max-tokens 64
 
+# two pytest-xdist workers, whole modules each (module-scoped engines and servers stay shared): most of a
+# test's time is XLA compiling, which runs on one core
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile
+
 test: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -3,8 +3,9 @@
 `cpu_ragged_paged_attention` has the signature and semantics of
 `reference.ragged_paged_attention_reference` and reads the K/V pool in place (the handler gets the pool's
 buffer). The source is compiled with the system C++ compiler (``$CXX``, else ``g++``) into a cache directory
-keyed by the source's hash, jaxlib's version, the compiler and the CPU's flags, loaded with ctypes and
-registered as an FFI target for the CPU platform. `available()` is False (with one log line saying why)
+keyed by the source's hash, jaxlib's version, the compiler, the CPU's flags and the target (``-march=native``;
+``$JAXPAGED_CPU_KERNEL_MARCH`` overrides it: ``haswell`` builds the AVX2 path on any newer x86-64), loaded
+with ctypes and registered as an FFI target for the CPU platform. `available()` is False (with one log line saying why)
 when there is no compiler or the build fails; the attention backend then resolves to the reference.
 Quantized pools (int8 / fp8 with k_scale, v_scale) and pool dtypes other than float32 / bfloat16 take the
 reference.
@@ -58,7 +59,9 @@ def _build() -> str:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
     with open(SOURCE, "rb") as f:
         source = f.read()
-    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(), _cpu_flags().encode()]))
+    march = os.environ.get("JAXPAGED_CPU_KERNEL_MARCH", "native")  # e.g. haswell: the AVX2 path on any x86-64
+    key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
+                                      march.encode()]))
     out_dir = _cache_dir()
     lib = os.path.join(out_dir, f"cpu_paged_attention-{key.hexdigest()[:16]}.so")
     if os.path.exists(lib):
@@ -66,7 +69,7 @@ def _build() -> str:
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
-    cmd = [cxx, "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
+    cmd = [cxx, "-O3", f"-march={march}", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
            "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
@@ -77,15 +80,33 @@ def _build() -> str:
 
 
 @functools.cache
-def available() -> bool:
-    """Build, load and register the kernel once; False (logged once) when that cannot be done here."""
+def _library():
+    """Build, load and register the kernel once -> the loaded library; None (logged once) when that cannot
+    be done here."""
     try:
         lib = ctypes.cdll.LoadLibrary(_build())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuPagedAttention), platform="cpu")
     except Exception as e:  # noqa: BLE001 — any failure means: use the reference
         logger.warning("CPU paged attention kernel unavailable, using the reference attention: %s", e)
-        return False
-    return True
+        return None
+    return lib
+
+
+def available() -> bool:
+    """The kernel is built, loaded and registered here."""
+    return _library() is not None
+
+
+def vector_lanes() -> int:
+    """The float32 lanes of the kernel's vector path in this build: 16 (AVX-512 F, BW, VL), 8 (AVX2 + FMA);
+    0 when it has only the plain-loop path (slower than the reference) or is not available."""
+    lib = _library()
+    return int(lib.JaxpagedCpuAttentionVectorized()) if lib is not None else 0
+
+
+def vectorized() -> bool:
+    """The kernel has its vector path here: the one `attention_backend="auto"` picks on CPU targets."""
+    return vector_lanes() > 0
 
 
 def cpu_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,

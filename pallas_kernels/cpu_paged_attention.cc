@@ -5,12 +5,17 @@
 // q head j reads KV head j / G (G = Hq / Hkv); rows past query_start_loc[S], and rows that see no key,
 // are zeros. Keys visible to a query at position p: p - window < k <= p (window 0: unbounded).
 //
-// Work units: (slot, KV head, tile of up to TILE_ROWS query rows). A unit's G x rows query vectors read
-// each K/V row of its slot once, a block (block_size keys) at a time: the block is widened to float32
-// in a small thread-local buffer (the pool itself is never copied), its logits for every query vector
-// computed, and an online softmax (running max, sum, weighted values) merged once per block. The units
-// are shared by the XLA FFI's intra-op thread pool through an atomic counter; the calling thread works
-// too, so the call never waits on a pool that is busy elsewhere.
+// Two implementations of one contract, chosen when the source is compiled (-march=native):
+// - AVX-512 (F, BW, VL): a work unit is (slot, tile of up to TILE_ROWS query rows) over every KV head, so a
+//   unit walks its slot's blocks once and reads each block's K and V rows of all heads, contiguous in the
+//   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer). Per block and KV
+//   head: the logits of the G x rows query vectors (a 16-lane dot a key, one horizontal sum), then the
+//   softmax over the block's keys 16 at a time (masking, max, a vector exp) and the values weighted into
+//   float32 accumulators (online softmax merged once a block).
+// - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
+//   small thread-local buffer, plain loops the compiler vectorizes.
+// The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
+// calling thread works too, so the call never waits on a pool that is busy elsewhere.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -21,6 +26,19 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define JP_AVX512 1
+#define JP_AVX2 0
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#define JP_AVX512 0
+#define JP_AVX2 1
+#include <immintrin.h>
+#else
+#define JP_AVX512 0
+#define JP_AVX2 0
+#endif
 
 namespace ffi = xla::ffi;
 
@@ -162,13 +180,322 @@ void attend(const Problem& P, const Unit& u) {
   }
 }
 
+
+#if JP_AVX512 || JP_AVX2
+// The lane types of the vector path: L float32 lanes, loads of pool rows (float32 or bfloat16, widened),
+// masks of key positions, a vector exp. `part` loads and stores touch only the first `valid` lanes.
+#if JP_AVX512
+struct Lanes {
+  static constexpr int L = 16;
+  using F = __m512;
+  using M = __mmask16;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F load(const float* p) { return _mm512_load_ps(p); }
+  static F loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, F x) { _mm512_store_ps(p, x); }
+  static void storeu(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static void store_part(float* p, int valid, F x) { _mm512_mask_storeu_ps(p, first(valid), x); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F min(F a, F b) { return _mm512_min_ps(a, b); }
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static float hsum(F x) { return _mm512_reduce_add_ps(x); }
+  static float hmax(F x) { return _mm512_reduce_max_ps(x); }
+  static M first(int valid) { return valid >= L ? M(0xFFFF) : M((1u << valid) - 1); }
+  static M le(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }
+  static M gt(F a, F b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static M both(M a, M b) { return a & b; }
+  static F keep(M m, F x) { return _mm512_maskz_mov_ps(m, x); }     // x where m, else 0
+  static F max_where(M m, F a, F x) { return _mm512_mask_max_ps(a, m, a, x); }  // max(a, x) where m, else a
+  static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
+  static F lanes() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  template <bool BF16>
+  static F row(const void* r, int c) { return row_part<BF16>(r, c, L); }
+  template <bool BF16>
+  static F row_part(const void* r, int c, int valid) {
+    const M m = first(valid);
+    if constexpr (BF16) {
+      const __m256i h = _mm256_maskz_loadu_epi16(m, static_cast<const uint16_t*>(r) + c);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_maskz_loadu_ps(m, static_cast<const float*>(r) + c);
+    }
+  }
+};
+#else
+struct Lanes {
+  static constexpr int L = 8;
+  using F = __m256;
+  using M = __m256;  // all-ones lanes where true
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F load(const float* p) { return _mm256_load_ps(p); }
+  static F loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, F x) { _mm256_store_ps(p, x); }
+  static void storeu(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static void store_part(float* p, int valid, F x) { _mm256_maskstore_ps(p, ints(valid), x); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F min(F a, F b) { return _mm256_min_ps(a, b); }
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static float hsum(F x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static float hmax(F x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+  }
+  static __m256i ints(int valid) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static M first(int valid) { return _mm256_castsi256_ps(ints(valid)); }
+  static M le(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_LE_OQ); }
+  static M gt(F a, F b) { return _mm256_cmp_ps(a, b, _CMP_GT_OQ); }
+  static M both(M a, M b) { return _mm256_and_ps(a, b); }
+  static F keep(M m, F x) { return _mm256_and_ps(m, x); }
+  static F max_where(M m, F a, F x) { return _mm256_blendv_ps(a, _mm256_max_ps(a, x), m); }
+  static F round(F x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F pow2(F p, F n) {  // n in [-126, 127] here (exp clamps x)
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  }
+  static F lanes() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+  template <bool BF16>
+  static F row(const void* r, int c) {
+    if constexpr (BF16) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(r) + c));
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_loadu_ps(static_cast<const float*>(r) + c);
+    }
+  }
+  template <bool BF16>
+  static F row_part(const void* r, int c, int valid) {
+    if (valid >= L) return row<BF16>(r, c);
+    if constexpr (BF16) {
+      alignas(16) uint16_t t[8] = {};
+      std::memcpy(t, static_cast<const uint16_t*>(r) + c, sizeof(uint16_t) * valid);
+      return row<true>(t, 0);
+    } else {
+      return _mm256_maskload_ps(static_cast<const float*>(r) + c, ints(valid));
+    }
+  }
+};
+#endif
+using F = Lanes::F;
+using M = Lanes::M;
+constexpr int L = Lanes::L;
+
+// e^x a lane, relative error ~1e-7 (x = n ln2 + r, |r| <= ln2 / 2, degree-7 polynomial, times 2^n).
+inline F vexp(F x) {
+  x = Lanes::min(Lanes::max(x, Lanes::set1(-87.0f)), Lanes::set1(88.0f));
+  const F n = Lanes::round(Lanes::mul(x, Lanes::set1(1.44269504f)));
+  F r = Lanes::fnma(n, Lanes::set1(0.693359375f), x);
+  r = Lanes::fnma(n, Lanes::set1(-2.12194440e-4f), r);
+  F p = Lanes::set1(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = Lanes::fma(p, r, Lanes::set1(c));
+  return Lanes::pow2(p, n);
+}
+
+constexpr int GROUP = 4;  // query vectors that share each K / V row loaded
+
+// A row's chunk c of nc (the last one holds `dv` values).
+template <bool BF16>
+inline F chunk(const void* row, int c, int nc, int dv) {
+  return c == nc - 1 ? Lanes::row_part<BF16>(row, L * c, dv) : Lanes::row<BF16>(row, L * c);
+}
+
+// Logits of NI query vectors (q: NI rows of nc * L floats, zero-padded) over a block's n keys:
+// s[t * bsp + j] = q_t . k_j. Each key row is loaded (and widened) once for the NI queries.
+template <bool BF16, int NI>
+inline void logits_group(const float* q, int nc, int dv, const char* kh, size_t key_stride, int n, float* s,
+                         int bsp) {
+  for (int j = 0; j < n; ++j) {
+    const char* kj = kh + j * key_stride;
+    F a[NI];
+    for (int t = 0; t < NI; ++t) a[t] = Lanes::zero();
+    for (int c = 0; c < nc; ++c) {
+      const F k = chunk<BF16>(kj, c, nc, dv);
+      for (int t = 0; t < NI; ++t) a[t] = Lanes::fma(Lanes::load(q + (t * nc + c) * L), k, a[t]);
+    }
+    for (int t = 0; t < NI; ++t) s[t * bsp + j] = Lanes::hsum(a[t]);
+  }
+}
+
+// acc_t = alpha_t acc_t + sum_j p[t * bsp + j] v_j for NI query vectors (acc: NI rows of nc * L floats);
+// each value row is loaded (and widened) once for the NI queries.
+template <bool BF16, int NI>
+inline void values_group(const float* p, int bsp, const float* alpha, float* acc, int nc, int dv, const char* vh,
+                         size_t key_stride, int n) {
+  for (int c = 0; c < nc; ++c) {
+    F a[NI];
+    for (int t = 0; t < NI; ++t) a[t] = Lanes::mul(Lanes::load(acc + (t * nc + c) * L), Lanes::set1(alpha[t]));
+    for (int j = 0; j < n; ++j) {
+      const F v = chunk<BF16>(vh + j * key_stride, c, nc, dv);
+      for (int t = 0; t < NI; ++t) a[t] = Lanes::fma(Lanes::set1(p[t * bsp + j]), v, a[t]);
+    }
+    for (int t = 0; t < NI; ++t) Lanes::store(acc + (t * nc + c) * L, a[t]);
+  }
+}
+
+#define JP_GROUPS(F, BF, ni, ...)          \
+  switch (ni) {                            \
+    case 1: F<BF, 1>(__VA_ARGS__); break;  \
+    case 2: F<BF, 2>(__VA_ARGS__); break;  \
+    case 3: F<BF, 3>(__VA_ARGS__); break;  \
+    default: F<BF, 4>(__VA_ARGS__); break; \
+  }
+
+constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
+
+// One unit: rows u.row0..u.row0+u.rows of slot u.slot, every KV head, over the slot's keys.
+template <bool BF16>
+void attend_vector(const Problem& P, const Unit& u) {
+  const int D = static_cast<int>(P.D), bs = static_cast<int>(P.bs), G = static_cast<int>(P.G);
+  const int Hkv = static_cast<int>(P.Hkv), rows = u.rows, R = G * rows;  // R query vectors a KV head
+  const int nc = (D + L - 1) / L, dv = D - L * (nc - 1);               // chunks of a row, the last one's values
+  const int bsp = (bs + L - 1) / L * L;  // a block's logits, padded to whole vectors
+  const int64_t row_end = P.qsl[u.slot + 1], len = P.lens[u.slot];
+  thread_local std::vector<float> buf;
+  const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head, row, g)
+  const size_t W = static_cast<size_t>(nc) * L;    // a query vector's floats, zero-padded
+  buf.resize(QV * (2 * W + 2) + static_cast<size_t>(R) * (bsp + 1) + 16);
+  // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries
+  float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
+  float* qb = acc + QV * W;
+  float* m = qb + QV * W;                           // [QV] running max
+  float* l = m + QV;                                // [QV] running sum
+  float* s = l + QV;                                // [R, bsp] one head's logits, then probabilities, of a block
+  float* alpha = s + static_cast<size_t>(R) * bsp;  // [R]
+  std::fill(acc, acc + 2 * QV * W, 0.f);
+  std::fill(m, m + QV, NEG);
+  std::fill(l, l + QV, 0.f);
+  int64_t pos[TILE_ROWS];
+  int64_t lo = INT64_MAX, hi = -1;  // key positions the unit may see
+  for (int r = 0; r < rows; ++r) {
+    pos[r] = len - (row_end - (u.row0 + r));
+    if (pos[r] >= 0) {
+      hi = std::max(hi, pos[r]);
+      lo = std::min(lo, P.window > 0 ? std::max<int64_t>(pos[r] - P.window + 1, 0) : 0);
+    }
+  }
+  for (int h = 0; h < Hkv; ++h)
+    for (int i = 0; i < R; ++i)
+      std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W, P.q + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D,
+                  sizeof(float) * D);
+  const size_t elt = BF16 ? 2 : 4;
+  const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
+  const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
+  for (int64_t b = (hi < 0 ? 1 : lo / bs), last = hi / bs; hi >= 0 && b <= last; ++b) {
+    int64_t id = P.tables[u.slot * P.B + std::min<int64_t>(b, P.B - 1)];
+    id = std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1);  // the reference's gathers clip
+    const int n = static_cast<int>(std::min<int64_t>(bs, hi + 1 - b * bs));  // keys of the block <= hi
+    const size_t bytes = static_cast<size_t>(bs) * key_stride;              // a block of one pool
+    const char* kblock = P.k + static_cast<size_t>(id) * bytes;
+    const char* vblock = P.v + static_cast<size_t>(id) * bytes;
+    if (b < last) {  // the next block's K and V into the caches while this one is worked on
+      int64_t nid = P.tables[u.slot * P.B + std::min<int64_t>(b + 1, P.B - 1)];
+      const size_t off = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(nid, 0), P.NB - 1)) * bytes;
+      for (size_t x = 0; x < bytes; x += 64) {
+        _mm_prefetch(P.k + off + x, _MM_HINT_T0);
+        _mm_prefetch(P.v + off + x, _MM_HINT_T0);
+      }
+    }
+    for (int h = 0; h < Hkv; ++h) {
+      const char* kh = kblock + static_cast<size_t>(h) * D * elt;
+      const char* vh = vblock + static_cast<size_t>(h) * D * elt;
+      // logits s[i, j] = q_i . k_j, i = (row, g)
+      for (int i0 = 0; i0 < R; i0 += GROUP)
+        JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
+                  s + static_cast<size_t>(i0) * bsp, bsp)
+      // the block's softmax update, L keys at a time; alpha rescales the old sums
+      for (int r = 0; r < rows; ++r) {
+        const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
+        const F p_lo = Lanes::set1(P.window > 0 ? static_cast<float>(pos[r] - P.window) : -1.f);
+        for (int g = 0; g < G; ++g) {
+          const int i = r * G + g;
+          const size_t qi = static_cast<size_t>(h) * R + i;
+          float* si = s + static_cast<size_t>(i) * bsp;
+          F mx = Lanes::set1(NEG);
+          M seen[MAX_BLOCK / L];
+          for (int c = 0; c * L < n; ++c) {
+            const F kp = Lanes::add(Lanes::set1(static_cast<float>(b * bs + L * c)), lane);
+            seen[c] = Lanes::both(Lanes::both(Lanes::le(kp, p_hi), Lanes::gt(kp, p_lo)), Lanes::first(n - L * c));
+            F x = Lanes::mul(Lanes::loadu(si + L * c), scale);
+            if (P.softcap > 0.f) {
+              alignas(64) float t[L];
+              Lanes::store(t, x);
+              for (float& e : t) e = P.softcap * std::tanh(e / P.softcap);
+              x = Lanes::load(t);
+            }
+            Lanes::storeu(si + L * c, x);
+            mx = Lanes::max_where(seen[c], mx, x);
+          }
+          const float mb = Lanes::hmax(mx);
+          if (mb <= NEG) {  // this query sees none of the block: its sums stay as they are
+            alpha[i] = 1.f;
+            std::fill(si, si + n, 0.f);
+            continue;
+          }
+          const float m_new = std::max(m[qi], mb);
+          alpha[i] = std::exp(m[qi] - m_new);
+          F sum = Lanes::zero();
+          for (int c = 0; c * L < n; ++c) {
+            const F p = Lanes::keep(seen[c], vexp(Lanes::sub(Lanes::loadu(si + L * c), Lanes::set1(m_new))));
+            Lanes::storeu(si + L * c, p);
+            sum = Lanes::add(sum, p);
+          }
+          m[qi] = m_new;
+          l[qi] = l[qi] * alpha[i] + Lanes::hsum(sum);
+        }
+      }
+      // values: acc_i = alpha_i acc_i + sum_j p_ij v_j
+      for (int i0 = 0; i0 < R; i0 += GROUP)
+        JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * bsp, bsp, alpha + i0,
+                  acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride, n)
+    }
+  }
+  for (int h = 0; h < Hkv; ++h) {
+    for (int i = 0; i < R; ++i) {
+      const size_t qi = static_cast<size_t>(h) * R + i;
+      float* dst = P.out + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D;
+      const F inv = Lanes::set1(l[qi] > 0.f ? 1.f / l[qi] : 0.f);  // a query that saw nothing: zeros
+      for (int c = 0; c < nc; ++c) {
+        const F x = Lanes::mul(Lanes::load(acc + qi * W + L * c), inv);
+        if (c == nc - 1) Lanes::store_part(dst + L * c, dv, x); else Lanes::storeu(dst + L * c, x);
+      }
+    }
+  }
+}
+#endif
+
+
 // The units shared by the threads: each takes the next by `next`, counts it in `done` when finished.
 struct Shared {
   Problem P;
   std::vector<Unit> units;
   std::atomic<int64_t> next{0}, done{0};
+  bool fast = false;  // the vector path: units span every KV head
   void work() {
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(units.size());) {
+#if JP_AVX512 || JP_AVX2
+      if (fast) {
+        (P.bf16 ? attend_vector<true> : attend_vector<false>)(P, units[i]);
+        done.fetch_add(1, std::memory_order_release);
+        continue;
+      }
+#endif
       attend(P, units[i]);
       done.fetch_add(1, std::memory_order_release);
     }
@@ -203,15 +530,18 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   P.bf16 = et == ffi::DataType::BF16;
   P.scale = scale, P.softcap = softcap, P.window = window;
   std::memset(P.out, 0, sizeof(float) * P.T * P.Hq * P.D);  // padding rows stay zeros
+  sh->fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;
+  const int64_t heads = sh->fast ? 1 : P.Hkv;  // units a row tile
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
     for (int64_t r = a; r < e; r += TILE_ROWS)
-      for (int64_t h = 0; h < P.Hkv; ++h)
+      for (int64_t h = 0; h < heads; ++h)
         sh->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
                              static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r))});
   }
-  // the long units (prefill tiles) first: the threads then end close together
-  std::stable_sort(sh->units.begin(), sh->units.end(), [](const Unit& x, const Unit& y) { return x.rows > y.rows; });
+  // the long units first (the most keys x rows): the threads then end close together
+  auto cost = [&P](const Unit& x) { return static_cast<int64_t>(x.rows) * std::max<int32_t>(P.lens[x.slot], 1); };
+  std::stable_sort(sh->units.begin(), sh->units.end(), [&](const Unit& x, const Unit& y) { return cost(x) > cost(y); });
   const int64_t n = static_cast<int64_t>(sh->units.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
@@ -235,3 +565,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuPagedAttention, Impl,
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap"));
+
+// The vector path's float32 lanes in this build (16: AVX-512, 8: AVX2 + FMA), 0 without it.
+extern "C" int JaxpagedCpuAttentionVectorized() { return JP_AVX512 ? 16 : JP_AVX2 ? 8 : 0; }

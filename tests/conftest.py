@@ -4,6 +4,9 @@ import os
 # these two keep that probe quiet and local on a machine without one (no metadata-server query).
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+# `make test` runs the modules on two pytest-xdist workers, each a jax process: without this the second one
+# cannot take libtpu's lockfile and its TPU compile tests would find no TPU backend
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import pytest
 

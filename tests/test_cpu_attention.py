@@ -50,6 +50,16 @@ def test_decode(dtype, G, D):
     _check(_case(rng, n_rows, lens, 2, G, D, bs, dtype), dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("D,bs", [(40, 8), (16, 32), (96, 16), (24, 4)])
+def test_shapes(dtype, D, bs):
+    """Head sizes that are not whole 16-lane vectors and block sizes other than 16 (masked tails)."""
+    rng = np.random.default_rng(D + bs)
+    lens = [1, bs, 3 * bs + 1, 70, 9]
+    n_rows = [1, 1, 1, 11, 9]
+    _check(_case(rng, n_rows, lens, 3, 2, D, bs, dtype), dtype, window=25)
+
+
 OPTIONS = [{}, {"window": 20}, {"softcap": 3.0}, {"window": 33, "softcap": 10.0, "scale": 0.2}]
 
 
@@ -74,7 +84,7 @@ def test_quantized_pools_take_the_reference():
 
 
 def test_resolve():
-    assert resolve_backend("auto", 64, 16) == "reference"  # until the kernel is measured faster
+    assert resolve_backend("auto", 64, 16) == ("cpu" if cpu_ffi.vectorized() else "reference")
     assert resolve_backend("reference", 64, 16) == "reference"
     assert resolve_backend("cpu", 64, 16) == "cpu"
 
@@ -117,5 +127,32 @@ def test_tensor_parallel_two_devices():
         print("ok")
     """)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_avx2_path_equals_the_reference():
+    """The kernel built for AVX2 + FMA (8 lanes: the path of CPUs without AVX-512) against the reference, in a
+    subprocess (its own build and registration)."""
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from pallas_kernels import cpu_ffi
+        from pallas_kernels.reference import ragged_paged_attention_reference as ref
+        assert cpu_ffi.vector_lanes() == 8, cpu_ffi.vector_lanes()
+        rng = np.random.default_rng(0)
+        cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
+        for dtype, tol, D, bs in cases:
+            k, v = (jnp.asarray(rng.standard_normal((40, bs, 2, D)), dtype) for _ in range(2))
+            q = jnp.asarray(rng.standard_normal((15, 6, D)), dtype)
+            tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:36].reshape(4, 9), jnp.int32)
+            args = (q, k, v, tables, jnp.array([3, 70, 9, 1], jnp.int32), jnp.array([0, 1, 2, 11, 12], jnp.int32))
+            for opts in ({}, {"window": 21, "softcap": 5.0}):
+                got = jax.jit(lambda *a: cpu_ffi.cpu_ragged_paged_attention(*a, **opts))(*args)
+                want = ref(*args, **opts)
+                got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+                np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+        print("ok")
+    """)
+    env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -1,10 +1,13 @@
 """JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3 and Qwen3 models
 (float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's trainer
-path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync.
+path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync, and real GRPO runs of Tunix
+(`GRPOLearner` over an `RLCluster` whose rollout engine is JaxpagedRollout), full parameters and qwix LoRA.
 
 The greedy reference is Tunix's model itself, one forward over prompt + generated tokens: Tunix
 0.1.7's vanilla `Sampler` returns tokens that are not the model's argmax on these models (e.g. [0, 1, 0, 5]
 where the model's own forward gives 214 first), so it cannot be the reference here."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -20,7 +23,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
 
 from jaxpaged.bench.tiny_models import add_tiny_tokenizer  # noqa: E402
-from jaxpaged.rl.tunix_rollout import JaxpagedRollout  # noqa: E402
+from jaxpaged.rl.tunix_rollout import JaxpagedRollout, to_engine_params  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
 SIZES = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,
@@ -42,18 +45,31 @@ def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
     return m
 
 
-def assert_tunix_greedy(model, tok, prompt: str, tokens: list[int], n: int, eos: int) -> None:
-    """`tokens` is the Tunix model's greedy continuation of `prompt` (BOS + encoding, as the sampler): one
-    full forward over prompt + tokens, each token the argmax after its prefix, and the last argmax EOS
-    unless n tokens were generated."""
+@nnx.jit
+def _logits(model, ids):
     import jax.numpy as jnp
-    ids = [tok.bos_token_id] + tok.encode(prompt)
-    seq = ids + list(tokens)
-    T = len(seq)
-    logits, _ = model(jnp.asarray(seq)[None], jnp.arange(T)[None], None, jnp.tril(jnp.ones((1, T, T), bool)))
-    best = np.asarray(jnp.argmax(logits[0], -1))[len(ids) - 1:]  # [len(tokens) + 1]
-    assert best[:len(tokens)].tolist() == list(tokens)
-    assert len(tokens) == n or best[len(tokens)] == eos
+    B, T = ids.shape
+    return model(ids, jnp.broadcast_to(jnp.arange(T), (B, T)), None, jnp.tril(jnp.ones((B, T, T), bool)))[0]
+
+
+def tunix_argmax(model, tok, prompts: list[str], tokens: list[list[int]]) -> list[np.ndarray]:
+    """The Tunix model's argmax after each prefix of prompt (BOS + encoding, as the sampler) + tokens, from one
+    jitted forward over the batch, right-padded to 32 (causal: the padding changes no earlier position):
+    [len(tokens) + 1] per prompt."""
+    ids = [[tok.bos_token_id] + tok.encode(p) for p in prompts]
+    seqs = np.zeros((len(prompts), 32), np.int32)
+    for i, (a, t) in enumerate(zip(ids, tokens)):
+        seqs[i, :len(a) + len(t)] = a + list(t)
+    best = np.asarray(np.argmax(_logits(model, seqs), -1))
+    return [best[i, len(a) - 1:len(a) + len(t)] for i, (a, t) in enumerate(zip(ids, tokens))]
+
+
+def assert_tunix_greedy(model, tok, prompts: list[str], tokens: list[list[int]], n: int, eos: int) -> None:
+    """`tokens[i]` is the Tunix model's greedy continuation of `prompts[i]`: each token the argmax after its
+    prefix, and the last argmax EOS unless n tokens were generated."""
+    for best, t in zip(tunix_argmax(model, tok, prompts, tokens), tokens):
+        assert best[:len(t)].tolist() == list(t)
+        assert len(t) == n or best[len(t)] == eos
 
 
 def rollout_config(**kw) -> base_rollout.RolloutConfig:
@@ -83,8 +99,7 @@ def test_greedy_equals_tunix_model(pair, tokenizer):
     model, ours, vanilla = pair
     rc = rollout_config(return_logprobs=True)
     a = ours.generate(PROMPTS, rc)
-    for p, x in zip(PROMPTS, a.tokens):
-        assert_tunix_greedy(model, tokenizer, p, x.tolist(), GEN, ours.eos_id())
+    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
     assert a.text == [tokenizer.decode(t.tolist()) for t in a.tokens]
     # padding exactly as the vanilla sampler's: left, with pad_id, to the next power of two over the longest
     prompts = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
@@ -138,8 +153,7 @@ def test_update_params_follows_new_weights(pair, tokenizer):
     ours.update_params(params)
     vanilla.update_params(params)
     a = ours.generate(PROMPTS, rc)
-    for p, x in zip(PROMPTS, a.tokens):
-        assert_tunix_greedy(new, tok, p, x.tolist(), GEN, ours.eos_id())
+    assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
     assert [t.tolist() for t in a.tokens] != before
     assert ours.engine.stats()["num_compilations"] == compiles
     assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
@@ -150,3 +164,135 @@ def test_unsupported_model_is_a_value_error(tokenizer):
         config = None
     with pytest.raises(ValueError, match="Gemma"):
         JaxpagedRollout(Gemma(), tokenizer)
+
+
+# -- real GRPO runs: Tunix's GRPOLearner over an RLCluster rolling out through JaxpagedRollout ----------------
+class RecordingRollout(JaxpagedRollout):
+    """JaxpagedRollout noting, at each weight sync, the filter types Tunix passed and the engine's compilations."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.syncs = []
+
+    def update_params(self, params, filter_types=None) -> None:
+        super().update_params(params, filter_types)
+        self.syncs.append((filter_types, self.engine.stats()["num_compilations"]))
+
+
+def grpo_learner(model, tokenizer, compile_cache, steps: int, **rollout_kwargs):
+    """(cluster, learner, dataset): GRPO with G = 2 on one CPU device (float32), the same engine shapes as `pair`
+    (so the step compiles come from the persistent cache), a toy reward (distinct characters of a
+    completion), Adam at a rate high enough that two steps move the greedy tokens, no KL term."""
+    import optax
+    from jax.sharding import AxisType
+    from tunix.rl import rl_cluster as rl
+    from tunix.rl.grpo import grpo_learner as grpo
+    # Tunix's models shard with the mesh's axes in Auto mode (an Explicit mesh rejects their embedding gather)
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1], axis_types=(AxisType.Auto,) * 2)
+    engine = functools.partial(RecordingRollout, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
+                               compilation_cache_dir=compile_cache, **rollout_kwargs)
+    config = rl.ClusterConfig(
+        role_to_mesh={r: mesh for r in (rl.Role.ACTOR, rl.Role.REFERENCE, rl.Role.ROLLOUT)}, rollout_engine=engine,
+        training_config=rl.RLTrainingConfig(actor_optimizer=optax.adam(3e-2), eval_every_n_steps=1000,
+                                            max_steps=steps),
+        rollout_config=rollout_config(temperature=1.0, seed=jax.random.PRNGKey(0)))
+    cluster = rl.RLCluster(actor=model, tokenizer=tokenizer, cluster_config=config)
+    learner = grpo.GRPOLearner(cluster, grpo.GRPOConfig(num_generations=2, beta=0.0),
+                               reward_fns=lambda prompts, completions, **_: [float(len(set(c))) for c in completions])
+    return cluster, learner, [{"prompts": np.array(PROMPTS[:2])}] * steps  # 2 prompts x G = max_num_seqs
+
+
+def greedy(rollout) -> list[list[int]]:
+    return [t.tolist() for t in rollout.generate(PROMPTS, rollout_config()).tokens]
+
+
+def test_grpo_run_syncs_full_params(tokenizer, compile_cache):
+    steps = 2
+    cluster, learner, data = grpo_learner(tiny_tunix_model("llama3", seed=5), tokenizer, compile_cache, steps)
+    ours = cluster.rollout
+    assert isinstance(ours, RecordingRollout) and learner.should_sync_weights
+    actor = cluster.actor_trainer.model
+    start = jax.tree.map(np.array, nnx.state(actor, nnx.Param))
+    before = greedy(ours)
+    compiles = ours.engine.stats()["num_compilations"]
+    learner.train(data)
+    assert cluster.actor_trainer.train_steps == steps
+    # one full-parameter sync per global step, none of them compiling anything
+    assert ours.syncs == [((nnx.Param,), compiles)] * steps
+    # every KV block back in the pool at the end of the run
+    stats = ours.engine.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    # the engine runs the trained actor's weights, bit for bit, and its greedy tokens are the actor's
+    state = nnx.state(actor, nnx.Param)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(state)))
+    want = to_engine_params(state, actor.config, False, np.float32)
+    got = ours.engine.get_weights()
+    for path, w in jax.tree_util.tree_flatten_with_path(want)[0]:
+        np.testing.assert_array_equal(np.asarray(functools.reduce(lambda t, k: t[k.key], path, got)), np.asarray(w))
+    after = greedy(ours)
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, after, GEN, ours.eos_id())
+    assert after != before
+    assert ours.engine.stats()["num_compilations"] == compiles
+
+
+LORA_ALPHA = 8.0
+
+
+def tiny_lora_model(seed: int = 7):
+    """A qwix LoRA (rank 4, alpha 8) over every projection of a tiny Tunix Llama 3, B redrawn (std 0.1) so the
+    adapter changes the greedy tokens from the start (qwix starts B at zero)."""
+    import qwix
+    base = tiny_tunix_model("llama3", seed=seed)
+    provider = qwix.LoraProvider(module_path=".*(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)", rank=4,
+                                 alpha=LORA_ALPHA)
+    import jax.numpy as jnp
+    T = 4  # qwix creates the LoRA parameters in one forward
+    model = qwix.apply_lora_to_model(base, provider, jnp.ones((1, T), jnp.int32), jnp.arange(T)[None], None,
+                                     jnp.tril(jnp.ones((1, T, T), bool)), rngs=nnx.Rngs(seed))
+    lora = nnx.state(model, nnx.LoRAParam)
+    key = iter(jax.random.split(jax.random.key(seed + 1), len(jax.tree.leaves(lora))))
+    redraw = lambda p, a: 0.1 * jax.random.normal(next(key), a.shape, a.dtype) if "lora_b" in jax.tree_util.keystr(p) \
+        else a
+    lora = jax.tree_util.tree_map_with_path(redraw, lora)
+    nnx.update(model, lora)
+    return base, model
+
+
+def test_grpo_run_syncs_lora(tokenizer, compile_cache):
+    base, model = tiny_lora_model()
+    with pytest.raises(ValueError, match="lora_alpha"):  # qwix keeps alpha in its provider, not in the model
+        JaxpagedRollout(model, tokenizer)
+    cluster, learner, data = grpo_learner(model, tokenizer, compile_cache, 1, lora_alpha=LORA_ALPHA)
+    ours = cluster.rollout
+    actor = cluster.actor_trainer.model
+    # built merged: the engine's greedy tokens are the LoRA model's, not its base's
+    before = greedy(ours)
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, before, GEN, ours.eos_id())
+    assert any(b[:len(x)].tolist() != x for b, x in zip(tunix_argmax(base, tokenizer, PROMPTS, before), before))
+    lora0 = jax.tree.map(np.array, nnx.state(actor, nnx.LoRAParam))
+    frozen0 = jax.tree.map(np.array, nnx.state(actor, nnx.Not(nnx.LoRAParam)))
+    wq0 = np.array(ours.engine.get_weights()["layers"]["wq"])
+    compiles = ours.engine.stats()["num_compilations"]
+    learner.train(data)
+    # Tunix trained the adapter only and synced it alone; the engine merged it, compiling nothing
+    assert ours.syncs == [((nnx.LoRAParam,), compiles)]
+    lora1 = nnx.state(actor, nnx.LoRAParam)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(lora0), jax.tree.leaves(lora1)))
+    for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(nnx.state(actor, nnx.Not(nnx.LoRAParam)))):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(np.asarray(ours.engine.get_weights()["layers"]["wq"]), wq0)
+    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    assert_tunix_greedy(actor, tokenizer, PROMPTS, greedy(ours), GEN, ours.eos_id())
+    # a LoRA on some layers only: the other layers' weights come from the base, unmerged
+    lora = nnx.state(actor, nnx.LoRAParam).to_pure_dict()
+    del lora["layers"][next(k for k in lora["layers"] if str(k) == "1")]
+    frozen = nnx.state(actor, nnx.Not(nnx.LoRAParam))
+    part = to_engine_params(lora, actor.config, False, np.float32, LORA_ALPHA, frozen)["layers"]
+    plain = to_engine_params(frozen, actor.config, False, np.float32)["layers"]
+    merged = ours.engine.get_weights()["layers"]
+    assert set(part) == {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+    for leaf, w in part.items():
+        np.testing.assert_array_equal(np.asarray(w[0]), np.asarray(merged[leaf][0]))
+        np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(plain[leaf][1]))
+        assert not np.array_equal(np.asarray(w[0]), np.asarray(plain[leaf][0]))

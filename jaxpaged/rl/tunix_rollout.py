@@ -3,14 +3,23 @@ through jaxpaged (continuous batching, paged KV) instead of Tunix's vanilla samp
 
     cluster_config = ClusterConfig(..., rollout_engine=functools.partial(JaxpagedRollout, max_num_seqs=64))
 
-Keyword arguments of the partial are EngineConfig fields. The engine starts from the rollout actor itself:
-Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`, dense) models map onto the engine's
-parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's [D, N, H] einsum weights flattened to
-[D, N*H]); the weights move device to device, only a config.json goes through a temporary directory. Tunix
-is imported only here (the `tunix` extra).
+Keyword arguments of the partial are EngineConfig fields, and `lora_alpha` for a qwix LoRA actor. The engine
+starts from the rollout actor itself: Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`,
+dense) models map onto the engine's parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's
+[D, N, H] einsum weights flattened to [D, N*H]); the weights move device to device, only a config.json goes
+through a temporary directory. Tunix is imported only here (the `tunix` extra).
+
+LoRA (qwix `LoraProvider` on the projections, `nnx.LoRAParam`): merged into the engine's base weights,
+W + alpha / r * A.B in float32, not put in the engine's adapter slots. Why: the merged step is the plain
+step (no LoRA product compiled in, nothing per token); Tunix syncs under a CPU transfer guard that forbids
+host round trips, and the merge runs on the device while the slots are filled from host arrays; in float32
+the merged engine's greedy tokens are the qwix model's (tests/test_tunix_rollout.py). The cost: in bfloat16
+a LoRA delta under half a unit in the last place of W rounds away in the merged weight, where the qwix model
+adds it to the product. alpha is not in the model (qwix keeps it in its provider): pass the provider's.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import sys
@@ -48,8 +57,10 @@ def _tied(cfg) -> bool:
 def rope_theta(model) -> float:
     """The RoPE base the model's layers compute with: Tunix 0.1.7's Llama 3 and Qwen3 attention call their
     module's `apply_rope` without the config's rope_theta, so its default (1e6) is what the trainer uses."""
-    default = inspect.signature(sys.modules[type(model).__module__].apply_rope).parameters["rope_theta"].default
-    return float(default)
+    # the class Tunix defined: qwix (LoRA, quantization) wraps a model in a subclass made elsewhere
+    module = next(sys.modules[c.__module__] for c in type(model).__mro__
+                  if hasattr(sys.modules.get(c.__module__), "apply_rope"))
+    return float(inspect.signature(module.apply_rope).parameters["rope_theta"].default)
 
 
 def hf_config(model, eos_id: int, max_model_len: int) -> dict:
@@ -67,38 +78,122 @@ def _value(v):
     return v.value if hasattr(v, "value") else v
 
 
-def to_engine_params(state, cfg, tied: bool, dtype) -> dict:
+# engine leaf -> (its path in a Tunix decoder layer, reshape to the engine's layout)
+LAYER_LEAVES = {
+    "attn_norm": (("input_layernorm", "w"), None),
+    "mlp_norm": (("post_attention_layernorm", "w"), None),
+    "wq": (("attn", "q_proj", "w"), "in"),     # [D, N, H] -> [D, N*H]
+    "wk": (("attn", "k_proj", "w"), "in"),
+    "wv": (("attn", "v_proj", "w"), "in"),
+    "wo": (("attn", "o_proj", "w"), "out"),    # [N, H, D] -> [N*H, D]
+    "w_gate": (("mlp", "gate_proj", "kernel"), None),  # [D, F]
+    "w_up": (("mlp", "up_proj", "kernel"), None),
+    "w_down": (("mlp", "down_proj", "kernel"), None),  # [F, D]
+    "q_norm": (("attn", "q_norm", "w"), None),  # [hd], Qwen3
+    "k_norm": (("attn", "k_norm", "w"), None),
+}
+TOP_LEAVES = {"embed": ("embedder", "input_embedding"), "final_norm": ("final_norm", "w"), "lm_head": ("lm_head", "w")}
+LORA_A, LORA_B = "_lora_a", "_lora_b"  # qwix's LoRA parameters beside the weight they adapt: w_lora_a, w_lora_b
+
+
+def _get(tree, path):
+    for k in path:
+        if not isinstance(tree, dict) or k not in tree:
+            return None
+        tree = tree[k]
+    return _value(tree)
+
+
+def _lora_keys(tree, prefix=()) -> set:
+    """Paths of every qwix LoRA A in a pure-dict state."""
+    if not isinstance(tree, dict):
+        return set()
+    out = set()
+    for k, v in tree.items():
+        if isinstance(k, str) and k.endswith(LORA_A):
+            out.add(prefix + (k,))
+        out |= _lora_keys(v, prefix + (k,))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _merge(w, a, b, scale: float):
+    """W + scale * A.B in float32. Jitted, the scale a constant of the program: Tunix syncs under a transfer
+    guard on CPU that refuses even a Python scalar sent to the device."""
+    f32 = jnp.float32
+    return w.astype(f32) + jnp.tensordot(a.astype(f32), b.astype(f32), axes=1) * scale
+
+
+class _Reader:
+    """Weights of a pure-dict Tunix state at a path, with qwix LoRA merged in: W + alpha / r * A.B (A [in..., r],
+    B [r, out...], contracted over r, in float32, then the engine's dtype). W comes from the state or, when the
+    state holds only the LoRA parameters (Tunix's LoRA sync), from `base`."""
+
+    def __init__(self, st: dict, base: dict | None, lora_alpha: float | None):
+        self.st, self.base, self.alpha = st, base, lora_alpha
+        self.lora = _lora_keys(st)
+        self.used: set = set()
+        if self.lora and lora_alpha is None:
+            raise ValueError("JaxpagedRollout: the model has LoRA parameters (nnx.LoRAParam, qwix): pass lora_alpha= "
+                             "(the alpha of the qwix LoraProvider) so the engine merges W + alpha / rank * A.B")
+
+    def __call__(self, path):
+        a_path = path[:-1] + (path[-1] + LORA_A,)
+        if a_path not in self.lora:
+            return _get(self.st, path)
+        w = _get(self.st, path)
+        if w is None and self.base is not None:
+            w = _get(self.base, path)
+        a, b = _get(self.st, a_path), _get(self.st, path[:-1] + (path[-1] + LORA_B,))
+        if w is None or b is None:
+            raise ValueError(f"JaxpagedRollout: LoRA at {'.'.join(map(str, path))} lacks its "
+                             f"{'base weight' if w is None else 'B'}")
+        if a.shape[:-1] + b.shape[1:] != w.shape:
+            raise ValueError(f"JaxpagedRollout: LoRA at {'.'.join(map(str, path))}: A {a.shape} . B {b.shape} is "
+                             f"not the weight's shape {w.shape}")
+        self.used.add(a_path)
+        return _merge(w, a, b, self.alpha / a.shape[-1])
+
+    def from_base(self, path):
+        return None if self.base is None else _get(self.base, path)
+
+
+def to_engine_params(state, cfg, tied: bool, dtype, lora_alpha: float | None = None, base=None) -> dict:
     """Tunix model state (nnx.State of nnx.Param, or a part of it) -> the engine's parameter pytree (the part
-    the state holds). Arrays stay on their devices; reshapes and the layer stack run there."""
+    the state holds). qwix LoRA pairs in the state are merged into their weight (`_Reader`); with a LoRA-only
+    state, `base` (the model's other parameters) gives the weights, and only the adapted leaves come out.
+    Arrays stay on their devices; reshapes and the layer stack run there."""
     D = cfg.embed_dim
-    st = state.to_pure_dict() if hasattr(state, "to_pure_dict") else state
+    pure = lambda s: s.to_pure_dict() if hasattr(s, "to_pure_dict") else s
+    read = _Reader(pure(state), None if base is None else pure(base), lora_alpha)
     # copies: the engine may donate its parameter buffers, which stay the trainer's
-    cast = lambda a: jnp.array(_value(a), dtype, copy=True)
+    cast = lambda a: jnp.array(a, dtype, copy=True)
+    shape = {"in": lambda a: a.reshape(D, -1), "out": lambda a: a.reshape(-1, D), None: lambda a: a}
     out: dict = {}
-    if "embedder" in st:
-        out["embed"] = cast(st["embedder"]["input_embedding"])  # [V, D]
-    if "final_norm" in st:
-        out["final_norm"] = cast(st["final_norm"]["w"])  # [D]
-    if "lm_head" in st and not tied:
-        out["lm_head"] = cast(st["lm_head"]["w"])  # [D, V]
-    layers = st.get("layers")
+    for leaf, path in TOP_LEAVES.items():
+        w = read(path)
+        if w is not None and not (leaf == "lm_head" and tied):
+            out[leaf] = cast(w)
+    layers = read.st.get("layers")
     if layers:
-        per = [layers[i] if i in layers else layers[str(i)] for i in range(cfg.num_layers)]
-        leaves = {
-            "attn_norm": lambda p: p["input_layernorm"]["w"],
-            "mlp_norm": lambda p: p["post_attention_layernorm"]["w"],
-            "wq": lambda p: _value(p["attn"]["q_proj"]["w"]).reshape(D, -1),   # [D, N, H] -> [D, N*H]
-            "wk": lambda p: _value(p["attn"]["k_proj"]["w"]).reshape(D, -1),
-            "wv": lambda p: _value(p["attn"]["v_proj"]["w"]).reshape(D, -1),
-            "wo": lambda p: _value(p["attn"]["o_proj"]["w"]).reshape(-1, D),   # [N, H, D] -> [N*H, D]
-            "w_gate": lambda p: p["mlp"]["gate_proj"]["kernel"],               # [D, F]
-            "w_up": lambda p: p["mlp"]["up_proj"]["kernel"],
-            "w_down": lambda p: p["mlp"]["down_proj"]["kernel"],               # [F, D]
-        }
-        if "q_norm" in per[0]["attn"]:
-            leaves["q_norm"] = lambda p: p["attn"]["q_norm"]["w"]              # [hd]
-            leaves["k_norm"] = lambda p: p["attn"]["k_norm"]["w"]
-        out["layers"] = {k: jnp.stack([cast(f(p)) for p in per]) for k, f in leaves.items()}  # [L, ...]
+        base_layers = (read.base or {}).get("layers") or {}
+        keys = [i if i in layers or i in base_layers else str(i) for i in range(cfg.num_layers)]  # int or str keys
+        stacked = {}
+        for leaf, (path, how) in LAYER_LEAVES.items():
+            per = [read(("layers", k) + path) for k in keys]
+            if all(w is None for w in per):
+                continue
+            if any(w is None for w in per):  # LoRA on some layers only: the others' weights from the base
+                per = [read.from_base(("layers", k) + path) if w is None else w for k, w in zip(keys, per)]
+                if any(w is None for w in per):
+                    raise ValueError(f"JaxpagedRollout: {leaf} ({'.'.join(path)}) is given for some layers only")
+            stacked[leaf] = jnp.stack([cast(shape[how](w)) for w in per])  # [L, ...]
+        if stacked:
+            out["layers"] = stacked
+    unused = read.lora - read.used
+    if unused:
+        raise ValueError("JaxpagedRollout: LoRA on modules the engine does not adapt: "
+                         + ", ".join(".".join(map(str, p)) for p in sorted(unused, key=str)))
     return out
 
 
@@ -106,8 +201,10 @@ class JaxpagedRollout(base_rollout.BaseRollout):
     """Tunix's rollout through a jaxpaged engine built from `rollout_actor` (see the module docstring)."""
 
     def __init__(self, rollout_actor: nnx.Module, tokenizer: Any, mesh: jax.sharding.Mesh | None = None,
-                 rollout_config: base_rollout.RolloutConfig | None = None, **engine_kwargs):
+                 rollout_config: base_rollout.RolloutConfig | None = None, lora_alpha: float | None = None,
+                 **engine_kwargs):
         self._model = rollout_actor
+        self._lora_alpha = lora_alpha
         self._tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
         cfg = rollout_config or base_rollout.RolloutConfig()
         self._tied = _tied(rollout_actor.config)
@@ -124,7 +221,7 @@ class JaxpagedRollout(base_rollout.BaseRollout):
             with open(f"{d}/config.json", "w") as f:
                 json.dump(conf, f)
             params = to_engine_params(nnx.state(rollout_actor, nnx.Param), rollout_actor.config, self._tied,
-                                      self._dtype)
+                                      self._dtype, lora_alpha)
             devices = list(mesh.devices.flat) if mesh is not None else None
             self.engine = LLMEngine(EngineConfig(model=d, **engine_kwargs), devices, params=params)
         self._llm = LLM.from_engine(self.engine)
@@ -198,14 +295,15 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         return jnp.asarray(out)
 
     def update_params(self, params, filter_types=None) -> None:
-        """Full parameters (nnx.Param state, all or part of the model): mapped to the engine's pytree and
-        loaded with `update_weights` (no recompilation; prefix cache flushed; resharded onto the engine's
-        devices when they live elsewhere)."""
-        if filter_types is not None and any(t is nnx.LoRAParam or issubclass(t, nnx.LoRAParam)
-                                            for t in filter_types if isinstance(t, type)):
-            raise NotImplementedError("JaxpagedRollout.update_params: LoRA parameters (nnx.LoRAParam) are not "
-                                      "supported yet; sync full parameters")
-        self.engine.update_weights(to_engine_params(params, self._model.config, self._tied, self._dtype))
+        """Parameters (nnx.Param state, all or part of the model) mapped to the engine's pytree and loaded with
+        `update_weights` (no recompilation; prefix cache flushed; resharded onto the engine's devices when
+        they live elsewhere). A LoRA state (Tunix syncs only the nnx.LoRAParam when the actor has LoRA) is
+        merged into the base weights, W + lora_alpha / r * A.B with W the rollout actor's own frozen base
+        weights, and only the adapted weights are replaced (docs/research.md: why merged, not adapter slots)."""
+        has_lora = bool(_lora_keys(params.to_pure_dict() if hasattr(params, "to_pure_dict") else params))
+        base = nnx.state(self._model, nnx.Not(nnx.LoRAParam)) if has_lora else None
+        self.engine.update_weights(to_engine_params(params, self._model.config, self._tied, self._dtype,
+                                                    self._lora_alpha, base))
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()
@@ -213,5 +311,9 @@ class JaxpagedRollout(base_rollout.BaseRollout):
     def eos_id(self) -> int:
         return self._tokenizer.eos_id()
 
-    def model(self) -> nnx.Module:
-        return self._model
+    def model(self) -> None:
+        """None, as Tunix's vLLM rollout answers: the engine holds its own copy of the weights. Tunix's learner
+        syncs weights after each global step only when the rollout's model does not share the trainer's arrays
+        (`rl_utils.is_sharing_weights`); answering the trainer's own actor would turn the sync off and leave
+        the engine on the first weights."""
+        return None

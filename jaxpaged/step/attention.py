@@ -6,7 +6,7 @@
 
 | asked | CPU target | GPU target (sm_90+ / older) | TPU target |
 | --- | --- | --- | --- |
-| auto | reference | pallas if the shapes fit, else reference | pallas if the shapes fit, else reference |
+| auto | cpu (vector path: AVX-512 or AVX2), else reference | pallas if shapes fit, else reference | the same |
 | pallas | triton (interpret mode) | mosaic_gpu / triton | mosaic_tpu |
 | mosaic | error: say mosaic_gpu or mosaic_tpu | mosaic_gpu (sm_90+ only) | mosaic_tpu |
 | triton, mosaic_gpu, mosaic_tpu | that kernel in its interpret mode | that kernel (GPU ones only) | mosaic_tpu only |
@@ -69,8 +69,11 @@ def resolve_backend(name: str, head_dim: int, block_size: int, devices=None) -> 
     platform, cc = target_platform(jax.devices() if devices is None else devices)
     fits = _pow2(block_size) and _pow2(head_dim) and 16 <= head_dim <= 256
     hopper = cc is not None and cc >= 9.0
-    if name == "auto":  # on CPU targets the reference: the C++ kernel (`cpu`) was not faster yet (docs/kernels.md)
-        name = "pallas" if platform != "cpu" and fits and _pallas_for(platform, hopper) else "reference"
+    if name == "auto":  # on CPU targets the C++ kernel where it has its AVX-512 path (docs/kernels.md)
+        if platform == "cpu":
+            name = "cpu" if cpu_ffi.vectorized() else "reference"
+        else:
+            name = "pallas" if fits and _pallas_for(platform, hopper) else "reference"
     if name == "reference":
         return name
     if name == "cpu":
