@@ -23,8 +23,8 @@ from starlette.routing import Route
 
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
+from serve import chat, invocations, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
-from serve import rl_routes, routes
 from serve.errors import APIError
 from serve.http_protocol import protocol
 from serve.metrics import Metrics
@@ -54,15 +54,25 @@ class ServerState:
     body_timeout: float | None = DEFAULT_BODY_TIMEOUT  # seconds to read a body (None: no deadline)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
     model_root: str | None = None  # /v1/models' `root` of the base model: its path or name as given
+    prompt_tokens_details: bool = False  # usage.prompt_tokens_details (cached_tokens), else null
+    max_logprobs: int = 20  # the most logprobs per token a request may ask (-1 asks this many)
+    force_include_usage: bool = False  # streams end with a usage chunk even without stream_options
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as 'token_id:N' unless a request says otherwise
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_engine: bool = True,
                adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
-               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None) -> Starlette:
+               body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
+               prompt_tokens_details: bool = False, tokenizer_info: bool = False, force_include_usage: bool = False,
+               return_tokens_as_token_ids: bool = False) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
-    name as given (/v1/models' `root`; default `served_model_name`).
+    name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
+    prompt_tokens_details.cached_tokens (else it is null, as vLLM's without --enable-prompt-tokens-details);
+    `tokenizer_info`: serve GET /tokenizer_info too; `force_include_usage`: every stream ends with a usage
+    chunk (--enable-force-include-usage); `return_tokens_as_token_ids`: logprobs' tokens are 'token_id:N'
+    unless a request's return_tokens_as_token_ids says otherwise.
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -75,7 +85,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
 
     app = Starlette(routes=[
         Route("/v1/completions", routes.completions, methods=["POST"]),
-        Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
+        Route("/invocations", invocations.invocations, methods=["POST"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
@@ -83,18 +94,27 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         Route("/pause", rl_routes.pause, methods=["POST"]),
         Route("/resume", rl_routes.resume, methods=["POST"]),
         Route("/is_paused", rl_routes.is_paused, methods=["GET"]),
-    ] + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
+        Route("/tokenize", tokenize_routes.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize_routes.detokenize, methods=["POST"]),
+        Route("/version", tokenize_routes.version, methods=["GET"]),
+    ] + ([Route("/tokenizer_info", tokenize_routes.tokenizer_info, methods=["GET"])] if tokenizer_info else [])
+      + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
           Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
          if runtime_lora_updating else []),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
-    schema = openapi_schema(__version__, limits=engine.request_limits(), model_name=served_model_name,
-                            api_key=bool(api_key))
+    limits = engine.request_limits()
+    schema = openapi_schema(__version__, limits=limits, model_name=served_model_name,
+                            api_key=bool(api_key), tokenizer_info=tokenizer_info)
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
-                                   Metrics(engine, served_model_name), schema, int(time.time()),
+                                   Metrics(engine, served_model_name, limits["max_model_len"]), schema,
+                                   int(time.time()),
                                    adapters if adapters is not None else
                                    serve_lora.Adapters() if runtime_lora_updating else None, body_timeout,
-                                   model_root=model_root or served_model_name)
+                                   model_root=model_root or served_model_name,
+                                   prompt_tokens_details=prompt_tokens_details,
+                                   max_logprobs=limits["max_logprobs"], force_include_usage=force_include_usage,
+                                   return_tokens_as_token_ids=return_tokens_as_token_ids)
     return app
 
 
@@ -126,6 +146,15 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*")
     parser.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING, help="requests queued for a "
                         "batch slot before new ones get 503 + Retry-After (default %(default)s)")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage carries "
+                        "prompt_tokens_details.cached_tokens, the prompt tokens served by the prefix cache "
+                        "(default: null)")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET "
+                        "/tokenizer_info (the tokenizer's special tokens and chat template)")
+    parser.add_argument("--enable-force-include-usage", action="store_true", help="every stream ends with a "
+                        "usage chunk, even without stream_options.include_usage")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true", help="logprobs' tokens written as "
+                        "'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
@@ -147,8 +176,27 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="PEFT adapter directories to serve, by name (requests pick one by `model`)")
     lora.add_argument("--enable-runtime-lora-updating", action="store_true",
                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    unsupported = parser.add_argument_group("vLLM flags not supported here (refused by name)")
+    for flag, why in UNSUPPORTED_FLAGS.items():
+        unsupported.add_argument(flag, type=_refused(flag, why), help=f"not supported: {why}")
     add_engine_args(parser)
     return parser
+
+
+UNSUPPORTED_FLAGS = {
+    "--tool-call-parser": "tool calls are read in one syntax, the Hermes-style <tool_call>...</tool_call> "
+                          "blocks (tool_choice auto; SmolLM2's, Qwen2.5's and Hermes' templates), and constrained "
+                          "by grammar for tool_choice required or named: there is no per-model parser to choose; "
+                          "leave the flag out",
+    "--reasoning-parser": "reasoning is not separated from the answer (there is no reasoning_content field): "
+                          "a model's thinking stays in content; leave the flag out",
+}
+
+
+def _refused(flag: str, why: str):
+    def refuse(text: str):
+        raise argparse.ArgumentTypeError(f"{flag} is not supported: {why}")
+    return refuse
 
 
 def _seconds(text: str) -> float | None:
@@ -223,7 +271,11 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,
                      adapters=adapters, runtime_lora_updating=args.enable_runtime_lora_updating,
-                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME)
+                     body_timeout=args.request_body_timeout, model_root=args.model or DEFAULT_MODEL_NAME,
+                     prompt_tokens_details=args.enable_prompt_tokens_details,
+                     tokenizer_info=args.enable_tokenizer_info_endpoint,
+                     force_include_usage=args.enable_force_include_usage,
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

@@ -2,8 +2,6 @@
 exceptions (pydantic's ValidationError, the engine's ValueError) onto them."""
 from __future__ import annotations
 
-import math
-
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
@@ -31,33 +29,26 @@ class APIError(Exception):
 
 
 def from_validation_error(e: ValidationError) -> APIError:
+    """The first error of the first field, as pydantic says it, with its error type as vLLM's messages
+    carry it (`max_tokens: Input should be greater than or equal to 0 [type=greater_than_equal]`)."""
     errs = e.errors(include_url=False)
     field = str(errs[0]["loc"][0]) if errs and errs[0]["loc"] else None
     mine = [x for x in errs if x["loc"] and str(x["loc"][0]) == field] or errs
     # of a union's errors, the member of the input's own type speaks (stop: too many strings, not "not a string")
-    first = next((x for x in mine if x["type"] == "string_unicode" or _float_int(x)), None) or next(
+    first = next((x for x in mine if x["type"] == "string_unicode"), None) or next(
         (x for x in mine if not x["type"].endswith("_type")), mine[0])
     # pydantic names union members in the location (e.g. "list[constrained-int]"): keep fields and indices
     loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
         "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
-    msg, code = first["msg"], None
-    if _float_int(first) and not math.isfinite(first["input"]):
-        msg, code = "is not finite (a number such as 1e400 overflows); it must be a JSON integer", "integer_required"
-    elif _float_int(first):
-        msg, code = "must be written as a JSON integer (2, not 2.0)", "integer_required"
-    elif first["type"] == "missing":
-        msg = "field required"
-    elif first["type"] == "string_unicode":
+    msg = first["msg"]
+    if first["type"] == "string_unicode":
         msg = "must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
     elif field == "prompt" and len(mine) > 1:  # one error per member of the union: say it once
         msg = ("must be a non-empty string, a non-empty list of non-empty strings, a non-empty list of "
                "token ids (integers) or a non-empty list of such lists")
         loc = "prompt"
-    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field, code=code)
-
-
-def _float_int(err: dict) -> bool:
-    return err["type"] == "int_type" and isinstance(err.get("input"), float)
+    msg = f"{msg} [type={first['type']}]"
+    return APIError(400, f"{loc}: {msg}" if loc else msg, param=field)
 
 
 def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:

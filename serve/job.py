@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.engine import RequestOutput
+from serve import outputs as fmt
 from serve.errors import APIError, from_value_error
 from serve.protocol import ErrorInfo
 
@@ -40,6 +41,7 @@ class Job:
         self.failed: set[int] = set()  # prompts whose engine request a failed step ended
         self.status = "ok"
         self.closed = False
+        self.params: SamplingParams | None = None
 
     async def start(self, prompts: list, params: SamplingParams, stream: bool = True) -> None:
         """Queue every prompt, or none (a bad one is a 400 and nothing runs). A response that is not
@@ -54,7 +56,7 @@ class Job:
             raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
         except EngineDeadError as e:
             raise APIError(503, str(e), code="engine_unavailable") from None
-        self.ids, self.lasts = ids, [None] * len(ids)
+        self.ids, self.lasts, self.params = ids, [None] * len(ids), params
 
     def abort(self) -> None:
         for rid, last in zip(self.ids, self.lasts):
@@ -121,6 +123,10 @@ class Job:
             raise APIError(500, str(e), code="step_failed") from None
         return True
 
+    def usage(self):
+        """The response's usage (prompt_tokens_details with --enable-prompt-tokens-details, else null)."""
+        return fmt.usage(self.lasts, self.st.prompt_tokens_details)
+
     def close(self, http_status: int) -> None:
         """Abort what is unfinished, record it all (once)."""
         if self.closed:
@@ -149,7 +155,11 @@ class Job:
             ttft = None if first is None else first - self.arrival
             tpot = (end - first) / (n - 1) if first is not None and n > 1 else None
             out_tokens = sum(len(c.token_ids) for c in last.outputs)
-            m.observe(len(last.prompt_token_ids), out_tokens, reason, ttft, tpot, end - self.arrival)
+            p = self.params
+            max_tokens = None if p is None else p.max_tokens if p.max_tokens is not None else \
+                self.st.engine.max_model_len - len(last.prompt_token_ids)
+            m.observe(len(last.prompt_token_ids), out_tokens, reason, ttft, tpot, end - self.arrival,
+                      p.n if p is not None else 1, max_tokens)
             n_out += out_tokens
             reasons.add(reason)
             if ttft is not None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import PlainTextResponse
 
 from jaxpaged.lora.request import LoRARequest
 from serve.errors import APIError
@@ -59,33 +60,39 @@ async def _body(request: Request) -> tuple[str, str | None]:
     return name, path if isinstance(path, str) else None
 
 
-async def load(request: Request) -> JSONResponse:
-    """POST /v1/load_lora_adapter (auth checked by the route)."""
+async def load(request: Request) -> PlainTextResponse:
+    """POST /v1/load_lora_adapter (auth checked by the route); answers as vLLM's: the text
+    `Success: LoRA adapter 'NAME' added successfully.`, 404 for a lora_path that does not exist, 400 for a
+    name in use or an adapter the loader refuses (its message)."""
     st = request.app.state.server
     name, path = await _body(request)
     if path is None:
         raise APIError(400, "lora_path (a PEFT adapter directory) is required", param="lora_path")
     if name in st.adapters.by_name or name == st.model_name:
-        raise APIError(400, f"the adapter {name!r} is already loaded", param="lora_name")
+        raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+    if not os.path.exists(path):
+        raise APIError(404, f"No adapter found for {path}", param="lora_path", code="adapter_not_found")
     lora = st.adapters.new(name, path)
     try:
         await st.engine.call(lambda eng: eng.add_lora(lora))
     except ValueError as e:
         raise APIError(400, str(e), param="lora_path") from None
     st.adapters.by_name[name] = lora
-    return JSONResponse({"status": "ok", "message": f"LoRA adapter {name!r} loaded"})
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
 
-async def unload(request: Request) -> JSONResponse:
-    """POST /v1/unload_lora_adapter (auth checked by the route)."""
+async def unload(request: Request) -> PlainTextResponse:
+    """POST /v1/unload_lora_adapter (auth checked by the route): `Success: LoRA adapter 'NAME' removed
+    successfully.`; 404 for a name not loaded, 400 while requests still use it."""
     st = request.app.state.server
     name, _ = await _body(request)
     lora = st.adapters.by_name.get(name)
     if lora is None:
-        raise APIError(404, f"the adapter {name!r} is not loaded", param="lora_name", code="model_not_found")
+        raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                       code="model_not_found")
     try:
         await st.engine.call(lambda eng: eng.remove_lora(lora.lora_int_id))
     except ValueError as e:  # requests still use it
         raise APIError(400, str(e), param="lora_name") from None
     del st.adapters.by_name[name]
-    return JSONResponse({"status": "ok", "message": f"LoRA adapter {name!r} unloaded"})
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

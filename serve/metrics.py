@@ -15,6 +15,17 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
                 120.0, 240.0)
 
 
+def buckets_1_2_5(most: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `most` (vLLM's buckets for token counts, up to max_model_len)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > most:
+                return out
+            out.append(m * scale)
+        scale *= 10
+
+
 class _EngineCollector:
     """Gauges (and the preemption counter) straight from `engine.stats()` at scrape time."""
 
@@ -69,7 +80,7 @@ class _EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine, model_name: str):
+    def __init__(self, engine, model_name: str, max_model_len: int = 4096):
         self.model_name = model_name
         self.registry = r = CollectorRegistry()
         lbl = ["model_name"]
@@ -85,16 +96,30 @@ class Metrics:
                               "the first, per request.", lbl, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("jaxpaged:e2e_request_latency_seconds", "Arrival to last token.", lbl,
                              buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        tokens = buckets_1_2_5(max_model_len)
+        for attr, name, doc, buckets in (
+                ("req_prompt", "request_prompt_tokens", "Prompt tokens of each finished request.", tokens),
+                ("req_generation", "request_generation_tokens", "Generated tokens of each finished request.", tokens),
+                ("req_n", "request_params_n", "The n request parameter of each finished request.", (1, 2, 5, 10, 20)),
+                ("req_max_tokens", "request_params_max_tokens", "The max_tokens request parameter (as run) of each "
+                 "finished request.", tokens)):
+            setattr(self, attr, Histogram(f"jaxpaged:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name))
         r.register(_EngineCollector(engine, model_name))
 
     def observe(self, prompt_tokens: int, output_tokens: int, finish_reason: str, ttft: float | None,
-                tpot: float | None, e2e: float) -> None:
-        """Record one ended engine request (finish_reason 'stop' | 'length' | 'abort' | 'error')."""
+                tpot: float | None, e2e: float, n: int = 1, max_tokens: int | None = None) -> None:
+        """Record one ended engine request (finish_reason 'stop' | 'length' | 'abort' | 'error'); `n`, `max_tokens`:
+        its parameters (max_tokens as run: null is the rest of max_model_len)."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(output_tokens)
         self.requests.labels(self.model_name, finish_reason).inc()
         if finish_reason in ("abort", "error"):
             return
+        self.req_prompt.observe(prompt_tokens)
+        self.req_generation.observe(output_tokens)
+        self.req_n.observe(n)
+        if max_tokens is not None:
+            self.req_max_tokens.observe(max_tokens)
         if ttft is not None:
             self.ttft.observe(ttft)
         if tpot is not None:

@@ -22,14 +22,20 @@ from serve.protocol import (
     ErrorResponse,
     ModelList,
 )
+from serve.protocol_tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [
     {"code": "nested_too_deeply", "rule": f"the JSON body nests arrays and objects at most {MAX_JSON_DEPTH} "
      "levels deep (the body itself is level 1)"},
     {"code": "stop_too_long", "rule": f"the stop strings together have at most {MAX_STOP_CHARS} characters"},
-    {"code": "integer_required", "rule": "integers (token ids, counts) are written as JSON integers: 2, "
-     "not 2.0 (which JSON Schema also calls an integer)"},
     {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
      "max_model_len) must not exceed max_model_len"},
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
@@ -57,7 +63,15 @@ CHAT_RULES = _COMMON_RULES + [
      "and tool_choice required or named; tool_choice other than none needs tools; a named tool_choice "
      "must name one of the tools"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false"},
+    {"code": "invalid_combination", "rule": "continue_final_message needs add_generation_prompt false (an "
+     "if/then here would be one too many for schemathesis' generator)"},
+    {"code": "empty_prompt", "rule": "truncate_prompt_tokens must leave at least one token of the rendered "
+     "conversation (0, or -1 with max_tokens filling max_model_len, leave none)"},
 ]
+INVOCATIONS_RULES = COMPLETION_RULES + [r for r in CHAT_RULES if r not in COMPLETION_RULES]
+TOKENIZE_RULES = [r for r in CHAT_RULES if r["code"] in ("nested_too_deeply", "chat_template_error")] + [
+    {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
+     "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"}]
 
 
 def _if_then(if_props: dict, then_props: dict, required: list[str], then_required=()) -> dict:
@@ -77,7 +91,8 @@ def _sampling_rules(limits: dict) -> list[dict]:
             _if_then({"min_tokens": {"minimum": 1}, "ignore_eos": {"const": False}}, at_most(nb - eos),
                      ["min_tokens"]),
             _if_then({"stream_options": {"type": "object"}}, {"stream": {"const": True}}, ["stream_options"],
-                     ["stream"])]
+                     ["stream"]),
+            _if_then({"prompt_logprobs": {"type": "integer"}}, {"stream": {"const": False}}, ["prompt_logprobs"])]
 
 
 def _fill_limits(node, values: dict) -> None:
@@ -93,19 +108,24 @@ def _fill_limits(node, values: dict) -> None:
             _fill_limits(v, values)
 
 
-def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool) -> dict:
-    """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits())."""
+def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool,
+                   tokenizer_info: bool = False) -> dict:
+    """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits());
+    `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)."""
     models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-              ChatCompletionChunk, ModelList, ErrorResponse]
+              ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest, TokenizeChatRequest,
+              TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
     _, defs = models_json_schema([(m, "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
-                           "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
+                 "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
     schemas["CompletionRequest"]["allOf"].append(
@@ -113,6 +133,12 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     schemas["ChatCompletionRequest"]["allOf"].append(
         _if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}}, ["top_logprobs"],
                  ["logprobs"]))
+
+    schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
+        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}
+    for name, kinds in (("InvocationsResponse", ("ChatCompletionResponse", "CompletionResponse")),
+                        ("InvocationsChunk", ("ChatCompletionChunk", "CompletionResponse"))):
+        schemas[name] = {"anyOf": [{"$ref": f"#/components/schemas/{k}"} for k in kinds]}
     security = {"security": [{"bearer": []}]} if api_key else {}
 
     def ref(name):
@@ -157,6 +183,9 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
             "/v1/chat/completions": generate("chat completion (the model's chat template)",
                                              "ChatCompletionRequest", "ChatCompletionResponse",
                                              "ChatCompletionChunk", CHAT_RULES),
+            "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
+                                     "with prompt (and no messages) a completion", "InvocationsRequest",
+                                     "InvocationsResponse", "InvocationsChunk", INVOCATIONS_RULES),
             "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
                 "200": {"description": "model list", "content": body("ModelList")},
                 **({"401": errors["401"]} if api_key else {})}}},
@@ -167,6 +196,27 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                                       "content": body("ErrorResponse")}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
+            "/tokenize": {"post": {
+                "summary": "a prompt's token ids, or a conversation's through the chat template (vLLM's)",
+                **security, "x-request-rules": TOKENIZE_RULES,
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+                    ref("TokenizeCompletionRequest"), ref("TokenizeChatRequest")]}}}},
+                "responses": {"200": {"description": "the tokens", "content": body("TokenizeResponse")},
+                              **{c: errors[c] for c in errors if c in ("400", "401", "404", "413")}}}},
+            "/detokenize": {"post": {
+                "summary": "token ids -> text (vLLM's)", **security,
+                "requestBody": {"required": True, "content": body("DetokenizeRequest")},
+                "responses": {"200": {"description": "the text", "content": body("DetokenizeResponse")},
+                              **{c: errors[c] for c in errors if c in ("400", "401", "404", "413")}}}},
+            "/version": {"get": {"summary": "the server's version", "responses": {
+                "200": {"description": "version", "content": body("VersionResponse")}}}},
+            **({"/tokenizer_info": {"get": {"summary": "the tokenizer's special tokens, chat template and sizes",
+                                            **security, "responses": {
+                                                "200": {"description": "tokenizer information",
+                                                        "content": {"application/json": {"schema": {
+                                                            "type": "object"}}}},
+                                                **({"401": errors["401"]} if api_key else {})}}}}
+               if tokenizer_info else {}),
         },
         "components": {"schemas": schemas},
     }

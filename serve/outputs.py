@@ -10,20 +10,29 @@ from dataclasses import dataclass
 
 from jaxpaged.engine import CompletionOutput, RequestOutput
 from serve.errors import APIError
-from serve.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, PromptTokensDetails, TopLogprob, Usage
+from serve.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    Logprob,
+    PromptTokensDetails,
+    TopLogprob,
+    Usage,
+)
 
 
 class TokenText:
-    """Token id -> the text it stands for (cached); `token_id:N` without a tokenizer."""
+    """Token id -> the text it stands for (cached); `token_id:N` without a tokenizer or with `as_ids`
+    (return_tokens_as_token_ids)."""
 
-    def __init__(self, tokenizer):
-        self.tok = tokenizer
+    def __init__(self, tokenizer, as_ids: bool = False):
+        self.tok, self.as_ids = tokenizer, as_ids
         self.cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:
         s = self.cache.get(token_id)
         if s is None:
-            if self.tok is None:
+            if self.tok is None or self.as_ids:
                 s = f"token_id:{token_id}"
             else:
                 s = self.tok.decode([token_id], skip_special_tokens=False)
@@ -44,6 +53,15 @@ def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
     return [(t, max(v, -9999.0)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
 
 
+def _legacy_top(text: TokenText, tid: int, lp: dict[int, float], k: int) -> dict[str, float]:
+    """A legacy `top_logprobs` entry, as vLLM's: the chosen token first, then the top k (so max(k, 1) to k + 1
+    entries; logprobs 0: the chosen token alone). Two ids of one text: the first listed keeps it."""
+    top = {text(tid): max(lp[tid], -9999.0)} if tid in lp else {}
+    for t, v in _top(lp, k):
+        top.setdefault(text(t), v)
+    return top
+
+
 def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: int) -> CompletionLogprobs:
     """Legacy completions format; offset is where the first token's text starts in the choice's text."""
     out = CompletionLogprobs()
@@ -51,7 +69,7 @@ def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: in
         s = text(tid)
         out.tokens.append(s)
         out.token_logprobs.append(lp.get(tid))
-        out.top_logprobs.append({text(t): v for t, v in _top(lp, k)} if k else None)
+        out.top_logprobs.append(_legacy_top(text, tid, lp, k))
         out.text_offset.append(offset)
         offset += len(s)
     return out
@@ -59,7 +77,7 @@ def completion_logprobs(text: TokenText, token_ids, logprobs, k: int, offset: in
 
 def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionLogprobs) -> CompletionLogprobs:
     """Completions with echo: the prompt's tokens (the first with null logprob and top_logprobs; offsets
-    from 0 in the prompt's text; top_logprobs hold the prompt token and the top k), then `then`."""
+    from 0 in the prompt's text; top_logprobs hold the prompt token first, then the top k), then `then`."""
     res = CompletionLogprobs()
     offset, lps = 0, out.prompt_logprobs or []
     for j, tid in enumerate(out.prompt_token_ids):
@@ -67,16 +85,32 @@ def echo_logprobs(text: TokenText, out: RequestOutput, k: int, then: CompletionL
         s = text(tid)
         res.tokens.append(s)
         res.token_logprobs.append(None if lp is None else lp.get(tid))
-        top = None
-        if lp is not None and k:
-            top = {}
-            for t, v in _top(lp, len(lp)):
-                top.setdefault(text(t), v)  # two ids of one text: the likelier one
-        res.top_logprobs.append(top)
+        res.top_logprobs.append(None if lp is None else _legacy_top(text, tid, lp, k))
         res.text_offset.append(offset)
         offset += len(s)
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         getattr(res, name).extend(getattr(then, name))
+    return res
+
+
+def prompt_logprobs(text: TokenText, out: RequestOutput, k: int | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token (the first null) {token id: Logprob}, the prompt token first,
+    then the top k by rank (rank null for a prompt token outside them); None when not asked (k None)."""
+    if k is None or out.prompt_logprobs is None:
+        return None
+    res = []
+    for j, tid in enumerate(out.prompt_token_ids):
+        lp = out.prompt_logprobs[j] if j < len(out.prompt_logprobs) else None
+        if lp is None:
+            res.append(None)
+            continue
+        top = _top(lp, k)
+        ranks = {t: r for r, (t, _) in enumerate(top, 1)}
+        entry = {str(tid): Logprob(logprob=max(lp.get(tid, -9999.0), -9999.0), rank=ranks.get(tid),
+                                   decoded_token=text(tid))}
+        for t, v in top:
+            entry.setdefault(str(t), Logprob(logprob=v, rank=ranks[t], decoded_token=text(t)))
+        res.append(entry)
     return res
 
 
@@ -109,13 +143,15 @@ def check_routes_request(req, num_prompts: int) -> None:
                        param="return_routed_experts", code="invalid_combination")
 
 
-def usage(outs: list[RequestOutput | None]) -> Usage:
+def usage(outs: list[RequestOutput | None], details: bool = False) -> Usage:
+    """Token counts; with `details` (--enable-prompt-tokens-details) the prompt tokens the prefix cache
+    served as prompt_tokens_details.cached_tokens (else null, as vLLM)."""
     done = [o for o in outs if o is not None]
     prompt = sum(len(o.prompt_token_ids) for o in done)
     completion = sum(len(c.token_ids) for o in done for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in done)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None)
 
 
 @dataclass
@@ -132,8 +168,8 @@ class Delta:
         text = c.text[self.text_len:] if len(c.text) >= self.text_len else ""
         ids = c.token_ids[self.num_tokens:]
         lps = c.logprobs[self.num_tokens:] if c.logprobs is not None else None
-        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), len(c.token_ids)
         self.done = c.finish_reason is not None
         if not text and not self.done and not (lps and ids):
-            return None
+            return None  # tokens with no text yet (a partial character) go with the next piece
+        self.text_len, self.num_tokens = max(self.text_len, len(c.text)), len(c.token_ids)
         return text, ids, lps, c.finish_reason

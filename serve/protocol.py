@@ -2,7 +2,8 @@
 
 Field names, defaults and ranges follow OpenAI's API, plus vLLM's sampling extras (top_k, min_p,
 repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens). Requests are validated
-strictly (JSON types exactly, finite numbers, valid Unicode); every constraint is in the schema
+in pydantic's lax mode, as vLLM's are ("5" is 5, 2.0 is 2, "true" is true; 2.5 or "five" for an integer are
+refused), with finite numbers and valid Unicode; every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
 OpenAI-compatible servers do; a field we cannot honour (suffix) only accepts null.
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
@@ -12,13 +13,11 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
 from jaxpaged.core.sampling_params import FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END, SEED_MIN
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
-
-MAX_LOGPROBS = 20
 
 
 def limit(kind: str) -> dict:
@@ -34,17 +33,18 @@ TokenId = Annotated[int, Field(ge=0, **limit("token_id"))]
 Float = Annotated[float, Field(le=FLOAT32_MAX)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id written as a JSON object key
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]  # all of them: MAX_STOP_CHARS
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False)  # JSON types exactly: no bool/float/str as int
+_LAX = ConfigDict(allow_inf_nan=False)  # pydantic's lax mode, as vLLM's: "5" -> 5, 2.0 -> 2, "true" -> True
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="with include_usage: usage (so far) on every chunk")
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by completions and chat completions."""
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = Field(None, description="the served model name; may be omitted")
     temperature: Float | None = Field(None, ge=0, description="0 is greedy; default 1")
@@ -75,6 +75,20 @@ class _SamplingRequest(BaseModel):
     structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's constrained decoding")
     return_routed_experts: bool = Field(False, description="MoE models, one prompt, not streamed: each token's "
                                         "expert ids per layer (prompt_routed_experts, choices[].routed_experts)")
+    allowed_token_ids: list[TokenId] | None = Field(None, min_length=1,
+                                                    description="only these tokens may be sampled")
+    return_token_ids: bool | None = Field(None, description="the prompt's token ids (prompt_token_ids) and each "
+                                          "choice's (token_ids; streamed: the new ones of each chunk)")
+    return_tokens_as_token_ids: bool | None = Field(None, description="logprobs' tokens written as 'token_id:N' "
+                                                    "(default: the server's --return-tokens-as-token-ids)")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep only N prompt tokens (the last "
+                                               "N, or the first with truncation_side right); -1: as many as "
+                                               "fit with max_tokens", **limit("max_model_len"))
+    truncation_side: Literal["left", "right"] | None = Field(None, description="with truncate_prompt_tokens: "
+                                                             "left (default) drops the first tokens")
+    prompt_logprobs: int | None = Field(None, ge=-1, description="top-N logprobs of each prompt token (the "
+                                        "response's prompt_logprobs); -1: capped by --max-logprobs; not "
+                                        "streamed", **limit("logprobs"))
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
@@ -86,15 +100,16 @@ class CompletionRequest(_SamplingRequest):
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     max_tokens: int | None = Field(16, ge=0, description="null: up to max_model_len; 0 (only with echo): "
                                    "no generated token, the prompt's logprobs only", **limit("max_tokens"))
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="top-N logprobs per token (with "
-                                 "echo, of the prompt's tokens too)", **limit("logprobs"))
+    logprobs: int | None = Field(None, ge=-1, description="top-N logprobs per token (with echo, of the prompt's "
+                                 "tokens too); -1: the whole vocabulary, capped by --max-logprobs",
+                                 **limit("logprobs"))
     echo: bool = Field(False, description="the prompt before the completion (and its tokens' logprobs)")
     suffix: None = Field(None, description="not supported")
     best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
 
 
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["text"]
     text: str
 
@@ -104,15 +119,26 @@ Content = str | list[TextPart]
 
 class ChatMessage(BaseModel):
     """A system, developer or user message."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user"]
+    content: Content
+    name: str | None = None
+
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class CustomRoleMessage(BaseModel):
+    """A message of another role, passed through to the chat template as it is (as vLLM's)."""
+    model_config = ConfigDict(extra="ignore")
+    role: Annotated[str, Field(min_length=1, max_length=64, json_schema_extra={"not": {"enum": list(ROLES)}})]
     content: Content
     name: str | None = None
 
 
 class AssistantTurn(BaseModel):
     """An earlier assistant message: `content`, `tool_calls`, or both."""
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={"anyOf": [
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
         {"properties": {"content": {"type": ["string", "array"]}}, "required": ["content"]},
         {"properties": {"tool_calls": {"type": "array", "minItems": 1}}, "required": ["tool_calls"]}]})
     role: Literal["assistant"]
@@ -129,13 +155,21 @@ class AssistantTurn(BaseModel):
 
 class ToolResult(BaseModel):
     """The result of a tool call, for the model."""
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     role: Literal["tool"]
     content: Content
     tool_call_id: str
 
 
-Message = Annotated[ChatMessage | AssistantTurn | ToolResult, Field(discriminator="role")]
+def _role(m) -> str:
+    role = m.get("role") if isinstance(m, dict) else getattr(m, "role", None)
+    return role if role in ROLES else "custom"
+
+
+Message = Annotated[Annotated[ChatMessage, Tag("system")] | Annotated[ChatMessage, Tag("developer")]
+                    | Annotated[ChatMessage, Tag("user")] | Annotated[AssistantTurn, Tag("assistant")]
+                    | Annotated[ToolResult, Tag("tool")] | Annotated[CustomRoleMessage, Tag("custom")],
+                    Discriminator(_role)]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -145,12 +179,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1, description="null: up to max_model_len",
                                               **limit("max_tokens"))
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="needs logprobs: true",
-                                     **limit("logprobs"))
+    top_logprobs: int | None = Field(None, ge=-1, description="needs logprobs: true; -1: the whole vocabulary, "
+                                     "capped by --max-logprobs", **limit("logprobs"))
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: auto with tools, none without")
     response_format: ResponseFormat | None = None
+    echo: bool = Field(False, description="the last message's content before the answer, when its role is the "
+                       "answer's")
+    add_generation_prompt: bool = Field(True, description="end the prompt with the template's assistant header")
+    continue_final_message: bool = Field(False, description="the answer continues the last message (open-ended, "
+                                         "no end-of-turn); not with add_generation_prompt")
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -168,6 +207,16 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort", "tool_calls"] | None
 
 
+class Logprob(BaseModel):
+    """vLLM's prompt logprob entry: rank 1 is the most likely token (null: outside the top N asked)."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, Logprob] | None]  # per prompt token (the first null): token id -> its entry
+
+
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -181,7 +230,9 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason = None
     routed_experts: list | None = None  # [generated - 1, L, k] (return_routed_experts)
-    prompt_logprobs: list | None = None  # vLLM's field: present, null (prompt_logprobs is not a request field)
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs asked
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: in the choice's first chunk)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: this chunk's)
 
 
 class CompletionResponse(BaseModel):
@@ -210,7 +261,7 @@ class ChatLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's role with add_generation_prompt false
     content: str | None
     tool_calls: list[ToolCall] = []
 
@@ -221,6 +272,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
     routed_experts: list | None = None  # [generated - 1, L, k] (return_routed_experts)
+    token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -231,11 +283,12 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_routed_experts: list | None = None  # [prompt tokens, L, k] (return_routed_experts)
-    prompt_logprobs: list | None = None  # vLLM's field: present, null (prompt_logprobs is not a request field)
+    prompt_logprobs: PromptLogprobs | None = None  # prompt_logprobs asked
+    prompt_token_ids: list[int] | None = None  # return_token_ids
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
@@ -245,6 +298,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason = None
+    token_ids: list[int] | None = None  # return_token_ids: this chunk's
 
 
 class ChatCompletionChunk(BaseModel):
@@ -254,6 +308,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
 
 
 class ModelCard(BaseModel):

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 NonEmptyText = Annotated[str, Field(min_length=1)]
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+_LAX = ConfigDict(allow_inf_nan=False)  # lax, as vLLM's
 
 
 JsonSchema = dict[str, Any]
@@ -16,7 +16,7 @@ JsonSchema = dict[str, Any]
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False,
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False,
                               json_schema_extra={"minProperties": 1, "maxProperties": 1})
     json_: JsonSchema | str = Field(None, alias="json", description="a JSON schema (object or JSON string)")
     regex: str = Field(None, description="a regular expression (Rust regex syntax)")
@@ -26,17 +26,17 @@ class StructuredOutputs(BaseModel):
 
 
 class TextFormat(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["text"]
 
 
 class JsonObjectFormat(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["json_object"]
 
 
 class JsonSchemaSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     name: str = Field("response", max_length=64)
     description: str | None = None
     schema_: JsonSchema | None = Field(None, alias="schema", description="null: any JSON object")
@@ -44,7 +44,7 @@ class JsonSchemaSpec(BaseModel):
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -53,7 +53,7 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Fie
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
     description: str | None = None
     parameters: JsonSchema | None = Field(None, description="a JSON schema of the arguments; null: none")
@@ -61,18 +61,18 @@ class FunctionDef(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["function"]
     function: FunctionDef
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     name: str
 
 
 class NamedToolChoice(BaseModel):
-    model_config = _STRICT
+    model_config = _LAX
     type: Literal["function"]
     function: FunctionName
 
@@ -83,7 +83,7 @@ class FunctionCall(BaseModel):
 
 
 class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore")
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall

@@ -65,11 +65,51 @@ def _constraint(req, source: str, named, tools) -> StructuredOutputsParams:
         return _compile({"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema")
     if named:
         return _compile({"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters")
+    defs: dict = {}
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                               "arguments": t.function.parameters or _ANY_OBJECT},
-              "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
-    return _compile({"json": {"type": "array", "minItems": 1, "items": {"anyOf": calls}}},
-                    "tools.function.parameters")
+                                               "arguments": _lifted(t.function.parameters or _ANY_OBJECT, i, defs)},
+              "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
+    schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    return _compile({"json": {**schema, "$defs": defs} if defs else schema}, "tools.function.parameters")
+
+
+_DEFS = ("$defs", "definitions")
+
+
+def _lifted(params: dict, i: int, defs: dict) -> dict:
+    """Tool i's parameters as a part of the combined schema: a schema whose references are local ("#...")
+    moves to the root's `$defs` as `tool{i}`, its own definitions beside it as `tool{i}.NAME`, every local
+    reference rewritten to match (a reference resolves from the root of the whole schema)."""
+    if not _has_local_ref(params):
+        return params
+    own = f"tool{i}"
+
+    def target(ref: str) -> str:
+        parts = ref[1:].split("/", 3)  # "#/$defs/NAME/rest" -> ["", "$defs", "NAME", "rest"]
+        if len(parts) >= 3 and parts[1] in _DEFS:
+            return "/".join([f"#/$defs/{own}.{parts[2]}"] + parts[3:])
+        return f"#/$defs/{own}{ref[1:]}"
+
+    def rewrite(node):
+        if isinstance(node, dict):
+            return {k: target(v) if k == "$ref" and isinstance(v, str) and v.startswith("#") else rewrite(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for key in _DEFS:
+        for name, sub in (params.get(key) or {}).items() if isinstance(params.get(key), dict) else ():
+            defs[f"{own}.{name}"] = rewrite(sub)
+    defs[own] = rewrite({k: v for k, v in params.items() if k not in _DEFS})
+    return {"$ref": f"#/$defs/{own}"}
+
+
+def _has_local_ref(node) -> bool:
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
+                   for k, v in node.items())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
 
 
 def _name(choice) -> str:

@@ -1,6 +1,8 @@
 """Schemathesis against a live server (tiny model): every request it generates from /openapi.json, valid or
 not, gets a schema-conforming answer and never a 5xx; a schema-valid request is refused only for a rule
-the schema states (`x-request-rules`); afterwards the engine still serves and every block is free.
+the schema states (`x-request-rules`); a schema-invalid one is accepted only when pydantic's lax mode (vLLM's)
+coerces it into a schema-valid one ("5" for 5, 0 for false); afterwards the engine still serves and every
+block is free.
 
 Bounded: a fixed seed, MAX_EXAMPLES per operation in the fuzzing phase (plus the examples and coverage
 phases), and a BUDGET_S time budget past which the remaining generated cases are not sent.
@@ -9,16 +11,19 @@ import re
 import time
 
 import httpx
+import jsonschema_rs
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.specs.openapi.checks import positive_data_acceptance
+from pydantic import ValidationError
+from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 from test_server import Server, make_tokenizer, wait_idle
 
 from jaxpaged import __version__
 from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.step.runner import NUM_BANNED
 from serve.openapi import openapi_schema
+from serve.protocol import ChatCompletionRequest, CompletionRequest
 
 MAX_EXAMPLES, BUDGET_S, SEED = 30, 120.0, 9
 STATS = {"sent": 0, "skipped": 0, "by_status": {}, "start": None, "constrained_ok": 0}
@@ -52,7 +57,22 @@ DOC = openapi_schema(__version__, limits=LIMITS, model_name="tiny", api_key=Fals
 schema = schemathesis.openapi.from_dict(DOC)
 schema.config.seed = SEED
 schema.config.cache.enabled = False  # no crash files left in the working tree
-_EXCLUDED = [positive_data_acceptance]  # replaced by the rule-aware check below
+_EXCLUDED = [positive_data_acceptance, negative_data_rejection]  # replaced by the rule- and lax-aware checks below
+_REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def not_lax_coercible(path: str, body) -> str | None:
+    """Why a schema-invalid body the server accepted is not one that pydantic's lax mode turns into a
+    schema-valid one (None when it is: the schema states the canonical types, the server takes vLLM's)."""
+    model = _REQUESTS[path]
+    try:
+        coerced = model.model_validate(body).model_dump(mode="json", by_alias=True, exclude_unset=True)
+    except ValidationError as e:
+        return f"lax validation refuses it too: {e}"
+    check = jsonschema_rs.validator_for({"$ref": f"#/components/schemas/{model.__name__}",
+                                         "components": DOC["components"]})
+    errors = [str(e) for e in check.iter_errors(coerced)]
+    return f"coerced, it still violates the schema: {errors[:3]}" if errors else None
 
 
 def test_served_schema_is_this_one(fuzz_server):
@@ -71,6 +91,10 @@ def test_fuzz(case, fuzz_server):
     STATS["sent"] += 1
     STATS["by_status"][response.status_code] = STATS["by_status"].get(response.status_code, 0) + 1
     assert response.status_code < 500, (response.text, repr(case.body)[:500])
+    if response.status_code == 200 and case.operation.path in _REQUESTS and case.meta is not None and \
+            case.meta.generation.mode.is_negative:  # (a GET's negative cases are headers, which it ignores)
+        why = not_lax_coercible(case.operation.path, case.body)
+        assert why is None, (why, repr(case.body)[:500])
     body = case.body if isinstance(case.body, dict) else {}
     if response.status_code == 200 and (body.get("structured_outputs") or body.get("tool_choice") not in (
             None, "none", "auto") or (body.get("response_format") or {}).get("type") in ("json_object", "json_schema")):

@@ -38,10 +38,10 @@ def _variant(good, tmp_path, config=None, tensors=None, drop=()):
 
 
 CONFIG_CASES = {
-    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
-    "dora": ({"use_dora": True}, "use_dora"),
+    "modules_to_save": ({"modules_to_save": ["lm_head"]}, "only supports modules_to_save being None"),
+    "dora": ({"use_dora": True}, "does not yet support DoRA"),
     "bias": ({"bias": "all"}, "bias 'all'"),
-    "rank": ({"r": 32}, "rank r=32 exceeds max_lora_rank=16"),
+    "rank": ({"r": 32}, "LoRA rank 32 is greater than max_lora_rank 16"),
     "embedding_target": ({"target_modules": ["q_proj", "embed_tokens"]}, "target module 'embed_tokens'"),
     "lm_head_target": ({"target_modules": ["lm_head"]}, "target module 'lm_head'"),
     "fused_on_llama": ({"target_modules": ["qkv_proj"]}, "target module 'qkv_proj'"),

@@ -48,7 +48,10 @@ def test_adapters_by_name(setup):
 def test_load_and_unload_at_run_time(setup, tmp_path):
     srv, base, adapters = setup
     load = lambda body: httpx.post(srv.url + "/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
-    assert load(dict(lora_name="c", lora_path=adapters["c"])).status_code == 200
+    ok = load(dict(lora_name="c", lora_path=adapters["c"]))
+    assert ok.status_code == 200 and ok.text == "Success: LoRA adapter 'c' added successfully.", ok.text
+    again = load(dict(lora_name="c", lora_path=adapters["c"]))
+    assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
     assert "c" in [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]]
     from transformers import AutoTokenizer
     r = _tokens(srv, "c")
@@ -56,6 +59,11 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
         peft_greedy(base, adapters["c"], PROMPT, 5), skip_special_tokens=True).strip()
     bad = load(dict(lora_name="d", lora_path=str(tmp_path)))
     assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
-    assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="c")).status_code == 200
+    missing = load(dict(lora_name="d", lora_path=str(tmp_path / "nowhere")))
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_path", missing.text
+    big = load(dict(lora_name="d", lora_path=make_adapter(str(tmp_path / "r32"), base, r=32, alpha=32, seed=9)))
+    assert big.status_code == 400 and "LoRA rank 32 is greater than max_lora_rank 16" in big.json()["error"]["message"]
+    gone = httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="c"))
+    assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'c' removed successfully.", gone.text
     assert _tokens(srv, "c").status_code == 404
     assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="c")).status_code == 404

@@ -1,7 +1,13 @@
 """vLLM's server behaviours (issue #36, the observed incompatibilities), against a live server over a tiny
 model with a byte-level BPE tokenizer: prompt_logprobs present as null, /v1/models' root and parent, a
-named tool call's content "", no partial tool calls when max_tokens cuts the output."""
+named tool call's content "", no partial tool calls when max_tokens cuts the output, legacy top_logprobs
+with logprobs 0, prompt_tokens_details, logprobs -1 and --max-logprobs, ... One server with the default
+flags (`server`), one with vLLM's opt-in flags (`flagged`)."""
+import json
+import math
+
 import httpx
+import openai
 import pytest
 from test_server import Server
 from test_server_stall import make_byte_tokenizer
@@ -22,6 +28,17 @@ def server(compile_cache, tmp_path_factory):
     srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm.log"),
                  extra=("--max-model-len", "512"))  # the tools, rendered into the prompt, take ~350 tokens
     srv.model_dir = d
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def flagged(compile_cache, server, tmp_path_factory):
+    """The same model, served with the opt-in flags these tests need (one server for all of them)."""
+    srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_flags.log"),
+                 extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400",
+                        "--enable-tokenizer-info-endpoint", "--enable-force-include-usage",
+                        "--return-tokens-as-token-ids"))
     yield srv
     srv.stop()
 
@@ -70,3 +87,346 @@ def test_every_invalid_logit_bias_key_named(server):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "logit_bias" and "token ids 400, 999 are out of vocabulary" in err["message"], err
+
+
+def refused(server, path, **body) -> dict:
+    r = httpx.post(server.url + path, json={"model": "tiny", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
+def test_completion_logprobs_zero_is_the_chosen_token(server):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, logprobs=0, temperature=0, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["top_logprobs"]) == 3
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert top == {tok: v}, (tok, v, top)
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=2, logprobs=0, echo=True, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == 5
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top == {tok: v}, (tok, v, top)
+
+
+def test_completion_top_logprobs_hold_the_chosen_token_first(server):
+    """As vLLM's: the chosen (or prompt) token, then the top k: max(k, 1) to k + 1 entries."""
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=4, logprobs=2, echo=True, temperature=1.5,
+             seed=3, ignore_eos=True)
+    lp = r["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert 1 <= len(top) <= 3 and next(iter(top)) == tok and top[tok] == v, (tok, v, top)
+        rest = list(top.values())[1:]
+        assert rest == sorted(rest, reverse=True)  # then by rank
+
+
+def test_prompt_tokens_details_only_with_the_flag(server, flagged):
+    usage = post(server, "/v1/completions", prompt="x" * 40, max_tokens=1)["usage"]
+    assert "prompt_tokens_details" in usage and usage["prompt_tokens_details"] is None
+    chat = post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["usage"]
+    assert chat["prompt_tokens_details"] is None
+    client = openai.OpenAI(base_url=flagged.url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    prompt = "the prefix cache serves this prompt's full blocks" * 2
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    assert first.prompt_tokens_details.cached_tokens == 0
+    assert again.prompt_tokens_details.cached_tokens >= 16 * (len(prompt) // 16 - 1)
+    chunks = list(client.chat.completions.create(model="tiny", messages=USER, max_tokens=1, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_logprobs_minus_one_and_max_logprobs(server, flagged):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="EMPTY", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="tiny", messages=USER, max_tokens=2, logprobs=True, top_logprobs=-1)
+    assert [len(t.top_logprobs) for t in r.choices[0].logprobs.content] == [20, 20]  # --max-logprobs 20
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=1, logprobs=-1)
+    assert len(r["choices"][0]["logprobs"]["top_logprobs"][0]) >= 10  # 20 ids, some of one text
+    err = refused(server, "/v1/chat/completions", messages=USER, logprobs=True, top_logprobs=21)
+    assert err["param"] == "top_logprobs" and "max_logprobs (20)" in err["message"], err
+    err = refused(server, "/v1/completions", prompt="ab", logprobs=21)
+    assert err["param"] == "logprobs" and "max_logprobs (20)" in err["message"], err
+    assert refused(server, "/v1/completions", prompt="ab", logprobs=-2)["param"] == "logprobs"
+    # --max-logprobs 400 over a vocabulary of 320: -1 is the whole vocabulary; 25 is no longer refused
+    r = post(flagged, "/v1/chat/completions", messages=USER, max_tokens=1, logprobs=True, top_logprobs=-1)
+    top = r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+    assert len(top) == 320 and sum(math.exp(t["logprob"]) for t in top) == pytest.approx(1, abs=1e-3)
+    r = post(flagged, "/v1/chat/completions", messages=USER, max_tokens=1, logprobs=True, top_logprobs=25)
+    assert len(r["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25
+    err = refused(flagged, "/v1/chat/completions", messages=USER, logprobs=True, top_logprobs=321)
+    assert err["param"] == "top_logprobs" and "max_logprobs (320)" in err["message"], err
+
+
+def test_lax_types_as_vllm(server):
+    """pydantic's lax mode, as vLLM's request models: numbers and booleans written as strings, 2.0 for 2."""
+    r = post(server, "/v1/chat/completions", messages=USER, logprobs="true", top_logprobs="2", max_tokens="5",
+             temperature="0.5", ignore_eos="yes", seed=7.0)
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 5 and all(len(t["top_logprobs"]) == 2 for t in content)
+    r = post(server, "/v1/completions", prompt=[97, 98.0], max_tokens=3.0, n="1", temperature=0, ignore_eos=1)
+    assert r["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5,
+                          "prompt_tokens_details": None}
+    for body, param, words in (
+            ({"max_tokens": "five"}, "max_tokens", "[type=int_parsing]"),
+            ({"max_tokens": 2.5}, "max_tokens", "[type=int_from_float]"),
+            ({"max_tokens": -1}, "max_tokens", "Input should be greater than or equal to 0 [type=greater_than_equal]"),
+            ({"temperature": "hot"}, "temperature", "[type=float_parsing]"),
+            ({"stop": 5}, "stop", "[type=string_type]"),
+            ({"echo": "maybe"}, "echo", "[type=bool_parsing]"),
+            ({"prompt": [97, "b"]}, "prompt", "must be a non-empty string")):
+        err = refused(server, "/v1/completions", **{"prompt": "ab", **body})
+        assert err["param"] == param and words in err["message"], (body, err)
+
+
+UNIT_TOOL = {"type": "function", "function": {"name": "g", "parameters": {
+    "type": "object", "properties": {"u": {"$ref": "#/$defs/Unit"}}, "required": ["u"], "additionalProperties": False,
+    "$defs": {"Unit": {"enum": ["c"]}}}}}
+NESTED_TOOL = {"type": "function", "function": {"name": "h", "parameters": {
+    "type": "object", "properties": {"home": {"$ref": "#/$defs/Address"},
+                                     "kids": {"type": "array", "items": {"$ref": "#/definitions/Person"}}},
+    "$defs": {"Address": {"type": "object", "properties": {"city": {"type": "string"}}}},
+    "definitions": {"Person": {"type": "object", "properties": {"home": {"$ref": "#/$defs/Address"},
+                                                                "next": {"$ref": "#/definitions/Person"}}}}}}}
+
+
+def test_required_tools_with_defs_compile():
+    """Each tool's definitions are lifted to the combined schema's root, its references rewritten."""
+    from serve.protocol import ChatCompletionRequest
+    req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [TOOL, UNIT_TOOL, NESTED_TOOL],
+                                                "tool_choice": "required"})
+    so, mode, _ = tools.constraint(req)
+    defs = so.json["$defs"]
+    assert mode == "required" and set(defs) == {"tool1", "tool1.Unit", "tool2", "tool2.Address", "tool2.Person"}
+    assert defs["tool2.Person"]["properties"]["next"] == {"$ref": "#/$defs/tool2.Person"}
+    assert defs["tool2"]["properties"]["home"] == {"$ref": "#/$defs/tool2.Address"}
+    assert so.json["items"]["anyOf"][0]["properties"]["arguments"] == TOOL["function"]["parameters"]
+
+
+def test_required_tool_with_defs_served(server):
+    for tool_choice in ("required", {"type": "function", "function": {"name": "g"}}):
+        r = post(server, "/v1/chat/completions", messages=USER, tools=[UNIT_TOOL], tool_choice=tool_choice,
+                 temperature=0)  # byte-level tokens: the tool in the prompt leaves ~100 of max_model_len
+        c = r["choices"][0]
+        assert c["finish_reason"] in ("tool_calls", "stop"), c
+        assert [json.loads(t["function"]["arguments"]) for t in c["message"]["tool_calls"]] == [{"u": "c"}], c
+
+
+def test_tokenize_detokenize_version(server, flagged):
+    hi = post(server, "/tokenize", prompt="hi", return_token_strs="true")
+    assert hi["count"] == len(hi["tokens"]) == 2 and hi["max_model_len"] == 512 and hi["token_strs"] == ["h", "i"]
+    chat = post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["usage"]["prompt_tokens"]
+    r = post(server, "/tokenize", messages=USER)
+    assert r["count"] == chat == len(r["tokens"]) and r["token_strs"] is None
+    bare = post(server, "/tokenize", messages=USER, add_generation_prompt=False)
+    assert bare["count"] < r["count"] and r["tokens"][:bare["count"]] == bare["tokens"]
+    assert post(server, "/detokenize", tokens=r["tokens"])["prompt"].endswith("<|im_start|>assistant ")
+    assert post(server, "/detokenize", tokens=hi["tokens"]) == {"prompt": "hi"}
+    err = refused(server, "/tokenize", prompt="x" * 9000)  # refused from its size (a prefix), not tokenized whole
+    assert err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
+    assert refused(server, "/detokenize", tokens=[5, 999])["param"] == "tokens"
+    assert refused(server, "/detokenize", tokens="hi")["param"] == "tokens"
+    assert refused(server, "/tokenize", prompt=5)["param"] == "prompt"
+    assert httpx.post(server.url + "/tokenize", json={"model": "nope", "prompt": "a"}).status_code == 404
+    from jaxpaged import __version__
+    assert httpx.get(server.url + "/version").json() == {"version": __version__}
+    assert httpx.get(server.url + "/tokenizer_info").status_code == 404  # only with the flag
+    info = httpx.get(flagged.url + "/tokenizer_info").json()
+    assert info["eos_token"] == "</s>" and "im_start" in info["chat_template"] and info["model_max_length"] == 512
+    paths = httpx.get(flagged.url + "/openapi.json").json()["paths"]
+    assert {"/tokenize", "/detokenize", "/version", "/tokenizer_info"} <= set(paths)
+    assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+@pytest.mark.parametrize("flag,why", [("--tool-call-parser", "Hermes-style"), ("--reasoning-parser", "reasoning")])
+def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
+    import argparse
+
+    from serve.app import add_serve_args
+    with pytest.raises(SystemExit) as e:
+        add_serve_args(argparse.ArgumentParser()).parse_args([flag, "hermes"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"{flag} is not supported" in err and why in err and "unrecognized" not in err, err
+    assert add_serve_args(argparse.ArgumentParser()).parse_args([]).tool_call_parser is None  # absent: fine
+
+
+def stream(server, path, **body) -> list[dict]:
+    with httpx.stream("POST", server.url + path, timeout=120, json={"model": "tiny", "stream": True, **body}) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids(server):
+    r = post(server, "/v1/completions", prompt=[97, 98], max_tokens=3, temperature=0, ignore_eos=True,
+             return_token_ids=True)
+    c = r["choices"][0]
+    assert c["prompt_token_ids"] == [97, 98] and len(c["token_ids"]) == 3 == r["usage"]["completion_tokens"]
+    assert post(server, "/detokenize", tokens=c["token_ids"])["prompt"] == c["text"]
+    r = post(server, "/v1/completions", prompt=["ab", "cd"], max_tokens=2, n=2, return_token_ids=True)
+    assert [ch["prompt_token_ids"] for ch in r["choices"]] == [post(server, "/tokenize", prompt=p)["tokens"]
+                                                              for p in ("ab", "ab", "cd", "cd")]
+    plain = post(server, "/v1/completions", prompt="ab", max_tokens=2)["choices"][0]
+    assert plain["prompt_token_ids"] is None and plain["token_ids"] is None  # not asked: null
+    chunks = stream(server, "/v1/completions", prompt=[97, 98], max_tokens=3, temperature=0, ignore_eos=True,
+                    return_token_ids=True)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == [97, 98]
+    assert all(ch["choices"][0]["prompt_token_ids"] is None for ch in chunks[1:])
+    assert sum((ch["choices"][0]["token_ids"] for ch in chunks), []) == c["token_ids"]
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert len(r["prompt_token_ids"]) == r["usage"]["prompt_tokens"] and len(r["choices"][0]["token_ids"]) == \
+        r["usage"]["completion_tokens"]
+    chunks = stream(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
+    assert sum((ch["choices"][0]["token_ids"] or [] for ch in chunks[1:]), []) == r["choices"][0]["token_ids"]
+
+
+def test_truncate_prompt_tokens(server):
+    ids = list(range(97, 117))
+    for side, kept in ((None, ids[-5:]), ("left", ids[-5:]), ("right", ids[:5])):
+        r = post(server, "/v1/completions", prompt=ids, max_tokens=1, truncate_prompt_tokens=5, truncation_side=side,
+                 return_token_ids=True)
+        assert r["choices"][0]["prompt_token_ids"] == kept and r["usage"]["prompt_tokens"] == 5, (side, r)
+    assert refused(server, "/v1/completions", prompt="x" * 9000, max_tokens=1)["code"] == "context_length_exceeded"
+    r = post(server, "/v1/completions", prompt="ab" * 4500, max_tokens=1, truncate_prompt_tokens=10, echo=True)
+    assert r["usage"]["prompt_tokens"] == 10 and r["choices"][0]["text"].startswith("ab" * 5)  # the kept tokens
+    r = post(server, "/v1/completions", prompt="x" * 9000, max_tokens=2, truncate_prompt_tokens=-1)
+    assert r["usage"]["prompt_tokens"] == 510  # max_model_len - max_tokens
+    err = refused(server, "/v1/completions", prompt="ab", truncate_prompt_tokens=513)
+    assert err["param"] == "truncate_prompt_tokens" and "max_model_len" in err["message"], err
+    assert refused(server, "/v1/completions", prompt="ab", truncate_prompt_tokens=-2)["param"] == \
+        "truncate_prompt_tokens"
+    assert refused(server, "/v1/completions", prompt="ab", truncation_side="middle")["param"] == "truncation_side"
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=1, truncate_prompt_tokens=3)
+    assert r["usage"]["prompt_tokens"] == 3
+
+
+def test_prompt_logprobs_request_field(server):
+    r = post(server, "/v1/completions", prompt="abc", max_tokens=1, prompt_logprobs=2, return_token_ids=True)
+    plp, ids = r["choices"][0]["prompt_logprobs"], r["choices"][0]["prompt_token_ids"]
+    echo = post(server, "/v1/completions", prompt="abc", max_tokens=1, logprobs=2, echo=True)["choices"][0]["logprobs"]
+    assert plp[0] is None and len(plp) == len(ids) == 3
+    for tok_id, entry, v, s in zip(ids[1:], plp[1:], echo["token_logprobs"][1:3], "bc"):
+        assert next(iter(entry)) == str(tok_id) and entry[str(tok_id)]["logprob"] == pytest.approx(v, abs=1e-5)
+        assert entry[str(tok_id)]["decoded_token"] == s and 2 <= len(entry) <= 3
+        ranked = sorted((e for e in entry.values() if e["rank"] is not None), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked] == [1, 2]  # the top 2; the prompt token's rank null outside them
+        assert [e["logprob"] for e in ranked] == sorted((e["logprob"] for e in ranked), reverse=True)
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=1, prompt_logprobs=0, return_token_ids=True)
+    assert r["prompt_logprobs"][0] is None and len(r["prompt_logprobs"]) == len(r["prompt_token_ids"])
+    assert [list(e) for e in r["prompt_logprobs"][1:]] == [[str(t)] for t in r["prompt_token_ids"][1:]]
+    assert post(server, "/v1/chat/completions", messages=USER, max_tokens=1)["prompt_logprobs"] is None
+    err = refused(server, "/v1/completions", prompt="ab", prompt_logprobs=1, stream=True)
+    assert err["param"] == "prompt_logprobs" and "stream" in err["message"], err
+    err = refused(server, "/v1/chat/completions", messages=USER, prompt_logprobs=21)
+    assert err["param"] == "prompt_logprobs" and "max_logprobs (20)" in err["message"], err
+
+
+def test_return_tokens_as_token_ids(server, flagged):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, logprobs=1, return_tokens_as_token_ids=True,
+             return_token_ids=True, ignore_eos=True)
+    c = r["choices"][0]
+    assert c["logprobs"]["tokens"] == [f"token_id:{t}" for t in c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in c["logprobs"]["top_logprobs"] for k in top)
+    r = post(server, "/v1/chat/completions", messages=USER, max_tokens=2, logprobs=True, top_logprobs=2,
+             return_tokens_as_token_ids=True, return_token_ids=True)
+    content, ids = r["choices"][0]["logprobs"]["content"], r["choices"][0]["token_ids"]
+    assert [t["token"] for t in content] == [f"token_id:{t}" for t in ids]
+    assert content[0]["bytes"] == list(content[0]["token"].encode())
+    plain = post(server, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0)["choices"][0]["logprobs"]
+    assert not plain["tokens"][0].startswith("token_id:")
+    flag = post(flagged, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0)["choices"][0]["logprobs"]
+    assert flag["tokens"][0].startswith("token_id:")  # --return-tokens-as-token-ids
+    off = post(flagged, "/v1/completions", prompt="ab", max_tokens=1, logprobs=0, return_tokens_as_token_ids=False)
+    assert not off["choices"][0]["logprobs"]["tokens"][0].startswith("token_id:")
+
+
+def test_continuous_usage_stats_and_force_include_usage(server, flagged):
+    for path, body in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", {"messages": USER})):
+        chunks = stream(server, path, max_tokens=4, ignore_eos=True, **body,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True})
+        assert all(ch["usage"] is not None for ch in chunks), chunks
+        done = [ch["usage"]["completion_tokens"] for ch in chunks]
+        assert done == sorted(done) and done[-1] == 4 and chunks[-1]["choices"] == []
+        assert len({ch["usage"]["prompt_tokens"] for ch in chunks}) == 1
+        chunks = stream(server, path, max_tokens=2, **body, stream_options={"include_usage": True})
+        assert [ch["usage"] is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+        assert all(ch["usage"] is None for ch in stream(server, path, max_tokens=2, **body))
+        forced = stream(flagged, path, max_tokens=2, **body)  # --enable-force-include-usage
+        assert forced[-1]["choices"] == [] and forced[-1]["usage"]["completion_tokens"] <= 2
+        assert all(ch["usage"] is None for ch in forced[:-1])
+
+
+def test_allowed_token_ids(server):
+    r = post(server, "/v1/completions", prompt="ab", max_tokens=3, ignore_eos=True, allowed_token_ids=[100, 120],
+             return_token_ids=True)
+    assert set(r["choices"][0]["token_ids"]) <= {100, 120}
+    err = refused(server, "/v1/completions", prompt="ab", allowed_token_ids=[5, 400])
+    assert err["param"] == "allowed_token_ids" and "400" in err["message"], err
+    assert refused(server, "/v1/chat/completions", messages=USER, allowed_token_ids=[])["param"] == "allowed_token_ids"
+
+
+CONT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+
+
+def test_chat_echo_generation_prompt_continue_and_custom_roles(server):
+    base = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
+    assert post(server, "/detokenize", tokens=base["prompt_token_ids"])["prompt"].endswith("<|im_start|>assistant ")
+    same = post(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, echo=True)
+    assert same["choices"][0]["message"]["content"] == base["choices"][0]["message"]["content"]  # user last: no echo
+    bare = post(server, "/v1/chat/completions", messages=CONT, max_tokens=3, add_generation_prompt=False,
+                return_token_ids=True)
+    assert post(server, "/detokenize", tokens=bare["prompt_token_ids"])["prompt"].endswith("Hel<|im_end|>")
+    cont = post(server, "/v1/chat/completions", messages=CONT, max_tokens=3, temperature=0, echo=True,
+                add_generation_prompt=False, continue_final_message=True, return_token_ids=True)
+    assert post(server, "/detokenize", tokens=cont["prompt_token_ids"])["prompt"].endswith("assistant Hel")
+    msg = cont["choices"][0]["message"]
+    assert msg["role"] == "assistant" and msg["content"].startswith("Hel")  # echo: the last message's content
+    chunks = stream(server, "/v1/chat/completions", messages=CONT, max_tokens=3, temperature=0, echo=True,
+                    add_generation_prompt=False, continue_final_message=True)
+    assert "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks) == msg["content"]
+    err = refused(server, "/v1/chat/completions", messages=CONT, continue_final_message=True)
+    assert err["param"] == "continue_final_message" and err["code"] == "invalid_combination", err
+    custom = [{"role": "narrator", "content": "once"}, {"role": "user", "content": "hi"}]
+    r = post(server, "/v1/chat/completions", messages=custom, max_tokens=1, return_token_ids=True)
+    assert "<|im_start|>narrator once" in post(server, "/detokenize", tokens=r["prompt_token_ids"])["prompt"]
+    r = post(server, "/v1/chat/completions", messages=custom, max_tokens=1, add_generation_prompt=False, echo=True)
+    assert r["choices"][0]["message"]["role"] == "user" and r["choices"][0]["message"]["content"].startswith("hi")
+    assert refused(server, "/v1/chat/completions", messages=[{"role": "", "content": "x"}])["param"] == "messages"
+    assert refused(server, "/v1/chat/completions", messages=[{"role": "narrator"}])["param"] == "messages"
+
+
+def test_invocations_routes_by_body(server):
+    chat = post(server, "/invocations", messages=USER, max_tokens=2, temperature=0)
+    assert chat["object"] == "chat.completion" and chat == {**post(server, "/v1/chat/completions", messages=USER,
+                                                                   max_tokens=2, temperature=0),
+                                                            "id": chat["id"], "created": chat["created"]}
+    cmpl = post(server, "/invocations", prompt="ab", max_tokens=2, temperature=0)
+    assert cmpl["object"] == "text_completion" and cmpl["choices"][0]["text"] == post(
+        server, "/v1/completions", prompt="ab", max_tokens=2, temperature=0)["choices"][0]["text"]
+    chunks = stream(server, "/invocations", prompt="ab", max_tokens=2)
+    assert chunks and all(ch["object"] == "text_completion" for ch in chunks)
+    err = refused(server, "/invocations", max_tokens=2)
+    assert "messages" in err["message"] and "prompt" in err["message"], err
+    assert refused(server, "/invocations", messages=[])["param"] == "messages"  # a chat request's own checks
+    assert httpx.post(server.url + "/invocations", json={"model": "nope", "prompt": "a"}).status_code == 404
+    assert "/invocations" in httpx.get(server.url + "/openapi.json").json()["paths"]
+
+
+def test_request_histograms_as_vllm(server):
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+                if line.startswith("jaxpaged:")}
+    before = scrape()
+    post(server, "/v1/completions", prompt=[97, 98, 99], max_tokens=4, n=2, ignore_eos=True)
+    after = scrape()
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+    tiny = 'model_name="tiny"'
+    assert grew(f"jaxpaged:request_prompt_tokens_sum{{{tiny}}}") == 3
+    assert grew(f"jaxpaged:request_generation_tokens_sum{{{tiny}}}") == 8  # both samples
+    assert grew(f'jaxpaged:request_generation_tokens_bucket{{le="5.0",{tiny}}}') == 0
+    assert grew(f'jaxpaged:request_generation_tokens_bucket{{le="10.0",{tiny}}}') == 1
+    assert grew(f"jaxpaged:request_params_n_sum{{{tiny}}}") == 2
+    assert grew(f"jaxpaged:request_params_max_tokens_sum{{{tiny}}}") == 4
+    assert f'jaxpaged:request_params_max_tokens_bucket{{le="500.0",{tiny}}}' in after  # 1-2-5 up to max_model_len
+    assert f'jaxpaged:request_params_max_tokens_bucket{{le="1000.0",{tiny}}}' not in after

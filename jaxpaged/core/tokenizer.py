@@ -102,14 +102,24 @@ class Tokenizer:
         return self.encode(self.render_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                             tools: list[dict] | None = None) -> str:
-        """The conversation rendered with the chat template, as text (not tokenized)."""
+                             tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
+        """The conversation rendered with the chat template, as text (not tokenized). `continue_final_message`:
+        the text ends with the last message's content (stripped), what the template puts after it cut off, so
+        the model continues that message (as transformers' apply_chat_template)."""
         if not self.chat_template:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                      **self.special)
+        if continue_final_message:
+            final = str(messages[-1].get("content") or "").strip() if messages else ""
+            at = text.rfind(final)
+            if at < 0:
+                raise ValueError("continue_final_message: the last message's content does not appear in the "
+                                 "rendered conversation")
+            text = text[:at + len(final)]
+        return text
 
     @functools.cached_property
     def max_bytes_per_token(self) -> int | None:

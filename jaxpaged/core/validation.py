@@ -29,7 +29,8 @@ def check_text(name: str, text: str) -> None:
 
 
 def prompt_ids(prompt, tokenizer, model_dir: str) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of a prompt: a string, a list of token ids or {'prompt_token_ids': [...]}."""
+    """(text or None, token ids) of a prompt: a string, a list of token ids or {'prompt_token_ids': [...]}
+    (with 'prompt': its text, already tokenized elsewhere, as the server does off the engine thread)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise InvalidParam("prompt", f"{model_dir} has no tokenizer files: give prompts as "
@@ -39,14 +40,16 @@ def prompt_ids(prompt, tokenizer, model_dir: str) -> tuple[str | None, list[int]
     if isinstance(prompt, dict):
         if "prompt_token_ids" not in prompt:
             raise InvalidParam("prompt", "a dict prompt needs the key 'prompt_token_ids'")
-        ids = prompt["prompt_token_ids"]
+        ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise InvalidParam("prompt", "a dict prompt's 'prompt' is its text (a string)")
     else:
         ids = prompt
     if not isinstance(ids, (list, tuple)) or not all(
             isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids):
         raise InvalidParam("prompt", "prompt must be a string, a list of token ids (integers) or "
                            f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-    return None, [int(t) for t in ids]
+    return (text if isinstance(prompt, dict) else None), [int(t) for t in ids]
 
 
 def check_request(ids: list[int], params, limits: dict, blocks_held, usable_blocks: int) -> int:

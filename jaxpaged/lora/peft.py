@@ -74,10 +74,11 @@ def read_config(path: str, cfg: ModelConfig, max_lora_rank: int) -> tuple[int, f
     bad = lambda what: ValueError(f"LoRA adapter {file}: {what} is not supported")  # noqa: E731
     if c.get("peft_type", "LORA") != "LORA":
         raise bad(f"peft_type {c['peft_type']!r} (only LORA)")
-    if c.get("use_dora"):
-        raise bad("use_dora (DoRA)")
+    if c.get("use_dora"):  # vLLM's words for these two and the rank
+        raise ValueError(f"LoRA adapter {file}: does not yet support DoRA (use_dora is true)")
     if c.get("modules_to_save"):
-        raise bad(f"modules_to_save {c['modules_to_save']!r}")
+        raise ValueError(f"LoRA adapter {file}: only supports modules_to_save being None, got "
+                         f"{c['modules_to_save']!r}")
     if c.get("bias", "none") != "none":
         raise bad(f"bias {c['bias']!r} (only 'none')")
     for key in ("rank_pattern", "alpha_pattern"):
@@ -87,7 +88,7 @@ def read_config(path: str, cfg: ModelConfig, max_lora_rank: int) -> tuple[int, f
     if not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA adapter {file}: r must be a positive integer, got {r!r}")
     if r > max_lora_rank:
-        raise ValueError(f"LoRA adapter {file}: rank r={r} exceeds max_lora_rank={max_lora_rank}")
+        raise ValueError(f"LoRA adapter {file}: LoRA rank {r} is greater than max_lora_rank {max_lora_rank}")
     targets = c.get("target_modules") or []
     if isinstance(targets, list):  # a string is a regex over module names: the tensors decide
         known = module_map(cfg)
