@@ -156,3 +156,15 @@ def test_avx2_path_equals_the_reference():
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def test_bench_cpu_attention_smoke(tmp_path):
+    """`jaxpaged bench cpu_attention` runs and reports both pools (its figures are not asserted)."""
+    import json
+
+    from jaxpaged.bench import cpu_attention
+    out = tmp_path / "cpu_attention.json"
+    assert cpu_attention.main(["--slots", "4", "--context", "10", "40", "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["bfloat16", "float32"]
+    assert all(r["kernel_ms"] > 0 and r["reference_ms"] > 0 and r["max_abs_diff"] < 0.05 for r in rows)
