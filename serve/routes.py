@@ -26,17 +26,24 @@ from serve.protocol import (
 
 
 # -- request plumbing ---------------------------------------------------------------------------
-async def parse(request: Request, model_cls):
-    """Auth, the body (size limit, JSON, nesting depth), schema and model name; any failure is an APIError."""
+async def validated(request: Request, choose):
+    """Auth, the body (size limit, JSON, nesting depth) and its schema: the request model `choose(data)`
+    validated from it; any failure is an APIError."""
     st = request.app.state.server
     check_auth(request)
     data = getattr(request.state, "body", None)  # read already by /invocations
     if data is None:
         data = await read_json(request, st.max_body_bytes, st.body_timeout)
     try:
-        req = model_cls.model_validate(data)
+        return choose(data).model_validate(data)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def parse(request: Request, model_cls):
+    """`validated`, then the model name and the stream options; any failure is an APIError."""
+    st = request.app.state.server
+    req = await validated(request, lambda data: model_cls)
     request.state.lora = serve_lora.resolve(st, req.model)  # the adapter `model` names (404 if none)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")

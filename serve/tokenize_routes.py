@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serve import lora as serve_lora
 from serve import prompt_size
-from serve.body import read_json
 from serve.chat import chat_prompt
-from serve.errors import APIError, from_validation_error
+from serve.errors import APIError
 from serve.protocol_tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -22,18 +20,12 @@ from serve.protocol_tokenize import (
     TokenizeResponse,
     VersionResponse,
 )
-from serve.routes import check_auth
+from serve.routes import check_auth, validated
 
 
 async def _parse(request: Request, choose):
     st = request.app.state.server
-    check_auth(request)
-    data = await read_json(request, st.max_body_bytes, st.body_timeout)
-    model_cls = choose(data)
-    try:
-        req = model_cls.model_validate(data)
-    except ValidationError as e:
-        raise from_validation_error(e) from None
+    req = await validated(request, choose)
     serve_lora.resolve(st, req.model)  # an unknown model is a 404, as on the other routes
     tok = st.engine.tokenizer
     if tok is None:
