@@ -38,3 +38,17 @@ def tiny_models(tmp_path_factory):
 def engine_kwargs(compile_cache):
     return dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
                 compilation_cache_dir=compile_cache, show_progress=False)
+
+
+# The modules that take longest (whole-module durations of a `make test` run, longest first). `make test`
+# runs with --no-loadscope-reorder, so the two xdist workers take modules in this order, these first: a
+# long module started last would leave one worker running it alone at the end.
+SLOWEST_FIRST = ("test_kv_quality", "test_tpu_compile", "test_spec_compose", "test_tensor_parallel",
+                 "test_tunix_rollout", "test_expert_parallel", "test_default_model", "test_reshard",
+                 "test_quality", "test_server_vllm", "test_multihost", "test_data_parallel")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    module = lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    items.sort(key=lambda item: rank.get(module(item), len(rank)))  # stable: the others keep their order
