@@ -135,6 +135,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                  "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
+    for kind in ("regex", "grammar"):  # a text of more characters has more bytes (the rule below is exact)
+        schemas["StructuredOutputs"]["properties"][kind]["maxLength"] = max_grammar_bytes
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only

@@ -282,3 +282,12 @@ def test_max_grammar_bytes_flag():
     assert parser.parse_args(["--max-grammar-bytes", "1000"]).max_grammar_bytes == 1000
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-grammar-bytes", "0"])
+
+
+def test_openapi_states_the_grammar_bound(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations"):
+        rules = {r["code"]: r["rule"] for r in doc["paths"][path]["post"]["x-request-rules"]}
+        assert f"at most {DEFAULT_MAX_GRAMMAR_BYTES} bytes (--max-grammar-bytes)" in rules["grammar_too_large"]
+    props = doc["components"]["schemas"]["StructuredOutputs"]["properties"]
+    assert props["regex"]["maxLength"] == props["grammar"]["maxLength"] == DEFAULT_MAX_GRAMMAR_BYTES

@@ -170,8 +170,8 @@ class StructuredOutputs:
             return
         m = llguidance.LLMatcher(self._tokenizer(), params.llguidance_grammar, log_level=0)
         if m.is_error():
-            raise InvalidParam("structured_outputs", f"invalid structured_outputs: {m.get_error()}"[:2000],
-                               "invalid_grammar")
+            name = f"structured_outputs.{params.kind}"
+            raise InvalidParam(name, f"invalid {name}: {m.get_error()}"[:2000], "invalid_grammar")
         params.template = m
 
     def _matcher(self, req) -> list:
