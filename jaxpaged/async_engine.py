@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
 from jaxpaged.engine import LLMEngine, RequestOutput
 from jaxpaged.rl.pause import PAUSE_MODES
@@ -121,6 +122,11 @@ class AsyncEngine:
             self._inbox.append(("call", fn, fut))
             self._cv.notify()
         return await asyncio.wrap_future(fut)
+
+    def prepare_structured(self, structured_outputs: StructuredOutputsParams) -> None:
+        """Compile the grammar matcher of `structured_outputs` off the engine thread: call it in a worker
+        thread, never on the event loop, before `add_requests`; raises ValueError for a refused grammar."""
+        self.engine.prepare_structured(structured_outputs)
 
     async def add_request(self, request_id: str, prompt, params: SamplingParams,
                           arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:

@@ -21,7 +21,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput  # noqa: F401 -- re-exported
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
-from jaxpaged.core.structured import StructuredOutputs
+from jaxpaged.core.structured import StructuredOutputs, StructuredOutputsParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.executor import FatalStepError, make_executor  # noqa: F401 -- FatalStepError: re-exported
 from jaxpaged.lora.manager import LoRAManager
@@ -122,6 +122,12 @@ class LLMEngine:
             self.runner.track(req)
             self.scheduler.add(req)
         return group.request_id
+
+    def prepare_structured(self, structured_outputs: StructuredOutputsParams) -> None:
+        """Compile the grammar matcher of `structured_outputs` for this model's tokenizer,
+        so that `add_request` and the steps only copy it: safe to call from another thread than the one that
+        steps (the server calls it in a worker thread). InvalidParam if the grammar or tokenizer is refused."""
+        self.structured.prepare(structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request now and free its blocks (a no-op for unknown or finished ids)."""

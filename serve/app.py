@@ -29,6 +29,7 @@ from serve.errors import APIError
 from serve.http_protocol import protocol
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
+from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
 log = logging.getLogger("jaxpaged.serve")
 
@@ -58,6 +59,7 @@ class ServerState:
     max_logprobs: int = 20  # the most logprobs per token a request may ask (-1 asks this many)
     force_include_usage: bool = False  # streams end with a usage chunk even without stream_options
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as 'token_id:N' unless a request says otherwise
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a request's constraint text (--max-grammar-bytes)
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
@@ -65,14 +67,16 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                adapters: serve_lora.Adapters | None = None, runtime_lora_updating: bool = False,
                body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
                prompt_tokens_details: bool = False, tokenizer_info: bool = False, force_include_usage: bool = False,
-               return_tokens_as_token_ids: bool = False) -> Starlette:
+               return_tokens_as_token_ids: bool = False,
+               max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
     name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
     prompt_tokens_details.cached_tokens (else it is null, as vLLM's without --enable-prompt-tokens-details);
     `tokenizer_info`: serve GET /tokenizer_info too; `force_include_usage`: every stream ends with a usage
     chunk (--enable-force-include-usage); `return_tokens_as_token_ids`: logprobs' tokens are 'token_id:N'
-    unless a request's return_tokens_as_token_ids says otherwise.
+    unless a request's return_tokens_as_token_ids says otherwise; `max_grammar_bytes`: the most bytes of a
+    request's constraint text (schema, regex, grammar, choices; --max-grammar-bytes), else a 400.
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -105,6 +109,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
         lifespan=lifespan)
     limits = engine.request_limits()
     schema = openapi_schema(__version__, limits=limits, model_name=served_model_name,
+                            max_grammar_bytes=max_grammar_bytes,
                             api_key=bool(api_key), tokenizer_info=tokenizer_info)
     app.state.server = ServerState(engine, served_model_name, api_key or None, max_body_bytes,
                                    Metrics(engine, served_model_name, limits["max_model_len"]), schema,
@@ -114,7 +119,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                                    model_root=model_root or served_model_name,
                                    prompt_tokens_details=prompt_tokens_details,
                                    max_logprobs=limits["max_logprobs"], force_include_usage=force_include_usage,
-                                   return_tokens_as_token_ids=return_tokens_as_token_ids)
+                                   return_tokens_as_token_ids=return_tokens_as_token_ids,
+                                   max_grammar_bytes=max_grammar_bytes)
     return app
 
 
@@ -158,7 +164,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
-    limits = parser.add_argument_group("server: deadlines and connection bounds")
+    limits = parser.add_argument_group("server: deadlines and bounds on work")
     limits.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT, help="seconds "
                         "in-flight requests get to finish after SIGTERM/SIGINT; streams still open then end "
                         "with an error event (code server_shutdown) and [DONE] (default %(default)s)")
@@ -170,6 +176,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(default %(default)s)")
     limits.add_argument("--max-connections-per-client", type=int, default=0, help="connections one client "
                         "(IP address) may hold open at once, further ones closed at once; 0: no bound "
+                        "(default %(default)s)")
+    limits.add_argument("--max-grammar-bytes", type=_positive, default=DEFAULT_MAX_GRAMMAR_BYTES, help="bytes of "
+                        "a request's output constraint (response_format's JSON schema serialized, "
+                        "structured_outputs' schema, regex, grammar or choices, the tools' parameters for "
+                        "tool_choice required or named), else a 400 grammar_too_large before any compiling "
                         "(default %(default)s)")
     lora = parser.add_argument_group("server: LoRA adapters (with --enable-lora)")
     lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
@@ -197,6 +208,13 @@ def _refused(flag: str, why: str):
     def refuse(text: str):
         raise argparse.ArgumentTypeError(f"{flag} is not supported: {why}")
     return refuse
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
 
 
 def _seconds(text: str) -> float | None:
@@ -275,7 +293,8 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
                      prompt_tokens_details=args.enable_prompt_tokens_details,
                      tokenizer_info=args.enable_tokenizer_info_endpoint,
                      force_include_usage=args.enable_force_include_usage,
-                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                     max_grammar_bytes=args.max_grammar_bytes)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

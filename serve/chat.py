@@ -75,7 +75,7 @@ async def chat_completions(request: Request) -> Response:
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
-    structured, mode, rename_so = tools.constraint(req)
+    structured, mode, rename_so = await tools.constraint(req, st.engine, st.max_grammar_bytes)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, 1)

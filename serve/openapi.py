@@ -4,8 +4,8 @@ Built from the pydantic models of `serve/protocol.py`, then completed with what 
 model and the server: the bounds marked with `limit` (vocabulary, max_model_len, max_logprobs), the
 model name, the rules that tie fields together (`if`/`then`), and the bearer scheme only when an API key
 is set. The few rules JSON Schema cannot state (they depend on tokenization, compare two fields, or
-measure the whole body or field: nesting depth, the stop strings' total length) are listed per operation
-under `x-request-rules`, each with the `code` of its 400.
+measure the whole body or field: nesting depth, the stop strings' total length, a constraint's size) are
+listed per operation under `x-request-rules`, each with the `code` of its 400.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from serve.protocol_tokenize import (
     TokenizeResponse,
     VersionResponse,
 )
+from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
 # 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
 _COMMON_RULES = [
@@ -108,10 +109,19 @@ def _fill_limits(node, values: dict) -> None:
             _fill_limits(v, values)
 
 
+def _grammar_rule(max_bytes: int) -> dict:
+    return {"code": "grammar_too_large", "rule": f"an output constraint's text is at most {max_bytes} bytes "
+            "(--max-grammar-bytes), measured before it is compiled: a JSON schema (structured_outputs.json, "
+            "response_format.json_schema.schema, a named tool's parameters) serialized, a regex or grammar as "
+            "given, the choices as a JSON list; for tool_choice required, the one schema of all the tools' "
+            "parameters"}
+
+
 def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool,
-                   tokenizer_info: bool = False) -> dict:
+                   tokenizer_info: bool = False, max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> dict:
     """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits());
-    `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint)."""
+    `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint); `max_grammar_bytes`:
+    the server's --max-grammar-bytes."""
     models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
               ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest, TokenizeChatRequest,
               TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
@@ -125,6 +135,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                  "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
+    for kind in ("regex", "grammar"):  # a text of more characters has more bytes (the rule below is exact)
+        schemas["StructuredOutputs"]["properties"][kind]["maxLength"] = max_grammar_bytes
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
@@ -163,6 +175,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                 "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
 
     def generate(summary, request, response, chunk, rules):
+        rules = rules + [_grammar_rule(max_grammar_bytes)]
         return {"post": {
             "summary": summary, **security, "x-request-rules": rules,
             "description": "Beyond the schema, a request is refused (400, with `code`) when: " + "; ".join(

@@ -7,7 +7,8 @@ refused), with finite numbers and valid Unicode; every constraint is in the sche
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
 OpenAI-compatible servers do; a field we cannot honour (suffix) only accepts null.
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
-llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`.
+llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`; one whose text is over
+`--max-grammar-bytes` is refused before it is compiled (`grammar_too_large`, serve/tools.py).
 """
 from __future__ import annotations
 

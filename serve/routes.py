@@ -124,8 +124,8 @@ async def completions(request: Request) -> Response:
     if echo_only and req.min_tokens:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens (0)", param="min_tokens",
                        code="invalid_combination")
-    structured, _, rename = tools.constraint(req)
     st = request.app.state.server
+    structured, _, rename = await tools.constraint(req, st.engine, st.max_grammar_bytes)
     k = num_logprobs(st, "logprobs", req.logprobs)
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)  # the response's prompt_logprobs
     engine_pl = max((x for x in (pl, k if req.echo else None) if x is not None), default=None)

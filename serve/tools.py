@@ -2,6 +2,12 @@
 (`structured_outputs`, `response_format`, chat `tool_choice`), the tools' place in the prompt, and model
 output -> OpenAI tool calls.
 
+A constraint's work is bounded before it starts: its text (a JSON schema serialized, a regex, a grammar, the
+choices; for tool_choice "required", the schema combining every tool's parameters) is at most
+`--max-grammar-bytes` (else a 400 `grammar_too_large` naming the field), measured before any llguidance call;
+then it is compiled and its matcher built for the model's tokenizer in a worker thread, never on the event
+loop nor on the engine thread (`AsyncEngine.prepare_structured`).
+
 Tool-call syntax ("auto"): the `<tool_call>...</tool_call>` blocks of Hermes-style templates (Qwen2.5,
 Hermes, and SmolLM2's function-calling format), each holding one JSON object or a list of them with
 `name` and `arguments` (or `parameters`). A chat template that renders `tools` itself gets them as the
@@ -9,11 +15,12 @@ Hermes, and SmolLM2's function-calling format), each holding one JSON object or 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import uuid
 
-from jaxpaged.core.structured import StructuredOutputsParams
+from jaxpaged.core.structured import StructuredOutputsParams, source_text
 from jaxpaged.core.validation import InvalidParam
 from serve.body import loads
 from serve.errors import APIError
@@ -21,12 +28,16 @@ from serve.protocol_tools import FunctionCall, ToolCall
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 _ANY_OBJECT = {"type": "object"}
+DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10  # a request's constraint text (--max-grammar-bytes)
 
 
-def constraint(req) -> tuple[StructuredOutputsParams | None, str | None, dict]:
+async def constraint(req, engine, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+                     ) -> tuple[StructuredOutputsParams | None, str | None, dict]:
     """(the output's constraint or None, tool mode: None | "named" | "required" | "auto", the rename of
     the engine's `structured_outputs` param to the request field it came from); APIError 400
-    when two fields constrain the output, tool_choice names no tool, or the library refuses a schema."""
+    when two fields constrain the output, tool_choice names no tool, the constraint's text is over
+    `max_bytes`, or the library refuses it. The constraint is sized, compiled and its matcher built (for
+    `engine`'s tokenizer) in a worker thread."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None) or ("auto" if tools else "none")
     rf = getattr(req, "response_format", None)
@@ -48,29 +59,34 @@ def constraint(req) -> tuple[StructuredOutputsParams | None, str | None, dict]:
     mode = "named" if named else choice if choice in ("required", "auto") else None
     if not sources:
         return None, mode, {}
-    return _constraint(req, sources[0], named, tools), mode, {"structured_outputs": sources[0]}
+    label = f"tools.function.parameters (the {len(tools)} tools' together, as one schema for tool_choice " \
+        "required)" if sources[0] == "tool_choice" and not named else None
+    so = await asyncio.to_thread(lambda: _compile(*_constraint(req, sources[0], named, tools), label, engine,
+                                                  max_bytes))
+    return so, mode, {"structured_outputs": sources[0]}
 
 
-def _constraint(req, source: str, named, tools) -> StructuredOutputsParams:
+def _constraint(req, source: str, named, tools) -> tuple[dict, str | None]:
+    """(StructuredOutputsParams' fields, the request field they come from; None: structured_outputs.KIND)."""
     rf = getattr(req, "response_format", None)
     if source == "structured_outputs":
         so = req.structured_outputs
         kw = {k: getattr(so, k) for k in ("regex", "choice", "grammar", "json_object") if getattr(so, k) is not None}
         if so.json_ is not None:
             kw["json"] = so.json_
-        return _compile(kw, None)
+        return kw, None
     if source == "response_format":
         if rf.type == "json_object":
-            return _compile({"json_object": True}, "response_format")
-        return _compile({"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema")
+            return {"json_object": True}, "response_format"
+        return {"json": rf.json_schema.schema_ or _ANY_OBJECT}, "response_format.json_schema.schema"
     if named:
-        return _compile({"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters")
+        return {"json": named.parameters or _ANY_OBJECT}, "tools.function.parameters"
     defs: dict = {}
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name},
                                                "arguments": _lifted(t.function.parameters or _ANY_OBJECT, i, defs)},
               "required": ["name", "arguments"], "additionalProperties": False} for i, t in enumerate(tools)]
     schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-    return _compile({"json": {**schema, "$defs": defs} if defs else schema}, "tools.function.parameters")
+    return {"json": {**schema, "$defs": defs} if defs else schema}, "tools.function.parameters"
 
 
 _DEFS = ("$defs", "definitions")
@@ -116,9 +132,19 @@ def _name(choice) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
-def _compile(kw: dict, param: str | None) -> StructuredOutputsParams:
+def _compile(kw: dict, param: str | None, label: str | None, engine, max_bytes: int) -> StructuredOutputsParams:
+    """The constraint sized (no llguidance call before), compiled and its matcher built (in a worker thread)."""
+    if len(kw) == 1:  # more than one: StructuredOutputsParams refuses it, naming them
+        (kind, value), = kw.items()
+        size = len(source_text(kind, value).encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            field = param or f"structured_outputs.{kind}"
+            raise APIError(400, f"{label or field} is {size} bytes; the limit is {max_bytes} bytes "
+                           "(--max-grammar-bytes)", param=field, code="grammar_too_large")
     try:
-        return StructuredOutputsParams(**kw)
+        so = StructuredOutputsParams(**kw)
+        engine.prepare_structured(so)
+        return so
     except InvalidParam as e:
         msg = str(e) if param is None else str(e).replace(e.param, param, 1)
         raise APIError(400, msg, param=param or e.param, code=e.code) from None

@@ -1,7 +1,10 @@
 """A server no client can stall (issue #37), against a live server process over a tiny model with a
 byte-level BPE tokenizer: an 8 MB prompt refused from its size while a stream runs (before any tokenizer
 call on it), a client that hangs up mid-body (a quiet 499), header and body deadlines, the per-client
-connection bound, a non-finite max_tokens, and SIGTERM with a stream still open (server_shutdown + [DONE])."""
+connection bound, a non-finite max_tokens, SIGTERM with a stream still open (server_shutdown + [DONE]); output
+constraints over --max-grammar-bytes refused before llguidance sees them, and a large legal one compiled while a
+stream runs without holding it."""
+import argparse
 import json
 import signal
 import socket
@@ -13,6 +16,8 @@ import pytest
 from test_server import CHAT_TEMPLATE, Server, wait_idle
 
 from jaxpaged.bench.tiny_models import make_tiny_model
+from serve.app import add_serve_args
+from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
 BIG = 8 * 2 ** 20  # characters of the oversized prompt
 # Every call of the tokenizer on a text longer than 100 000 characters leaves a line in the server's log.
@@ -21,7 +26,14 @@ PRELUDE = ("import jaxpaged.core.tokenizer as _t\n"
            "def _counted(self, text, add_special_tokens=True):\n"
            "    if len(text) > 100000: print('BIG_ENCODE', len(text), flush=True)\n"
            "    return _encode(self, text, add_special_tokens)\n"
-           "_t.Tokenizer.encode = _counted\n")
+           "_t.Tokenizer.encode = _counted\n"
+           # every grammar llguidance is given (its first call on a constraint) leaves a line too
+           "import llguidance as _lg\n"
+           "_grammar_from = _lg.grammar_from\n"
+           "def _seen(kind, text):\n"
+           "    print('GRAMMAR_FROM', kind, len(text), flush=True)\n"
+           "    return _grammar_from(kind, text)\n"
+           "_lg.grammar_from = _seen\n")
 FLAGS = ("--request-header-timeout", "1", "--request-body-timeout", "1", "--max-connections-per-client", "6")
 
 
@@ -191,3 +203,91 @@ def test_sigterm_ends_open_streams_with_an_error_event(model_dir, compile_cache,
     log = srv.output()
     assert "Traceback" not in log and "CancelledError" not in log, log
     srv.stop()
+
+
+# -- output constraints: bounded before llguidance, compiled off the event loop and the engine thread ----------
+def int_schema(n: int) -> dict:
+    """An object of n bounded integer properties: llguidance's costliest shape per byte that we measured
+    (~61 KB at n = 1000; validate 0.1 s + matcher 0.3 s over SmolLM2's vocabulary on the 2-core CPU)."""
+    return {"type": "object", "properties": {f"f{i}": {"type": "integer", "minimum": i, "maximum": 10 * i + 1000}
+                                             for i in range(n)}}
+
+
+def grammar_calls(server) -> int:
+    return server.output().count("GRAMMAR_FROM")
+
+
+BIG_SCHEMA = int_schema(1100)  # over the default 64 KiB
+_MSG = [{"role": "user", "content": "hi"}]
+_TOOLS = [{"type": "function", "function": {"name": f"t{i}", "parameters": int_schema(110)}} for i in range(10)]
+OVER = {
+    "structured_outputs.json": ("/v1/completions", {"prompt": "a", "structured_outputs": {"json": BIG_SCHEMA}}),
+    "structured_outputs.regex": ("/v1/completions", {"prompt": "a", "structured_outputs": {
+        "regex": "|".join(f"word{i}" for i in range(8000))}}),
+    "structured_outputs.choice": ("/v1/completions", {"prompt": "a", "structured_outputs": {
+        "choice": [f"option {i}" for i in range(7000)]}}),
+    "response_format.json_schema.schema": ("/v1/chat/completions", {"messages": _MSG, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "big", "schema": BIG_SCHEMA}}}),
+    "tools.function.parameters": ("/v1/chat/completions", {"messages": _MSG, "tools": _TOOLS,
+                                                           "tool_choice": "required"}),
+}
+
+
+@pytest.mark.parametrize("param", list(OVER))
+def test_constraint_over_the_limit_refused_before_llguidance(server, param):
+    path, body = OVER[param]
+    before = grammar_calls(server)
+    r = httpx.post(server.url + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["code"] == "grammar_too_large" and err["param"] == param, err
+    assert f"the limit is {DEFAULT_MAX_GRAMMAR_BYTES} bytes (--max-grammar-bytes)" in err["message"], err
+    assert grammar_calls(server) == before  # refused from its size: llguidance never saw it
+
+
+def test_constraint_within_the_limit_still_compiled(server):
+    before = grammar_calls(server)
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "[ab]{1,3}x"}})
+    assert r.status_code == 200, r.text
+    assert grammar_calls(server) == before + 1  # compiled once: SamplingParams and add_request reuse it
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "a", "max_tokens": 4, "structured_outputs": {"regex": "a(b"}})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
+
+
+def test_large_legal_schema_does_not_stall_a_stream(server):
+    schema = int_schema(1000)
+    assert len(json.dumps(schema)) <= DEFAULT_MAX_GRAMMAR_BYTES
+    out, started = {}, threading.Event()
+    t = threading.Thread(target=stream_gaps, args=(server.url, out, started))
+    t.start()
+    assert started.wait(60)
+    t0 = time.monotonic()
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": _MSG, "max_tokens": 8,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
+    took = time.monotonic() - t0
+    t.join(120)
+    assert r.status_code == 200, r.text
+    assert out["lines"][-1] == "data: [DONE]"
+    print(f"large schema: answered in {took:.3f}s, the stream's largest gap {out['max_gap']:.3f}s")
+    assert out["max_gap"] < 2  # loose: compiled in a worker thread, not on the loop nor the engine thread
+    wait_idle(server)
+
+
+def test_max_grammar_bytes_flag():
+    parser = add_serve_args(argparse.ArgumentParser())
+    assert parser.parse_args([]).max_grammar_bytes == DEFAULT_MAX_GRAMMAR_BYTES == 65536
+    assert parser.parse_args(["--max-grammar-bytes", "1000"]).max_grammar_bytes == 1000
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-grammar-bytes", "0"])
+
+
+def test_openapi_states_the_grammar_bound(server):
+    doc = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    for path in ("/v1/completions", "/v1/chat/completions", "/invocations"):
+        rules = {r["code"]: r["rule"] for r in doc["paths"][path]["post"]["x-request-rules"]}
+        assert f"at most {DEFAULT_MAX_GRAMMAR_BYTES} bytes (--max-grammar-bytes)" in rules["grammar_too_large"]
+    props = doc["components"]["schemas"]["StructuredOutputs"]["properties"]
+    assert props["regex"]["maxLength"] == props["grammar"]["maxLength"] == DEFAULT_MAX_GRAMMAR_BYTES

@@ -3,8 +3,10 @@ model with a byte-level BPE tokenizer: prompt_logprobs present as null, /v1/mode
 named tool call's content "", no partial tool calls when max_tokens cuts the output, legacy top_logprobs
 with logprobs 0, prompt_tokens_details, logprobs -1 and --max-logprobs, ... One server with the default
 flags (`server`), one with vLLM's opt-in flags (`flagged`)."""
+import asyncio
 import json
 import math
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -193,7 +195,8 @@ def test_required_tools_with_defs_compile():
     from serve.protocol import ChatCompletionRequest
     req = ChatCompletionRequest.model_validate({"messages": USER, "tools": [TOOL, UNIT_TOOL, NESTED_TOOL],
                                                 "tool_choice": "required"})
-    so, mode, _ = tools.constraint(req)
+    engine = SimpleNamespace(prepare_structured=lambda so: None)  # the grammar check alone, no tokenizer
+    so, mode, _ = asyncio.run(tools.constraint(req, engine))
     defs = so.json["$defs"]
     assert mode == "required" and set(defs) == {"tool1", "tool1.Unit", "tool2", "tool2.Address", "tool2.Person"}
     assert defs["tool2.Person"]["properties"]["next"] == {"$ref": "#/$defs/tool2.Person"}

@@ -289,3 +289,20 @@ def test_structured_params_are_checked():
         StructuredOutputsParams(choice=[])
     with pytest.raises(ValueError, match="structured_outputs"):
         SamplingParams(structured_outputs={"regex": "a"})
+
+
+def test_structured_params_compiled_once(monkeypatch):
+    """SamplingParams and add_request check a StructuredOutputsParams again: unchanged, it is not recompiled;
+    changed, it is (and its prepared matcher dropped)."""
+    import llguidance
+
+    from jaxpaged import SamplingParams
+    calls, real = [], llguidance.grammar_from
+    monkeypatch.setattr(llguidance, "grammar_from", lambda kind, text: calls.append(kind) or real(kind, text))
+    so = StructuredOutputsParams(json={"type": "object"})
+    SamplingParams(structured_outputs=so).validate()
+    assert calls == ["json_schema"]
+    so.template = object()  # as StructuredOutputs.prepare leaves it
+    so.json["properties"] = {"a": {"type": "integer"}}  # changed in place
+    so.validate()
+    assert calls == ["json_schema"] * 2 and so.template is None

@@ -3,10 +3,12 @@ per-slot packed token bitmask the step applies.
 
 `StructuredOutputsParams` (vLLM's names: json, regex, choice, grammar, json_object) compiles its
 constraint to an llguidance grammar and checks it on creation: a bad schema, regex or grammar raises
-`InvalidParam` carrying the library's message. `StructuredOutputs` keeps a matcher per request (weakly:
-it goes with the request) and advances it lazily, on the request's output tokens, so it survives
-preemption and recompute (same tokens) and never depends on the batch. Each step,
-`bitmask_arrays` fills `bitmask i32[S, ceil(V/32)]` (bit j of word w allows token 32*w + j; all ones for
+`InvalidParam` carrying the library's message; checked again unchanged (`SamplingParams`, `add_request`),
+it is not compiled again. `StructuredOutputs.prepare` compiles its matcher for the model's tokenizer
+ahead of `add_request` (the server calls it in a worker thread): the engine thread then only copies it.
+`StructuredOutputs` keeps a matcher per request (weakly: it goes with the request) and advances it lazily,
+on the request's output tokens, so it survives preemption and recompute (same tokens) and never depends on the batch.
+Each step, `bitmask_arrays` fills `bitmask i32[S, ceil(V/32)]` (bit j of word w allows token 32*w + j; all ones for
 unconstrained slots) and the flag `any_mask`; with no constrained slot it returns a constant array that
 stays on device.
 
@@ -17,9 +19,10 @@ where xgrammar needs transformers and torch (3.6 s to import).
 from __future__ import annotations
 
 import json
+import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +45,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    # a matcher compiled from `llguidance_grammar` for the engine's tokenizer (StructuredOutputs.prepare), or
+    # None; each request copies it
+    template: object | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         self.validate()
@@ -64,7 +70,10 @@ class StructuredOutputsParams:
                     "json_object": "true"}[kind]
             raise InvalidParam(name, f"{name} must be {want}, got {v!r}"[:300],
                                code="invalid_grammar" if kind == "grammar" else None)
-        self._kind, self._grammar = kind, _compile(kind, v, name)
+        source = (kind, source_text(kind, v))
+        if getattr(self, "_source", None) == source:  # compiled already, unchanged since
+            return
+        self._kind, self._grammar, self._source, self.template = kind, _compile(kind, v, name), source, None
 
     @property
     def kind(self) -> str:
@@ -73,6 +82,16 @@ class StructuredOutputsParams:
     @property
     def llguidance_grammar(self) -> str:
         return self._grammar
+
+
+def source_text(kind: str, v) -> str:
+    """The text of a constraint as llguidance reads it (its size is what `--max-grammar-bytes` bounds): a
+    JSON schema serialized, a regex or grammar as given, the choices' JSON list."""
+    if kind == "json":
+        return v if isinstance(v, str) else json.dumps(v)
+    if kind == "choice":
+        return json.dumps(list(v))
+    return v if isinstance(v, str) else ""
 
 
 def _compile(kind: str, v, name: str) -> str:
@@ -102,6 +121,7 @@ class StructuredOutputs:
         self.tokenizer_json, self.vocab_size, self.eos = tokenizer_json, vocab_size, sorted(eos_token_ids)
         self.words = -(-vocab_size // 32)
         self._lltok = None
+        self._lock = threading.Lock()  # prepare() runs in worker threads, beside the engine thread
         self._executor = None  # llguidance's thread pool: fills the rows of several slots in parallel
         self._templates: dict[str, object] = {}  # grammar -> a fresh matcher to copy (compiled once)
         self._matchers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # request -> [matcher, n]
@@ -113,6 +133,10 @@ class StructuredOutputs:
         self.num_masks = 0
 
     def _tokenizer(self):
+        with self._lock:
+            return self._tokenizer_locked()
+
+    def _tokenizer_locked(self):
         if self._lltok is None:
             import llguidance
             try:
@@ -134,14 +158,32 @@ class StructuredOutputs:
         if params.structured_outputs is not None:
             self._tokenizer()
 
+    def prepare(self, params: StructuredOutputsParams) -> None:
+        """Compile `params`' matcher for this model's tokenizer (its `template`; llguidance compiles with the
+        GIL released): call it from a worker thread before `add_request`, so that the engine thread only
+        copies it. Raise InvalidParam if the tokenizer cannot be used or the matcher refuses the grammar (a
+        library limit the grammar-only check did not meet). The first mask still runs on the engine thread,
+        at the request's first step: llguidance builds its lexer lazily there, bounded by its own limits (a
+        copy filled here first would spend the lexer's shared budget of expressions and fail the requests')."""
+        import llguidance
+        if params.template is not None:
+            return
+        m = llguidance.LLMatcher(self._tokenizer(), params.llguidance_grammar, log_level=0)
+        if m.is_error():
+            name = f"structured_outputs.{params.kind}"
+            raise InvalidParam(name, f"invalid {name}: {m.get_error()}"[:2000], "invalid_grammar")
+        params.template = m
+
     def _matcher(self, req) -> list:
         """[matcher, number of output tokens consumed], caught up with the request's output tokens."""
         entry = self._matchers.get(req)
         if entry is None:
             import llguidance
-            grammar = req.params.structured_outputs.llguidance_grammar
+            so = req.params.structured_outputs
+            grammar = so.llguidance_grammar
             template = self._templates.pop(grammar, None)  # re-inserted: the dict is kept in LRU order
-            if template is None:
+            template = so.template if template is None else template
+            if template is None:  # not prepared (a Python caller): compiled here, once per grammar
                 template = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
             self._templates[grammar] = template
             if len(self._templates) > 64:

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
 from jaxpaged.core.sampling_params import SamplingParams
+from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import prompt_ids
 from jaxpaged.engine import LLMEngine, RequestOutput
 
@@ -87,6 +88,11 @@ class Replicas:
         self.engines[r].add_request(request_id, prompt, params, arrival_time, stream)
         self._owner[request_id] = r
         return request_id
+
+    def prepare_structured(self, structured_outputs: StructuredOutputsParams) -> None:
+        """LLMEngine.prepare_structured: the matcher compiled once (replica 0's tokenizer; the replicas' are the
+        same), copied by whichever replica runs the request."""
+        self.engines[0].prepare_structured(structured_outputs)
 
     def abort_request(self, request_id: str) -> None:
         """Abort on the owning replica (a no-op for unknown or finished ids)."""
