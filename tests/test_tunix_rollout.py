@@ -1,6 +1,6 @@
-"""JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3 and Qwen3 models
-(float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's trainer
-path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync, and real GRPO runs of Tunix
+"""JaxpagedRollout (jaxpaged/rl/tunix_rollout.py) against Tunix on tiny random Tunix Llama 3, Qwen3, Qwen2 and
+Gemma 3 models (float32): greedy tokens (checked against the Tunix model's own forward), per-token logps (Tunix's
+trainer path, `VanillaRollout.get_per_token_logps`), seeded sampling, weight sync, and real GRPO runs of Tunix
 (`GRPOLearner` over an `RLCluster` whose rollout engine is JaxpagedRollout), full parameters and qwix LoRA.
 
 The greedy reference is Tunix's model itself, one forward over prompt + generated tokens: Tunix
@@ -14,10 +14,13 @@ import pytest
 pytest.importorskip("tunix.rl.rollout.base_rollout")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 from tunix.generate import utils as tunix_utils  # noqa: E402
+from tunix.models.gemma3 import model as gemma3  # noqa: E402
 from tunix.models.llama3 import model as llama3  # noqa: E402
+from tunix.models.qwen2 import model as qwen2  # noqa: E402
 from tunix.models.qwen3 import model as qwen3  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
@@ -31,23 +34,49 @@ SIZES = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_hea
 GEN = 12
 
 
+# Gemma 3: a sliding layer and a global one (Tunix's model builds its layers from its module's cycle of kinds, 5
+# sliding + 1 global, set here to 1 + 1 for the test: two layers, not six, to compile), a window of 8 (prompt +
+# generation is longer), the global layer with its own RoPE base and a linear scale factor, the query scaled by
+# 1/sqrt(embed_dim / heads) (16, not head_dim 32)
+GEMMA3 = dict(num_layers=2, num_embed=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=32, num_kv_heads=2,
+              sliding_window_size=8, local_base_frequency=10_000, global_base_frequency=1_000_000,
+              global_scale_factor=8.0, param_dtype=jnp.float32,
+              query_pre_attn_norm=gemma3.QueryPreAttentionNormalisation.BY_ONE_OVER_SQRT_EMBED_DIM_DIV_NUM_HEADS)
+GEMMA3_PATTERN = (gemma3.AttentionType.LOCAL_SLIDING, gemma3.AttentionType.GLOBAL)
+FAMILIES = ["llama3", "qwen3", "qwen2", "gemma3"]
+
+
 def tiny_tunix_model(family: str, seed: int = 0) -> nnx.Module:
-    """A Tunix model with peaked logits: matrices and embeddings redrawn with std 0.3 (norms stay ones)."""
-    if family == "llama3":
-        m = llama3.Llama3(llama3.ModelConfig(**SIZES), rngs=nnx.Rngs(seed))
+    """A Tunix model with peaked logits: matrices and embeddings redrawn with std 0.3 (Llama 3 / Qwen3 norms stay
+    ones); Qwen2's q/k/v biases and Gemma 3's norm scales (zeros) get noise of std 0.3 too, so their mapping
+    counts; Gemma 3's embeddings std 0.05 and its final norm a gain of ~10."""
+    if family == "gemma3":
+        cycle, gemma3.GEMMA3_ATTENTION_PATTERN = gemma3.GEMMA3_ATTENTION_PATTERN, GEMMA3_PATTERN
+        try:
+            m = gemma3.Gemma3(gemma3.ModelConfig(**GEMMA3), rngs=nnx.Rngs(seed))
+        finally:
+            gemma3.GEMMA3_ATTENTION_PATTERN = cycle
+        assert [layer.attn.attn_type for layer in m.layers] == list(GEMMA3_PATTERN)
     else:
-        m = qwen3.Qwen3(qwen3.ModelConfig(**SIZES), rngs=nnx.Rngs(seed))
+        module, cls = {"llama3": (llama3, llama3.Llama3), "qwen3": (qwen3, qwen3.Qwen3),
+                       "qwen2": (qwen2, qwen2.Qwen2)}[family]
+        m = cls(module.ModelConfig(**SIZES), rngs=nnx.Rngs(seed))
     state = nnx.state(m, nnx.Param)
     leaves, treedef = jax.tree_util.tree_flatten(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    leaves = [0.3 * jax.random.normal(k, a.shape, a.dtype) if a.ndim >= 2 else a for k, a in zip(keys, leaves)]
+    vectors = family in ("qwen2", "gemma3")
+    leaves = [0.3 * jax.random.normal(k, a.shape, a.dtype) if a.ndim >= 2
+              else a + 0.3 * jax.random.normal(k, a.shape, a.dtype) if vectors else a
+              for k, a in zip(keys, leaves)]
     nnx.update(m, jax.tree_util.tree_unflatten(treedef, leaves))
+    if family == "gemma3":  # embeddings times sqrt(64) = 8 and tied: at std 0.3 the logits echo the input token
+        m.embedder.input_embedding.value = m.embedder.input_embedding.value / 6  # std 0.05
+        m.final_norm.scale.value = m.final_norm.scale.value + 9.0  # peaked logits again (a gain of ~10)
     return m
 
 
 @nnx.jit
 def _logits(model, ids):
-    import jax.numpy as jnp
     B, T = ids.shape
     return model(ids, jnp.broadcast_to(jnp.arange(T), (B, T)), None, jnp.tril(jnp.ones((B, T, T), bool)))[0]
 
@@ -84,12 +113,16 @@ def tokenizer(tmp_path_factory):
     return AutoTokenizer.from_pretrained(d)
 
 
-@pytest.fixture(scope="module", params=["llama3", "qwen3"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def pair(request, tokenizer, compile_cache):
     """(model, jaxpaged rollout, vanilla rollout) of one family."""
     model = tiny_tunix_model(request.param)
+    # Llama 3 and Qwen3 compile every step shape at start-up (the GRPO runs below reuse them from the cache); the
+    # other families compile only the shapes the tests use, the same ones each time (no prefix cache)
+    first = request.param in ("llama3", "qwen3")
     ours = JaxpagedRollout(model, tokenizer, rollout_config=rollout_config(), max_num_seqs=4,
-                           max_num_batched_tokens=64, block_size=8, compilation_cache_dir=compile_cache)
+                           max_num_batched_tokens=64, block_size=8, compilation_cache_dir=compile_cache,
+                           warmup=first, enable_prefix_caching=first)
     c = model.config
     vanilla = VanillaRollout(model, tokenizer, base_rollout.CacheConfig(64, c.num_layers, c.num_kv_heads, c.head_dim))
     return model, ours, vanilla
@@ -164,6 +197,10 @@ def test_unsupported_model_is_a_value_error(tokenizer):
         config = None
     with pytest.raises(ValueError, match="Gemma"):
         JaxpagedRollout(Gemma(), tokenizer)
+    # Gemma 3 sliding layers with a RoPE scale factor: the engine scales global layers only
+    m = gemma3.Gemma3(gemma3.ModelConfig(**{**GEMMA3, "num_layers": 1, "local_scale_factor": 2.0}), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="local_scale_factor"):
+        JaxpagedRollout(m, tokenizer)
 
 
 # -- real GRPO runs: Tunix's GRPOLearner over an RLCluster rolling out through JaxpagedRollout ----------------

@@ -4,10 +4,12 @@ through jaxpaged (continuous batching, paged KV) instead of Tunix's vanilla samp
     cluster_config = ClusterConfig(..., rollout_engine=functools.partial(JaxpagedRollout, max_num_seqs=64))
 
 Keyword arguments of the partial are EngineConfig fields, and `lora_alpha` for a qwix LoRA actor. The engine
-starts from the rollout actor itself: Tunix's Llama 3 (`tunix.models.llama3`) and Qwen3 (`tunix.models.qwen3`,
-dense) models map onto the engine's parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's
-[D, N, H] einsum weights flattened to [D, N*H]); the weights move device to device, only a config.json goes
-through a temporary directory. Tunix is imported only here (the `tunix` extra).
+starts from the rollout actor itself: Tunix's Llama 3 (`tunix.models.llama3`), Qwen3 (`tunix.models.qwen3`,
+dense), Qwen2 (`tunix.models.qwen2`) and Gemma 3 (`tunix.models.gemma3`, text) models map onto the engine's
+parameter pytree (jaxpaged/models/llama.py: layers stacked, Tunix's einsum weights flattened to [in, out]);
+per family, the config.json and where each parameter sits are in jaxpaged/rl/tunix_models.py; any other model
+is a ValueError naming it. The weights move device to device, only a config.json goes through a temporary
+directory. Tunix is imported only in jaxpaged/rl/ (the `tunix` extra).
 
 LoRA (qwix `LoraProvider` on the projections, `nnx.LoRAParam`): merged into the engine's base weights,
 W + alpha / r * A.B in float32, not put in the engine's adapter slots. Why: the merged step is the plain
@@ -20,9 +22,7 @@ adds it to the product. alpha is not in the model (qwix keeps it in its provider
 from __future__ import annotations
 
 import functools
-import inspect
 import json
-import sys
 import tempfile
 from typing import Any
 
@@ -37,62 +37,13 @@ from jaxpaged.config import EngineConfig
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.engine import LLMEngine
 from jaxpaged.llm import LLM
-
-# Tunix model class name -> (architecture, model_type) of the config.json the engine reads
-FAMILIES = {"Llama3": ("LlamaForCausalLM", "llama"), "Qwen3": ("Qwen3ForCausalLM", "qwen3")}
-
-
-def _family(model) -> tuple[str, str]:
-    name = type(model).__name__
-    if name not in FAMILIES or getattr(model.config, "num_experts", None):
-        raise ValueError(f"JaxpagedRollout: rollout_actor {name} (module {type(model).__module__}) is not "
-                         f"supported; supported: {', '.join(sorted(FAMILIES))} (dense)")
-    return FAMILIES[name]
-
-
-def _tied(cfg) -> bool:
-    return bool(getattr(cfg, "weight_tying", False) or getattr(cfg, "use_tied_embedding", False))
-
-
-def rope_theta(model) -> float:
-    """The RoPE base the model's layers compute with: Tunix 0.1.7's Llama 3 and Qwen3 attention call their
-    module's `apply_rope` without the config's rope_theta, so its default (1e6) is what the trainer uses."""
-    # the class Tunix defined: qwix (LoRA, quantization) wraps a model in a subclass made elsewhere
-    module = next(sys.modules[c.__module__] for c in type(model).__mro__
-                  if hasattr(sys.modules.get(c.__module__), "apply_rope"))
-    return float(inspect.signature(module.apply_rope).parameters["rope_theta"].default)
-
-
-def hf_config(model, eos_id: int, max_model_len: int) -> dict:
-    """The Hugging Face config.json of a Tunix Llama 3 / Qwen3 model (its ModelConfig's fields)."""
-    arch, model_type = _family(model)
-    c = model.config
-    return dict(architectures=[arch], model_type=model_type, vocab_size=c.vocab_size, hidden_size=c.embed_dim,
-                intermediate_size=c.hidden_dim, num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_theta=rope_theta(model),
-                rms_norm_eps=c.norm_eps, tie_word_embeddings=_tied(c), max_position_embeddings=max_model_len,
-                eos_token_id=eos_id, hidden_act="silu", rope_scaling=None, attention_bias=False)
+from jaxpaged.rl.tunix_models import family_of_config, family_of_model, hf_config
 
 
 def _value(v):
     return v.value if hasattr(v, "value") else v
 
 
-# engine leaf -> (its path in a Tunix decoder layer, reshape to the engine's layout)
-LAYER_LEAVES = {
-    "attn_norm": (("input_layernorm", "w"), None),
-    "mlp_norm": (("post_attention_layernorm", "w"), None),
-    "wq": (("attn", "q_proj", "w"), "in"),     # [D, N, H] -> [D, N*H]
-    "wk": (("attn", "k_proj", "w"), "in"),
-    "wv": (("attn", "v_proj", "w"), "in"),
-    "wo": (("attn", "o_proj", "w"), "out"),    # [N, H, D] -> [N*H, D]
-    "w_gate": (("mlp", "gate_proj", "kernel"), None),  # [D, F]
-    "w_up": (("mlp", "up_proj", "kernel"), None),
-    "w_down": (("mlp", "down_proj", "kernel"), None),  # [F, D]
-    "q_norm": (("attn", "q_norm", "w"), None),  # [hd], Qwen3
-    "k_norm": (("attn", "k_norm", "w"), None),
-}
-TOP_LEAVES = {"embed": ("embedder", "input_embedding"), "final_norm": ("final_norm", "w"), "lm_head": ("lm_head", "w")}
 LORA_A, LORA_B = "_lora_a", "_lora_b"  # qwix's LoRA parameters beside the weight they adapt: w_lora_a, w_lora_b
 
 
@@ -163,14 +114,13 @@ def to_engine_params(state, cfg, tied: bool, dtype, lora_alpha: float | None = N
     the state holds). qwix LoRA pairs in the state are merged into their weight (`_Reader`); with a LoRA-only
     state, `base` (the model's other parameters) gives the weights, and only the adapted leaves come out.
     Arrays stay on their devices; reshapes and the layer stack run there."""
-    D = cfg.embed_dim
+    fam = family_of_config(cfg)
     pure = lambda s: s.to_pure_dict() if hasattr(s, "to_pure_dict") else s
     read = _Reader(pure(state), None if base is None else pure(base), lora_alpha)
     # copies: the engine may donate its parameter buffers, which stay the trainer's
     cast = lambda a: jnp.array(a, dtype, copy=True)
-    shape = {"in": lambda a: a.reshape(D, -1), "out": lambda a: a.reshape(-1, D), None: lambda a: a}
     out: dict = {}
-    for leaf, path in TOP_LEAVES.items():
+    for leaf, path in fam.top.items():
         w = read(path)
         if w is not None and not (leaf == "lm_head" and tied):
             out[leaf] = cast(w)
@@ -179,15 +129,19 @@ def to_engine_params(state, cfg, tied: bool, dtype, lora_alpha: float | None = N
         base_layers = (read.base or {}).get("layers") or {}
         keys = [i if i in layers or i in base_layers else str(i) for i in range(cfg.num_layers)]  # int or str keys
         stacked = {}
-        for leaf, (path, how) in LAYER_LEAVES.items():
-            per = [read(("layers", k) + path) for k in keys]
+        for leaf, choices in fam.layer.items():
+            for path, how in choices:  # the first layout the state (or the base) holds
+                per = [read(("layers", k) + path) for k in keys]
+                if any(w is not None for w in per) or any(read.from_base(("layers", k) + path) is not None
+                                                          for k in keys):
+                    break
             if all(w is None for w in per):
                 continue
             if any(w is None for w in per):  # LoRA on some layers only: the others' weights from the base
                 per = [read.from_base(("layers", k) + path) if w is None else w for k, w in zip(keys, per)]
                 if any(w is None for w in per):
                     raise ValueError(f"JaxpagedRollout: {leaf} ({'.'.join(path)}) is given for some layers only")
-            stacked[leaf] = jnp.stack([cast(shape[how](w)) for w in per])  # [L, ...]
+            stacked[leaf] = jnp.stack([cast(how(w)) for w in per])  # [L, ...]
         if stacked:
             out["layers"] = stacked
     unused = read.lora - read.used
@@ -207,7 +161,7 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         self._lora_alpha = lora_alpha
         self._tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
         cfg = rollout_config or base_rollout.RolloutConfig()
-        self._tied = _tied(rollout_actor.config)
+        self._tied = family_of_model(rollout_actor).tied(rollout_actor.config)
         self.mesh = mesh
         # as long as the vanilla sampler's KV cache (prompts longer than max_prompt_length are not cut)
         engine_kwargs.setdefault("max_model_len", max(cfg.kv_cache_size,
