@@ -433,3 +433,36 @@ def test_request_histograms_as_vllm(server):
     assert grew(f"jaxpaged:request_params_max_tokens_sum{{{tiny}}}") == 4
     assert f'jaxpaged:request_params_max_tokens_bucket{{le="500.0",{tiny}}}' in after  # 1-2-5 up to max_model_len
     assert f'jaxpaged:request_params_max_tokens_bucket{{le="1000.0",{tiny}}}' not in after
+
+
+def test_phase_and_iteration_histograms_as_vllm(server):
+    """vLLM's request phase histograms (queue, prefill, decode, inference), inter-token latency and tokens per
+    engine step, from the engine's own timestamps; the gauges carry vLLM's engine label."""
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("jaxpaged:")}
+    before = scrape()
+    post(server, "/v1/completions", prompt=[97, 98, 99], max_tokens=4, ignore_eos=True)
+    after = scrape()
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+    tiny = '{model_name="tiny"}'
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew(f"jaxpaged:request_{phase}_time_seconds_count{tiny}") == 1, phase
+        assert grew(f"jaxpaged:request_{phase}_time_seconds_sum{tiny}") >= 0, phase
+    assert grew('jaxpaged:request_queue_time_seconds_bucket{le="7680.0",model_name="tiny"}') == 1
+    assert grew(f"jaxpaged:inter_token_latency_seconds_count{tiny}") == 3  # 4 tokens, one a step
+    e2e = grew(f"jaxpaged:e2e_request_latency_seconds_sum{tiny}")
+    inference = grew(f"jaxpaged:request_inference_time_seconds_sum{tiny}")
+    assert inference <= e2e + 1e-6
+    assert abs(grew(f"jaxpaged:request_prefill_time_seconds_sum{tiny}")
+               + grew(f"jaxpaged:request_decode_time_seconds_sum{tiny}") - inference) < 1e-6
+    eng = '{engine="0",model_name="tiny",replica="0"}'  # prometheus_client writes labels sorted
+    assert grew(f"jaxpaged:iteration_tokens_total_count{eng}") >= 4  # a prefill step and 3 decodes at least
+    assert grew(f"jaxpaged:iteration_tokens_total_sum{eng}") >= 3 + 3
+    assert f"jaxpaged:num_requests_running{eng}" in after and f"jaxpaged:num_requests_waiting{eng}" in after
+    big = '{engine="0",le="+Inf",model_name="tiny",replica="0"}'
+    assert after[f"jaxpaged:iteration_tokens_total_bucket{big}"] == after[f"jaxpaged:iteration_tokens_total_count{eng}"]
+
