@@ -18,6 +18,7 @@ from jaxpaged.admission import Admission
 from jaxpaged.checkpoints.weights import release_host_memory
 from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.core.block_manager import BlockManager
+from jaxpaged.core.iteration_stats import IterationTokens
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput  # noqa: F401 -- re-exported
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
@@ -87,6 +88,7 @@ class LLMEngine:
                      else NoSpeculation())
         # a multi-host leader hands each step's host inputs to its followers: it keeps the plain step
         self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
+        self.iteration_tokens = IterationTokens()  # tokens per step, for the server's histogram
         self.executor = make_executor(self.async_scheduling, self.runner, self.scheduler, self.spec, self.outputs)
         me = weakref.proxy(self)  # the parts around the step hold the engine weakly: no reference cycle
         self.admission, self.pause_control, self.sleep_control = Admission(me), PauseControl(me), SleepControl(me)
@@ -159,6 +161,8 @@ class LLMEngine:
         self.spec.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         self.spec.fill(out)
+        if out.num_tokens:
+            self.iteration_tokens.observe(out.num_tokens)
         return out
 
     @property
@@ -228,6 +232,7 @@ class LLMEngine:
                     kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
+                    iteration_tokens=self.iteration_tokens.snapshot(),
                     num_step_failures=self.num_step_failures, load_seconds=self.load_seconds,
                     attention_backend=runner.backend, tensor_parallel_size=runner.tp, **runner.memory_per_device(),
                     **self.lora.stats(), **self.spec.stats())

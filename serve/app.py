@@ -29,6 +29,7 @@ from serve.errors import APIError
 from serve.http_protocol import protocol
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
+from serve.reasoning import PARSERS, ReasoningParser, make_parser
 from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
 log = logging.getLogger("jaxpaged.serve")
@@ -60,6 +61,7 @@ class ServerState:
     force_include_usage: bool = False  # streams end with a usage chunk even without stream_options
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as 'token_id:N' unless a request says otherwise
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a request's constraint text (--max-grammar-bytes)
+    reasoning: ReasoningParser = field(default_factory=ReasoningParser)  # --reasoning-parser (default: none)
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
@@ -68,7 +70,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
                prompt_tokens_details: bool = False, tokenizer_info: bool = False, force_include_usage: bool = False,
                return_tokens_as_token_ids: bool = False,
-               max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Starlette:
+               max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, reasoning_parser: str | None = None) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
     name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
@@ -76,7 +78,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     `tokenizer_info`: serve GET /tokenizer_info too; `force_include_usage`: every stream ends with a usage
     chunk (--enable-force-include-usage); `return_tokens_as_token_ids`: logprobs' tokens are 'token_id:N'
     unless a request's return_tokens_as_token_ids says otherwise; `max_grammar_bytes`: the most bytes of a
-    request's constraint text (schema, regex, grammar, choices; --max-grammar-bytes), else a 400.
+    request's constraint text (schema, regex, grammar, choices; --max-grammar-bytes), else a 400;
+    `reasoning_parser`: a chat answer's reasoning split from its content (serve/reasoning.py: deepseek_r1, qwen3).
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -120,7 +123,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                                    prompt_tokens_details=prompt_tokens_details,
                                    max_logprobs=limits["max_logprobs"], force_include_usage=force_include_usage,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                   max_grammar_bytes=max_grammar_bytes)
+                                   max_grammar_bytes=max_grammar_bytes, reasoning=make_parser(reasoning_parser))
     return app
 
 
@@ -155,6 +158,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--enable-prompt-tokens-details", action="store_true", help="usage carries "
                         "prompt_tokens_details.cached_tokens, the prompt tokens served by the prefix cache "
                         "(default: null)")
+    parser.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None, help="chat answers' "
+                        "reasoning (the text in <think>...</think>) in message.reasoning_content and "
+                        "message.reasoning, the rest in content, streamed as deltas of each; deepseek_r1: "
+                        "the output may start inside the reasoning, qwen3: both tags expected (default: "
+                        "no split)")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET "
                         "/tokenizer_info (the tokenizer's special tokens and chat template)")
     parser.add_argument("--enable-force-include-usage", action="store_true", help="every stream ends with a "
@@ -199,8 +207,6 @@ UNSUPPORTED_FLAGS = {
                           "blocks (tool_choice auto; SmolLM2's, Qwen2.5's and Hermes' templates), and constrained "
                           "by grammar for tool_choice required or named: there is no per-model parser to choose; "
                           "leave the flag out",
-    "--reasoning-parser": "reasoning is not separated from the answer (there is no reasoning_content field): "
-                          "a model's thinking stays in content; leave the flag out",
 }
 
 
@@ -294,7 +300,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
                      tokenizer_info=args.enable_tokenizer_info_endpoint,
                      force_include_usage=args.enable_force_include_usage,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                     max_grammar_bytes=args.max_grammar_bytes)
+                     max_grammar_bytes=args.max_grammar_bytes, reasoning_parser=args.reasoning_parser)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

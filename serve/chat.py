@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.validation import InvalidParam, check_text
 from serve import outputs as fmt
-from serve import prompt_size, tools
+from serve import prompt_size, reasoning, tools
 from serve.errors import APIError
 from serve.job import Job, JobStream, run_to_end, sse
 from serve.prompts import truncate, truncation
@@ -75,6 +75,7 @@ async def chat_completions(request: Request) -> Response:
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
+    reasoning.check_no_constraint(req, st.reasoning)
     structured, mode, rename_so = await tools.constraint(req, st.engine, st.max_grammar_bytes)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
@@ -99,11 +100,13 @@ async def chat_completions(request: Request) -> Response:
             return Response(status_code=499)
         choices = []
         for c in job.lasts[0].outputs:
-            content, calls = tools.parse(mode, c.text, named) if c.finish_reason != "length" else (c.text, [])
+            thought, answer = st.reasoning.split(c.text)
+            content, calls = tools.parse(mode, answer, named) if c.finish_reason != "length" and answer is not None \
+                else (answer, [])
             reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
             content = echo + content if content is not None else content
-            choices.append(ChatChoice(index=c.index, message=AssistantMessage(role=role, content=content,
-                                                                              tool_calls=calls),
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(
+                role=role, content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought),
                                       logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason,
                                       routed_experts=fmt.routes(c.routed_experts),
                                       token_ids=list(c.token_ids) if ids_out else None))
@@ -130,6 +133,7 @@ async def chat_completions(request: Request) -> Response:
         if echo:
             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=echo)) for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
+        splits = [st.reasoning.stream() for _ in range(req.n)]  # each choice's reasoning / content split
         opened = set()  # choices whose tool call has started (named tool_choice)
         async for _, out in job.outputs():
             for c in out.outputs:
@@ -147,8 +151,11 @@ async def chat_completions(request: Request) -> Response:
                 elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
                     if reason is None:
                         continue
-                    content, calls = tools.parse(mode, c.text, None) if reason != "length" else (c.text, [])
-                    delta = ChatDelta(content=content, tool_calls=[DeltaToolCall(
+                    thought, answer = st.reasoning.split(c.text)
+                    content, calls = tools.parse(mode, answer, None) if reason != "length" and answer is not None \
+                        else (answer, [])
+                    delta = ChatDelta(content=content, reasoning_content=thought, reasoning=thought,
+                                      tool_calls=[DeltaToolCall(
                         index=j, id=t.id, type="function", function=DeltaFunction(
                             name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
                         or None)
@@ -156,7 +163,14 @@ async def chat_completions(request: Request) -> Response:
                     lps = c.logprobs
                     ids = c.token_ids
                 else:
-                    delta = ChatDelta(content=piece or None)
+                    thought, piece = splits[c.index].feed(piece)
+                    if reason is not None:  # the end: what was held back as a possible tag goes too
+                        more_thought, more = splits[c.index].finish()
+                        thought, piece = thought + more_thought, piece + more
+                    elif not thought and not piece and not lps and not ids_out:
+                        continue  # all held back (maybe a tag): it goes with the next piece
+                    delta = ChatDelta(content=piece or None, reasoning_content=thought or None,
+                                      reasoning=thought or None)
                 yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp(ids, lps),
                                              finish_reason=reason, token_ids=list(ids) if ids_out else None)])
         if last_usage:

@@ -160,6 +160,8 @@ class Job:
                 self.st.engine.max_model_len - len(last.prompt_token_ids)
             m.observe(len(last.prompt_token_ids), out_tokens, reason, ttft, tpot, end - self.arrival,
                       p.n if p is not None else 1, max_tokens)
+            if reason not in ("abort", "error"):
+                m.observe_phases(last.metrics)
             n_out += out_tokens
             reasons.add(reason)
             if ttft is not None:

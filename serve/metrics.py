@@ -6,13 +6,18 @@ latency histograms are updated by the routes when a request ends.
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                  10.0, 20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0)
+# vLLM's buckets for the phases of a request (queue, prefill, decode, inference) and inter-token latency
+_PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                  240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 
 
 def buckets_1_2_5(most: int) -> list[int]:
@@ -39,7 +44,7 @@ class _EngineCollector:
         if len(per) > 1:  # requests handed to the engine thread but not yet routed
             per = [dict(r) for r in per]
             per[0]["num_waiting"] += s["num_waiting"] - sum(r["num_waiting"] for r in per)
-        labels = ["model_name", "replica"]
+        labels = ["model_name", "replica", "engine"]  # engine: vLLM's name for the replica's index
         for name, doc, key in (
                 ("num_requests_running", "Requests (samples) holding a batch slot.", "num_running"),
                 ("num_requests_waiting", "Requests (samples) waiting for a batch slot.", "num_waiting"),
@@ -48,18 +53,19 @@ class _EngineCollector:
                  "prefix_cache_hit_rate")):
             g = GaugeMetricFamily(f"jaxpaged:{name}", doc, labels=labels)
             for i, r in enumerate(per):
-                g.add_metric([self.model_name, str(i)], float(r[key]))
+                g.add_metric([self.model_name, str(i), str(i)], float(r[key]))
             yield g
         c = CounterMetricFamily("jaxpaged:num_preemptions", "Requests preempted (blocks freed, recomputed "
                                 "later) since start.", labels=labels)
         for i, r in enumerate(per):
-            c.add_metric([self.model_name, str(i)], float(r["num_preemptions"]))
+            c.add_metric([self.model_name, str(i), str(i)], float(r["num_preemptions"]))
         yield c
         c = CounterMetricFamily("jaxpaged:num_step_failures", "Steps that failed (their requests ended with "
                                 "a 500) since start.", labels=labels)
         for i, r in enumerate(per):
-            c.add_metric([self.model_name, str(i)], float(r["num_step_failures"]))
+            c.add_metric([self.model_name, str(i), str(i)], float(r["num_step_failures"]))
         yield c
+        yield self._iteration_tokens(per, labels)
         if "spec_decode_num_drafts" in per[0]:  # speculative decoding (vLLM's names)
             yield from self._spec_decode(per, labels)
 
@@ -69,14 +75,27 @@ class _EngineCollector:
                           ("num_accepted_tokens", "Proposed tokens accepted by the target.")):
             c = CounterMetricFamily(f"jaxpaged:spec_decode_{name}", doc, labels=labels)
             for i, r in enumerate(per):
-                c.add_metric([self.model_name, str(i)], float(r[f"spec_decode_{name}"]))
+                c.add_metric([self.model_name, str(i), str(i)], float(r[f"spec_decode_{name}"]))
             yield c
         c = CounterMetricFamily("jaxpaged:spec_decode_num_accepted_tokens_per_pos", "Proposed tokens accepted, "
                                 "by position in the proposal (0-based).", labels=labels + ["position"])
         for i, r in enumerate(per):
             for j, n in enumerate(r["spec_decode_num_accepted_tokens_per_pos"]):
-                c.add_metric([self.model_name, str(i), str(j)], float(n))
+                c.add_metric([self.model_name, str(i), str(i), str(j)], float(n))
         yield c
+
+    def _iteration_tokens(self, per, labels):
+        """Tokens per engine step (vLLM's iteration_tokens_total), from each replica's step counts."""
+        h = HistogramMetricFamily("jaxpaged:iteration_tokens_total", "Tokens processed per engine step "
+                                  "(prefill chunks, decodes and proposals together).", labels=labels)
+        for i, r in enumerate(per):
+            it = r["iteration_tokens"]
+            total, cum = 0, []
+            for bound, n in zip(list(it["buckets"]) + ["+Inf"], it["counts"]):
+                total += n
+                cum.append((str(float(bound)) if bound != "+Inf" else bound, float(total)))
+            h.add_metric([self.model_name, str(i), str(i)], cum, float(it["sum"]))
+        return h
 
 
 class Metrics:
@@ -94,6 +113,15 @@ class Metrics:
                               buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
         self.tpot = Histogram("jaxpaged:time_per_output_token_seconds", "Mean time per output token after "
                               "the first, per request.", lbl, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        for attr, name, doc in (
+                ("queue", "request_queue_time_seconds", "Arrival to first scheduled (WAITING phase)."),
+                ("prefill", "request_prefill_time_seconds", "First scheduled to first token (PREFILL phase)."),
+                ("decode", "request_decode_time_seconds", "First token to last token (DECODE phase)."),
+                ("inference", "request_inference_time_seconds", "First scheduled to last token (RUNNING phase).")):
+            setattr(self, attr, Histogram(f"jaxpaged:{name}", doc, lbl, buckets=_PHASE_BUCKETS,
+                                          registry=r).labels(model_name))
+        self.itl = Histogram("jaxpaged:inter_token_latency_seconds", "Time between a request's tokens of one "
+                             "step and of the next.", lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("jaxpaged:e2e_request_latency_seconds", "Arrival to last token.", lbl,
                              buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         tokens = buckets_1_2_5(max_model_len)
@@ -125,6 +153,22 @@ class Metrics:
         if tpot is not None:
             self.tpot.observe(tpot)
         self.e2e.observe(e2e)
+
+    def observe_phases(self, metrics: dict) -> None:
+        """The phases of one finished engine request from its output's timestamps (`RequestOutput.metrics`):
+        queue, prefill, decode, inference and its inter-token latencies, as vLLM computes them."""
+        arrival, scheduled = metrics.get("arrival_time"), metrics.get("scheduled_time")
+        first, last = metrics.get("first_token_time"), metrics.get("last_token_time")
+        if arrival is not None and scheduled is not None:
+            self.queue.observe(max(scheduled - arrival, 0.0))
+        if scheduled is not None and first is not None:
+            self.prefill.observe(max(first - scheduled, 0.0))
+        if first is not None and last is not None:
+            self.decode.observe(max(last - first, 0.0))
+        if scheduled is not None and last is not None:
+            self.inference.observe(max(last - scheduled, 0.0))
+        for t in metrics.get("inter_token_latencies") or ():
+            self.itl.observe(t)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -264,6 +264,8 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"  # the last message's role with add_generation_prompt false
     content: str | None
+    reasoning_content: str | None = None  # --reasoning-parser: the text in <think>...</think> (vLLM's older name)
+    reasoning: str | None = None  # the same text, vLLM's newer name
     tool_calls: list[ToolCall] = []
 
 
@@ -291,6 +293,8 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the reasoning's new text (and as `reasoning`)
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

@@ -119,7 +119,7 @@ def test_metrics_carry_a_replica_label(result):
     """/metrics of the 2 x 2 engine: one preemption sample per replica, each that replica's count."""
     lines = [ln for ln in result["metrics"].splitlines() if ln.startswith("jaxpaged:num_preemptions_total")]
     reps = result["stats"]["2x2"]["replicas"]
-    assert sorted(lines) == sorted(f'jaxpaged:num_preemptions_total{{model_name="tiny",replica="{i}"}} '
+    assert sorted(lines) == sorted(f'jaxpaged:num_preemptions_total{{engine="{i}",model_name="tiny",replica="{i}"}} '
                                    f'{float(r["num_preemptions"])}' for i, r in enumerate(reps))
 
 

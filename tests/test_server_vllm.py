@@ -239,7 +239,7 @@ def test_tokenize_detokenize_version(server, flagged):
     assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
 
 
-@pytest.mark.parametrize("flag,why", [("--tool-call-parser", "Hermes-style"), ("--reasoning-parser", "reasoning")])
+@pytest.mark.parametrize("flag,why", [("--tool-call-parser", "Hermes-style")])
 def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
     import argparse
 
@@ -249,6 +249,18 @@ def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"{flag} is not supported" in err and why in err and "unrecognized" not in err, err
     assert add_serve_args(argparse.ArgumentParser()).parse_args([]).tool_call_parser is None  # absent: fine
+
+
+def test_reasoning_parser_flag_names_its_choices(capsys):
+    import argparse
+
+    from serve.app import add_serve_args
+    parse = add_serve_args(argparse.ArgumentParser()).parse_args
+    assert parse([]).reasoning_parser is None and parse(["--reasoning-parser", "qwen3"]).reasoning_parser == "qwen3"
+    with pytest.raises(SystemExit):
+        parse(["--reasoning-parser", "hermes"])
+    err = capsys.readouterr().err
+    assert "deepseek_r1" in err and "qwen3" in err, err
 
 
 def stream(server, path, **body) -> list[dict]:
@@ -433,3 +445,147 @@ def test_request_histograms_as_vllm(server):
     assert grew(f"jaxpaged:request_params_max_tokens_sum{{{tiny}}}") == 4
     assert f'jaxpaged:request_params_max_tokens_bucket{{le="500.0",{tiny}}}' in after  # 1-2-5 up to max_model_len
     assert f'jaxpaged:request_params_max_tokens_bucket{{le="1000.0",{tiny}}}' not in after
+
+
+def test_phase_and_iteration_histograms_as_vllm(server):
+    """vLLM's request phase histograms (queue, prefill, decode, inference), inter-token latency and tokens per
+    engine step, from the engine's own timestamps; the gauges carry vLLM's engine label."""
+    def scrape():
+        text = httpx.get(server.url + "/metrics").text
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("jaxpaged:")}
+    before = scrape()
+    post(server, "/v1/completions", prompt=[97, 98, 99], max_tokens=4, ignore_eos=True)
+    after = scrape()
+
+    def grew(name):
+        return after[name] - before.get(name, 0)
+    tiny = '{model_name="tiny"}'
+    for phase in ("queue", "prefill", "decode", "inference"):
+        assert grew(f"jaxpaged:request_{phase}_time_seconds_count{tiny}") == 1, phase
+        assert grew(f"jaxpaged:request_{phase}_time_seconds_sum{tiny}") >= 0, phase
+    assert grew('jaxpaged:request_queue_time_seconds_bucket{le="7680.0",model_name="tiny"}') == 1
+    assert grew(f"jaxpaged:inter_token_latency_seconds_count{tiny}") == 3  # 4 tokens, one a step
+    e2e = grew(f"jaxpaged:e2e_request_latency_seconds_sum{tiny}")
+    inference = grew(f"jaxpaged:request_inference_time_seconds_sum{tiny}")
+    assert inference <= e2e + 1e-6
+    assert abs(grew(f"jaxpaged:request_prefill_time_seconds_sum{tiny}")
+               + grew(f"jaxpaged:request_decode_time_seconds_sum{tiny}") - inference) < 1e-6
+    eng = '{engine="0",model_name="tiny",replica="0"}'  # prometheus_client writes labels sorted
+    assert grew(f"jaxpaged:iteration_tokens_total_count{eng}") >= 4  # a prefill step and 3 decodes at least
+    assert grew(f"jaxpaged:iteration_tokens_total_sum{eng}") >= 3 + 3
+    assert f"jaxpaged:num_requests_running{eng}" in after and f"jaxpaged:num_requests_waiting{eng}" in after
+    big = '{engine="0",le="+Inf",model_name="tiny",replica="0"}'
+    assert after[f"jaxpaged:iteration_tokens_total_bucket{big}"] == after[f"jaxpaged:iteration_tokens_total_count{eng}"]
+
+
+# -- reasoning parsers (serve/reasoning.py) ------------------------------------------------------------------
+REASONING_TEXTS = ["", "plain answer", "<think>", "<think>why</think>", "<think>why</think>answer",
+                   "<think>\nwhy < because </thin k></think>\n\nthe answer </think> stays", "why</think>answer",
+                   "why</think>", "<thi", "<think>cut before the end </thi", "a <think>b</think>c", "</think>x",
+                   "<<think>x</think>y", "<think><think>x</think>y", "why </th", "ü<think>é</think>ñ"]
+
+
+def _streamed(parser, pieces):
+    s, thought, content = parser.stream(), "", ""
+    for p in pieces:
+        t, c = s.feed(p)
+        thought, content = thought + t, content + c
+    t, c = s.finish()
+    return thought + t, content + c
+
+
+def _splits(text):
+    """The text cut into pieces every way that matters: whole, at every position, at every two positions,
+    one character a piece."""
+    yield [text]
+    for i in range(len(text) + 1):
+        yield [text[:i], text[i:]]
+        for j in range(i, len(text) + 1):
+            yield [text[:i], text[i:j], text[j:]]
+    yield list(text)
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+def test_reasoning_stream_matches_the_whole_split(name):
+    from serve.reasoning import END, START, make_parser
+    parser = make_parser(name)
+    for text in REASONING_TEXTS:
+        thought, content = parser.split(text)
+        want = (thought or "", content or "")
+        if name == "qwen3" and text.startswith(START) and END not in text:  # a stream cut inside: reasoning sent
+            want = (text[len(START):], "")
+        for pieces in _splits(text):
+            assert _streamed(parser, pieces) == want, (name, text, pieces)
+
+
+def test_reasoning_parsers_as_vllm():
+    from serve.reasoning import make_parser
+    r1, qwen, none = make_parser("deepseek_r1"), make_parser("qwen3"), make_parser(None)
+    assert r1.split("<think>why</think>answer") == ("why", "answer")
+    assert r1.split("why</think>answer") == ("why", "answer")  # the template opened the thinking
+    assert r1.split("why, cut by max_tokens") == ("why, cut by max_tokens", None)
+    assert r1.split("<think>why</think>") == ("why", None)
+    assert qwen.split("<think>why</think>\n\nanswer") == ("why", "\n\nanswer")
+    assert qwen.split("no tags") == (None, "no tags")
+    assert qwen.split("why</think>answer") == (None, "why</think>answer")  # both tags expected
+    assert qwen.split("<think>cut") == (None, "<think>cut")
+    assert none.split("<think>why</think>answer") == (None, "<think>why</think>answer") and not none.active
+    assert _streamed(none, ["<think>a", "</think>b"]) == ("", "<think>a</think>b")
+    with pytest.raises(ValueError, match="deepseek_r1"):
+        make_parser("granite")
+
+
+@pytest.fixture(scope="module")
+def reasoning_server(compile_cache, server, tmp_path_factory):
+    """The same model served with --reasoning-parser deepseek_r1."""
+    srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_reasoning.log"),
+                 extra=("--max-model-len", "512", "--reasoning-parser", "deepseek_r1"))
+    yield srv
+    srv.stop()
+
+
+def test_reasoning_parser_splits_the_answer(server, reasoning_server):
+    """deepseek_r1: the output before </think> (all of it when there is none: the template opened the
+    thinking) is message.reasoning_content and message.reasoning, the rest content; streamed as deltas of
+    each; without the flag the fields are null; a constrained output with the flag is a 400."""
+    from serve.reasoning import make_parser
+    body = dict(messages=USER, max_tokens=12, temperature=0, ignore_eos=True)
+    plain = post(server, "/v1/chat/completions", **body)["choices"][0]["message"]
+    assert plain["reasoning_content"] is None and plain["reasoning"] is None
+    thought, answer = make_parser("deepseek_r1").split(plain["content"])
+    msg = post(reasoning_server, "/v1/chat/completions", **body)["choices"][0]["message"]
+    assert msg["reasoning_content"] == msg["reasoning"] == thought and msg["content"] == answer, (plain, msg)
+    deltas = [ch["choices"][0]["delta"] for ch in stream(reasoning_server, "/v1/chat/completions", **body)
+              if ch["choices"]]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
+    assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
+    assert "".join(d.get("content") or "" for d in deltas) == (answer or "")
+    r = httpx.post(reasoning_server.url + "/v1/chat/completions", json={
+        "model": "tiny", **body, "response_format": {"type": "json_object"}}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format" and "--reasoning-parser" in err["message"], err
+    r = httpx.post(reasoning_server.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2})
+    assert r.status_code == 200 and "reasoning_content" not in r.json()["choices"][0]  # chat only, as vLLM
+
+
+def test_iteration_tokens_counts_and_renders_per_engine():
+    """IterationTokens' buckets (vLLM's; le is inclusive) and the histogram per replica, with vLLM's engine label."""
+    from jaxpaged.core.iteration_stats import IterationTokens
+    from serve.metrics import Metrics
+    it = IterationTokens()
+    for n in (1, 2, 8, 9, 20000):
+        it.observe(n)
+    snap = it.snapshot()
+    assert snap["sum"] == 20020 and snap["counts"][:3] == [1, 2, 1] and snap["counts"][-1] == 1
+    base = dict(num_running=0, num_waiting=0, kv_cache_usage=0.0, prefix_cache_hit_rate=0.0, num_preemptions=0,
+                num_step_failures=0)
+    other = IterationTokens()
+    other.observe(3)
+    per = [dict(base, iteration_tokens=snap), dict(base, iteration_tokens=other.snapshot())]
+    engine = SimpleNamespace(stats=lambda: dict(base, iteration_tokens=snap, replicas=per))
+    text = Metrics(engine, "tiny").render()[0].decode()
+    assert 'jaxpaged:iteration_tokens_total_bucket{engine="0",le="8.0",model_name="tiny",replica="0"} 3.0' in text
+    assert 'jaxpaged:iteration_tokens_total_count{engine="0",model_name="tiny",replica="0"} 5.0' in text
+    assert 'jaxpaged:iteration_tokens_total_sum{engine="1",model_name="tiny",replica="1"} 3.0' in text
+    assert 'jaxpaged:iteration_tokens_total_bucket{engine="1",le="1.0",model_name="tiny",replica="1"} 0.0' in text

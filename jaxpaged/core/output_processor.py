@@ -12,7 +12,7 @@ Host code: numpy at most (the final outputs' hidden states and routed experts ar
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,6 +32,8 @@ class Group:
     arrival: float
     stream: bool = True                # an output every step it advances (else only the final one)
     finished_time: float | None = None
+    # seconds between one step's tokens and the next's, over its samples (vLLM's inter-token latencies)
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     def __post_init__(self):
         # detokenize every step (streamed text, stop strings), or only when the final output is built
@@ -89,6 +91,9 @@ class OutputProcessor:
             group = groups[req.group_id]
             if req.first_token_time is None:
                 req.first_token_time = now
+            else:
+                group.inter_token_latencies.append(now - req.last_token_time)
+            req.last_token_time = now
             if len(req.token_ids) - req.num_checked_tokens > 1:
                 reason = self._check_each(req, group)
             else:
@@ -159,7 +164,11 @@ class OutputProcessor:
         else:
             first = min([r.first_token_time for r in samples if r.first_token_time is not None], default=None)
         plp = r.prompt_logprobs
-        metrics = dict(arrival_time=group.arrival, first_token_time=first, finished_time=group.finished_time)
+        scheduled = min([r.scheduled_time for r in samples if r.scheduled_time is not None], default=None)
+        last = max([r.last_token_time for r in samples if r.last_token_time is not None], default=None)
+        metrics = dict(arrival_time=group.arrival, scheduled_time=scheduled, first_token_time=first,
+                       last_token_time=last, finished_time=group.finished_time,
+                       inter_token_latencies=group.inter_token_latencies)
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              r.num_cached_tokens, metrics,
                              error, r.prompt_hidden_states if finished else None,

@@ -7,6 +7,7 @@ the front of the waiting queue, recomputed later).
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -157,6 +158,8 @@ class Scheduler:
                 req.num_cached_tokens = cached
             req.num_computed_tokens = cached
             req.status, req.slot = RequestStatus.RUNNING, self.free_slots.pop()
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             if req.lora_int_id:
                 adapters.add(req.lora_int_id)

@@ -140,6 +140,9 @@ class Replicas:
         hits = sum(e.block_manager.hit_tokens for e in self.engines)
         queried = sum(e.block_manager.queried_tokens for e in self.engines)
         total["prefix_cache_hit_rate"] = hits / queried if queried else 0.0
+        its = [s["iteration_tokens"] for s in per]  # tokens per step: every replica's steps together
+        total["iteration_tokens"] = dict(its[0], counts=[sum(c) for c in zip(*(i["counts"] for i in its))],
+                                         sum=sum(i["sum"] for i in its))
         total["data_parallel_size"] = len(self.engines)
         total["replicas"] = per
         return total
