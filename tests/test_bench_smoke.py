@@ -99,6 +99,19 @@ def test_throughput(throughput):
     assert "only generation is timed" in text and "out vs hf" in text and "x" in text
 
 
+def test_throughput_per_dtype(common):
+    """--jaxpaged-dtype twice: one engine per dtype, each its own labelled row, the same drawn outputs."""
+    from jaxpaged.bench import throughput as bench_throughput
+    out = bench_throughput.main([*common, "--backend", "jaxpaged", "--jaxpaged-dtype", "float32",
+                                 "--jaxpaged-dtype", "bfloat16", "--num-prompts", "2", "--prompt-len", "4", "8",
+                                 "--output-len", "2", "4"])
+    res = out["results"]
+    assert res.keys() == {"jaxpaged-float32", "jaxpaged-bfloat16"} and out["engine"]["dtype"] == ["float32", "bfloat16"]
+    drawn = [r["per_request"]["output_tokens"] for r in res.values()]
+    assert drawn[0] == drawn[1]
+    assert "out vs jaxpaged-bfloat16" in bench_throughput.report(out)
+
+
 def test_memory(memory):
     out, path = memory
     assert _json(path)["paged"] == out["paged"]

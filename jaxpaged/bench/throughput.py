@@ -16,6 +16,10 @@ Backends:
 All requests arrive at time 0; a request's latency is its finish time, TTFT its first token time
 (hf: the batch's first token). Only generation is timed.
 
+--jaxpaged-dtype D (repeatable: `--jaxpaged-dtype float32 --jaxpaged-dtype bfloat16`) runs the engine backends
+once per dtype, one engine after the other (jaxpaged-float32 / jaxpaged-bfloat16); with `--vllm-dtype both`
+every dtype of both engines is then in one run.
+
 --json-fraction F also runs the jaxpaged backend with that fraction of the requests (every k-th) constrained
 by a JSON schema (an object holding an unbounded array of {name, value} records), reported as jaxpaged-json
 with the host time spent on grammar masks. A constrained request may finish before its drawn length (its
@@ -118,6 +122,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", action="append", choices=BACKENDS + ("vllm",),
                     help="repeatable; default: all of jaxpaged, static, hf")
+    ap.add_argument("--jaxpaged-dtype", action="append", choices=["float32", "bfloat16", "float16"],
+                    help="repeatable: the engine backends once per dtype, one engine after the other, labelled "
+                         "jaxpaged-float32 / jaxpaged-bfloat16 when more than one (default: --dtype)")
     ap.add_argument("--hf-batch-size", type=int, default=32)
     ap.add_argument("--hf-threads", type=int, default=None, help="torch threads for hf (default: torch's choice)")
     ap.add_argument("--hf-dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -163,14 +170,17 @@ def main(argv=None) -> dict:
                 run(name, lambda d=d: vllm_peer.run_vllm(model_dir, wl, args, export, d))
         else:
             bc.say(skipped["vllm"])
-    sizes = [(tp, dp) for tp in tp_sizes for dp in dp_sizes]
-    for tp, dp in sizes if set(backends) & {"jaxpaged", "static"} else []:
+    engine_dtypes = list(dict.fromkeys(args.jaxpaged_dtype or [args.dtype]))
+    engine_info.update(dtype=engine_dtypes[0] if len(engine_dtypes) == 1 else engine_dtypes)
+    sizes = [(tp, dp, d) for d in engine_dtypes for tp in tp_sizes for dp in dp_sizes]
+    for tp, dp, dtype in sizes if set(backends) & {"jaxpaged", "static"} else []:
         llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len or bc.workload_max_len(args),
-                           tensor_parallel_size=tp, data_parallel_size=dp)
+                           tensor_parallel_size=tp, data_parallel_size=dp, dtype=dtype)
         eng = bc.replica_engines(llm.engine)[0]
         engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
                            attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
-        suffix = (f"-tp{tp}" if len(tp_sizes) > 1 else "") + (f"-dp{dp}" if len(dp_sizes) > 1 else "")
+        suffix = ((f"-{dtype}" if len(engine_dtypes) > 1 else "") + (f"-tp{tp}" if len(tp_sizes) > 1 else "")
+                  + (f"-dp{dp}" if len(dp_sizes) > 1 else ""))
         for b in (b for b in backends if b in ("jaxpaged", "static")):
             run(b + suffix, lambda: run_engine(llm, wl, static=b == "static"))
         if args.json_fraction > 0 and "jaxpaged" in backends:
