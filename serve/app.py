@@ -163,6 +163,12 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "message.reasoning, the rest in content, streamed as deltas of each; deepseek_r1: "
                         "the output may start inside the reasoning, qwen3: both tags expected (default: "
                         "no split)")
+    parser.add_argument("--tool-call-parser", choices=["hermes"], default=None, help="how tool calls are read "
+                        "from text for tool_choice auto: hermes, the <tool_call>...</tool_call> blocks of SmolLM2's, "
+                        "Qwen2.5's and Hermes' templates, is the one syntax here (and the default); "
+                        "tool_choice required or named is constrained by grammar")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM's command "
+                        "lines: tool_choice auto is always served here")
     parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET "
                         "/tokenizer_info (the tokenizer's special tokens and chat template)")
     parser.add_argument("--enable-force-include-usage", action="store_true", help="every stream ends with a "
@@ -197,23 +203,24 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     unsupported = parser.add_argument_group("vLLM flags not supported here (refused by name)")
     for flag, why in UNSUPPORTED_FLAGS.items():
-        unsupported.add_argument(flag, type=_refused(flag, why), help=f"not supported: {why}")
+        unsupported.add_argument(flag, action=_Refused, why=why, help=f"not supported: {why}")
     add_engine_args(parser)
     return parser
 
 
-UNSUPPORTED_FLAGS = {
-    "--tool-call-parser": "tool calls are read in one syntax, the Hermes-style <tool_call>...</tool_call> "
-                          "blocks (tool_choice auto; SmolLM2's, Qwen2.5's and Hermes' templates), and constrained "
-                          "by grammar for tool_choice required or named: there is no per-model parser to choose; "
-                          "leave the flag out",
+UNSUPPORTED_FLAGS = {  # vLLM switches (no value) refused by name
+    "--enable-server-load-tracking": "GET /load is not served here; the in-flight counts are the metrics "
+                                     "jaxpaged:num_requests_running and jaxpaged:num_requests_waiting",
 }
 
 
-def _refused(flag: str, why: str):
-    def refuse(text: str):
-        raise argparse.ArgumentTypeError(f"{flag} is not supported: {why}")
-    return refuse
+class _Refused(argparse.Action):
+    def __init__(self, option_strings, dest, why: str = "", **kw):
+        super().__init__(option_strings, dest, nargs=0, default=None, **kw)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not supported: {self.why}")
 
 
 def _positive(text: str) -> int:

@@ -239,16 +239,23 @@ def test_tokenize_detokenize_version(server, flagged):
     assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
 
 
-@pytest.mark.parametrize("flag,why", [("--tool-call-parser", "Hermes-style")])
-def test_unsupported_vllm_flags_refused_by_name(flag, why, capsys):
+def test_vllm_tool_flags_and_refused_switches(capsys):
+    """vLLM's tool flags: --tool-call-parser hermes (the syntax read here) and --enable-auto-tool-choice are
+    accepted, another parser is refused with the choices; --enable-server-load-tracking is refused by name."""
     import argparse
 
     from serve.app import add_serve_args
+    parse = add_serve_args(argparse.ArgumentParser()).parse_args
+    args = parse(["--tool-call-parser", "hermes", "--enable-auto-tool-choice"])
+    assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    assert parse([]).tool_call_parser is None
     with pytest.raises(SystemExit) as e:
-        add_serve_args(argparse.ArgumentParser()).parse_args([flag, "hermes"])
+        parse(["--tool-call-parser", "mistral"])
+    assert e.value.code == 2 and "hermes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse(["--enable-server-load-tracking"])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and f"{flag} is not supported" in err and why in err and "unrecognized" not in err, err
-    assert add_serve_args(argparse.ArgumentParser()).parse_args([]).tool_call_parser is None  # absent: fine
+    assert e.value.code == 2 and "--enable-server-load-tracking is not supported" in err and "/load" in err, err
 
 
 def test_reasoning_parser_flag_names_its_choices(capsys):
