@@ -65,7 +65,8 @@ class _EngineCollector:
         for i, r in enumerate(per):
             c.add_metric([self.model_name, str(i), str(i)], float(r["num_step_failures"]))
         yield c
-        yield self._iteration_tokens(per, labels)
+        if all("iteration_tokens" in r for r in per):  # an engine without step counts has no histogram
+            yield self._iteration_tokens(per, labels)
         if "spec_decode_num_drafts" in per[0]:  # speculative decoding (vLLM's names)
             yield from self._spec_decode(per, labels)
 
