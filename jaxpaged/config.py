@@ -12,6 +12,7 @@ from jaxpaged.models.hf_config import FULL, SLIDING, model_config_fields, publis
 
 # what `attention_backend` may ask for; jaxpaged/step/attention.py resolves it for the target devices
 ATTENTION_BACKENDS = ("auto", "reference", "cpu", "pallas", "triton", "mosaic", "mosaic_gpu", "mosaic_tpu")
+MATMUL_BACKENDS = ("auto", "xla", "cpu")  # resolved by jaxpaged/step/matmul.py
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class ModelConfig:
     torch_dtype: str | None = None    # the checkpoint's dtype as published (config.json); dtype="auto" follows it
     eos_token_ids: tuple[int, ...] = ()
     row_tile: int = 0                 # the step's, not the model's: products over tiles of rows (batch_invariant)
+    cpu_matmul: bool = False          # the step's too: bfloat16 products on the CPU matmul kernel (step/matmul.py)
 
     def __post_init__(self):
         if not self.layer_types:
@@ -219,6 +221,10 @@ class EngineConfig:
     attention_backend: str = option("auto", COMPILATION, "attention kernels, resolved for the devices the step is "
                                     "compiled for (jaxpaged/step/attention.py; 'cpu': the C++ kernel that reads "
                                     "the paged pool in place, CPU targets only)", choices=ATTENTION_BACKENDS)
+    matmul_backend: str = option("auto", COMPILATION, "the weight products (jaxpaged/step/matmul.py): 'auto' runs "
+                                 "bfloat16 steps on one CPU device with AMX on the C++ AMX kernel, XLA's dot "
+                                 "elsewhere; 'xla': XLA's dot always; 'cpu': the C++ kernel on any CPU (plain "
+                                 "loops without AMX: slow)", choices=MATMUL_BACKENDS)
     compilation_cache_dir: str | None = option(None, COMPILATION, "JAX's persistent compilation cache, so a second "
                                                "start is fast ('': none)", factory=_default_compilation_cache_dir)
     warmup: bool = option(True, COMPILATION, "compile every step shape at start-up (off: each on first use)")
@@ -251,6 +257,9 @@ class EngineConfig:
                 raise ValueError("num_kv_blocks must be at least 2 (block 0 is the null block)")
         if self.max_model_len is not None:
             positive("max_model_len")
+        if self.matmul_backend not in MATMUL_BACKENDS:
+            raise ValueError(f"matmul_backend must be one of {', '.join(MATMUL_BACKENDS)}, "
+                             f"got {self.matmul_backend!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

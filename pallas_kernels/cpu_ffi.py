@@ -52,25 +52,26 @@ def _cache_dir() -> str:
     return os.path.join(default_cache_dir(), "cpu_kernels")
 
 
-def _build() -> str:
-    """Compile the kernel (once per source, jaxlib, compiler and CPU) -> the shared library's path."""
+def _build(source_path: str = SOURCE) -> str:
+    """Compile a kernel source (once per source, jaxlib, compiler and CPU) -> the shared library's path."""
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
-    with open(SOURCE, "rb") as f:
+    with open(source_path, "rb") as f:
         source = f.read()
     march = os.environ.get("JAXPAGED_CPU_KERNEL_MARCH", "native")  # e.g. haswell: the AVX2 path on any x86-64
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
                                       march.encode()]))
     out_dir = _cache_dir()
-    lib = os.path.join(out_dir, f"cpu_paged_attention-{key.hexdigest()[:16]}.so")
+    stem = os.path.splitext(os.path.basename(source_path))[0]
+    lib = os.path.join(out_dir, f"{stem}-{key.hexdigest()[:16]}.so")
     if os.path.exists(lib):
         return lib
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     cmd = [cxx, "-O3", f"-march={march}", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC",
-           "-I", jax.ffi.include_dir(), SOURCE, "-o", tmp]
+           "-I", jax.ffi.include_dir(), source_path, "-o", tmp]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         os.unlink(tmp)

@@ -36,13 +36,13 @@ def gather_delta(x, a, b, idx):
     return jnp.einsum("tr,tro->to", xa.astype(b.dtype), b[idx], preferred_element_type=jnp.float32)
 
 
-def lora_linear(mask, row_tile: int = 0):
+def lora_linear(mask, row_tile: int = 0, kernel: bool = False):
     """The decoder's projection: `linear(x, p, name, dtype=None)` = x @ p[name] (`quant.dot`, over row
     tiles of `row_tile` rows for batch invariance), plus the LoRA delta of each token's slot when the
     layer's `p["lora"]` has the target (mask: `slot_mask`, or None when LoRA is off; the engine refuses
-    LoRA with batch invariance, whose delta is not row-tiled)."""
+    LoRA with batch invariance, whose delta is not row-tiled); `kernel`: the CPU matmul kernel (`quant.dot`)."""
     def linear(x, p, name, dtype=None):
-        y = dot(x, p[name], dtype, row_tile=row_tile)
+        y = dot(x, p[name], dtype, row_tile=row_tile, kernel=kernel)
         if mask is None or name not in p.get("lora", {}).get("a", {}):
             return y
         delta = onehot_delta(x, p["lora"]["a"][name], p["lora"]["b"][name], mask)

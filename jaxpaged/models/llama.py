@@ -44,7 +44,7 @@ from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
-from jaxpaged.models.quant import dot, take_rows
+from jaxpaged.models.quant import QUANTIZED_LAYER_LEAVES, LayerOf, QArray, dot, take_rows
 from jaxpaged.step import kv_cache
 from jaxpaged.step.batch_invariant import row_tiled
 
@@ -68,7 +68,7 @@ def lm_logits(params, cfg: ModelConfig, h):
     """Final hidden states h [..., D] (after the final norm) -> logits f32[..., V]."""
     tied = cfg.tie_word_embeddings  # the head: embed [V, D] transposed, or lm_head [D, V]; maybe QArrays
     logits = dot(h, params["embed"] if tied else params["lm_head"], jnp.float32, transpose=tied,
-                 row_tile=cfg.row_tile)
+                 row_tile=cfg.row_tile, kernel=cfg.cpu_matmul)
     return softcap(logits, cfg.final_softcap)
 
 
@@ -105,7 +105,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     kinds = sorted(set(cfg.layer_types))
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
     # x @ w over the tokens (in row tiles for batch invariance), plus each token's LoRA slot (jaxpaged/lora/)
-    linear = lora_linear(step_mask(params, batch), row_tile=cfg.row_tile)
+    linear = lora_linear(step_mask(params, batch), row_tile=cfg.row_tile, kernel=cfg.cpu_matmul)
     layers = params["layers"] if "lora" not in params else {**params["layers"], "lora": params["lora"]}
 
     def layer(x, k_pool, v_pool, p, l, kind):
@@ -138,6 +138,9 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         return x, k_pool, v_pool, ids  # ids i32[T, k]: the router's choice (MoE), else None
 
     G = L // P
+    # the CPU matmul kernel reads a layer's plain matrices out of the stacks in place (quant.LayerOf)
+    in_place = {name for name in QUANTIZED_LAYER_LEAVES if cfg.cpu_matmul and P == 1 and name in layers
+                and not isinstance(layers[name], QArray) and layers[name].ndim == 3}
     # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
     # weight into the loop once per step
     grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)
@@ -153,7 +156,9 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
 
     def group(carry, g):  # P layers of group g, one of each kind position of the pattern, unrolled
         x, k_pool, v_pool = carry
-        p = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), grouped)
+        p = {name: LayerOf(a, g) if name in in_place else
+             jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, g, keepdims=False), a)
+             for name, a in grouped.items()}
         chosen = []
         for j in range(P):
             if isinstance(g, int):  # a hooked group, unrolled

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.step.batch_invariant import row_tiled
+from pallas_kernels import cpu_matmul
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
@@ -46,6 +47,26 @@ class QArray:
     @property
     def format(self) -> str:
         return "int8" if np.dtype(self.q.dtype) == np.int8 else "fp8"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `index` (an int32 scalar, traced in the layer loop) of the stacked matrices `stack` [L, in, out],
+    not sliced out: `dot` with the CPU matmul kernel reads it in place (a sliced operand of a custom call is
+    a copy of the layer's weights every step); anything else slices it (`get`). Lives inside a trace only."""
+    stack: jax.Array
+    index: jax.Array | int
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.stack.shape[1:])
+
+    @property
+    def dtype(self):
+        return self.stack.dtype
+
+    def get(self) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
 
 
 def check_quantization(quantization) -> None:
@@ -75,7 +96,7 @@ def dequantize(w) -> jax.Array | np.ndarray:
     return (w.q.astype(xp.float32) * w.scale).astype(w.dtype)
 
 
-def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0):
+def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0, kernel: bool = False):
     """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
     plain array or a QArray, the scales of the output columns applied to the product.
 
@@ -83,10 +104,20 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     A wide QArray (out >= 2 * COLUMN_CHUNK, the lm_head) is multiplied COLUMN_CHUNK output columns at a
     time in a loop, so XLA widens one chunk at a time instead of the whole matrix every step.
     row_tile > 0 (batch-invariant steps, jaxpaged/step/batch_invariant.py): x [M, in] is multiplied
-    row_tile rows at a time, so every row rounds alike whatever M is."""
+    row_tile rows at a time, so every row rounds alike whatever M is.
+    kernel (`ModelConfig.cpu_matmul`, resolved by jaxpaged/step/matmul.py): a plain bfloat16 matrix of a
+    shape it takes is multiplied by the CPU matmul kernel (pallas_kernels/cpu_matmul.py), float32
+    accumulation as XLA's; anything else by XLA's dot."""
     if row_tile:
-        return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose), x, row_tile)
+        return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,
+                         row_tile)
     out_dtype = preferred_element_type or x.dtype
+    if isinstance(w, LayerOf):
+        if kernel and cpu_matmul.supported(x, w.stack, transpose, stacked=True):
+            return cpu_matmul.cpu_matmul(x, w.stack, transpose, layer=w.index).astype(out_dtype)
+        w = w.get()
+    if kernel and not isinstance(w, QArray) and cpu_matmul.supported(x, w, transpose):
+        return cpu_matmul.cpu_matmul(x, w, transpose).astype(out_dtype)
     out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
     contract = ((x.ndim - 1,), (1 - out_axis,))  # w.T is never built: it made XLA CPU copy the matrix
     if not isinstance(w, QArray):

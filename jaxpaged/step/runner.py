@@ -47,6 +47,7 @@ from jaxpaged.spec_decode.step import Unverified, Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
+from jaxpaged.step.matmul import resolve_matmul
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
@@ -134,6 +135,8 @@ class ModelRunner:
                                  "products run over the step's tokens sorted by expert)")
             self.step_cfg = dataclasses.replace(self.step_cfg, row_tile=ROW_TILE)
         self.dtype = jnp.dtype(cfg.dtype)
+        if resolve_matmul(cfg.matmul_backend, self.dtype, self.platform, self.mesh.devices.size):
+            self.step_cfg = dataclasses.replace(self.step_cfg, cpu_matmul=True)  # jaxpaged/step/matmul.py
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)

@@ -1,0 +1,288 @@
+// bfloat16 matrix products on the CPU's AMX tiles (an XLA FFI handler): out f32[M, N] = x[M, K] @ w.
+//
+// w is one weight matrix as the model stores it, read in place: [K, N] (`transpose` 0) or [N, K]
+// (`transpose` 1: the tied embedding as the lm_head), or the stack [L, ..] of every layer's with the
+// index of the one to read (so the layer loop hands the kernel the stack, never a sliced copy). Nothing is packed ahead of time: AMX's B operand
+// wants K in pairs (the VNNI layout: row r of a tile holds k = 2r, 2r+1 of 16 columns), so each unit of
+// work interleaves its slice of the weights into a small per-thread buffer (two AVX-512 permutes per two
+// rows of 32 columns), then runs every row tile of x over it:
+//   transpose 0: a unit is 32 columns of w (two 16-column tiles); A = x's rows, B = the packed columns.
+//   transpose 1: the product is computed transposed, out^T = w @ x^T: a unit is 32 rows of w, which are
+//     A tiles as they lie in memory; B = x^T, packed once per call; each 16 x 16 result tile is written
+//     back transposed.
+// Register blocking: 2 x 2 result tiles (tmm0-3), 2 A tiles (tmm4-5), 2 B tiles (tmm6-7); float32
+// accumulation over K in tiles of 32. Requirements (checked by the caller, pallas_kernels/cpu_matmul.py):
+// K % 32 == 0, N % 16 == 0, both operands bfloat16.
+// Units are shared by the XLA FFI's intra-op thread pool through an atomic counter; the calling thread
+// works too. Built without AMX (or without the kernel's permission to use it), the same contract runs
+// as plain loops: correct and slow, for tests on machines without AMX.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
+#define JP_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define JP_AMX 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct Problem {
+  const uint16_t* x;  // [M, K] (or the zero-padded copy [Mp, K] on the AMX path)
+  const uint16_t* w;  // [K, N] or [N, K]
+  float* out;         // [M, N]
+  int64_t M, K, N;
+  bool transpose;
+};
+
+// The plain-loop path (no AMX): the same contract, float32 accumulation.
+void plain(const Problem& P, int64_t n0, int64_t n1) {
+  for (int64_t m = 0; m < P.M; ++m) {
+    float* o = P.out + m * P.N;
+    const uint16_t* xr = P.x + m * P.K;
+    if (P.transpose) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint16_t* wr = P.w + n * P.K;
+        float s = 0.f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = 0; k < P.K; ++k) s += bf16_to_f32(xr[k]) * bf16_to_f32(wr[k]);
+        o[n] = s;
+      }
+    } else {
+      for (int64_t n = n0; n < n1; ++n) o[n] = 0.f;
+      for (int64_t k = 0; k < P.K; ++k) {
+        const float xv = bf16_to_f32(xr[k]);
+        const uint16_t* wr = P.w + k * P.N;
+#pragma omp simd
+        for (int64_t n = n0; n < n1; ++n) o[n] += xv * bf16_to_f32(wr[n]);
+      }
+    }
+  }
+}
+
+#if JP_AMX
+constexpr int TILE_BYTES = 1024;  // a 16 x 32 bfloat16 tile (16 rows of 64 bytes)
+constexpr int64_t PANEL = 128;     // columns of w a unit packs (transpose 0): rows read 256 bytes at a time
+constexpr int64_t PREFETCH_ROWS = 16;  // rows of w ahead of the packing that are prefetched
+
+bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks for it (once, for all threads)
+  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  return ok;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void configure_tiles() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;  // every tile 16 rows of 64 bytes
+  _tile_loadconfig(&c);
+}
+
+// Result tiles (MT x NT of 16 x 16 float32) of A rows [MT*16, K] (stride lda bytes) times the packed B
+// tiles b[nt] (KB tiles of 16 x 32 each, consecutive) -> c[i * 2 + j] (16 x 16 each, dense).
+template <int MT, int NT>
+void tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t KB, float* c) {
+  _tile_zero(0);
+  if (NT == 2) _tile_zero(1);
+  if (MT == 2) _tile_zero(2);
+  if (MT == 2 && NT == 2) _tile_zero(3);
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* a1 = a0 + 16 * lda;
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    _tile_loadd(4, a0 + kb * 64, lda);
+    if (MT == 2) _tile_loadd(5, a1 + kb * 64, lda);
+    _tile_loadd(6, reinterpret_cast<const char*>(b[0]) + kb * TILE_BYTES, 64);
+    if (NT == 2) _tile_loadd(7, reinterpret_cast<const char*>(b[1]) + kb * TILE_BYTES, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NT == 2) _tile_dpbf16ps(1, 4, 7);
+    if (MT == 2) _tile_dpbf16ps(2, 5, 6);
+    if (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, c, 64);
+  if (NT == 2) _tile_stored(1, c + 256, 64);
+  if (MT == 2) _tile_stored(2, c + 512, 64);
+  if (MT == 2 && NT == 2) _tile_stored(3, c + 768, 64);
+}
+
+using TilesFn = void (*)(const uint16_t*, int64_t, const uint16_t* const*, int64_t, float*);
+constexpr TilesFn TILES[2][2] = {{tiles<1, 1>, tiles<1, 2>}, {tiles<2, 1>, tiles<2, 2>}};
+
+// The VNNI interleave of two rows r0, r1 of 32 bfloat16 (columns c .. c+31): the first 16 columns' pairs
+// to lo, the last 16's to hi (each 16 pairs = 64 bytes, one tile row).
+inline void interleave(const uint16_t* r0, const uint16_t* r1, int cols, uint16_t* lo, uint16_t* hi) {
+  static const __m512i idx_lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  static const __m512i idx_hi = _mm512_set_epi16(63, 31, 62, 30, 61, 29, 60, 28, 59, 27, 58, 26, 57, 25, 56, 24,
+                                                 55, 23, 54, 22, 53, 21, 52, 20, 51, 19, 50, 18, 49, 17, 48, 16);
+  const __mmask32 m = cols >= 32 ? 0xFFFFFFFFu : (1u << cols) - 1u;
+  const __m512i a = _mm512_maskz_loadu_epi16(m, r0), b = _mm512_maskz_loadu_epi16(m, r1);
+  _mm512_storeu_si512(lo, _mm512_permutex2var_epi16(a, idx_lo, b));
+  if (cols > 16) _mm512_storeu_si512(hi, _mm512_permutex2var_epi16(a, idx_hi, b));
+}
+
+struct Shared {
+  Problem P;
+  int64_t units = 0;            // pairs of 16-wide tiles along N
+  int64_t m_tiles = 0;          // 16-row tiles along M (x padded to m_tiles * 16 rows)
+  std::vector<uint16_t> xpad;   // x zero-padded [m_tiles * 16, K] (transpose 0, when M % 16)
+  std::vector<uint16_t> xt;     // x^T packed: m_tiles x KB tiles (transpose 1)
+  std::atomic<int64_t> next{0}, done{0};
+
+  void work() {
+    configure_tiles();
+    const int64_t K = P.K, KB = K / 32, N = P.N;
+    thread_local std::vector<uint16_t> buf;
+    alignas(64) float c[1024];
+    for (int64_t u; (u = next.fetch_add(1)) < units;) {
+      if (!P.transpose) {
+        // a panel of up to PANEL columns: its rows read 2 at a time in order (a few cache lines each,
+        // prefetched ahead), interleaved into tiles t (16 columns each) x kb, then every row tile of x
+        const int64_t n0 = u * PANEL, nt = std::min<int64_t>(PANEL / 16, (N - n0) / 16);
+        buf.resize(PANEL / 16 * KB * 512);
+        uint16_t* b = buf.data();
+        for (int64_t kb = 0; kb < KB; ++kb)
+          for (int r = 0; r < 16; ++r) {
+            const int64_t k = kb * 32 + 2 * r;
+            const uint16_t* r0 = P.w + k * N + n0;
+            if (k + PREFETCH_ROWS + 1 < K)
+              for (int64_t j = 0; j < nt * 16; j += 32) {
+                _mm_prefetch(reinterpret_cast<const char*>(r0 + PREFETCH_ROWS * N + j), _MM_HINT_T0);
+                _mm_prefetch(reinterpret_cast<const char*>(r0 + (PREFETCH_ROWS + 1) * N + j), _MM_HINT_T0);
+              }
+            for (int64_t t = 0; t < nt; t += 2)
+              interleave(r0 + t * 16, r0 + N + t * 16, static_cast<int>(std::min<int64_t>(2, nt - t) * 16),
+                         b + (t * KB + kb) * 512 + r * 32, b + ((t + 1) * KB + kb) * 512 + r * 32);
+          }
+        for (int64_t t = 0; t < nt; t += 2) {
+          const int tn = static_cast<int>(std::min<int64_t>(2, nt - t));
+          const uint16_t* bt[2] = {b + t * KB * 512, b + (t + 1) * KB * 512};
+          for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+            const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
+            TILES[mn - 1][tn - 1](P.x + mt * 16 * K, K * 2, bt, KB, c);
+            for (int i = 0; i < mn; ++i)
+              for (int r = 0; r < 16; ++r) {
+                const int64_t m = (mt + i) * 16 + r;
+                if (m >= P.M) break;
+                for (int j = 0; j < tn; ++j)
+                  std::memcpy(P.out + m * N + n0 + (t + j) * 16, c + (i * 2 + j) * 256 + r * 16, 64);
+              }
+          }
+        }
+      } else {  // out^T tile (w rows n, x rows m) = w[n0 .., :] @ x^T; w's 32 rows copied in order first
+        const int64_t n0 = u * 32, nt = std::min<int64_t>(2, (N - n0) / 16);
+        buf.resize(32 * K);
+        std::memcpy(buf.data(), P.w + n0 * K, sizeof(uint16_t) * nt * 16 * K);
+        for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+          const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
+          const uint16_t* bt[2] = {xt.data() + mt * KB * 512, xt.data() + (mt + 1) * KB * 512};
+          TILES[nt - 1][mn - 1](buf.data(), K * 2, bt, KB, c);
+          for (int i = 0; i < nt; ++i)      // w rows n0 + 16 i ..
+            for (int j = 0; j < mn; ++j) {  // x rows 16 (mt + j) ..
+              const float* t = c + (i * 2 + j) * 256;
+              for (int mm = 0; mm < 16; ++mm) {
+                const int64_t m = (mt + j) * 16 + mm;
+                if (m >= P.M) break;
+                float* o = P.out + m * N + n0 + i * 16;
+                for (int nn = 0; nn < 16; ++nn) o[nn] = t[nn * 16 + mm];
+              }
+            }
+        }
+      }
+      done.fetch_add(1, std::memory_order_release);
+    }
+    _tile_release();
+  }
+};
+#endif
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t transpose) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu_matmul: x [M, K], w [K, N] (or [N, K] transposed, or [L, ..] "
+                                       "stacked with a layer index)");
+  const int64_t d0 = wd[wd.size() - 2], d1 = wd[wd.size() - 1];
+  const int64_t l = wd.size() == 3 ? layer.typed_data()[0] : 0;
+  if (l < 0 || (wd.size() == 3 && l >= wd[0]))
+    return ffi::Error::InvalidArgument("cpu_matmul: the layer index is out of range");
+  Problem P;
+  P.x = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  P.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * d0 * d1;
+  P.out = out->typed_data();
+  P.M = xd[0], P.K = xd[1], P.transpose = transpose != 0;
+  P.N = P.transpose ? d0 : d1;
+  if ((P.transpose ? d1 : d0) != P.K)
+    return ffi::Error::InvalidArgument("cpu_matmul: the contracted sizes of x and w differ");
+  if (P.M == 0 || P.N == 0) return ffi::Error::Success();
+#if JP_AMX
+  if (P.K % 32 == 0 && P.N % 16 == 0 && amx_permitted()) {
+    auto sh = std::make_shared<Shared>();
+    sh->P = P;
+    sh->m_tiles = (P.M + 15) / 16;
+    sh->units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;
+    const int64_t KB = P.K / 32;
+    if (!P.transpose && P.M % 16) {
+      sh->xpad.assign(sh->m_tiles * 16 * P.K, 0);
+      std::memcpy(sh->xpad.data(), P.x, sizeof(uint16_t) * P.M * P.K);
+      sh->P.x = sh->xpad.data();
+    }
+    if (P.transpose) {  // x^T in VNNI tiles: tile (mt, kb) row r = the pairs k = kb*32 + 2r, +1 of rows mt*16 ..
+      sh->xt.assign((sh->m_tiles + 1) * KB * 512, 0);
+      for (int64_t m = 0; m < P.M; ++m)
+        for (int64_t k = 0; k < P.K; ++k)
+          sh->xt[((m / 16) * KB + k / 32) * 512 + ((k % 32) / 2) * 32 + (m % 16) * 2 + (k % 2)] = P.x[m * P.K + k];
+    }
+    const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->units) - 1;
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
+    sh->work();
+    while (sh->done.load(std::memory_order_acquire) < sh->units) std::this_thread::yield();
+    return ffi::Error::Success();
+  }
+#endif
+  plain(P, 0, P.N);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("transpose"));
+
+// 1 when this build runs the products on AMX tiles (compiled for them and permitted by the kernel), else 0.
+extern "C" int JaxpagedCpuMatmulAmx() {
+#if JP_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,79 @@
+"""bfloat16 products on the CPU's AMX tiles (cpu_matmul.cc): built at first use, called through the XLA FFI.
+
+`cpu_matmul(x, w, transpose=False)` is `x @ w` (`x @ w.T` when `transpose`: the tied embedding [V, D] as the
+lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K] and a bfloat16 matrix w
+[K, N] (or [N, K]); the weights are read as the model stores them (no packed copy to keep in step with
+weight updates). `amx()` is True where the build runs on AMX tiles (compiled with -march=native on a CPU
+with amx_bf16, and Linux granted the process the tile state); elsewhere the same call runs as plain loops
+(correct, slow: `matmul_backend="cpu"` uses it for tests). `supported(x, w, transpose)` says whether the
+shapes fit the kernel (K % 32 == 0, N % 16 == 0, both bfloat16, w 2-D); otherwise callers use XLA's dot.
+Built like the attention kernel (pallas_kernels/cpu_ffi.py: the system C++ compiler, a cache keyed by the
+source, jaxlib, compiler and CPU flags).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_ffi import _build
+
+logger = logging.getLogger(__name__)
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
+TARGET = "jaxpaged_cpu_matmul"
+
+
+@functools.cache
+def _library():
+    """Build, load and register the kernel once -> the library; None (logged once) when it cannot be."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(_build(SOURCE))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuMatmul), platform="cpu")
+    except Exception as e:  # noqa: BLE001 — any failure means: XLA's dot
+        logger.warning("CPU matmul kernel unavailable, using XLA's dot: %s", e)
+        return None
+    return lib
+
+
+def available() -> bool:
+    """The kernel is built, loaded and registered here (on AMX tiles or as plain loops)."""
+    return _library() is not None
+
+
+@functools.cache
+def amx() -> bool:
+    """The kernel runs on AMX tiles here: the one `matmul_backend="auto"` picks for bfloat16 CPU steps."""
+    lib = _library()
+    return lib is not None and bool(lib.JaxpagedCpuMatmulAmx())
+
+
+def supported(x, w, transpose: bool = False, stacked: bool = False) -> bool:
+    """Whether x [..., K] @ w fits the kernel: both bfloat16, w one matrix (a stack [L, ..] of them when
+    `stacked`), K % 32 == 0, N % 16 == 0."""
+    if (jnp.dtype(x.dtype) != jnp.bfloat16 or jnp.dtype(w.dtype) != jnp.bfloat16
+            or len(w.shape) != 2 + bool(stacked)):
+        return False
+    n, k = (w.shape[-2:] if transpose else w.shape[-2:][::-1])
+    return x.shape[-1] == k and k % 32 == 0 and n % 16 == 0
+
+
+def cpu_matmul(x, w, transpose: bool = False, layer=None):
+    """x [..., K] @ w [K, N] (w [N, K] when `transpose`) -> f32[..., N], bfloat16 operands (see `supported`).
+    With `layer` (an int32 scalar, traced or not), w is the stack [L, K, N] (or [L, N, K]) and w[layer] is
+    read in place."""
+    stacked = layer is not None
+    if not supported(x, w, transpose, stacked):
+        raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w [K, N] (or [N, K] transposed{', stacked' * stacked})"
+                         f" with K % 32 == 0 and N % 16 == 0; got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+    if not available():
+        raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
+    n = w.shape[-2] if transpose else w.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
+    return call(x2, w, index, transpose=int(transpose)).reshape(lead + (n,))

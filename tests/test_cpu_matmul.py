@@ -1,0 +1,111 @@
+"""The CPU matmul kernel (pallas_kernels/cpu_matmul.cc) against numpy, and through the engine against XLA's dot.
+
+On CPUs with AMX the kernel runs on the tile units; elsewhere its plain-loop path runs the same contract, so
+these tests check the shapes, the transposed (tied lm_head) form and the engine's wiring on every machine."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxpaged import LLM, SamplingParams
+from jaxpaged.models.quant import dot
+from jaxpaged.step.matmul import resolve_matmul
+from pallas_kernels import cpu_matmul
+
+pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU kernel cannot be built here")
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("M,K,N", [(1, 32, 16), (5, 64, 48), (16, 96, 32), (37, 64, 80), (64, 128, 272)])
+def test_kernel_equals_numpy(M, K, N, transpose):
+    """Whole and partial row tiles, odd counts of 16-column tiles, one or several K tiles."""
+    rng = np.random.default_rng(M * K + N)
+    x, w = _bf16(rng, (M, K)), _bf16(rng, (N, K) if transpose else (K, N))
+    wf = np.asarray(w, np.float32)
+    want = np.asarray(x, np.float32) @ (wf.T if transpose else wf)
+    got = jax.jit(lambda x, w: cpu_matmul.cpu_matmul(x, w, transpose))(x, w)
+    assert got.dtype == jnp.float32 and got.shape == (M, N)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+
+
+def test_leading_axes_and_dot():
+    """x [..., K]: leading axes are kept; `quant.dot(kernel=True)` rounds to the asked type, and takes XLA's
+    dot for shapes the kernel does not (K % 32, float32 operands)."""
+    rng = np.random.default_rng(0)
+    x, w = _bf16(rng, (2, 3, 64)), _bf16(rng, (64, 32))
+    want = np.asarray(jax.lax.dot_general(x, w, (((2,), (0,)), ((), ())), preferred_element_type=jnp.float32))
+    got = dot(x, w, kernel=True)
+    assert got.dtype == jnp.bfloat16 and got.shape == (2, 3, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-2)
+    odd = _bf16(rng, (3, 40)), _bf16(rng, (40, 32))
+    assert not cpu_matmul.supported(*odd) and not cpu_matmul.supported(x.astype(jnp.float32), w)
+    np.testing.assert_array_equal(np.asarray(dot(*odd, kernel=True)), np.asarray(dot(*odd)))
+    with pytest.raises(ValueError, match="K % 32"):
+        cpu_matmul.cpu_matmul(*odd)
+
+
+def test_resolve():
+    assert resolve_matmul("xla", jnp.bfloat16, "cpu", 1) is False
+    assert resolve_matmul("auto", jnp.bfloat16, "cpu", 1) is cpu_matmul.amx()
+    assert resolve_matmul("auto", jnp.float32, "cpu", 1) is False
+    assert resolve_matmul("auto", jnp.bfloat16, "cpu", 2) is False
+    assert resolve_matmul("auto", jnp.bfloat16, "gpu", 1) is False
+    assert resolve_matmul("cpu", jnp.bfloat16, "cpu", 1) is True
+    for args, match in (((jnp.float32, "cpu", 1), "dtype 'bfloat16'"), ((jnp.bfloat16, "cpu", 2), "one device"),
+                        ((jnp.bfloat16, "tpu", 1), "CPU targets")):
+        with pytest.raises(ValueError, match=match):
+            resolve_matmul("cpu", *args)
+    with pytest.raises(ValueError, match="matmul_backend must be one of"):
+        LLM(model="unused", matmul_backend="onednn")
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_engine_tokens_equal_xla(tmp_path, engine_kwargs, tie):
+    """bfloat16 greedy tokens through chunked prefill (prompts longer than a step's 64 tokens), decodes and
+    prefix hits (the same prompts twice) equal those of XLA's dot; tied: the lm_head is the embedding read
+    transposed."""
+    from jaxpaged.bench.tiny_models import make_tiny_model
+    model = make_tiny_model(str(tmp_path / "m"), "llama", tie=tie, seed=5)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=n)]} for n in (5, 90, 17, 130)]
+    kw = {**engine_kwargs, "dtype": "bfloat16", "enable_prefix_caching": True}
+    tokens = {}
+    for backend in ("xla", "cpu"):
+        llm = LLM(model=model, **kw, matmul_backend=backend)
+        assert llm.engine.runner.step_cfg.cpu_matmul is (backend == "cpu")
+        tokens[backend] = [[o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+                           for _ in range(2)]
+        del llm
+    assert tokens["cpu"] == tokens["xla"]
+
+
+def test_plain_loop_path():
+    """The kernel built without AMX (-march=haswell: the path of every CPU without it) against numpy, in a
+    subprocess (its own build and registration)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from pallas_kernels import cpu_matmul
+        assert cpu_matmul.available() and not cpu_matmul.amx()
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((7, 64)), jnp.bfloat16)
+        for t in (False, True):
+            w = jnp.asarray(rng.standard_normal((48, 64) if t else (64, 48)), jnp.bfloat16)
+            wf = np.asarray(w, np.float32)
+            want = np.asarray(x, np.float32) @ (wf.T if t else wf)
+            np.testing.assert_allclose(np.asarray(cpu_matmul.cpu_matmul(x, w, t)), want, rtol=1e-5, atol=1e-3)
+        print("ok")
+    """)
+    env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
