@@ -67,8 +67,9 @@ def cpu_matmul(x, w, transpose: bool = False, layer=None):
     read in place."""
     stacked = layer is not None
     if not supported(x, w, transpose, stacked):
-        raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w [K, N] (or [N, K] transposed{', stacked' * stacked})"
-                         f" with K % 32 == 0 and N % 16 == 0; got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+        form = "[K, N] (or [N, K] transposed" + (", stacked [L, ..])" if stacked else ")")
+        raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w {form} with K % 32 == 0 and N % 16 == 0; "
+                         f"got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
     if not available():
         raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
     n = w.shape[-2] if transpose else w.shape[-1]
