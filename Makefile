@@ -30,7 +30,7 @@ demo: $(DEMO_STAMP)
 # two pytest-xdist workers, whole modules each (module-scoped engines and servers stay shared): most of a
 # test's time is XLA compiling, which runs on one core. The longest modules go first (tests/conftest.py
 # SLOWEST_FIRST; xdist's own reorder, by test count, would leave a long one-test module for last)
-PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 test: $(STAMP)
 	$(BIN)/ruff check .

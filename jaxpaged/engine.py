@@ -232,6 +232,7 @@ class LLMEngine:
                     kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
+                    num_waiting_deferred=sch.num_deferred(),
                     iteration_tokens=self.iteration_tokens.snapshot(),
                     num_step_failures=self.num_step_failures, load_seconds=self.load_seconds,
                     attention_backend=runner.backend, tensor_parallel_size=runner.tp, **runner.memory_per_device(),

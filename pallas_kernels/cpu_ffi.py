@@ -48,11 +48,13 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> str:
-    from jaxpaged.config import default_cache_dir
-    return os.path.join(default_cache_dir(), "cpu_kernels")
+    # the same root as the engine's caches (~/.cache/jaxpaged), found here without importing the engine:
+    # pallas_kernels knows nothing of jaxpaged
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxpaged", "cpu_kernels")
 
 
-def _build(source_path: str = SOURCE) -> str:
+def build_kernel(source_path: str = SOURCE) -> str:
     """Compile a kernel source (once per source, jaxlib, compiler and CPU) -> the shared library's path."""
     cxx = os.environ.get("CXX") or "g++"
     if shutil.which(cxx) is None:
@@ -85,7 +87,7 @@ def _library():
     """Build, load and register the kernel once -> the loaded library; None (logged once) when that cannot
     be done here."""
     try:
-        lib = ctypes.cdll.LoadLibrary(_build())
+        lib = ctypes.cdll.LoadLibrary(build_kernel())
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuPagedAttention), platform="cpu")
     except Exception as e:  # noqa: BLE001 — any failure means: use the reference
         logger.warning("CPU paged attention kernel unavailable, using the reference attention: %s", e)

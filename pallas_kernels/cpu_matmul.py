@@ -20,7 +20,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_ffi import _build
+from pallas_kernels.cpu_ffi import build_kernel
 
 logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
@@ -31,7 +31,7 @@ TARGET = "jaxpaged_cpu_matmul"
 def _library():
     """Build, load and register the kernel once -> the library; None (logged once) when it cannot be."""
     try:
-        lib = ctypes.cdll.LoadLibrary(_build(SOURCE))
+        lib = ctypes.cdll.LoadLibrary(build_kernel(SOURCE))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuMatmul), platform="cpu")
     except Exception as e:  # noqa: BLE001 — any failure means: XLA's dot
         logger.warning("CPU matmul kernel unavailable, using XLA's dot: %s", e)

@@ -8,12 +8,10 @@ from __future__ import annotations
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+# vLLM 0.32's bucket families (vllm/v1/metrics/buckets.py): time to first token; request latency (e2e and
+# the phases of a request: queue, prefill, decode, inference); inter-token latency (also the per-request TPOT)
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                 10.0, 20.0, 40.0, 80.0)
-_TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
-_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                120.0, 240.0)
-# vLLM's buckets for the phases of a request (queue, prefill, decode, inference) and inter-token latency
+                 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                   240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -55,6 +53,15 @@ class _EngineCollector:
             for i, r in enumerate(per):
                 g.add_metric([self.model_name, str(i), str(i)], float(r[key]))
             yield g
+        g = GaugeMetricFamily("jaxpaged:num_requests_waiting_by_reason", "Waiting requests by reason: capacity "
+                              "(a batch slot, KV blocks, the token budget) or deferred (an adapter that does not "
+                              "fit the LoRA slots, a sample waiting for its first sample's prompt); they sum to "
+                              "num_requests_waiting.", labels=labels + ["reason"])
+        for i, r in enumerate(per):
+            deferred = int(r.get("num_waiting_deferred", 0))
+            g.add_metric([self.model_name, str(i), str(i), "capacity"], float(r["num_waiting"] - deferred))
+            g.add_metric([self.model_name, str(i), str(i), "deferred"], float(deferred))
+        yield g
         c = CounterMetricFamily("jaxpaged:num_preemptions", "Requests preempted (blocks freed, recomputed "
                                 "later) since start.", labels=labels)
         for i, r in enumerate(per):
@@ -112,8 +119,9 @@ class Metrics:
                                 lbl + ["finished_reason"], registry=r)
         self.ttft = Histogram("jaxpaged:time_to_first_token_seconds", "Time to first token.", lbl,
                               buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("jaxpaged:time_per_output_token_seconds", "Mean time per output token after "
-                              "the first, per request.", lbl, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("jaxpaged:request_time_per_output_token_seconds", "Mean time per output token "
+                              "after the first, per request.", lbl, buckets=_ITL_BUCKETS,
+                              registry=r).labels(model_name)
         for attr, name, doc in (
                 ("queue", "request_queue_time_seconds", "Arrival to first scheduled (WAITING phase)."),
                 ("prefill", "request_prefill_time_seconds", "First scheduled to first token (PREFILL phase)."),
@@ -124,7 +132,7 @@ class Metrics:
         self.itl = Histogram("jaxpaged:inter_token_latency_seconds", "Time between a request's tokens of one "
                              "step and of the next.", lbl, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("jaxpaged:e2e_request_latency_seconds", "Arrival to last token.", lbl,
-                             buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                             buckets=_PHASE_BUCKETS, registry=r).labels(model_name)
         tokens = buckets_1_2_5(max_model_len)
         for attr, name, doc, buckets in (
                 ("req_prompt", "request_prompt_tokens", "Prompt tokens of each finished request.", tokens),

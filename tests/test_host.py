@@ -142,3 +142,21 @@ def test_sliding_window_frees_blocks_behind_it():
     bm.free(b)
     _check_invariants(bm, [])
     assert bm.num_free_blocks == 31
+
+
+def test_waiting_deferred_by_the_lora_budget():
+    """Waiting requests whose adapter would exceed max_loras are 'deferred' (vLLM's waiting reason), the rest
+    wait for capacity; once the running adapter's requests leave, none is deferred."""
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=64, max_loras=1)
+    reqs = [_req(i, list(range(1, 6))) for i in range(4)]
+    for r, lora in zip(reqs, (1, 2, 1, 0)):
+        r.lora_int_id = lora
+        sched.add(r)
+    assert sched.num_deferred() == 0           # nothing runs yet: every adapter fits
+    out = sched.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r0"]  # r1's adapter 2 does not fit beside 1
+    assert sched.num_deferred() == 1           # r1 (adapter 2); r2 (adapter 1) and r3 (base) wait for capacity
+    for r, _ in out.scheduled:
+        sched.finish(r, "length")
+    assert sched.num_deferred() == 0

@@ -466,11 +466,19 @@ def test_metrics_names(server):
     m = metrics(server)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_hit_rate",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",
-                 "time_to_first_token_seconds_count", "time_per_output_token_seconds_count",
+                 "time_to_first_token_seconds_count", "request_time_per_output_token_seconds_count",
                  "e2e_request_latency_seconds_count"):
         assert f"jaxpaged:{name}" in m, name
     assert m["jaxpaged:generation_tokens_total"] > 0 and m["jaxpaged:time_to_first_token_seconds_count"] > 0
     assert 0 < m["jaxpaged:prefix_cache_hit_rate"] <= 1  # the repeated prompts above hit the cache
+    text = httpx.get(server.url + "/metrics").text
+    reasons = {r: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxpaged:num_requests_waiting_by_reason{")
+               for r in ("capacity", "deferred") if f'reason="{r}"' in line}
+    assert set(reasons) == {"capacity", "deferred"} and reasons["deferred"] == 0
+    # vLLM 0.32's bucket families: TTFT up to 2560 s, e2e on the request-latency buckets (up to 7680 s)
+    assert 'jaxpaged:time_to_first_token_seconds_bucket{le="2560.0",model_name="tiny"}' in text
+    assert 'jaxpaged:e2e_request_latency_seconds_bucket{le="7680.0",model_name="tiny"}' in text
 
 
 def test_idle_server_uses_no_cpu(server):

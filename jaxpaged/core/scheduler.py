@@ -169,6 +169,16 @@ class Scheduler:
         out.num_tokens = sum(n for _, n in out.scheduled)
         return out
 
+    def num_deferred(self) -> int:
+        """Waiting requests held back by a transient constraint rather than by capacity (vLLM's 'deferred'
+        reason): an adapter that would not fit the LoRA slots, a later sample waiting for sample 0's prompt."""
+        adapters = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+        full = bool(self.max_loras) and len(adapters) >= self.max_loras
+        return sum(1 for r in self.waiting
+                   if (full and r.lora_int_id and r.lora_int_id not in adapters)
+                   or (r.sibling is not None and r.sibling.status is RequestStatus.RUNNING
+                       and r.sibling.num_computed_tokens < r.sibling.num_prompt_tokens))
+
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, tuple] | None) -> list[Request]:
         """Advance computed counts; append each slot's sampled token when the request caught up.
 
