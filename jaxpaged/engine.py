@@ -26,6 +26,7 @@ from jaxpaged.core.structured import StructuredOutputs, StructuredOutputsParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.executor import FatalStepError, make_executor  # noqa: F401 -- FatalStepError: re-exported
 from jaxpaged.lora.manager import LoRAManager
+from jaxpaged.models.quant import unpack_layers
 from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
 from jaxpaged.rl.pause import PauseControl
 from jaxpaged.rl.sleep import SleepControl
@@ -199,8 +200,9 @@ class LLMEngine:
         return self.sleep_control.level
 
     def get_weights(self) -> dict:
-        """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py)."""
-        return self.runner.params
+        """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py), every
+        matrix as the model lays it out (a copy of those the runner keeps packed for the CPU matmul kernel)."""
+        return unpack_layers(self.runner.params)
 
     def update_weights(self, weights) -> None:
         """Replace parameters between steps, without recompiling: (HF name, array) pairs or (part of) the

@@ -61,6 +61,10 @@ def build_kernel(source_path: str = SOURCE) -> str:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
     with open(source_path, "rb") as f:
         source = f.read()
+    here = os.path.dirname(source_path)
+    for header in sorted(h for h in os.listdir(here) if h.endswith(".h")):  # the kernels' shared headers
+        with open(os.path.join(here, header), "rb") as f:
+            source += f.read()
     march = os.environ.get("JAXPAGED_CPU_KERNEL_MARCH", "native")  # e.g. haswell: the AVX2 path on any x86-64
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
                                       march.encode()]))
@@ -110,6 +114,12 @@ def vector_lanes() -> int:
 def vectorized() -> bool:
     """The kernel has its vector path here: the one `attention_backend="auto"` picks on CPU targets."""
     return vector_lanes() > 0
+
+
+def amx() -> bool:
+    """bfloat16 pools take the AMX path here (its block products on the tile units; see the source)."""
+    lib = _library()
+    return lib is not None and bool(lib.JaxpagedCpuAttentionAmx())
 
 
 def cpu_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,

@@ -2,10 +2,12 @@
 //
 // w is one weight matrix as the model stores it, read in place: [K, N] (`transpose` 0) or [N, K]
 // (`transpose` 1: the tied embedding as the lm_head), or the stack [L, ..] of every layer's with the
-// index of the one to read (so the layer loop hands the kernel the stack, never a sliced copy). Nothing is packed ahead of time: AMX's B operand
-// wants K in pairs (the VNNI layout: row r of a tile holds k = 2r, 2r+1 of 16 columns), so each unit of
-// work interleaves its slice of the weights into a small per-thread buffer (two AVX-512 permutes per two
-// rows of 32 columns), then runs every row tile of x over it:
+// index of the one to read (so the layer loop hands the kernel the stack, never a sliced copy). AMX's B
+// operand wants K in pairs (the VNNI layout: row r of a tile holds k = 2r, 2r+1 of 16 columns). Weights
+// packed ahead of time in that order (`packed` 1: [N / 16, K / 32, 16, 32], the tiles of 16 columns one
+// after the other; cpu_matmul.py `pack`, done once when the runner places its parameters) are read as tiles
+// straight from memory; otherwise each unit of work interleaves its slice of the weights into a small
+// per-thread buffer (two AVX-512 permutes per two rows of 32 columns). Then every row tile of x runs over it:
 //   transpose 0: a unit is 32 columns of w (two 16-column tiles); A = x's rows, B = the packed columns.
 //   transpose 1: the product is computed transposed, out^T = w @ x^T: a unit is 32 rows of w, which are
 //     A tiles as they lie in memory; B = x^T, packed once per call; each 16 x 16 result tile is written
@@ -26,14 +28,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
-#define JP_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#else
-#define JP_AMX 0
-#endif
+#include "cpu_amx.h"
 
 namespace ffi = xla::ffi;
 
@@ -52,7 +47,14 @@ struct Problem {
   float* out;         // [M, N]
   int64_t M, K, N;
   bool transpose;
+  bool packed;  // w in the tile order of `pack` (cpu_matmul.py): [N / 16, K / 32, 16, 32]
 };
+
+// Element (k, n) of w [K, N] (transpose 0), wherever its layout puts it.
+inline uint16_t weight(const Problem& P, int64_t k, int64_t n) {
+  if (!P.packed) return P.w[k * P.N + n];
+  return P.w[((n / 16) * (P.K / 32) + k / 32) * 512 + ((k % 32) / 2) * 32 + (n % 16) * 2 + (k % 2)];
+}
 
 // The plain-loop path (no AMX): the same contract, float32 accumulation.
 void plain(const Problem& P, int64_t n0, int64_t n1) {
@@ -71,6 +73,10 @@ void plain(const Problem& P, int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) o[n] = 0.f;
       for (int64_t k = 0; k < P.K; ++k) {
         const float xv = bf16_to_f32(xr[k]);
+        if (P.packed) {
+          for (int64_t n = n0; n < n1; ++n) o[n] += xv * bf16_to_f32(weight(P, k, n));
+          continue;
+        }
         const uint16_t* wr = P.w + k * P.N;
 #pragma omp simd
         for (int64_t n = n0; n < n1; ++n) o[n] += xv * bf16_to_f32(wr[n]);
@@ -80,27 +86,9 @@ void plain(const Problem& P, int64_t n0, int64_t n1) {
 }
 
 #if JP_AMX
-constexpr int TILE_BYTES = 1024;  // a 16 x 32 bfloat16 tile (16 rows of 64 bytes)
+using jp_amx::TILE_BYTES;
 constexpr int64_t PANEL = 128;     // columns of w a unit packs (transpose 0): rows read 256 bytes at a time
 constexpr int64_t PREFETCH_ROWS = 16;  // rows of w ahead of the packing that are prefetched
-
-bool amx_permitted() {  // Linux hands AMX's tile state to a process that asks for it (once, for all threads)
-  constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-  static const bool ok = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return ok;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-void configure_tiles() {
-  TileConfig c;
-  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;  // every tile 16 rows of 64 bytes
-  _tile_loadconfig(&c);
-}
 
 // Result tiles (MT x NT of 16 x 16 float32) of A rows [MT*16, K] (stride lda bytes) times the packed B
 // tiles b[nt] (KB tiles of 16 x 32 each, consecutive) -> c[i * 2 + j] (16 x 16 each, dense).
@@ -153,7 +141,7 @@ struct Shared {
   std::atomic<int64_t> next{0}, done{0};
 
   void work() {
-    configure_tiles();
+    jp_amx::configure();
     const int64_t K = P.K, KB = K / 32, N = P.N;
     thread_local std::vector<uint16_t> buf;
     alignas(64) float c[1024];
@@ -163,8 +151,8 @@ struct Shared {
         // prefetched ahead), interleaved into tiles t (16 columns each) x kb, then every row tile of x
         const int64_t n0 = u * PANEL, nt = std::min<int64_t>(PANEL / 16, (N - n0) / 16);
         buf.resize(PANEL / 16 * KB * 512);
-        uint16_t* b = buf.data();
-        for (int64_t kb = 0; kb < KB; ++kb)
+        uint16_t* b = P.packed ? const_cast<uint16_t*>(P.w) + (n0 / 16) * KB * 512 : buf.data();
+        for (int64_t kb = 0; kb < KB && !P.packed; ++kb)
           for (int r = 0; r < 16; ++r) {
             const int64_t k = kb * 32 + 2 * r;
             const uint16_t* r0 = P.w + k * N + n0;
@@ -220,26 +208,29 @@ struct Shared {
 #endif
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t transpose) {
+                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t transpose, int64_t packed) {
   auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || (wd.size() != 2 && wd.size() != 3) || layer.element_count() != 1)
-    return ffi::Error::InvalidArgument("cpu_matmul: x [M, K], w [K, N] (or [N, K] transposed, or [L, ..] "
-                                       "stacked with a layer index)");
-  const int64_t d0 = wd[wd.size() - 2], d1 = wd[wd.size() - 1];
-  const int64_t l = wd.size() == 3 ? layer.typed_data()[0] : 0;
-  if (l < 0 || (wd.size() == 3 && l >= wd[0]))
+  const size_t mat = packed ? 4 : 2;  // w's dimensions of one matrix; one more when stacked
+  if (xd.size() != 2 || (wd.size() != mat && wd.size() != mat + 1) || layer.element_count() != 1 ||
+      (packed && (transpose || wd[wd.size() - 2] != 16 || wd[wd.size() - 1] != 32)))
+    return ffi::Error::InvalidArgument("cpu_matmul: x [M, K], w [K, N] (or [N, K] transposed, or packed "
+                                       "[N / 16, K / 32, 16, 32]; or [L, ..] stacked with a layer index)");
+  const bool stacked = wd.size() == mat + 1;
+  const int64_t d0 = wd[stacked], d1 = wd[stacked + 1];  // [K, N], [N, K], or packed N / 16, K / 32
+  const int64_t l = stacked ? layer.typed_data()[0] : 0;
+  if (l < 0 || (stacked && l >= wd[0]))
     return ffi::Error::InvalidArgument("cpu_matmul: the layer index is out of range");
   Problem P;
   P.x = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  P.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * d0 * d1;
+  P.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * d0 * d1 * (packed ? 512 : 1);
   P.out = out->typed_data();
-  P.M = xd[0], P.K = xd[1], P.transpose = transpose != 0;
-  P.N = P.transpose ? d0 : d1;
-  if ((P.transpose ? d1 : d0) != P.K)
+  P.M = xd[0], P.K = xd[1], P.transpose = transpose != 0, P.packed = packed != 0;
+  P.N = P.packed ? d0 * 16 : P.transpose ? d0 : d1;
+  if ((P.packed ? d1 * 32 : P.transpose ? d1 : d0) != P.K)
     return ffi::Error::InvalidArgument("cpu_matmul: the contracted sizes of x and w differ");
   if (P.M == 0 || P.N == 0) return ffi::Error::Success();
 #if JP_AMX
-  if (P.K % 32 == 0 && P.N % 16 == 0 && amx_permitted()) {
+  if (P.K % 32 == 0 && P.N % 16 == 0 && jp_amx::permitted()) {
     auto sh = std::make_shared<Shared>();
     sh->P = P;
     sh->m_tiles = (P.M + 15) / 16;
@@ -276,12 +267,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("transpose"));
+                                  .Attr<int64_t>("transpose")
+                                  .Attr<int64_t>("packed"));
 
 // 1 when this build runs the products on AMX tiles (compiled for them and permitted by the kernel), else 0.
 extern "C" int JaxpagedCpuMatmulAmx() {
 #if JP_AMX
-  return amx_permitted() ? 1 : 0;
+  return jp_amx::permitted() ? 1 : 0;
 #else
   return 0;
 #endif

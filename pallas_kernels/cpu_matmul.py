@@ -2,9 +2,10 @@
 
 `cpu_matmul(x, w, transpose=False)` is `x @ w` (`x @ w.T` when `transpose`: the tied embedding [V, D] as the
 lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K] and a bfloat16 matrix w
-[K, N] (or [N, K]); the weights are read as the model stores them (no packed copy to keep in step with
-weight updates). `amx()` is True where the build runs on AMX tiles (compiled with -march=native on a CPU
-with amx_bf16, and Linux granted the process the tile state); elsewhere the same call runs as plain loops
+[K, N] (or [N, K]), read as stored, or `pack`ed once ahead of time into the tile order AMX reads
+(`packed=True`), then read without repacking every call. `amx()` is True where the build runs on AMX tiles
+(compiled with -march=native on a CPU with amx_bf16, and Linux granted the process the tile state);
+elsewhere the same call runs as plain loops
 (correct, slow: `matmul_backend="cpu"` uses it for tests). `supported(x, w, transpose)` says whether the
 shapes fit the kernel (K % 32 == 0, N % 16 == 0, both bfloat16, w 2-D); otherwise callers use XLA's dot.
 Built like the attention kernel (pallas_kernels/cpu_ffi.py: the system C++ compiler, a cache keyed by the
@@ -61,20 +62,45 @@ def supported(x, w, transpose: bool = False, stacked: bool = False) -> bool:
     return x.shape[-1] == k and k % 32 == 0 and n % 16 == 0
 
 
-def cpu_matmul(x, w, transpose: bool = False, layer=None):
-    """x [..., K] @ w [K, N] (w [N, K] when `transpose`) -> f32[..., N], bfloat16 operands (see `supported`).
-    With `layer` (an int32 scalar, traced or not), w is the stack [L, K, N] (or [L, N, K]) and w[layer] is
-    read in place."""
+def pack(w):
+    """w [..., K, N] (bfloat16, K % 32 == 0, N % 16 == 0) -> its tiles in the kernel's order [..., N / 16,
+    K / 32, 16, 32]: tile (t, kb) row r holds the pairs (w[kb*32 + 2r, c], w[kb*32 + 2r + 1, c]) of the 16
+    columns c of t (AMX's B layout), so a product reads every tile once, straight from memory."""
+    *lead, k, n = w.shape
+    d = len(lead)
+    t = w.reshape(*lead, k // 32, 16, 2, n // 16, 16)  # kb, r, pair, t, c
+    return t.transpose(*range(d), d + 3, d, d + 1, d + 4, d + 2).reshape(*lead, n // 16, k // 32, 16, 32)
+
+
+def unpack(tiles):
+    """The inverse of `pack`: [..., N / 16, K / 32, 16, 32] -> [..., K, N]."""
+    *lead, nt, kb, _, _ = tiles.shape
+    d = len(lead)
+    t = tiles.reshape(*lead, nt, kb, 16, 16, 2)  # t, kb, r, c, pair
+    return t.transpose(*range(d), d + 1, d + 2, d + 4, d, d + 3).reshape(*lead, kb * 32, nt * 16)
+
+
+def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False):
+    """x [..., K] @ w [K, N] (w [N, K] when `transpose`; w `pack`ed [N / 16, K / 32, 16, 32] when `packed`)
+    -> f32[..., N], bfloat16 operands (see `supported`). With `layer` (an int32 scalar, traced or not), w is
+    the stack [L, ...] of such matrices and w[layer] is read in place."""
     stacked = layer is not None
-    if not supported(x, w, transpose, stacked):
-        form = "[K, N] (or [N, K] transposed" + (", stacked [L, ..])" if stacked else ")")
+    if packed:
+        ok = (not transpose and len(w.shape) == 4 + stacked and tuple(w.shape[-2:]) == (16, 32)
+              and jnp.dtype(x.dtype) == jnp.dtype(w.dtype) == jnp.bfloat16 and x.shape[-1] == w.shape[-3] * 32)
+        n = w.shape[-4] * 16
+    else:
+        ok = supported(x, w, transpose, stacked)
+        n = w.shape[-2] if transpose else w.shape[-1]
+    if not ok:
+        form = ("packed [N / 16, K / 32, 16, 32]" if packed else "[K, N] (or [N, K] transposed)") + \
+            (", stacked [L, ..]" if stacked else "")
         raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w {form} with K % 32 == 0 and N % 16 == 0; "
                          f"got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
     if not available():
         raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
-    n = w.shape[-2] if transpose else w.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x2, w, index, transpose=int(transpose)).reshape(lead + (n,))
+    return call(x2, w, index, transpose=int(transpose), packed=int(packed)).reshape(lead + (n,))

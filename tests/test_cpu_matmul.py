@@ -32,6 +32,28 @@ def test_kernel_equals_numpy(M, K, N, transpose):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4 * np.sqrt(K))
 
 
+@pytest.mark.parametrize("L,M,K,N", [(None, 1, 32, 16), (None, 37, 64, 80), (3, 64, 128, 272), (2, 5, 96, 48)])
+def test_packed_equals_numpy(L, M, K, N):
+    """Weights packed once into the tile order (`pack`; `unpack` inverts it exactly), one matrix or a stack
+    read at a layer index, through the kernel and through `quant.dot` (a `Packed` leaf, in a `LayerOf`)."""
+    from jaxpaged.models.quant import LayerOf, Packed
+    rng = np.random.default_rng(M + K + N)
+    x, w = _bf16(rng, (M, K)), _bf16(rng, (K, N) if L is None else (L, K, N))
+    tiles = cpu_matmul.pack(w)
+    assert tiles.shape == w.shape[:-2] + (N // 16, K // 32, 16, 32)
+    np.testing.assert_array_equal(np.asarray(cpu_matmul.unpack(tiles)), np.asarray(w))
+    layer = None if L is None else jnp.int32(L - 1)
+    want = np.asarray(x, np.float32) @ np.asarray(w if L is None else w[L - 1], np.float32)
+    got = jax.jit(lambda x, t: cpu_matmul.cpu_matmul(x, t, layer=layer, packed=True))(x, tiles)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4 * np.sqrt(K))
+    packed = Packed(tiles)
+    assert packed.shape == w.shape and packed.dtype == w.dtype
+    operand = packed if L is None else LayerOf(packed, layer)
+    for kernel in (True, False):  # without the kernel: the matrix unpacked, XLA's dot
+        got = dot(x, operand, jnp.float32, kernel=kernel)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-2, atol=1e-2 * np.sqrt(K))
+
+
 def test_leading_axes_and_dot():
     """x [..., K]: leading axes are kept; `quant.dot(kernel=True)` rounds to the asked type, and takes XLA's
     dot for shapes the kernel does not (K % 32, float32 operands)."""
@@ -86,6 +108,37 @@ def test_engine_tokens_equal_xla(tmp_path, engine_kwargs, tie):
     assert tokens["cpu"] == tokens["xla"]
 
 
+def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
+    """With the kernel the runner keeps its layer matrices packed: `get_weights` still gives them as the model
+    lays them out, and `update_weights` (whole tensors, one layer of a stack, HF names) takes plain matrices,
+    packs them again and changes the tokens as the same update does on XLA's dot, without recompiling."""
+    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.models.quant import Packed
+    model = make_tiny_model(str(tmp_path / "m"), "llama", seed=7)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 9, 11]}]
+    out = {}
+    for backend in ("xla", "cpu"):
+        llm = LLM(model=model, **{**engine_kwargs, "dtype": "bfloat16"}, matmul_backend=backend)
+        eng = llm.engine
+        packed = isinstance(eng.runner.params["layers"]["w_up"], Packed)
+        assert packed is (backend == "cpu")
+        weights = eng.get_weights()
+        assert not any(isinstance(a, Packed) for a in jax.tree.leaves(weights, is_leaf=lambda a: isinstance(a, Packed)))
+        up = np.asarray(weights["layers"]["w_up"], np.float32)
+        before = eng.runner.num_compilations
+        new_up = (up + 0.05 * np.random.default_rng(0).standard_normal(up.shape)).astype(jnp.bfloat16)
+        eng.update_weights({"layers": {"w_up": jnp.asarray(new_up)}})
+        one = np.asarray(eng.get_weights()["layers"]["wo"])[1] * 1.5
+        eng.update_weights([("model.layers.1.self_attn.o_proj.weight", one.T.astype(one.dtype))])
+        np.testing.assert_array_equal(np.asarray(eng.get_weights()["layers"]["w_up"]), np.asarray(new_up))
+        np.testing.assert_array_equal(np.asarray(eng.get_weights()["layers"]["wo"])[1], one)
+        assert isinstance(eng.runner.params["layers"]["wo"], Packed) is packed
+        out[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert eng.runner.num_compilations == before
+        del llm, eng
+    assert out["cpu"] == out["xla"]
+
+
 def test_plain_loop_path():
     """The kernel built without AMX (-march=haswell: the path of every CPU without it) against numpy, in a
     subprocess (its own build and registration)."""
@@ -104,6 +157,9 @@ def test_plain_loop_path():
             wf = np.asarray(w, np.float32)
             want = np.asarray(x, np.float32) @ (wf.T if t else wf)
             np.testing.assert_allclose(np.asarray(cpu_matmul.cpu_matmul(x, w, t)), want, rtol=1e-5, atol=1e-3)
+            if not t:  # packed weights: the same contract
+                got = cpu_matmul.cpu_matmul(x, cpu_matmul.pack(w), packed=True)
+                np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-3)
         print("ok")
     """)
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
-from jaxpaged.models.quant import QArray, quantize
+from jaxpaged.models.quant import Packed, QArray, quantize
 from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
 
 
@@ -50,7 +50,7 @@ def _check_leaf(name: str, value, current) -> None:
 
 def _from_pytree(engine, weights: dict) -> dict:
     """{path: new device array} for a (partial) pytree of the engine's layout."""
-    current = dict(jax.tree_util.tree_flatten_with_path(engine.runner.params)[0])
+    current = dict(jax.tree_util.tree_flatten_with_path(engine.runner.params, is_leaf=_packed)[0])
     new = {}
     for path, value in jax.tree_util.tree_flatten_with_path(weights)[0]:
         name = _path_name(path)
@@ -97,11 +97,18 @@ def _from_named(engine, pairs) -> dict:
     return new
 
 
+def _packed(a) -> bool:  # a matrix the runner keeps packed for the CPU matmul kernel: one parameter here
+    return isinstance(a, Packed)
+
+
 def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bool) -> jax.Array:
-    """The device array replacing `current`: whole, or with rows `index` (layers, experts) replaced."""
+    """The device array replacing `current`: whole, or with rows `index` (layers, experts) replaced (a
+    plain matrix: the runner packs it again if it keeps it packed)."""
     if not in_layers or len(index) == int(np.prod(current.shape[:len(index[0])])):
         full = values if not in_layers else values.reshape(current.shape)  # every layer (and expert)
         return _put(np.ascontiguousarray(full), current.sharding)
+    if isinstance(current, Packed) and isinstance(current.tiles, jax.Array):
+        current = current.unpack()
     if not isinstance(current, jax.Array):
         raise ValueError("update_weights: the engine slept at level 2 (its weights are dropped): give every "
                          "layer of each stacked tensor, not some of them")
@@ -115,7 +122,7 @@ def update_weights(engine, weights) -> None:
     if engine.mesh.is_multi_process:
         raise RuntimeError("update_weights is not supported with num_processes > 1")
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params, is_leaf=_packed)
     engine.runner.replace_params(jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves]))
     engine.scheduler.recompute_all()  # requests kept by a pause: their KV is of the old weights
     engine.block_manager.reset_prefix_cache()

@@ -66,7 +66,73 @@ class LayerOf:
         return self.stack.dtype
 
     def get(self) -> jax.Array:
-        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+        layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stack)
+        return layer.unpack() if isinstance(layer, Packed) else layer
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A bfloat16 matrix [.., K, N] kept in the CPU matmul kernel's tile order, `tiles` [.., N / 16, K / 32,
+    16, 32] (pallas_kernels/cpu_matmul.py `pack`): the kernel reads it without repacking it every step. The
+    runner keeps its layer matrices so when the step's products run on the kernel (`pack_layers`); `shape`
+    and `dtype` are the matrix's, so shape checks and weight updates see the matrix it stands for."""
+    tiles: jax.Array
+
+    @property
+    def shape(self) -> tuple:
+        t = self.tiles.shape
+        return (*t[:-4], t[-3] * 32, t[-4] * 16)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def dtype(self):
+        return self.tiles.dtype
+
+    @property
+    def sharding(self):
+        return self.tiles.sharding
+
+    def unpack(self) -> jax.Array:
+        return cpu_matmul.unpack(self.tiles)
+
+
+_pack = jax.jit(cpu_matmul.pack, donate_argnums=0)   # the plain matrix is freed as its tiles are made
+_unpack = jax.jit(cpu_matmul.unpack)
+
+
+def packable(a) -> bool:
+    """A stacked plain bfloat16 layer matrix [L, K, N] the kernel can take packed."""
+    return (isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) and a.ndim == 3 and a.dtype == jnp.bfloat16
+            and a.shape[-2] % 32 == 0 and a.shape[-1] % 16 == 0)
+
+
+def pack_layers(params: dict) -> dict:
+    """The parameters with their stacked plain bfloat16 layer matrices `Packed` (shapes only for abstract
+    leaves: `jax.ShapeDtypeStruct`s keep their sharding)."""
+    def one(a):
+        if not packable(a):
+            return a
+        if isinstance(a, jax.ShapeDtypeStruct):
+            t = jax.eval_shape(cpu_matmul.pack, a)
+            return Packed(jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=a.sharding))
+        return Packed(_pack(a))
+    layers = {k: one(a) if k in QUANTIZED_LAYER_LEAVES else a for k, a in params["layers"].items()}
+    return {**params, "layers": layers}
+
+
+def unpack_layers(params: dict) -> dict:
+    """The inverse of `pack_layers`: every `Packed` leaf as the plain matrix it stands for (a new array)."""
+    def one(a):
+        if not isinstance(a, Packed):
+            return a
+        if isinstance(a.tiles, jax.ShapeDtypeStruct):  # an offloaded runner's: shapes only
+            return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+        return _unpack(a.tiles)
+    return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, Packed))
 
 
 def check_quantization(quantization) -> None:
@@ -113,9 +179,15 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
                          row_tile)
     out_dtype = preferred_element_type or x.dtype
     if isinstance(w, LayerOf):
+        if kernel and isinstance(w.stack, Packed) and x.dtype == jnp.bfloat16:
+            return cpu_matmul.cpu_matmul(x, w.stack.tiles, layer=w.index, packed=True).astype(out_dtype)
         if kernel and cpu_matmul.supported(x, w.stack, transpose, stacked=True):
             return cpu_matmul.cpu_matmul(x, w.stack, transpose, layer=w.index).astype(out_dtype)
         w = w.get()
+    if isinstance(w, Packed):
+        if kernel and x.dtype == jnp.bfloat16:
+            return cpu_matmul.cpu_matmul(x, w.tiles, packed=True).astype(out_dtype)
+        w = w.unpack()
     if kernel and not isinstance(w, QArray) and cpu_matmul.supported(x, w, transpose):
         return cpu_matmul.cpu_matmul(x, w, transpose).astype(out_dtype)
     out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)

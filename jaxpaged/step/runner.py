@@ -32,6 +32,7 @@ from jaxpaged.core.logit_controls import LogitControls
 from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.models.quant import pack_layers
 from jaxpaged.parallel.mesh import (
     MODEL_AXIS,
     POOL_SPEC,
@@ -146,6 +147,8 @@ class ModelRunner:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
+        if self.step_cfg.cpu_matmul:  # the layer matrices in the kernel's tile order, packed once (quant.Packed)
+            self.params = pack_layers(self.params)
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
@@ -359,8 +362,9 @@ class ModelRunner:
 
     # -- device state: the engine's controls change it only through these ---------------------
     def replace_params(self, params) -> None:
-        """Swap in a parameter pytree of the same structure, shapes and shardings (no recompilation)."""
-        self.params = params
+        """Swap in a parameter pytree of the same structure, shapes and shardings (no recompilation); plain
+        layer matrices are packed as the runner keeps them (quant.Packed) when its products need it."""
+        self.params = pack_layers(params) if self.step_cfg.cpu_matmul else params
 
     def device_arrays(self) -> list:
         """The device arrays the runner holds: parameters and KV pools (abstract leaves left out)."""
