@@ -56,6 +56,14 @@ COMPLETION_RULES = _COMMON_RULES + [
      "(a string of only whitespace may have none)"},
     {"code": "invalid_combination", "rule": "best_of must equal n"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false and one prompt"},
+    {"code": "empty_prompt", "rule": "a completion needs prompt or prompt_embeds (given both, the embeddings' "
+     "prompts and choices come first)"},
+    {"code": "invalid_prompt_embeds", "rule": "prompt_embeds need the server's --enable-prompt-embeds; each is the "
+     "base64 of a torch.save'd dense floating-point tensor [prompt_len, hidden_size] (a leading axis of 1 is "
+     "dropped) with the model's hidden size and at least one position"},
+    {"code": "context_length_exceeded", "rule": "prompt_embeds positions + max_tokens must not exceed "
+     "max_model_len"},
+    {"code": "invalid_combination", "rule": "prompt_embeds cannot be combined with echo or prompt_logprobs"},
 ]
 CHAT_RULES = _COMMON_RULES + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "

@@ -20,7 +20,7 @@ from jaxpaged.core.validation import InvalidParam
 PARAM = "prompt_embeds"
 
 
-def _refuse(message: str, code: str | None = None) -> InvalidParam:
+def _refuse(message: str, code: str = "invalid_prompt_embeds") -> InvalidParam:
     return InvalidParam(PARAM, f"prompt_embeds: {message}", code=code)
 
 
