@@ -155,7 +155,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                  ["logprobs"]))
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
-        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}
+        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}},
+        {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]}]}]}
     for name, kinds in (("InvocationsResponse", ("ChatCompletionResponse", "CompletionResponse")),
                         ("InvocationsChunk", ("ChatCompletionChunk", "CompletionResponse"))):
         schemas[name] = {"anyOf": [{"$ref": f"#/components/schemas/{k}"} for k in kinds]}
@@ -205,7 +206,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                              "ChatCompletionRequest", "ChatCompletionResponse",
                                              "ChatCompletionChunk", CHAT_RULES),
             "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
-                                     "with prompt (and no messages) a completion", "InvocationsRequest",
+                                     "with prompt or prompt_embeds (and no messages) a completion",
+                                     "InvocationsRequest",
                                      "InvocationsResponse", "InvocationsChunk", INVOCATIONS_RULES),
             "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
                 "200": {"description": "model list", "content": body("ModelList")},
