@@ -133,3 +133,30 @@ def test_off_by_default(path, engine_kwargs):
     assert e.value.param == "prompt_embeds"
     batch, sp = llm.engine.runner.dummy_inputs(8)
     assert "from_embeds" not in batch and "prompt_embeds" not in sp
+
+
+def test_preemption_and_speculation_keep_outputs(llm, path, engine_kwargs):
+    """A pool too small for the batch (preempted requests recompute their prompts from the embeddings) and
+    n-gram proposals (over the placeholder ids too): greedy outputs stay those of the token prompts."""
+    prompts = [_ids(40 + i, 30 + 7 * i) for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    want = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    table = np.asarray(llm.get_weights()["embed"], np.float32)
+    small = LLM(model=path, **{**engine_kwargs, "max_num_batched_tokens": 32}, enable_prompt_embeds=True,
+                num_kv_blocks=14, warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                                    "prompt_lookup_min": 1, "prompt_lookup_max": 2})
+    mixed = [{"prompt_embeds": table[p]} if i % 2 else p for i, p in enumerate(prompts)]
+    assert _tokens(small.generate(mixed, params, use_tqdm=False)) == want
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_async_scheduling_keeps_outputs(llm, path, engine_kwargs):
+    """Async scheduling (step t+1 prepared while step t runs): embeddings of chunked prompts beside decodes."""
+    prompts = [_ids(60 + i, n) for i, n in enumerate((90, 8, 41))]
+    want = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    table = np.asarray(llm.get_weights()["embed"], np.float32)
+    eng = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True, async_scheduling=True, warmup=False)
+    assert eng.engine.async_scheduling
+    mixed = [{"prompt_embeds": table[p]} if i != 1 else p for i, p in enumerate(prompts)]
+    assert _tokens(eng.generate(mixed, GREEDY, use_tqdm=False)) == want
