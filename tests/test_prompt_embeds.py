@@ -160,3 +160,21 @@ def test_async_scheduling_keeps_outputs(llm, path, engine_kwargs):
     assert eng.engine.async_scheduling
     mixed = [{"prompt_embeds": table[p]} if i != 1 else p for i, p in enumerate(prompts)]
     assert _tokens(eng.generate(mixed, GREEDY, use_tqdm=False)) == want
+
+
+def test_abstract_step_compiles_with_the_flag():
+    """The step with the feature compiles for any mesh (step/aot.py): its placeholder is abstract too."""
+    from jaxpaged.config import EngineConfig, ModelConfig
+    from jaxpaged.parallel.mesh import make_mesh
+    from jaxpaged.step.aot import abstract_runner, compile_steps
+    from jaxpaged.step.prompt_embeds import PromptEmbeds
+    mc = ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
+                                       intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6))
+    for on in (False, True):
+        cfg = EngineConfig(dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=16, block_size=4,
+                           compilation_cache_dir=None, attention_backend="reference", enable_prompt_embeds=on)
+        runner = abstract_runner(mc, cfg, make_mesh(1), num_blocks=32)
+        assert any(isinstance(f, PromptEmbeds) for f in runner.features) == on
+        (tokens, *_), _ = compile_steps(runner, [(8, False)])[(8, False)].out_info[0]
+        assert tokens.shape == (4,)
