@@ -3,7 +3,8 @@
 Everything a step will use is checked here, each part by its own checker (the SamplingParams, the
 prompt, the grammar, speculative decoding, research hooks, routed experts, bad words, then the limits
 of the model and the KV pool in `core/validation.py`), so a request that is accepted cannot make a step
-fail. A check that fails raises ValueError (InvalidParam names the field) and nothing is queued.
+fail. A prompt may come as embeddings (`core/prompt_embeds.py`). A check that fails raises ValueError
+(InvalidParam names the field) and nothing is queued.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 
 import numpy as np
 
+from jaxpaged.core import prompt_embeds
 from jaxpaged.core.batch import NUM_BANNED
 from jaxpaged.core.logit_controls import bad_words_token_ids
 from jaxpaged.core.output_processor import Group
@@ -48,7 +50,12 @@ class Admission:
         request_id = str(next(self.ids)) if request_id is None else str(request_id)
         if request_id in e.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = prompt_ids(prompt, e.tokenizer, e.model_dir)
+        embeds = None
+        if isinstance(prompt, dict) and prompt_embeds.PARAM in prompt:  # placeholder ids: one per position
+            embeds = prompt_embeds.check(prompt, cfg.enable_prompt_embeds, mc.hidden_size, e.max_model_len, params)
+            text, ids = None, [0] * len(embeds)
+        else:
+            text, ids = prompt_ids(prompt, e.tokenizer, e.model_dir)
         lora_int_id = e.lora.lora_int_id(lora_request)
         e.structured.check(params)
         e.spec.check(params)
@@ -70,7 +77,8 @@ class Admission:
                           index=i, prompt_token_ids=ids, params=params,
                           seed=(base_seed + i * 0x9E3779B9) % 2 ** 32, eos_token_ids=e.eos_token_ids,
                           arrival=now, sibling=samples[0] if samples else None, bad_words_token_ids=bad_words,
-                          lora_int_id=lora_int_id)
+                          lora_int_id=lora_int_id, prompt_embeds=embeds)
             samples.append(req)
-            detoks.append(IncrementalDetokenizer(e.tokenizer, ids, params.stop, params.skip_special_tokens))
+            detoks.append(IncrementalDetokenizer(e.tokenizer, ids, params.stop, params.skip_special_tokens,
+                                                 context=embeds is None))
         return Group(request_id, text, ids, samples, detoks, now, bool(stream))

@@ -93,6 +93,11 @@ class AsyncEngine:
     def model_config(self):
         return self.engine.model_config
 
+    @property
+    def accepts_prompt_embeds(self) -> bool:
+        """Whether prompts may come as embeddings (the engine's enable_prompt_embeds)."""
+        return self.engine.config.enable_prompt_embeds
+
     def request_limits(self) -> dict:
         """The model-dependent bounds every request is checked against (see LLMEngine.request_limits)."""
         return self.engine.request_limits()

@@ -170,6 +170,9 @@ class EngineConfig:
     max_model_len: int | None = option(None, MODEL, "longest prompt + output (default: the model's "
                                        "max_position_embeddings, capped at 4096)")
     max_logprobs: int = option(20, MODEL, "most logprobs a request may ask for, per token")
+    enable_prompt_embeds: bool = option(False, MODEL, "accept prompts given as embeddings (prompt_embeds "
+                                        "[prompt_len, hidden], vLLM's), fed to the first layer in place of the "
+                                        "token lookup (jaxpaged/step/prompt_embeds.py)")
     seed: int = option(0, MODEL, "seed of the engine's random stream, from which a request without a seed of "
                        "its own draws one")
     # -- scheduler
@@ -265,6 +268,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
+        if not isinstance(self.enable_prompt_embeds, bool):
+            raise ValueError(f"enable_prompt_embeds must be a bool, got {self.enable_prompt_embeds!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         from jaxpaged.models.quant import check_quantization

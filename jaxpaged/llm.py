@@ -54,7 +54,9 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
-        """Generate for each prompt (string, token-id list or {'prompt_token_ids': [...]}), in input order.
+        """Generate for each prompt (string, token-id list, {'prompt_token_ids': [...]} or, with
+        enable_prompt_embeds, {'prompt_embeds': float array [prompt_len, hidden]}: embeddings fed in place of the
+        token lookup, jaxpaged/core/prompt_embeds.py), in input order.
         `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""

@@ -11,13 +11,14 @@ from serve.routes import check_auth, completions
 
 
 async def invocations(request: Request) -> Response:
-    """A body with `messages` is a chat completion, one with `prompt` a completion (as vLLM's); else a 400."""
+    """A body with `messages` is a chat completion, one with `prompt` (or `prompt_embeds`) a completion (as
+    vLLM's); else a 400."""
     st = request.app.state.server
     check_auth(request)
     request.state.body = data = await read_json(request, st.max_body_bytes, st.body_timeout)
     if "messages" in data:
         return await chat_completions(request)
-    if "prompt" in data:
+    if "prompt" in data or "prompt_embeds" in data:
         return await completions(request)
     raise APIError(400, "an /invocations body needs messages (a chat completion) or prompt (a completion)",
                    param="messages")

@@ -56,6 +56,14 @@ COMPLETION_RULES = _COMMON_RULES + [
      "(a string of only whitespace may have none)"},
     {"code": "invalid_combination", "rule": "best_of must equal n"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false and one prompt"},
+    {"code": "empty_prompt", "rule": "a completion needs prompt or prompt_embeds (given both, the embeddings' "
+     "prompts and choices come first)"},
+    {"code": "invalid_prompt_embeds", "rule": "prompt_embeds need the server's --enable-prompt-embeds; each is the "
+     "base64 of a torch.save'd dense floating-point tensor [prompt_len, hidden_size] (a leading axis of 1 is "
+     "dropped) with the model's hidden size and at least one position"},
+    {"code": "context_length_exceeded", "rule": "prompt_embeds positions + max_tokens must not exceed "
+     "max_model_len"},
+    {"code": "invalid_combination", "rule": "prompt_embeds cannot be combined with echo or prompt_logprobs"},
 ]
 CHAT_RULES = _COMMON_RULES + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
@@ -147,7 +155,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                  ["logprobs"]))
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
-        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}
+        {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}},
+        {"anyOf": [{"required": ["prompt"]}, {"required": ["prompt_embeds"]}]}]}]}
     for name, kinds in (("InvocationsResponse", ("ChatCompletionResponse", "CompletionResponse")),
                         ("InvocationsChunk", ("ChatCompletionChunk", "CompletionResponse"))):
         schemas[name] = {"anyOf": [{"$ref": f"#/components/schemas/{k}"} for k in kinds]}
@@ -197,7 +206,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                              "ChatCompletionRequest", "ChatCompletionResponse",
                                              "ChatCompletionChunk", CHAT_RULES),
             "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
-                                     "with prompt (and no messages) a completion", "InvocationsRequest",
+                                     "with prompt or prompt_embeds (and no messages) a completion",
+                                     "InvocationsRequest",
                                      "InvocationsResponse", "InvocationsChunk", INVOCATIONS_RULES),
             "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
                 "200": {"description": "model list", "content": body("ModelList")},

@@ -1,12 +1,13 @@
 """Completions prompts made token ids before they reach the engine: texts refused from their size
 (serve/prompt_size.py), then tokenized in a worker thread, never on the event loop or the engine thread;
-then `truncate_prompt_tokens` (vLLM's) applied to texts and token-id prompts alike."""
+then `truncate_prompt_tokens` (vLLM's) applied to texts and token-id prompts alike; prompt_embeds decoded in
+a worker thread too (and truncated alike)."""
 from __future__ import annotations
 
 import asyncio
 
 from jaxpaged.core.validation import InvalidParam, check_text
-from serve import prompt_size
+from serve import prompt_embeds, prompt_size
 from serve.errors import APIError
 
 
@@ -41,6 +42,28 @@ def _encode(tokenizer, text: str, check_size: bool, max_model_len: int) -> list[
     if check_size and prompt_size.refused_unseen(tokenizer, text, max_model_len, "prompt") is None:
         prompt_size.check_prefix(tokenizer, text, max_model_len, "prompt")
     return tokenizer.encode(text)
+
+
+def _embeds(text: str, keep: int | None, side: str) -> dict:
+    """One prompt_embeds string -> the engine prompt {'prompt_embeds': array} (call in a worker thread)."""
+    try:
+        a = prompt_embeds.decode(text)
+    except prompt_embeds.BadTensor as e:
+        raise APIError(400, f"prompt_embeds: {e}", param="prompt_embeds", code="invalid_prompt_embeds") from None
+    if keep is not None and a.ndim == 2 and len(a) > keep:  # truncate_prompt_tokens cuts positions alike
+        a = a[len(a) - keep:] if side == "left" else a[:keep]
+    return {"prompt_embeds": a}
+
+
+async def embeds_prompts(engine, texts: list[str], keep: int | None, side: str) -> list[dict]:
+    """The engine prompts of a completions request's prompt_embeds (base64 torch.save'd tensors, decoded in a
+    worker thread without torch: serve/prompt_embeds.py); the engine checks shape, dtype and length."""
+    if not texts:
+        return []
+    if not engine.accepts_prompt_embeds:
+        raise APIError(400, "prompt_embeds: prompts given as embeddings need the server flag --enable-prompt-embeds",
+                       param="prompt_embeds", code="invalid_prompt_embeds")
+    return await asyncio.to_thread(lambda: [_embeds(t, keep, side) for t in texts])
 
 
 async def completion_prompts(engine, prompts: list, keep: int | None, side: str) -> list:

@@ -5,7 +5,7 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens)
 in pydantic's lax mode, as vLLM's are ("5" is 5, 2.0 is 2, "true" is true; 2.5 or "five" for an integer are
 refused), with finite numbers and valid Unicode; every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
-OpenAI-compatible servers do; a field we cannot honour (suffix, prompt_embeds, use_beam_search: true) is refused
+OpenAI-compatible servers do; a field we cannot honour (suffix, use_beam_search: true) is refused
 by name (it only accepts null, or false).
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
 llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`; one whose text is over
@@ -96,12 +96,14 @@ class _SamplingRequest(BaseModel):
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]
+Base64 = Annotated[str, Field(min_length=1, json_schema_extra={"contentEncoding": "base64"})]
 PromptIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: NonEmptyText | PromptText | PromptIds | Annotated[list[PromptIds], Field(min_length=1)] = Field(
-        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    prompt: NonEmptyText | PromptText | PromptIds | Annotated[list[PromptIds], Field(min_length=1)] | None = Field(
+        None, description="a string, a list of strings, a list of token ids, or a list of token-id lists; needed "
+        "unless prompt_embeds is given")
     max_tokens: int | None = Field(16, ge=0, description="null: up to max_model_len; 0 (only with echo): "
                                    "no generated token, the prompt's logprobs only", **limit("max_tokens"))
     logprobs: int | None = Field(None, ge=-1, description="top-N logprobs per token (with echo, of the prompt's "
@@ -109,7 +111,10 @@ class CompletionRequest(_SamplingRequest):
                                  **limit("logprobs"))
     echo: bool = Field(False, description="the prompt before the completion (and its tokens' logprobs)")
     suffix: None = Field(None, description="not supported")
-    prompt_embeds: None = Field(None, description="not supported (vLLM's prompt embeddings): only null")
+    prompt_embeds: Base64 | Annotated[list[Base64], Field(min_length=1)] | None = Field(
+        None, description="vLLM's prompt embeddings (with --enable-prompt-embeds): base64 of a torch.save'd "
+        "floating-point tensor [prompt_len, hidden_size], or a list of them; each is a prompt of its own, before "
+        "those of prompt")
     best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
 
 

@@ -15,7 +15,7 @@ from serve import tools
 from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
-from serve.prompts import completion_prompts, truncation
+from serve.prompts import completion_prompts, embeds_prompts, truncation
 from serve.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -113,6 +113,17 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: d
 
 
 # -- completions ------------------------------------------------------------------------------
+def check_embeds(req: CompletionRequest, embeds: list, prompt_logprobs: int | None) -> None:
+    """A prompt or prompt_embeds (as vLLM's); embeddings have no tokens to echo or give logprobs of."""
+    if req.prompt is None and not embeds:
+        raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt",
+                       code="empty_prompt")
+    if embeds and (req.echo or prompt_logprobs is not None):
+        raise APIError(400, f"prompt_embeds: {'echo' if req.echo else 'prompt_logprobs'} is not available for "
+                       "prompts given as embeddings (they have no token ids)", param="prompt_embeds",
+                       code="invalid_combination")
+
+
 async def completions(request: Request) -> Response:
     req: CompletionRequest = await parse(request, CompletionRequest)
     if req.best_of is not None and req.best_of != req.n:
@@ -130,11 +141,15 @@ async def completions(request: Request) -> Response:
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)  # the response's prompt_logprobs
     engine_pl = max((x for x in (pl, k if req.echo else None) if x is not None), default=None)
     params = sampling_params(req, 1 if echo_only else req.max_tokens, k, rename, structured, engine_pl)
-    p = req.prompt
-    prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    fmt.check_routes_request(req, len(prompts))
+    p, e = req.prompt, req.prompt_embeds
+    prompts = [] if p is None else [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    embeds = [] if e is None else [e] if isinstance(e, str) else list(e)
+    check_embeds(req, embeds, pl)
+    fmt.check_routes_request(req, len(embeds) + len(prompts))
     keep, side = truncation(req, st.engine.max_model_len, params.max_tokens)
-    prompts = await completion_prompts(st.engine, prompts, keep, side)
+    # as vLLM's: the embeddings' prompts (and choices) first
+    prompts = await embeds_prompts(st.engine, embeds, keep, side) + await completion_prompts(st.engine, prompts,
+                                                                                             keep, side)
     job = Job(request, "cmpl", rename)
     await job.start(prompts, params, stream=req.stream)
     text, n, ids_out = token_text(st, req), req.n, bool(req.return_token_ids)

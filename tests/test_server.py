@@ -325,7 +325,9 @@ def test_context_length_400(server, client):
     ({"prompt": "a", "best_of": 3}, "best_of", "invalid_combination"),
     ({"prompt": "a", "min_tokens": 3, "max_tokens": 2}, "min_tokens", "invalid_combination"),
     ({"prompt": "a", "suffix": "x"}, "suffix", None),
-    ({"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds", None),   # vLLM's, not supported: refused by name
+    # this server has no --enable-prompt-embeds (tests/test_prompt_embeds_server.py: one that has)
+    ({"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds", "invalid_prompt_embeds"),
+    ({"max_tokens": 2}, "prompt", "empty_prompt"),                       # neither prompt nor prompt_embeds
     ({"prompt": "a", "use_beam_search": True}, "use_beam_search", None),
     ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", None),       # OpenAI's range: [-100, 100]
     ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", None),

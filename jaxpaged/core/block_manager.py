@@ -2,8 +2,10 @@
 
 Block 0 is the null block and is never handed out. A full block may be registered in the prefix
 cache under the key (parent key's hash, its token ids): equal keys mean equal token prefixes, since
-dict lookup compares the token ids themselves. A request's first block has its steering's digest and its
-LoRA adapter as parent, so blocks computed under different steering or adapters never match. A cached
+dict lookup compares the token ids themselves. A request whose prompt came as embeddings has no token ids
+to key its blocks by (placeholders): it neither takes nor registers cached blocks (`Request.cacheable`;
+its n > 1 samples still share their prompt blocks directly). A request's first block has its steering's
+digest and its LoRA adapter as parent, so blocks computed under different steering or adapters never match. A cached
 block whose ref count drops to 0 stays cached and becomes evictable; evictable blocks are reused least recently
 freed first.
 
@@ -97,7 +99,7 @@ class BlockManager:
             req.block_ids = list(shared)
             self._drop_behind_window(req, len(shared) * self.block_size)
             return len(shared) * self.block_size
-        if not self.enable_prefix_caching or req.params.return_prompt_hidden_states:
+        if not self.enable_prefix_caching or req.params.return_prompt_hidden_states or not req.cacheable:
             return 0  # prompt hidden states: cached positions would have none, so compute them all
         self.queried_tokens += len(req.token_ids)
         for i in range(max_blocks):
@@ -155,8 +157,9 @@ class BlockManager:
                 self.free_blocks.append(b)
 
     def cache_blocks(self, req: Request) -> None:
-        """Register the request's full, computed blocks in the prefix cache."""
-        if not self.enable_prefix_caching:
+        """Register the request's full, computed blocks in the prefix cache (none of a request that is not
+        `cacheable`: a prompt given as embeddings)."""
+        if not self.enable_prefix_caching or not req.cacheable:
             return
         full = req.num_computed_tokens // self.block_size
         for i in range(req.num_registered_blocks, full):

@@ -47,6 +47,9 @@ class Request:
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
     lora_int_id: int = 0                  # the LoRA adapter it runs with (0: the base model)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals scheduled after the last token
+    # f32[num_prompt_tokens, D]: the prompt given as embeddings (core/prompt_embeds.py); its prompt token
+    # ids are then placeholders (0)
+    prompt_embeds: object = None
     stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device
@@ -82,6 +85,12 @@ class Request:
             return False
         have = max(self.num_routed, self.num_prompt_tokens if self.index else 0)
         return have < len(self.token_ids) - 1
+
+    @property
+    def cacheable(self) -> bool:
+        """Whether its blocks may enter (and be served by) the prefix cache: not when its prompt came as
+        embeddings, whose placeholder token ids would key blocks of different contents alike."""
+        return self.prompt_embeds is None
 
     @property
     def num_prompt_tokens(self) -> int:

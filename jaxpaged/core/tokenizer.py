@@ -212,9 +212,10 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, context: bool = True):
         self.tok = tokenizer
-        self.ids = list(prompt_ids[-6:])  # a little context so word-initial spaces decode right
+        # a little context so word-initial spaces decode right (none: placeholder ids of prompt embeddings)
+        self.ids = list(prompt_ids[-6:]) if context else []
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""

@@ -73,7 +73,7 @@ def lm_logits(params, cfg: ModelConfig, h):
 
 
 def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *, capture=(), steer=(),
-            steering=None, routes: bool = False):
+            steering=None, routes: bool = False, prompt_embeds=None):
     """The decoder layers and the final norm over packed tokens (batch as in `forward`; logits_indices
     unused). Returns (hidden states [T, D] after the final norm, k_pool, v_pool).
 
@@ -85,7 +85,10 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     so layers without a hook cost what they cost without hooks.
 
     `routes` (MoE models): the expert ids each layer's router chose for each token, i32[T, L, k], are
-    returned last (after the states); the scan gives them as its per-layer outputs."""
+    returned last (after the states); the scan gives them as its per-layer outputs.
+
+    `prompt_embeds` (bool[T], f32[T, D]): the rows marked take the given embeddings in place of the token
+    lookup's output (before the embedding scale; jaxpaged/step/prompt_embeds.py)."""
     if routes and not cfg.num_experts:
         raise ValueError("routes (return_routed_experts) needs a mixture-of-experts model")
     T = batch["input_ids"].shape[0]
@@ -100,6 +103,9 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         norm = lambda x, w: row_tiled(lambda t: rms_norm(t, w, eps, plus_one), x, cfg.row_tile)
 
     x = take_rows(params["embed"], batch["input_ids"])  # [T, D]
+    if prompt_embeds is not None:
+        use, given = prompt_embeds  # bool[T], f32[T, D]
+        x = jnp.where(use[:, None], given.astype(x.dtype), x)
     if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
         x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
     kinds = sorted(set(cfg.layer_types))

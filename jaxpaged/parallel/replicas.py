@@ -17,6 +17,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.core import prompt_embeds
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import prompt_ids
@@ -83,7 +84,8 @@ class Replicas:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        _, ids = prompt_ids(prompt, self.tokenizer, self.engines[0].model_dir)
+        embeds = isinstance(prompt, dict) and prompt_embeds.PARAM in prompt  # no token ids: routed by load
+        ids = [] if embeds else prompt_ids(prompt, self.tokenizer, self.engines[0].model_dir)[1]
         r = self.route(ids)
         self.engines[r].add_request(request_id, prompt, params, arrival_time, stream)
         self._owner[request_id] = r

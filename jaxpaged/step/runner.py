@@ -9,8 +9,8 @@ by KV head, step inputs and outputs replicated; each compiled step donates the p
 Its host inputs come from the persistent batch (`jaxpaged/core/batch.py`) and go to the device as one packed
 buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
 next `launch` in between). The step's features (research hooks, prompt logprobs, routed experts, logit
-controls, grammar masks, LoRA) each add their inputs and read back their outputs through one interface
-(`jaxpaged/step/features.py`); the step itself is one pure function (`jaxpaged/step/traced.py`).
+controls, grammar masks, LoRA, prompt embeddings) each add their inputs and read back their outputs through
+one interface (`jaxpaged/step/features.py`); the step itself is one pure function (`jaxpaged/step/traced.py`).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_back
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature
 from jaxpaged.step.matmul import resolve_matmul
+from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
 from jaxpaged.step.routed_experts import RoutedExperts
@@ -189,6 +190,8 @@ class ModelRunner:
         decoder returns their outputs."""
         cfg, S = self.cfg, self.cfg.max_num_seqs
         features = [LoRAIndex(self.lora)] if self.lora is not None else []
+        if cfg.enable_prompt_embeds:  # prompts given as embeddings (jaxpaged/step/prompt_embeds.py)
+            features.append(PromptEmbeds(self.buckets[-1], self.model_cfg.hidden_size, self._put))
         features += [GrammarMask(self.structured, S, self._put), LogitBias(self.controls, self._put),
                      PromptLogprobs(self.num_logprobs)]
         capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
