@@ -92,8 +92,13 @@ constexpr int64_t PREFETCH_ROWS = 16;  // rows of w ahead of the packing that ar
 
 // Result tiles (MT x NT of 16 x 16 float32) of A rows [MT*16, K] (stride lda bytes) times the packed B
 // tiles b[nt] (KB tiles of 16 x 32 each, consecutive) -> c[i * 2 + j] (16 x 16 each, dense).
+// Operands read from memory rather than from the caches are prefetched PREFETCH_TILES K tiles ahead:
+// `fetch` bit 0 the A rows, bit 1 the B tiles.
+constexpr int64_t PREFETCH_TILES = 6;
+constexpr int FETCH_A = 1, FETCH_B = 2;
+
 template <int MT, int NT>
-void tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t KB, float* c) {
+void tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t KB, float* c, int fetch) {
   _tile_zero(0);
   if (NT == 2) _tile_zero(1);
   if (MT == 2) _tile_zero(2);
@@ -101,6 +106,15 @@ void tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t KB,
   const char* a0 = reinterpret_cast<const char*>(a);
   const char* a1 = a0 + 16 * lda;
   for (int64_t kb = 0; kb < KB; ++kb) {
+    if (fetch && kb + PREFETCH_TILES < KB) {
+      const int64_t ahead = kb + PREFETCH_TILES;
+      if (fetch & FETCH_A)
+        for (int r = 0; r < 16 * MT; ++r) _mm_prefetch(a0 + r * lda + ahead * 64, _MM_HINT_T0);
+      if (fetch & FETCH_B)
+        for (int j = 0; j < NT; ++j)
+          for (int line = 0; line < TILE_BYTES; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(b[j]) + ahead * TILE_BYTES + line, _MM_HINT_T0);
+    }
     _tile_loadd(4, a0 + kb * 64, lda);
     if (MT == 2) _tile_loadd(5, a1 + kb * 64, lda);
     _tile_loadd(6, reinterpret_cast<const char*>(b[0]) + kb * TILE_BYTES, 64);
@@ -116,7 +130,7 @@ void tiles(const uint16_t* a, int64_t lda, const uint16_t* const* b, int64_t KB,
   if (MT == 2 && NT == 2) _tile_stored(3, c + 768, 64);
 }
 
-using TilesFn = void (*)(const uint16_t*, int64_t, const uint16_t* const*, int64_t, float*);
+using TilesFn = void (*)(const uint16_t*, int64_t, const uint16_t* const*, int64_t, float*, int);
 constexpr TilesFn TILES[2][2] = {{tiles<1, 1>, tiles<1, 2>}, {tiles<2, 1>, tiles<2, 2>}};
 
 // The VNNI interleave of two rows r0, r1 of 32 bfloat16 (columns c .. c+31): the first 16 columns' pairs
@@ -170,7 +184,7 @@ struct Shared {
           const uint16_t* bt[2] = {b + t * KB * 512, b + (t + 1) * KB * 512};
           for (int64_t mt = 0; mt < m_tiles; mt += 2) {
             const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
-            TILES[mn - 1][tn - 1](P.x + mt * 16 * K, K * 2, bt, KB, c);
+            TILES[mn - 1][tn - 1](P.x + mt * 16 * K, K * 2, bt, KB, c, P.packed && mt == 0 ? FETCH_B : 0);
             for (int i = 0; i < mn; ++i)
               for (int r = 0; r < 16; ++r) {
                 const int64_t m = (mt + i) * 16 + r;
@@ -180,14 +194,12 @@ struct Shared {
               }
           }
         }
-      } else {  // out^T tile (w rows n, x rows m) = w[n0 .., :] @ x^T; w's 32 rows copied in order first
+      } else {  // out^T tile (w rows n, x rows m) = w[n0 .., :] @ x^T; w's 32 rows read in place as A tiles
         const int64_t n0 = u * 32, nt = std::min<int64_t>(2, (N - n0) / 16);
-        buf.resize(32 * K);
-        std::memcpy(buf.data(), P.w + n0 * K, sizeof(uint16_t) * nt * 16 * K);
         for (int64_t mt = 0; mt < m_tiles; mt += 2) {
           const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
           const uint16_t* bt[2] = {xt.data() + mt * KB * 512, xt.data() + (mt + 1) * KB * 512};
-          TILES[nt - 1][mn - 1](buf.data(), K * 2, bt, KB, c);
+          TILES[nt - 1][mn - 1](P.w + n0 * K, K * 2, bt, KB, c, mt == 0 ? FETCH_A : 0);
           for (int i = 0; i < nt; ++i)      // w rows n0 + 16 i ..
             for (int j = 0; j < mn; ++j) {  // x rows 16 (mt + j) ..
               const float* t = c + (i * 2 + j) * 256;
