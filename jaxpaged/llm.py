@@ -5,9 +5,17 @@ from __future__ import annotations
 import itertools
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.tokenizer import Tokenizer
+from jaxpaged.core.validation import prompt_ids
+
+
+def check_beam_search(engine) -> None:
+    """Beam search ranks candidates by logprobs: refused (ValueError) when the engine returns logits."""
+    if not engine.config.logprobs_mode.endswith("logprobs"):
+        raise ValueError(f"beam search needs logprobs; this engine's logprobs_mode is {engine.config.logprobs_mode}")
 
 
 class LLM:
@@ -89,6 +97,31 @@ class LLM:
                         done[o.request_id] = o
                         bar.update(1)
         return [done[i] for i in ids]
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (jaxpaged/core/beam_search.py): for each prompt (as `generate` takes them), the
+        `params.beam_width` best sequences, best first; each one's `tokens` and `text` include the prompt.
+        One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
+        the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
+        eng = self._leader()
+        check_beam_search(eng)
+        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                   and isinstance(prompts[0], int))
+        prompts = [prompts] if one else list(prompts)
+        ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        search = BeamSearch(ids, params, eng.eos_token_ids, eng.max_model_len)
+        step = search.step_params()
+        from tqdm.auto import tqdm
+        with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
+            while not search.done:
+                batch = search.pending()
+                outs = self.generate([{"prompt_token_ids": t} for _, t in batch], step, use_tqdm=False,
+                                     lora_request=[loras[i] for i, _ in batch])
+                search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+                bar.update(1)
+        return search.outputs(eng.tokenizer)
 
     def score(self, prompts, continuations) -> list[list[float]]:
         """The logprob of each token of each continuation after its prompt: one list per pair, as long as
