@@ -5,17 +5,11 @@ from __future__ import annotations
 import itertools
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from jaxpaged.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_logprobs_mode
 from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.core.validation import prompt_ids
-
-
-def check_beam_search(engine) -> None:
-    """Beam search ranks candidates by logprobs: refused (ValueError) when the engine returns logits."""
-    if not engine.config.logprobs_mode.endswith("logprobs"):
-        raise ValueError(f"beam search needs logprobs; this engine's logprobs_mode is {engine.config.logprobs_mode}")
 
 
 class LLM:
@@ -105,7 +99,7 @@ class LLM:
         One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
         the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
         eng = self._leader()
-        check_beam_search(eng)
+        check_logprobs_mode(eng.config.logprobs_mode)
         one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                    and isinstance(prompts[0], int))
         prompts = [prompts] if one else list(prompts)

@@ -56,6 +56,9 @@ COMPLETION_RULES = _COMMON_RULES + [
      "(a string of only whitespace may have none)"},
     {"code": "invalid_combination", "rule": "best_of must equal n"},
     {"code": "invalid_combination", "rule": "return_routed_experts needs stream false and one prompt"},
+    {"code": "invalid_combination", "rule": "use_beam_search true: n (the beam width) at most max_logprobs / 2; "
+     "no logprobs, prompt_logprobs, return_routed_experts or structured_outputs; max_tokens "
+     "at least 1"},
 ]
 CHAT_RULES = _COMMON_RULES + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "

@@ -76,7 +76,18 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     the prompt and not an ending EOS."""
     eos = eos_token_id if isinstance(eos_token_id, Collection) else (eos_token_id,)
     seq_len = len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
-    return cumulative_logprob / (seq_len ** length_penalty)
+    try:
+        return cumulative_logprob / (seq_len ** length_penalty)
+    except OverflowError:  # the length's power is past float's range: the score is 0
+        return 0.0
+    except ZeroDivisionError:  # ... or below it
+        return -math.inf if cumulative_logprob < 0 else 0.0
+
+
+def check_logprobs_mode(logprobs_mode: str) -> None:
+    """Candidates are ranked by logprob: refused (ValueError) on an engine whose logprobs are logits."""
+    if not logprobs_mode.endswith("logprobs"):
+        raise ValueError(f"beam search ranks logprobs; this engine's logprobs_mode is {logprobs_mode}")
 
 
 class _Instance:
