@@ -164,3 +164,19 @@ def test_core_rules():
     assert s.generated(0, best[0]) == [] and s.generated(0, best[1]) == [5, 7]
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=1)
+
+
+def test_matches_hf_generate_without_eos(llm, model):
+    """HF transformers' own beam search (num_beams=k, the top 2k candidates over all beams) agrees where its
+    stopping rules and vLLM's coincide: EOS ignored, every beam max_tokens long."""
+    import torch
+    path, _ = model
+    hf = hf_model(path)
+    for p in PROMPTS[:2]:
+        got = llm.beam_search([{"prompt_token_ids": p}], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), num_beams=3, num_return_sequences=3, do_sample=False,
+                               max_new_tokens=5, early_stopping=False, eos_token_id=None,
+                               pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
+        assert [s.tokens for s in got[0].sequences] == want.tolist()
+    all_free(llm)
