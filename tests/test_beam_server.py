@@ -1,7 +1,7 @@
 """`use_beam_search: true` on /v1/completions against a live server (issue #36): n is the beam width, the
 choices are the n best beams (best first) of each prompt, as the brute-force search of test_beam_search
-finds them over HF's logits; streamed as whole choices; refusals name the field; chat refuses it; every
-block free afterwards. One server for the module."""
+finds them over HF's logits; streamed as whole choices; refusals name the field; chat too; every block
+free afterwards. One server for the module."""
 import json
 
 import httpx
@@ -85,9 +85,24 @@ def test_refusals_name_the_field(served, body, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["code"] == "invalid_combination"
 
 
-def test_chat_refuses_it(served):
-    srv, _ = served
-    r = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
+def test_chat(served):
+    """Chat: the conversation through the chat template, then the same search; streamed as whole choices."""
+    srv, path = served
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "the quick brown fox"}], "n": 2,
+            "use_beam_search": True, "temperature": 0, "max_completion_tokens": 4, "return_token_ids": True}
+    r = httpx.post(srv.url + "/v1/chat/completions", timeout=120, json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    prompt = out["prompt_token_ids"]
+    want = brute_force(path, prompt, 2, 4, EOS)
+    assert [c["token_ids"] for c in out["choices"]] == [generated(w[0], prompt) for w in want]
+    assert [c["index"] for c in out["choices"]] == [0, 1] and out["choices"][0]["message"]["role"] == "assistant"
+    with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={**body, "stream": True}) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and len(events) == 3
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    assert [c["delta"]["content"] for c in chunks] == [c["message"]["content"] for c in out["choices"]]
+    bad = httpx.post(srv.url + "/v1/chat/completions", timeout=60, json={
+        **body, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     wait_idle(srv)
