@@ -180,3 +180,48 @@ def test_matches_hf_generate_without_eos(llm, model):
                                pad_token_id=0, attention_mask=torch.ones(1, len(p), dtype=torch.long))
         assert [s.tokens for s in got[0].sequences] == want.tolist()
     all_free(llm)
+
+
+def _toy_logprobs(tokens, vocab=12):
+    """A deterministic 'model' over a 12-token vocabulary: log-softmax of logits seeded by the prefix."""
+    rng = np.random.default_rng(abs(hash(tuple(tokens))) % 2 ** 32)
+    x = rng.normal(size=vocab) * 2
+    return x - np.log(np.exp(x).sum())
+
+
+def _toy_brute_force(prompt, width, max_tokens, eos, ignore_eos, length_penalty, max_model_len):
+    beams, done = [(list(prompt), 0.0)], []
+    for _ in range(min(max_tokens, max_model_len - len(prompt))):
+        cands = []
+        for toks, cum in beams:
+            lp = _toy_logprobs(toks)
+            for t in np.argsort(-lp, kind="stable")[:2 * width]:
+                (done if t == eos and not ignore_eos else cands).append((toks + [int(t)], cum + float(lp[t])))
+        beams = sorted(cands, key=lambda c: -c[1])[:width]
+        if not beams:
+            break
+    return sorted(done + beams, key=lambda s: get_beam_search_score(s[0], s[1], eos, length_penalty),
+                  reverse=True)[:width]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_core_against_brute_force_on_a_toy_model(seed):
+    """The host rules alone, many shapes: widths, EOS on or ignored, length penalties, max_model_len cuts."""
+    rng = np.random.default_rng(seed)
+    width, max_tokens = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+    prompts = [[int(t) for t in rng.integers(3, 12, int(rng.integers(1, 5)))] for _ in range(int(rng.integers(1, 4)))]
+    ignore_eos, lp = bool(rng.integers(2)), float(rng.choice([0.0, 0.5, 1.0, 2.0]))
+    max_model_len = int(rng.integers(3, 12))
+    prompts = [p for p in prompts if len(p) < max_model_len] or [[5]]
+    s = BeamSearch(prompts, BeamSearchParams(width, max_tokens, ignore_eos=ignore_eos, length_penalty=lp), {2},
+                   max_model_len)
+    while not s.done:
+        top = []
+        for _, toks in s.pending():
+            lps = _toy_logprobs(toks)
+            top.append({int(t): float(lps[t]) for t in np.argsort(-lps, kind="stable")[:2 * width]})
+        s.advance(top)
+    for p, got in zip(prompts, s.best()):
+        want = _toy_brute_force(p, width, max_tokens, 2, ignore_eos, lp, max_model_len)
+        assert [g.tokens for g in got] == [w[0] for w in want]
+        np.testing.assert_allclose([g.cum_logprob for g in got], [w[1] for w in want])
