@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, check_logprobs_mode
+from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, candidates, check_logprobs_mode
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
@@ -191,12 +191,12 @@ class AsyncEngine:
             streams = await self.add_requests([(rid, {"prompt_token_ids": t}) for rid, (_, t) in zip(ids, batch)],
                                               step, stream=False, lora_request=lora_request)
             try:
-                lasts = [[out async for out in s][-1:] for s in streams]  # [] when aborted
+                lasts = [([out async for out in s] or [None])[-1] for s in streams]  # None when aborted
             except BaseException:
                 for rid in ids:
                     self.abort(rid)
                 raise
-            search.advance([o[0].outputs[0].logprobs[0] if o and o[0].outputs[0].logprobs else None for o in lasts])
+            search.advance([candidates(o) for o in lasts])
             iteration += 1
         return search
 

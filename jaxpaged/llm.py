@@ -5,11 +5,35 @@ from __future__ import annotations
 import itertools
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.core.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check_logprobs_mode
+from jaxpaged.core.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    candidates,
+    check_logprobs_mode,
+)
 from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.core.validation import prompt_ids
+
+
+def _is_one_prompt(prompts) -> bool:
+    """A single prompt (a string, a dict, a list of token ids) rather than a list of them."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                and isinstance(prompts[0], int))
+
+
+def _prompt_list(prompts) -> list:
+    return [prompts] if _is_one_prompt(prompts) else list(prompts)
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    """`value` for each of n prompts: a list of one each, or one for all."""
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what} for {n} prompts")
+    return values
 
 
 class LLM:
@@ -60,16 +84,9 @@ class LLM:
         `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling params")
+        loras = _per_prompt(lora_request, len(prompts), "lora requests")
         eng = self._leader()
         if eng.is_paused or eng.sleep_level:
             raise RuntimeError("generate: the engine is paused or asleep; call resume_generation() / wake_up()")
@@ -100,11 +117,9 @@ class LLM:
         the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
         eng = self._leader()
         check_logprobs_mode(eng.config.logprobs_mode)
-        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                   and isinstance(prompts[0], int))
-        prompts = [prompts] if one else list(prompts)
+        prompts = _prompt_list(prompts)
         ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora requests")
         search = BeamSearch(ids, params, eng.eos_token_ids, eng.max_model_len)
         step = search.step_params()
         from tqdm.auto import tqdm
@@ -113,7 +128,7 @@ class LLM:
                 batch = search.pending()
                 outs = self.generate([{"prompt_token_ids": t} for _, t in batch], step, use_tqdm=False,
                                      lora_request=[loras[i] for i, _ in batch])
-                search.advance([o.outputs[0].logprobs[0] if o.outputs[0].logprobs else None for o in outs])
+                search.advance([candidates(o) for o in outs])
                 bar.update(1)
         return search.outputs(eng.tokenizer)
 
@@ -123,9 +138,7 @@ class LLM:
         special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.step.scoring`),
         with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
         from jaxpaged.step.scoring import score
-        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                   and isinstance(prompts[0], int))
-        if one:
+        if _is_one_prompt(prompts):
             prompts, continuations = [prompts], [continuations]
         eng = self._leader()
         return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))

@@ -90,6 +90,13 @@ def check_logprobs_mode(logprobs_mode: str) -> None:
         raise ValueError(f"beam search ranks logprobs; this engine's logprobs_mode is {logprobs_mode}")
 
 
+def candidates(out) -> dict[int, float] | None:
+    """The candidates a beam's one-token request returned: its top logprobs (None: no output, or none)."""
+    if out is None or not out.outputs[0].logprobs:
+        return None
+    return out.outputs[0].logprobs[0]
+
+
 class _Instance:
     """One prompt's search: its live beams, the finished ones, the length its beams stop at."""
 
