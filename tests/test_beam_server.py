@@ -3,11 +3,12 @@ choices are the n best beams (best first) of each prompt, as the brute-force sea
 finds them over HF's logits; streamed as whole choices; refusals name the field; chat too; every block
 free afterwards. One server for the module."""
 import json
+import time
 
 import httpx
 import pytest
 from test_beam_search import brute_force
-from test_server import Server, make_tokenizer, wait_idle
+from test_server import Server, make_tokenizer, metrics, wait_idle
 
 from jaxpaged.bench.tiny_models import make_tiny_model
 
@@ -106,3 +107,20 @@ def test_chat(served):
         **body, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
     wait_idle(srv)
+
+
+def test_disconnect_aborts_the_search(served):
+    """A client that goes away mid-search: the iteration's requests are aborted and no further iteration
+    runs (the engine computes far fewer tokens than the whole search's least), every block comes back."""
+    srv, _ = served
+    tokens = lambda: metrics(srv)["jaxpaged:iteration_tokens_total_sum"]  # noqa: E731
+    before = tokens()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.url + "/v1/completions", timeout=httpx.Timeout(60, read=0.1), json={
+            "model": "tiny", "prompt": [5, 6, 7], "n": 10, "use_beam_search": True, "max_tokens": 250,
+            "ignore_eos": True})
+    time.sleep(2)  # the whole search takes about half a second here: it would have ended by now
+    wait_idle(srv, timeout=30)
+    assert tokens() - before < 10 * 250  # each of the 250 iterations computes >= 1 token for each of 10 beams
+    r = post(srv, prompt="the", n=2, use_beam_search=True, temperature=0, max_tokens=2)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2
