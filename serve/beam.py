@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import time
 import uuid
 
@@ -38,6 +39,7 @@ from serve.protocol import (
     Usage,
 )
 
+log = logging.getLogger("jaxpaged.serve")
 _ids = itertools.count()
 
 
@@ -82,8 +84,25 @@ async def search(request: Request, req, ids: list[list[int]], max_tokens: int | 
                                   temperature=1.0 if req.temperature is None else req.temperature)
     except ValueError as e:
         raise from_value_error(e) from None
-    rid = f"beam-{next(_ids)}"
-    return await _run(request, st.engine.beam_search(rid, ids, params, getattr(request.state, "lora", None)))
+    rid, t0 = f"beam-{next(_ids)}", time.monotonic()
+    found = await _run(request, st.engine.beam_search(rid, ids, params, getattr(request.state, "lora", None)))
+    _record(st, rid, ids, found, params, time.monotonic() - t0)
+    return found
+
+
+def _record(st, rid: str, ids: list[list[int]], found, params: BeamSearchParams, seconds: float) -> None:
+    """The metrics of each prompt (as one request: its beams' tokens, its best beam's finish reason; "abort"
+    when the client went away) and one log line, as `serve.job.Job` records other requests."""
+    out_tokens = 0
+    for i, x in enumerate(ids):
+        seqs = found.best()[i] if found is not None else []
+        n = sum(len(found.generated(i, s)) for s in seqs)
+        out_tokens += n
+        st.metrics.observe(len(x), n, seqs[0].finish_reason if seqs else "abort", None, None, seconds,
+                           params.beam_width, params.max_tokens)
+    log.info("%s %s prompt_tokens=%d output_tokens=%d total=%.3fs beam_width=%d", rid,
+             "ok" if found is not None else "disconnected", sum(len(x) for x in ids), out_tokens, seconds,
+             params.beam_width)
 
 
 def _usage(ids: list[list[int]], completion: int) -> Usage:

@@ -124,3 +124,12 @@ def test_disconnect_aborts_the_search(served):
     assert tokens() - before < 10 * 250  # each of the 250 iterations computes >= 1 token for each of 10 beams
     r = post(srv, prompt="the", n=2, use_beam_search=True, temperature=0, max_tokens=2)
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+def test_recorded_in_the_metrics(served):
+    srv, _ = served
+    name = 'jaxpaged:request_success_total{finished_reason="length",model_name="tiny"}'
+    before = metrics(srv).get(name, 0)
+    r = post(srv, prompt=[[5, 6], [7, 8]], n=2, use_beam_search=True, temperature=0, max_tokens=3, ignore_eos=True)
+    assert r.status_code == 200
+    assert metrics(srv)[name] == before + 2  # one request per prompt
