@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, candidates, check_logprobs_mode
+from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, candidates, check_beam_search
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
@@ -182,7 +182,7 @@ class AsyncEngine:
         beam and iteration ("<request_id>-<iteration>-<beam>"), all of an iteration queued together. Returns
         the finished search (`best()`, `generated(...)`). Raises as `add_requests` (an invalid prompt: the
         first iteration's ValueError) and RequestFailedError; cancelled, it aborts the iteration's requests."""
-        check_logprobs_mode(self.engine.config.logprobs_mode)
+        check_beam_search(params, self.engine.config.logprobs_mode, self.request_limits()["max_logprobs"])
         search = BeamSearch(prompts, params, self.engine.eos_token_ids, self.max_model_len)
         step, iteration = search.step_params(), 0
         while not search.done:

@@ -10,7 +10,7 @@ from jaxpaged.core.beam_search import (
     BeamSearchOutput,
     BeamSearchParams,
     candidates,
-    check_logprobs_mode,
+    check_beam_search,
 )
 from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
@@ -116,7 +116,7 @@ class LLM:
         One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
         the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
         eng = self._leader()
-        check_logprobs_mode(eng.config.logprobs_mode)
+        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"])
         prompts = _prompt_list(prompts)
         ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
         loras = _per_prompt(lora_request, len(prompts), "lora requests")

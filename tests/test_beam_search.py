@@ -149,6 +149,14 @@ def test_forks_do_not_recompute_the_prompt(llm, model):
     assert len(out[0].sequences) == 3
 
 
+def test_refused_when_the_engine_cannot_run_it(llm):
+    with pytest.raises(ValueError, match="beam_width"):  # 2 * 11 logprobs a step > max_logprobs 20
+        llm.beam_search([[5, 6]], BeamSearchParams(beam_width=11, max_tokens=2))
+    with pytest.raises(ValueError, match="prompt"):
+        llm.beam_search([[5, 999]], BeamSearchParams(beam_width=2, max_tokens=2))  # out of the vocabulary
+    all_free(llm)
+
+
 def test_core_rules():
     """Host rules alone: EOS candidates finish (score without the EOS), max_model_len ends beams, the
     server's generated ids drop a finishing EOS unless include_stop_str_in_output."""

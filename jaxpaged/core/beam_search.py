@@ -84,10 +84,14 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
         return -math.inf if cumulative_logprob < 0 else 0.0
 
 
-def check_logprobs_mode(logprobs_mode: str) -> None:
-    """Candidates are ranked by logprob: refused (ValueError) on an engine whose logprobs are logits."""
+def check_beam_search(params: BeamSearchParams, logprobs_mode: str, max_logprobs: int) -> None:
+    """Refuse (ValueError) a search the engine cannot run: candidates ranked by logprob need logprobs (not
+    logits), 2 * beam_width of them a step."""
     if not logprobs_mode.endswith("logprobs"):
         raise ValueError(f"beam search ranks logprobs; this engine's logprobs_mode is {logprobs_mode}")
+    if 2 * params.beam_width > max_logprobs:
+        raise InvalidParam("beam_width", f"beam_width ({params.beam_width}) must be at most max_logprobs / 2 "
+                                         f"({max_logprobs // 2}): each step asks for the top 2 * beam_width logprobs")
 
 
 def candidates(out) -> dict[int, float] | None:
