@@ -8,11 +8,12 @@ is kept aside, the beam_width best others are the next iteration's beams. After 
 at max_model_len: "length") the finished and live beams are ranked by `get_beam_search_score` (cumulative
 logprob over length ** length_penalty, an ending EOS not counted) and the beam_width best are returned.
 
-Forking never recomputes a prompt: a child beam's request holds its parent's tokens, so the engine's
+Forking does not recompute the prompt: a child beam's request holds its parent's tokens, so the engine's
 prefix cache hands it the parent's full blocks (shared by reference count, jaxpaged/core/block_manager.py)
 and computes only the tokens after the last full block (1 to block_size of them: the parent's partial
-last block and the new token). See docs/server.md (beam search) for why the partial block is recomputed
-rather than copied.
+last block and the new token); only a prefix the pool evicted meanwhile (LRU, under memory pressure) is
+computed again. See docs/server.md ("Beam search") for why the partial block is recomputed rather than
+copied.
 
 Host code, no jax.
 """
@@ -32,7 +33,8 @@ class BeamSearchParams:
     """vLLM's BeamSearchParams. `temperature` is that of each step's request: with the default
     logprobs_mode (raw_logprobs) the candidates' logprobs are the model's whatever it is, and a token sampled
     outside the top 2 * beam_width joins the candidates (as in vLLM); 0 makes the search deterministic.
-    `include_stop_str_in_output`: the server's text and token_ids keep a finishing EOS."""
+    `include_stop_str_in_output`: `BeamSearch.generated` (the server's text and token_ids) keeps a finishing
+    EOS."""
     beam_width: int
     max_tokens: int
     ignore_eos: bool = False
@@ -140,7 +142,7 @@ class BeamSearch:
             raise ValueError(f"{len(logprobs)} logprobs for {len(self.pending())} beams")
         it, width = iter(logprobs), self.params.beam_width
         for inst in self.instances:
-            candidates = []  # (cumulative logprob, beam, token, its logprobs)
+            cands = []  # (cumulative logprob, beam, token, its logprobs)
             for beam in inst.beams:
                 lp = next(it)
                 for tok, v in (lp or {}).items():
@@ -149,25 +151,25 @@ class BeamSearch:
                         inst.completed.append(BeamSearchSequence(beam.tokens + [tok], beam.logprobs + [lp], cum,
                                                                  finish_reason="stop", stop_reason=tok))
                     else:
-                        candidates.append((cum, beam, tok, lp))
-            candidates.sort(key=lambda c: -c[0])  # stable: ties keep the beams' and logprobs' order
-            inst.beams = [BeamSearchSequence(b.tokens + [t], b.logprobs + [lp], cum)
-                          for cum, b, t, lp in candidates[:width]]
+                        cands.append((cum, beam, tok, lp))
+            cands.sort(key=lambda c: -c[0])  # stable: ties keep the beams' and logprobs' order
+            inst.beams = [BeamSearchSequence(b.tokens + [t], b.logprobs + [lp], cum) for cum, b, t, lp in cands[:width]]
             if inst.beams and len(inst.beams[0].tokens) >= inst.limit:  # max_tokens or max_model_len
                 for b in inst.beams:
                     b.finish_reason = "length"
                 inst.completed += inst.beams
                 inst.beams = []
+            # a finished beam outside the best beam_width finished ones can never be returned: drop it
+            inst.completed = sorted(inst.completed, key=self._score, reverse=True)[:width]
+
+    def _score(self, seq: BeamSearchSequence) -> float:
+        return get_beam_search_score(seq.tokens, seq.cum_logprob, self.all_eos, self.params.length_penalty)
 
     def best(self) -> list[list[BeamSearchSequence]]:
         """Each prompt's beam_width best sequences (finished and live ones), best first."""
-        p = self.params
-
-        def score(s):
-            return get_beam_search_score(s.tokens, s.cum_logprob, self.all_eos, p.length_penalty)
         out = []
         for inst in self.instances:
-            done = sorted(inst.completed + inst.beams, key=score, reverse=True)[:p.beam_width]
+            done = sorted(inst.completed + inst.beams, key=self._score, reverse=True)[:self.params.beam_width]
             for s in done:
                 s.finish_reason = s.finish_reason or "length"
             out.append(done)
