@@ -93,9 +93,8 @@ async def search(request: Request, req, ids: list[list[int]], max_tokens: int | 
 def _record(st, rid: str, ids: list[list[int]], found, params: BeamSearchParams, seconds: float) -> None:
     """The metrics of each prompt (as one request: its beams' tokens, its best beam's finish reason; "abort"
     when the client went away) and one log line, as `serve.job.Job` records other requests."""
-    out_tokens = 0
-    for i, x in enumerate(ids):
-        seqs = found.best()[i] if found is not None else []
+    out_tokens, best = 0, found.best() if found is not None else [[] for _ in ids]
+    for i, (x, seqs) in enumerate(zip(ids, best)):
         n = sum(len(found.generated(i, s)) for s in seqs)
         out_tokens += n
         st.metrics.observe(len(x), n, seqs[0].finish_reason if seqs else "abort", None, None, seconds,
