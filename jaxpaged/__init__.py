@@ -19,6 +19,9 @@ _EXPORTS = {
     "CompletionOutput": "jaxpaged.core.outputs",
     "StructuredOutputsParams": "jaxpaged.core.structured",
     "LoRARequest": "jaxpaged.lora.request",
+    "BeamSearchParams": "jaxpaged.core.beam_search",
+    "BeamSearchOutput": "jaxpaged.core.beam_search",
+    "BeamSearchSequence": "jaxpaged.core.beam_search",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, candidates, check_beam_search
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
@@ -179,6 +180,30 @@ class AsyncEngine:
         async with contextlib.aclosing(stream):
             async for out in stream:
                 yield out
+
+    async def beam_search(self, request_id: str, prompts: list[list[int]], params: BeamSearchParams,
+                          lora_request=None) -> BeamSearch:
+        """vLLM's beam search over token-id prompts (jaxpaged/core/beam_search.py): one engine request per live
+        beam and iteration ("<request_id>-<iteration>-<beam>"), all of an iteration queued together. Returns
+        the finished search (`best()`, `generated(...)`). Raises as `add_requests` (an invalid prompt: the
+        first iteration's ValueError) and RequestFailedError; cancelled, it aborts the iteration's requests."""
+        check_beam_search(params, self.engine.config.logprobs_mode, self.request_limits()["max_logprobs"])
+        search = BeamSearch(prompts, params, self.engine.eos_token_ids, self.max_model_len)
+        step, iteration = search.step_params(), 0
+        while not search.done:
+            batch = search.pending()
+            ids = [f"{request_id}-{iteration}-{j}" for j in range(len(batch))]
+            streams = await self.add_requests([(rid, {"prompt_token_ids": t}) for rid, (_, t) in zip(ids, batch)],
+                                              step, stream=False, lora_request=lora_request)
+            try:
+                lasts = [([out async for out in s] or [None])[-1] for s in streams]  # None when aborted
+            except BaseException:
+                for rid in ids:
+                    self.abort(rid)
+                raise
+            search.advance([candidates(o) for o in lasts])
+            iteration += 1
+        return search
 
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe, returns at once); its blocks are freed at the next step boundary."""

@@ -5,9 +5,35 @@ from __future__ import annotations
 import itertools
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.core.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    candidates,
+    check_beam_search,
+)
 from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.tokenizer import Tokenizer
+from jaxpaged.core.validation import prompt_ids
+
+
+def _is_one_prompt(prompts) -> bool:
+    """A single prompt (a string, a dict, a list of token ids) rather than a list of them."""
+    return isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and bool(prompts)
+                                                and isinstance(prompts[0], int))
+
+
+def _prompt_list(prompts) -> list:
+    return [prompts] if _is_one_prompt(prompts) else list(prompts)
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    """`value` for each of n prompts: a list of one each, or one for all."""
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise ValueError(f"{len(values)} {what} for {n} prompts")
+    return values
 
 
 class LLM:
@@ -60,16 +86,9 @@ class LLM:
         `lora_request`: a LoRARequest for every prompt, or a list of one (or None) per prompt.
 
         Every prompt is validated before any is queued, so a bad one raises ValueError and runs nothing."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                               and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        prompts = _prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling params")
+        loras = _per_prompt(lora_request, len(prompts), "lora requests")
         eng = self._leader()
         if eng.is_paused or eng.sleep_level:
             raise RuntimeError("generate: the engine is paused or asleep; call resume_generation() / wake_up()")
@@ -92,15 +111,36 @@ class LLM:
                         bar.update(1)
         return [done[i] for i in ids]
 
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's beam search (jaxpaged/core/beam_search.py): for each prompt (as `generate` takes them), the
+        `params.beam_width` best sequences, best first; each one's `tokens` and `text` include the prompt.
+        One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
+        the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
+        eng = self._leader()
+        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"])
+        prompts = _prompt_list(prompts)
+        ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
+        loras = _per_prompt(lora_request, len(prompts), "lora requests")
+        search = BeamSearch(ids, params, eng.eos_token_ids, eng.max_model_len)
+        step = search.step_params()
+        from tqdm.auto import tqdm
+        with tqdm(total=params.max_tokens, desc="beam search", unit="tok", disable=not use_tqdm) as bar:
+            while not search.done:
+                batch = search.pending()
+                outs = self.generate([{"prompt_token_ids": t} for _, t in batch], step, use_tqdm=False,
+                                     lora_request=[loras[i] for i, _ in batch])
+                search.advance([candidates(o) for o in outs])
+                bar.update(1)
+        return search.outputs(eng.tokenizer)
+
     def score(self, prompts, continuations) -> list[list[float]]:
         """The logprob of each token of each continuation after its prompt: one list per pair, as long as
         the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
         special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.step.scoring`),
         with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
         from jaxpaged.step.scoring import score
-        one = isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                   and isinstance(prompts[0], int))
-        if one:
+        if _is_one_prompt(prompts):
             prompts, continuations = [prompts], [continuations]
         eng = self._leader()
         return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))

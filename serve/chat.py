@@ -8,8 +8,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.validation import InvalidParam, check_text
+from serve import beam, prompt_size, reasoning, tools
 from serve import outputs as fmt
-from serve import prompt_size, reasoning, tools
 from serve.errors import APIError
 from serve.job import Job, JobStream, run_to_end, sse
 from serve.prompts import truncate, truncation
@@ -88,6 +88,8 @@ async def chat_completions(request: Request) -> Response:
     named = req.tool_choice.function.name if mode == "named" else None
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
     echo = _echo(req, role)
+    if req.use_beam_search:
+        return await beam.chat(request, req, prompt, max_tokens, role, echo)
     job = Job(request, "chatcmpl", rename)
     await job.start([prompt], params, stream=req.stream)
     text, ids_out = token_text(st, req), bool(req.return_token_ids)

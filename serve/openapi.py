@@ -51,7 +51,10 @@ _COMMON_RULES = [
     {"code": "routed_experts_unsupported", "rule": "return_routed_experts needs a mixture-of-experts model "
      "(Mixtral, Qwen3-MoE, OLMoE)"},
 ]
-COMPLETION_RULES = _COMMON_RULES + [
+_BEAM_RULE = {"code": "invalid_combination", "rule": "use_beam_search true: n (the beam width) at most "
+              "max_logprobs / 2; no logprobs / top_logprobs, prompt_logprobs, return_routed_experts, "
+              "structured_outputs, non-text response_format or tools; max_tokens at least 1"}
+COMPLETION_RULES = _COMMON_RULES + [_BEAM_RULE] + [
     {"code": "empty_prompt", "rule": "every prompt must have at least one token once tokenized "
      "(a string of only whitespace may have none)"},
     {"code": "invalid_combination", "rule": "best_of must equal n"},
@@ -65,7 +68,7 @@ COMPLETION_RULES = _COMMON_RULES + [
      "max_model_len"},
     {"code": "invalid_combination", "rule": "prompt_embeds cannot be combined with echo or prompt_logprobs"},
 ]
-CHAT_RULES = _COMMON_RULES + [
+CHAT_RULES = _COMMON_RULES + [_BEAM_RULE] + [
     {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
      "(its message says why)"},
     {"code": "invalid_combination", "rule": "at most one of structured_outputs, a non-text response_format "

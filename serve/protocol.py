@@ -5,8 +5,7 @@ repetition_penalty, ignore_eos, min_tokens, stop_token_ids, skip_special_tokens)
 in pydantic's lax mode, as vLLM's are ("5" is 5, 2.0 is 2, "true" is true; 2.5 or "five" for an integer are
 refused), with finite numbers and valid Unicode; every constraint is in the schema
 (`serve/openapi.py` adds the model-dependent bounds marked with `limit`). Unknown fields are ignored, as
-OpenAI-compatible servers do; a field we cannot honour (suffix, use_beam_search: true) is refused
-by name (it only accepts null, or false).
+OpenAI-compatible servers do; a field we cannot honour (suffix) is refused by name (it only accepts null).
 Structured outputs (`response_format`, vLLM's `structured_outputs`) and chat `tools` are compiled by
 llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_grammar`; one whose text is over
 `--max-grammar-bytes` is refused before it is compiled (`grammar_too_large`, serve/tools.py).
@@ -88,8 +87,10 @@ class _SamplingRequest(BaseModel):
                                                "fit with max_tokens", **limit("max_model_len"))
     truncation_side: Literal["left", "right"] | None = Field(None, description="with truncate_prompt_tokens: "
                                                              "left (default) drops the first tokens")
-    use_beam_search: Literal[False] | None = Field(None, description="not supported (vLLM's beam search): "
-                                                   "only false or null")
+    use_beam_search: bool | None = Field(None, description="vLLM's beam search: n is the beam width, the n best "
+                                         "beams are the choices (docs/server.md)")
+    length_penalty: Float = Field(1.0, description="with use_beam_search: a sequence's score is its cumulative "
+                                  "logprob / length ** length_penalty")
     prompt_logprobs: int | None = Field(None, ge=-1, description="top-N logprobs of each prompt token (the "
                                         "response's prompt_logprobs); -1: capped by --max-logprobs; not "
                                         "streamed", **limit("logprobs"))

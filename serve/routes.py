@@ -9,9 +9,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxpaged.core.sampling_params import SamplingParams
+from serve import beam, tools
 from serve import lora as serve_lora
 from serve import outputs as fmt
-from serve import tools
 from serve.body import read_json
 from serve.errors import APIError, from_validation_error, from_value_error
 from serve.job import Job, JobStream, run_to_end, sse
@@ -129,6 +129,8 @@ async def completions(request: Request) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, f"best_of ({req.best_of}) must equal n ({req.n}): best-of-n selection is not "
                             "supported", param="best_of", code="invalid_combination")
+    if req.use_beam_search:
+        return await beam.completions(request, req)
     echo_only = req.max_tokens == 0  # the prompt (and its logprobs), nothing generated: run 1 token, drop it
     if echo_only and not req.echo:
         raise APIError(400, "max_tokens 0 needs echo=true (it returns the prompt only)", param="max_tokens")

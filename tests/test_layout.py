@@ -64,9 +64,11 @@ def test_the_block_catches_jax():
 def test_public_api_is_lazy():
     code = BLOCK_JAX + "import jaxpaged\nassert sorted(jaxpaged.__all__) == sorted(%r)\n" % [
         "LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
-        "CompletionOutput", "StructuredOutputsParams", "LoRARequest"]
+        "CompletionOutput", "StructuredOutputsParams", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
+        "BeamSearchSequence"]
     code += ("from jaxpaged import SamplingParams, RequestOutput, StructuredOutputsParams, LoRARequest\n"
-             "SamplingParams(max_tokens=3)\n")
+             "from jaxpaged import BeamSearchParams, BeamSearchOutput\n"
+             "SamplingParams(max_tokens=3)\nBeamSearchParams(beam_width=2, max_tokens=3)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     import jaxpaged

@@ -328,7 +328,10 @@ def test_context_length_400(server, client):
     # this server has no --enable-prompt-embeds (tests/test_prompt_embeds_server.py: one that has)
     ({"prompt": "a", "prompt_embeds": "AAAA"}, "prompt_embeds", "invalid_prompt_embeds"),
     ({"max_tokens": 2}, "prompt", "empty_prompt"),                       # neither prompt nor prompt_embeds
-    ({"prompt": "a", "use_beam_search": True}, "use_beam_search", None),
+    ({"prompt": "a", "use_beam_search": True, "logprobs": 1}, "logprobs", "invalid_combination"),
+    ({"prompt": "a", "use_beam_search": True, "n": 11}, "n", "invalid_combination"),  # 2n > max_logprobs 20
+    ({"prompt": "a", "use_beam_search": True, "max_tokens": 0, "echo": True}, "max_tokens", "invalid_combination"),
+    ({"prompt": "the quick", "use_beam_search": True, "max_tokens": 256}, "max_tokens", "context_length_exceeded"),
     ({"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias", None),       # OpenAI's range: [-100, 100]
     ({"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias", None),
     ({"prompt": "a", "logit_bias": {"256": 1}}, "logit_bias", "invalid_token_id"),  # vocab_size 256

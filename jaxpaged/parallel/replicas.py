@@ -40,6 +40,7 @@ class Replicas:
         first = self.engines[0]
         self.config, self.tokenizer = config, first.tokenizer
         self.model_config, self.max_model_len = first.model_config, first.max_model_len
+        self.eos_token_ids = first.eos_token_ids
         self._owner: dict[str, int] = {}                       # unfinished request id -> replica
         self._affinity: OrderedDict[tuple, int] = OrderedDict()  # first block's token ids -> replica
         self._ids = itertools.count()

@@ -1,0 +1,212 @@
+"""`use_beam_search: true` on /v1/completions and /v1/chat/completions, as vLLM's: `n` is the beam width, the
+n best beams of each prompt are its choices (best first), answered when the search ends
+(jaxpaged/core/beam_search.py; the engine side is `AsyncEngine.beam_search`). Used: n, max_tokens /
+max_completion_tokens, temperature (each step's; default 1 as vLLM's), ignore_eos, length_penalty, echo,
+return_token_ids, skip_special_tokens, truncate_prompt_tokens, the chat template's fields and the reasoning
+parser; like vLLM, the other sampling fields do not apply. Refused (400 invalid_combination, naming the
+field): logprobs / top_logprobs, prompt_logprobs, return_routed_experts, structured outputs (structured_outputs,
+a non-text response_format), tools, max_tokens 0, and n above max_logprobs / 2 (each step asks for the top 2n
+logprobs). `stream: true` gets the whole answer as one chunk per choice, then usage (with
+stream_options.include_usage) and [DONE] (vLLM answers a beam search unstreamed whatever `stream` says).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from jaxpaged.core.beam_search import BeamSearchParams
+from serve.errors import APIError, from_value_error
+from serve.job import sse
+from serve.prompts import completion_prompts, truncation
+from serve.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
+
+log = logging.getLogger("jaxpaged.serve")
+_ids = itertools.count()
+
+
+def refuse(req, max_logprobs: int) -> None:
+    """The fields that do not combine with beam search: a 400 naming the first one."""
+    def bad(field, why):
+        raise APIError(400, f"{field} {why} with use_beam_search", param=field, code="invalid_combination")
+    if 2 * req.n > max_logprobs:
+        bad("n", f"(the beam width) must be at most {max_logprobs // 2} (each step asks for the top 2n logprobs; "
+                 f"--max-logprobs is {max_logprobs})")
+    for field in ("logprobs", "top_logprobs", "prompt_logprobs", "structured_outputs", "tools"):
+        if getattr(req, field, None) not in (None, False):
+            bad(field, "is not supported")
+    rf = getattr(req, "response_format", None)
+    if rf is not None and rf.type != "text":
+        bad("response_format", "is not supported")
+    if req.return_routed_experts:
+        bad("return_routed_experts", "is not supported")
+    if req.max_tokens == 0:
+        bad("max_tokens", "must be at least 1")
+
+
+def check_lengths(ids: list[list[int]], max_tokens: int | None, max_model_len: int, names=("prompt", "max_tokens")):
+    """As a request without beam search: a prompt leaves room for one token, and for max_tokens when given."""
+    for x in ids:
+        if len(x) >= max_model_len:
+            raise APIError(400, f"prompt has {len(x)} tokens; max_model_len is {max_model_len} (a prompt must "
+                                "leave room for at least one generated token)", param=names[0],
+                           code="context_length_exceeded")
+        if max_tokens is not None and len(x) + max_tokens > max_model_len:
+            raise APIError(400, f"prompt ({len(x)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                                f"({max_model_len})", param=names[1], code="context_length_exceeded")
+
+
+async def search(request: Request, req, ids: list[list[int]], max_tokens: int | None, names=("prompt", "max_tokens")):
+    """Run the search over token-id prompts: the finished BeamSearch, or None if the client went away."""
+    st = request.app.state.server
+    check_lengths(ids, max_tokens, st.engine.max_model_len, names)
+    try:
+        params = BeamSearchParams(beam_width=req.n, max_tokens=max_tokens or st.engine.max_model_len,
+                                  ignore_eos=req.ignore_eos, length_penalty=req.length_penalty,
+                                  temperature=1.0 if req.temperature is None else req.temperature)
+    except ValueError as e:
+        raise from_value_error(e) from None
+    rid, t0 = f"beam-{next(_ids)}", time.monotonic()
+    found = await _run(request, st.engine.beam_search(rid, ids, params, getattr(request.state, "lora", None)))
+    _record(st, rid, ids, found, params, time.monotonic() - t0)
+    return found
+
+
+def _record(st, rid: str, ids: list[list[int]], found, params: BeamSearchParams, seconds: float) -> None:
+    """The metrics of each prompt (as one request: its beams' tokens, its best beam's finish reason; "abort"
+    when the client went away) and one log line, as `serve.job.Job` records other requests."""
+    out_tokens, best = 0, found.best() if found is not None else [[] for _ in ids]
+    for i, (x, seqs) in enumerate(zip(ids, best)):
+        n = sum(len(found.generated(i, s)) for s in seqs)
+        out_tokens += n
+        st.metrics.observe(len(x), n, seqs[0].finish_reason if seqs else "abort", None, None, seconds,
+                           params.beam_width, params.max_tokens)
+    log.info("%s %s prompt_tokens=%d output_tokens=%d total=%.3fs beam_width=%d", rid,
+             "ok" if found is not None else "disconnected", sum(len(x) for x in ids), out_tokens, seconds,
+             params.beam_width)
+
+
+def _usage(ids: list[list[int]], completion: int) -> Usage:
+    prompt = sum(len(x) for x in ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _events(chunks: list, usage_chunk) -> StreamingResponse:
+    async def events():
+        for c in chunks:
+            yield sse(c)
+        if usage_chunk is not None:
+            yield sse(usage_chunk)
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _with_usage(st, req) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage) or st.force_include_usage
+
+
+async def completions(request: Request, req: CompletionRequest) -> Response:
+    st = request.app.state.server
+    refuse(req, st.max_logprobs)
+    p = req.prompt
+    prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+    keep, side = truncation(req, st.engine.max_model_len, req.max_tokens)
+    prompts = await completion_prompts(st.engine, prompts, keep, side)
+    ids = [q["prompt_token_ids"] if isinstance(q, dict) else q for q in prompts]
+    found = await search(request, req, ids, req.max_tokens)
+    if found is None:
+        return Response(status_code=499)
+    tok, choices, completion = st.engine.tokenizer, [], 0
+    for i, seqs in enumerate(found.best()):
+        prefix = "" if not req.echo else (prompts[i].get("prompt") if isinstance(prompts[i], dict) else None) \
+            or (tok.decode(ids[i], skip_special_tokens=False) if tok is not None else "")
+        for j, s in enumerate(seqs):
+            out = found.generated(i, s)
+            completion += len(out)
+            text = tok.decode(out, skip_special_tokens=req.skip_special_tokens) if tok is not None else ""
+            choices.append(CompletionChoice(index=i * req.n + j, text=prefix + text, finish_reason=s.finish_reason,
+                                            prompt_token_ids=list(ids[i]) if req.return_token_ids else None,
+                                            token_ids=out if req.return_token_ids else None))
+    usage = _usage(ids, completion)
+    head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=st.model_name)
+    if not req.stream:
+        return JSONResponse(CompletionResponse(**head, choices=choices, usage=usage).model_dump())
+    return _events([CompletionResponse(**head, choices=[c]) for c in choices],
+                   CompletionResponse(**head, choices=[], usage=usage) if _with_usage(st, req) else None)
+
+
+async def chat(request: Request, req: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
+               role: str, echo: str) -> Response:
+    """A chat answer by beam search: the conversation's ids (rendered by serve/chat.py), each beam's text
+    split by the server's reasoning parser; streamed as one chunk per choice."""
+    st = request.app.state.server
+    refuse(req, st.max_logprobs)
+    names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
+    found = await search(request, req, [prompt], max_tokens, names)
+    if found is None:
+        return Response(status_code=499)
+    tok, messages, completion = st.engine.tokenizer, [], 0
+    for s in found.best()[0]:
+        out = found.generated(0, s)
+        completion += len(out)
+        thought, content = st.reasoning.split(tok.decode(out, skip_special_tokens=req.skip_special_tokens))
+        messages.append((s, out, thought, echo + content if content is not None else content))
+    usage, ids_out = _usage([prompt], completion), bool(req.return_token_ids)
+    head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=st.model_name)
+    if not req.stream:
+        choices = [ChatChoice(index=j, message=AssistantMessage(role=role, content=content, reasoning_content=thought,
+                                                                reasoning=thought),
+                              finish_reason=s.finish_reason, token_ids=out if ids_out else None)
+                   for j, (s, out, thought, content) in enumerate(messages)]
+        return JSONResponse(ChatCompletionResponse(**head, choices=choices, usage=usage,
+                                                   prompt_token_ids=list(prompt) if ids_out else None).model_dump())
+    chunks = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+        index=j, delta=ChatDelta(role=role, content=content, reasoning_content=thought, reasoning=thought),
+        finish_reason=s.finish_reason, token_ids=out if ids_out else None)],
+        prompt_token_ids=list(prompt) if ids_out and j == 0 else None)
+        for j, (s, out, thought, content) in enumerate(messages)]
+    return _events(chunks, ChatCompletionChunk(**head, choices=[], usage=usage) if _with_usage(st, req) else None)
+
+
+async def _run(request: Request, coro):
+    """The search, or None if the client went away first (its requests are aborted); engine errors as
+    APIErrors."""
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    work, watch = asyncio.ensure_future(coro), asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (work, watch):
+            t.cancel()
+    if not work.done() or work.cancelled():
+        return None
+    try:
+        return work.result()
+    except ValueError as e:
+        raise from_value_error(e) from None
+    except QueueFullError as e:
+        raise APIError(503, f"{e}; retry later", code="queue_full", headers={"Retry-After": "1"}) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), code="engine_unavailable") from None
+    except RequestFailedError as e:
+        raise APIError(500, str(e), code="step_failed") from None
