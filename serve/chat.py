@@ -24,7 +24,7 @@ from serve.protocol import (
     Usage,
 )
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
-from serve.routes import num_logprobs, parse, sampling_params, stream_usage, token_text
+from serve.routes import num_logprobs, parse, sampling_params, shown_logprobs, stream_usage, token_text
 
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
@@ -62,8 +62,9 @@ def echo_text(req: ChatCompletionRequest, messages, role: str) -> str:
 
 
 async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
-    """A chat request's checks and engine parameters: (SamplingParams, top logprobs k or None, prompt
-    logprobs or None, rename (engine names -> the request's), the tool mode, max tokens)."""
+    """A chat request's checks and engine parameters: (SamplingParams, the logprobs each token shows (top k,
+    fmt.ALL with logprob_token_ids) or None, prompt logprobs or None, rename (engine names -> the request's),
+    the tool mode, max tokens)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
@@ -80,7 +81,7 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, num_prompts)
-    return params, k, pl, rename, mode, max_tokens
+    return params, shown_logprobs(req, k), pl, rename, mode, max_tokens
 
 
 def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool) -> ChatChoice:

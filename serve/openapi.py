@@ -102,8 +102,9 @@ def _fill_limits(node, values: dict) -> None:
     """Replace each `x-limit` marker by the bound it names."""
     if isinstance(node, dict):
         kind = node.pop("x-limit", None)
-        if kind is not None:
-            node["maximum"] = min(values[kind], node.get("maximum", values[kind]))
+        if kind is not None:  # a count of items (kind "..._items") or a number
+            key = "maxItems" if kind.endswith("_items") else "maximum"
+            node[key] = min(values[kind], node.get(key, values[kind]))
         for v in node.values():
             _fill_limits(v, values)
     elif isinstance(node, list):
@@ -132,7 +133,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
-                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
+                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"],
+                           "logprobs_items": limits["max_logprobs"]})
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest",
                  "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
@@ -142,11 +144,14 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
-    schemas["CompletionRequest"]["allOf"].append(
-        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
+    schemas["CompletionRequest"]["allOf"] += [
+        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]),
+        _if_then({"logprob_token_ids": {"type": "array"}}, {"logprobs": {"type": "integer"}}, ["logprob_token_ids"],
+                 ["logprobs"])]
     for name in ("ChatCompletionRequest", "BatchChatCompletionRequest"):
-        schemas[name]["allOf"].append(_if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
-                                               ["top_logprobs"], ["logprobs"]))
+        schemas[name]["allOf"] += [_if_then({field: {"type": kind}}, {"logprobs": {"const": True}}, [field],
+                                            ["logprobs"])
+                                   for field, kind in (("top_logprobs", "integer"), ("logprob_token_ids", "array"))]
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
         {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}

@@ -90,6 +90,10 @@ class _SamplingRequest(BaseModel):
                                                              "left (default) drops the first tokens")
     use_beam_search: Literal[False] | None = Field(None, description="not supported (vLLM's beam search): "
                                                    "only false or null")
+    logprob_token_ids: list[TokenId] | None = Field(None, min_length=1, description="the logprobs of these ids "
+                                                    "at every generated position, beside the sampled token's, in "
+                                                    "place of the top-N (needs logprobs); at most --max-logprobs",
+                                                    **limit("logprobs_items"))
     prompt_logprobs: int | None = Field(None, ge=-1, description="top-N logprobs of each prompt token (the "
                                         "response's prompt_logprobs); -1: capped by --max-logprobs; not "
                                         "streamed", **limit("logprobs"))

@@ -658,3 +658,38 @@ def test_batch_chat_completions(server):
         assert refused(server, "/v1/chat/completions/batch", messages=convs, **{field: value})["param"] == field
     assert refused(server, "/v1/chat/completions/batch", messages=[USER, []])["param"] == "messages"
     assert refused(server, "/v1/chat/completions/batch", messages=USER)["param"] == "messages"
+
+
+def test_logprob_token_ids(server, flagged):
+    """vLLM's logprob_token_ids: each generated token's logprobs are its own, then those of the ids asked (in
+    their order), equal to what the whole vocabulary shows (flagged: tokens as token_id:N, --max-logprobs 400);
+    plain, streamed, legacy completions, batch chat; without logprobs, out of the vocabulary, past
+    --max-logprobs or empty: a 400 naming the field."""
+    ids, named = [7, 65, 300, 65], ["token_id:7", "token_id:65", "token_id:300"]
+    base = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    full = post(flagged, "/v1/chat/completions", messages=USER, top_logprobs=-1, **base)
+    r = post(flagged, "/v1/chat/completions", messages=USER, logprob_token_ids=ids, **base)
+    got = r["choices"][0]["logprobs"]["content"]
+    assert len(got) == 4
+    for g, f in zip(got, full["choices"][0]["logprobs"]["content"]):
+        whole = {t["token"]: t["logprob"] for t in f["top_logprobs"]}
+        assert g["token"] == f["token"] and g["logprob"] == pytest.approx(f["logprob"], abs=1e-4)
+        assert [t["token"] for t in g["top_logprobs"]] == list(dict.fromkeys([g["token"], *named]))
+        assert all(t["logprob"] == pytest.approx(whole[t["token"]], abs=1e-4) for t in g["top_logprobs"])
+    shown = [[t["token"] for t in c["top_logprobs"]] for c in got]
+    chunks = stream(flagged, "/v1/chat/completions", messages=USER, logprob_token_ids=ids, **base)
+    assert [[t["token"] for t in c["top_logprobs"]] for ch in chunks for x in ch["choices"] if x.get("logprobs")
+            for c in x["logprobs"]["content"]] == shown
+    r = post(flagged, "/v1/chat/completions/batch", messages=[USER, USER], logprob_token_ids=ids, **base)
+    assert [[[t["token"] for t in c["top_logprobs"]] for c in x["logprobs"]["content"]] for x in r["choices"]] == \
+        [shown, shown]
+    r = post(flagged, "/v1/completions", prompt="ab", max_tokens=3, temperature=0, ignore_eos=True, logprobs=0,
+             logprob_token_ids=ids)
+    lp = r["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert list(top) == list(dict.fromkeys([tok, *named])) and top[tok] == v
+    for body in (dict(logprob_token_ids=ids), dict(logprobs=1, logprob_token_ids=[320]),
+                 dict(logprobs=1, logprob_token_ids=list(range(21))), dict(logprobs=1, logprob_token_ids=[])):
+        assert refused(server, "/v1/completions", prompt="ab", **body)["param"] == "logprob_token_ids", body
+    assert refused(server, "/v1/chat/completions", messages=USER, logprob_token_ids=ids)["param"] == \
+        "logprob_token_ids"
