@@ -43,6 +43,8 @@ _COMMON_RULES = [
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
      "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"},
     {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
+    {"code": "invalid_combination", "rule": "logprob_token_ids need logprobs (chat: logprobs true; an if/then here "
+     "would be one too many for schemathesis' generator)"},
     {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
      "response_format, tool parameters when tool_choice is required or named) must be one llguidance "
      "compiles (its message says why: syntax, unsupported schema features)"},
@@ -144,14 +146,11 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
-    schemas["CompletionRequest"]["allOf"] += [
-        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]),
-        _if_then({"logprob_token_ids": {"type": "array"}}, {"logprobs": {"type": "integer"}}, ["logprob_token_ids"],
-                 ["logprobs"])]
+    schemas["CompletionRequest"]["allOf"].append(
+        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
     for name in ("ChatCompletionRequest", "BatchChatCompletionRequest"):
-        schemas[name]["allOf"] += [_if_then({field: {"type": kind}}, {"logprobs": {"const": True}}, [field],
-                                            ["logprobs"])
-                                   for field, kind in (("top_logprobs", "integer"), ("logprob_token_ids", "array"))]
+        schemas[name]["allOf"].append(_if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
+                                               ["top_logprobs"], ["logprobs"]))
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
         {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}}]}]}
