@@ -73,6 +73,7 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
                        param="continue_final_message", code="invalid_combination")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = num_logprobs(st, "top_logprobs", req.top_logprobs or 0) if req.logprobs else None
+    shown = shown_logprobs(req, k)
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
@@ -81,7 +82,7 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, num_prompts)
-    return params, shown_logprobs(req, k), pl, rename, mode, max_tokens
+    return params, shown, pl, rename, mode, max_tokens
 
 
 def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool) -> ChatChoice:

@@ -104,9 +104,8 @@ def _fill_limits(node, values: dict) -> None:
     """Replace each `x-limit` marker by the bound it names."""
     if isinstance(node, dict):
         kind = node.pop("x-limit", None)
-        if kind is not None:  # a count of items (kind "..._items") or a number
-            key = "maxItems" if kind.endswith("_items") else "maximum"
-            node[key] = min(values[kind], node.get(key, values[kind]))
+        if kind is not None:
+            node["maximum"] = min(values[kind], node.get("maximum", values[kind]))
         for v in node.values():
             _fill_limits(v, values)
     elif isinstance(node, list):
@@ -135,8 +134,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
-                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"],
-                           "logprobs_items": limits["max_logprobs"]})
+                           "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
     for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest",
                  "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],

@@ -663,8 +663,8 @@ def test_batch_chat_completions(server):
 def test_logprob_token_ids(server, flagged):
     """vLLM's logprob_token_ids: each generated token's logprobs are its own, then those of the ids asked (in
     their order), equal to what the whole vocabulary shows (flagged: tokens as token_id:N, --max-logprobs 400);
-    plain, streamed, legacy completions, batch chat; without logprobs, out of the vocabulary, past
-    --max-logprobs or empty: a 400 naming the field."""
+    plain, streamed, legacy completions, batch chat; without logprobs, out of the vocabulary, more than 128
+    (vLLM's bound) or empty: a 400 naming the field."""
     ids, named = [7, 65, 300, 65], ["token_id:7", "token_id:65", "token_id:300"]
     base = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
     full = post(flagged, "/v1/chat/completions", messages=USER, top_logprobs=-1, **base)
@@ -689,7 +689,7 @@ def test_logprob_token_ids(server, flagged):
     for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
         assert list(top) == list(dict.fromkeys([tok, *named])) and top[tok] == v
     for body in (dict(logprob_token_ids=ids), dict(logprobs=1, logprob_token_ids=[320]),
-                 dict(logprobs=1, logprob_token_ids=list(range(21))), dict(logprobs=1, logprob_token_ids=[])):
+                 dict(logprobs=1, logprob_token_ids=list(range(129))), dict(logprobs=1, logprob_token_ids=[])):
         assert refused(server, "/v1/completions", prompt="ab", **body)["param"] == "logprob_token_ids", body
     assert refused(server, "/v1/chat/completions", messages=USER, logprob_token_ids=ids)["param"] == \
         "logprob_token_ids"

@@ -87,9 +87,6 @@ def check_request(ids: list[int], params, limits: dict, blocks_held, usable_bloc
     if params.prompt_logprobs is not None and params.prompt_logprobs > limits["max_logprobs"]:
         raise InvalidParam("prompt_logprobs", f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs "
                            f"({limits['max_logprobs']})")
-    if params.logprob_token_ids and len(params.logprob_token_ids) > limits["max_logprobs"]:
-        raise InvalidParam("logprob_token_ids", f"logprob_token_ids has {len(params.logprob_token_ids)} ids; "
-                           f"at most max_logprobs ({limits['max_logprobs']})")
     for name, ids in (("logit_bias", params.logit_bias or ()),
                       ("allowed_token_ids", params.allowed_token_ids or ()),
                       ("logprob_token_ids", params.logprob_token_ids or ())):

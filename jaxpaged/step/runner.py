@@ -188,7 +188,7 @@ class ModelRunner:
         cfg, S = self.cfg, self.cfg.max_num_seqs
         features = [LoRAIndex(self.lora)] if self.lora is not None else []
         features += [GrammarMask(self.structured, S, self._put), LogitBias(self.controls, self._put),
-                     PromptLogprobs(self.num_logprobs), TokenLogprobs(S, self.num_logprobs, cfg.logprobs_mode)]
+                     PromptLogprobs(self.num_logprobs), TokenLogprobs(S, cfg.logprobs_mode, self._put)]
         capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
         if capture or steer:  # research hooks compiled in (validated by the engine)
             self.batch.hooks = SlotHooks(S, capture, steer, self.model_cfg.hidden_size, self.dtype, self._put)

@@ -1,7 +1,8 @@
 """The logprobs of chosen token ids (`SamplingParams.logprob_token_ids`, vLLM's) at every generated position.
 
 On the host, `inputs` writes each scheduled slot's ids into `logprob_token_ids i32[S, W]` (-1: none; W =
-max_logprobs) and sets `any_logprob_token_ids`. On the device, only under that flag (`lax.cond`), the logits
+MAX_LOGPROB_TOKEN_IDS, vLLM's 128; a step where no scheduled request asks passes a placeholder already on the
+device instead) and sets `any_logprob_token_ids`. On the device, only under that flag (`lax.cond`), the logits
 of every row a slot's token of this step is drawn from (`Traced.rows`, [S, N]: one row, or 1 + K when
 speculative decoding verifies K proposals) are computed again, log_softmax'd (logprobs_mode raw_logprobs;
 raw_logits keeps the logits) and gathered at the ids: f32[S, N, W]. A step where no scheduled request asks
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.core.sampling_params import MAX_LOGPROB_TOKEN_IDS
 from jaxpaged.step.features import StepFeature
 
 
@@ -44,8 +46,10 @@ class TokenLogprobs(StepFeature):
     """The runner's feature (step/features.py): logprob_token_ids i32[S, W] and any_logprob_token_ids in,
     f32[S, N, W] out, read back only after a step that scheduled a request asking (those `track` noted)."""
 
-    def __init__(self, num_slots: int, width: int, logprobs_mode: str):
-        self.num_slots, self.width, self.logits_only = num_slots, width, logprobs_mode == "raw_logits"
+    def __init__(self, num_slots: int, logprobs_mode: str, place):
+        self.num_slots, self.logits_only = num_slots, logprobs_mode == "raw_logits"
+        self.none = place(np.full((num_slots, MAX_LOGPROB_TOKEN_IDS), -1, np.int32))  # stays on the device
+        self.placeholders = dict(logprob_token_ids=self.none)
         self.requests: weakref.WeakSet = weakref.WeakSet()  # requests that asked
 
     def track(self, req) -> None:
@@ -53,19 +57,19 @@ class TokenLogprobs(StepFeature):
             self.requests.add(req)
 
     def inputs(self, out, slots, T, batch, sp):
-        ids = np.full((self.num_slots, self.width), -1, np.int32)
-        wants = []
-        for (req, _), s in zip(out.scheduled, slots) if self.requests else ():
-            if req in self.requests:
-                asked = req.params.logprob_token_ids
+        wants = [(req.params.logprob_token_ids, s) for (req, _), s in zip(out.scheduled, slots)
+                 if req in self.requests] if self.requests else []
+        ids = self.none
+        if wants:
+            ids = np.full((self.num_slots, MAX_LOGPROB_TOKEN_IDS), -1, np.int32)
+            for asked, s in wants:
                 ids[s, :len(asked)] = asked
-                wants.append((asked, s))
-        batch["logprob_token_ids"] = ids
+        sp["logprob_token_ids"] = ids
         sp["any_logprob_token_ids"] = np.bool_(bool(wants))
         return wants
 
     def outputs(self, traced) -> tuple:
-        return (step_token_logprobs(traced.logits_of, traced.h, traced.rows, traced.batch["logprob_token_ids"],
+        return (step_token_logprobs(traced.logits_of, traced.h, traced.rows, traced.sp["logprob_token_ids"],
                                     traced.sp["any_logprob_token_ids"], self.logits_only),)
 
     def read(self, plan, outputs, step) -> dict[int, list[dict[int, float]]]:
