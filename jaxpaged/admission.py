@@ -61,6 +61,9 @@ class Admission:
         e.spec.check(params)
         check_params(params, tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ()), mc.hidden_size)
         routed_experts.check_params(params, mc)
+        if params.logprob_token_ids and cfg.logprobs_mode.startswith("processed"):
+            raise InvalidParam("logprob_token_ids", f"logprob_token_ids are read from the raw logits; this engine's "
+                               f"logprobs_mode is {cfg.logprobs_mode}")
         if params.bad_words and e.tokenizer is None:
             raise InvalidParam("bad_words", f"bad_words need a tokenizer; {e.model_dir} has none")
         bad_words = bad_words_token_ids(params.bad_words, e.tokenizer) if params.bad_words else []

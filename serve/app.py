@@ -23,10 +23,11 @@ from starlette.routing import Route
 
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
-from serve import chat, invocations, rl_routes, routes, tokenize_routes
+from serve import batch_chat, chat, invocations, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
 from serve.errors import APIError
 from serve.http_protocol import protocol
+from serve.load import Load, counted, server_load
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
 from serve.reasoning import PARSERS, ReasoningParser, make_parser
@@ -62,6 +63,7 @@ class ServerState:
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as 'token_id:N' unless a request says otherwise
     max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES  # a request's constraint text (--max-grammar-bytes)
     reasoning: ReasoningParser = field(default_factory=ReasoningParser)  # --reasoning-parser (default: none)
+    load: Load = field(default_factory=Load)  # GET /load (counted with --enable-server-load-tracking)
 
 
 def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | None = None,
@@ -70,7 +72,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                body_timeout: float | None = DEFAULT_BODY_TIMEOUT, model_root: str | None = None,
                prompt_tokens_details: bool = False, tokenizer_info: bool = False, force_include_usage: bool = False,
                return_tokens_as_token_ids: bool = False,
-               max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, reasoning_parser: str | None = None) -> Starlette:
+               max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, reasoning_parser: str | None = None,
+               server_load_tracking: bool = False) -> Starlette:
     """The OpenAI-compatible app over `engine`; with `api_key`, /v1/* need `Authorization: Bearer KEY`;
     a request body must arrive within `body_timeout` seconds (408); `model_root`: the base model's path or
     name as given (/v1/models' `root`; default `served_model_name`); `prompt_tokens_details`: usage carries
@@ -80,6 +83,7 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
     unless a request's return_tokens_as_token_ids says otherwise; `max_grammar_bytes`: the most bytes of a
     request's constraint text (schema, regex, grammar, choices; --max-grammar-bytes), else a 400;
     `reasoning_parser`: a chat answer's reasoning split from its content (serve/reasoning.py: deepseek_r1, qwen3).
+    `server_load_tracking`: GET /load counts the generation requests in flight (else it answers 0).
     `adapters`: the LoRA adapters already added to the engine, by name (requests pick one by `model`);
     `runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter too."""
     from jaxpaged import __version__
@@ -91,9 +95,11 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
             await asyncio.to_thread(engine.shutdown)
 
     app = Starlette(routes=[
-        Route("/v1/completions", routes.completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat.chat_completions, methods=["POST"]),
-        Route("/invocations", invocations.invocations, methods=["POST"]),
+        Route("/v1/completions", counted(routes.completions), methods=["POST"]),
+        Route("/v1/chat/completions", counted(chat.chat_completions), methods=["POST"]),
+        Route("/v1/chat/completions/batch", counted(batch_chat.batch_chat_completions), methods=["POST"]),
+        Route("/invocations", counted(invocations.invocations), methods=["POST"]),
+        Route("/load", server_load, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
         Route("/metrics", routes.metrics, methods=["GET"]),
@@ -123,7 +129,8 @@ def create_app(engine: AsyncEngine, *, served_model_name: str, api_key: str | No
                                    prompt_tokens_details=prompt_tokens_details,
                                    max_logprobs=limits["max_logprobs"], force_include_usage=force_include_usage,
                                    return_tokens_as_token_ids=return_tokens_as_token_ids,
-                                   max_grammar_bytes=max_grammar_bytes, reasoning=make_parser(reasoning_parser))
+                                   max_grammar_bytes=max_grammar_bytes, reasoning=make_parser(reasoning_parser),
+                                   load=Load(server_load_tracking))
     return app
 
 
@@ -175,6 +182,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "usage chunk, even without stream_options.include_usage")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true", help="logprobs' tokens written as "
                         "'token_id:N' (a request's return_tokens_as_token_ids overrides it)")
+    parser.add_argument("--enable-server-load-tracking", action="store_true", help="GET /load answers the "
+                        "generation requests in flight, {\"server_load\": N} (without it: 0)")
     parser.add_argument("--max-step-failures", type=int, default=3, help="failed steps in a row after which "
                         "the engine stops and /health answers 503; a failed step fails only its own "
                         "requests (500) (default %(default)s)")
@@ -201,26 +210,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                       help="PEFT adapter directories to serve, by name (requests pick one by `model`)")
     lora.add_argument("--enable-runtime-lora-updating", action="store_true",
                       help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
-    unsupported = parser.add_argument_group("vLLM flags not supported here (refused by name)")
-    for flag, why in UNSUPPORTED_FLAGS.items():
-        unsupported.add_argument(flag, action=_Refused, why=why, help=f"not supported: {why}")
     add_engine_args(parser)
     return parser
-
-
-UNSUPPORTED_FLAGS = {  # vLLM switches (no value) refused by name
-    "--enable-server-load-tracking": "GET /load is not served here; the in-flight counts are the metrics "
-                                     "jaxpaged:num_requests_running and jaxpaged:num_requests_waiting",
-}
-
-
-class _Refused(argparse.Action):
-    def __init__(self, option_strings, dest, why: str = "", **kw):
-        super().__init__(option_strings, dest, nargs=0, default=None, **kw)
-        self.why = why
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} is not supported: {self.why}")
 
 
 def _positive(text: str) -> int:
@@ -307,7 +298,8 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
                      tokenizer_info=args.enable_tokenizer_info_endpoint,
                      force_include_usage=args.enable_force_include_usage,
                      return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                     max_grammar_bytes=args.max_grammar_bytes, reasoning_parser=args.reasoning_parser)
+                     max_grammar_bytes=args.max_grammar_bytes, reasoning_parser=args.reasoning_parser,
+                     server_load_tracking=args.enable_server_load_tracking)
     http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")

@@ -24,7 +24,7 @@ from serve.protocol import (
     Usage,
 )
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
-from serve.routes import num_logprobs, parse, sampling_params, stream_usage, token_text
+from serve.routes import num_logprobs, parse, sampling_params, shown_logprobs, stream_usage, token_text
 
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
@@ -53,25 +53,27 @@ def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = 
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _echo(req: ChatCompletionRequest, role: str) -> str:
+def echo_text(req: ChatCompletionRequest, messages, role: str) -> str:
     """echo: the last message's content when its role is the answer's (as vLLM's), else ''."""
-    last = req.messages[-1]
+    last = messages[-1]
     if not req.echo or last.role != role or last.content is None:
         return ""
     return last.content if isinstance(last.content, str) else "\n".join(p.text for p in last.content)
 
 
-async def chat_completions(request: Request) -> Response:
-    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
+    """A chat request's checks and engine parameters: (SamplingParams, the logprobs each token shows (top k,
+    fmt.ALL with logprob_token_ids) or None, prompt logprobs or None, rename (engine names -> the request's),
+    the tool mode, max tokens)."""
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
                             "add_generation_prompt false to continue the last message)",
                        param="continue_final_message", code="invalid_combination")
-    st = request.app.state.server
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = num_logprobs(st, "top_logprobs", req.top_logprobs or 0) if req.logprobs else None
+    shown = shown_logprobs(req, k)
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
@@ -79,7 +81,27 @@ async def chat_completions(request: Request) -> Response:
     structured, mode, rename_so = await tools.constraint(req, st.engine, st.max_grammar_bytes)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
-    fmt.check_routes_request(req, 1)
+    fmt.check_routes_request(req, num_prompts)
+    return params, shown, pl, rename, mode, max_tokens
+
+
+def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool) -> ChatChoice:
+    """A non-streamed choice from a finished output `c`: reasoning split, tool calls parsed, echo first."""
+    thought, answer = st.reasoning.split(c.text)
+    content, calls = tools.parse(mode, answer, named) if c.finish_reason != "length" and answer is not None \
+        else (answer, [])
+    reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
+    content = echo + content if content is not None else content
+    return ChatChoice(index=index, message=AssistantMessage(
+        role=role, content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought),
+                      logprobs=logprobs, finish_reason=reason, routed_experts=fmt.routes(c.routed_experts),
+                      token_ids=list(c.token_ids) if ids_out else None)
+
+
+async def chat_completions(request: Request) -> Response:
+    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+    st = request.app.state.server
+    params, k, pl, rename, mode, max_tokens = await chat_params(st, req)
     use_tools = req.tools if mode is not None else None
     keep, side = truncation(req, st.engine.max_model_len, max_tokens)
     prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools, req.add_generation_prompt,
@@ -87,7 +109,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = truncate(prompt, keep, side)
     named = req.tool_choice.function.name if mode == "named" else None
     role = "assistant" if req.add_generation_prompt else req.messages[-1].role
-    echo = _echo(req, role)
+    echo = echo_text(req, req.messages, role)
     if req.use_beam_search:
         return await beam.chat(request, req, prompt, max_tokens, role, echo)
     job = Job(request, "chatcmpl", rename)
@@ -100,18 +122,8 @@ async def chat_completions(request: Request) -> Response:
     if not req.stream:
         if not await run_to_end(job):
             return Response(status_code=499)
-        choices = []
-        for c in job.lasts[0].outputs:
-            thought, answer = st.reasoning.split(c.text)
-            content, calls = tools.parse(mode, answer, named) if c.finish_reason != "length" and answer is not None \
-                else (answer, [])
-            reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
-            content = echo + content if content is not None else content
-            choices.append(ChatChoice(index=c.index, message=AssistantMessage(
-                role=role, content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought),
-                                      logprobs=lp(c.token_ids, c.logprobs), finish_reason=reason,
-                                      routed_experts=fmt.routes(c.routed_experts),
-                                      token_ids=list(c.token_ids) if ids_out else None))
+        choices = [chat_choice(st, c, c.index, mode, named, role, echo, lp(c.token_ids, c.logprobs), ids_out)
+                   for c in job.lasts[0].outputs]
         job.close(200)
         out = job.lasts[0]
         return JSONResponse(ChatCompletionResponse(

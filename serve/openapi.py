@@ -12,6 +12,7 @@ from __future__ import annotations
 from pydantic.json_schema import models_json_schema
 
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS
+from serve.batch_chat import BatchChatCompletionRequest
 from serve.body import MAX_JSON_DEPTH
 from serve.protocol import (
     ChatCompletionChunk,
@@ -42,6 +43,8 @@ _COMMON_RULES = [
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
      "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"},
     {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
+    {"code": "invalid_combination", "rule": "logprob_token_ids need logprobs (chat: logprobs true; an if/then here "
+     "would be one too many for schemathesis' generator)"},
     {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
      "response_format, tool parameters when tool_choice is required or named) must be one llguidance "
      "compiles (its message says why: syntax, unsupported schema features)"},
@@ -80,6 +83,7 @@ CHAT_RULES = _COMMON_RULES + [_BEAM_RULE] + [
     {"code": "empty_prompt", "rule": "truncate_prompt_tokens must leave at least one token of the rendered "
      "conversation (0, or -1 with max_tokens filling max_model_len, leave none)"},
 ]
+BATCH_CHAT_RULES = [r for r in CHAT_RULES if "return_routed_experts" not in r["rule"]]
 INVOCATIONS_RULES = COMPLETION_RULES + [r for r in CHAT_RULES if r not in COMPLETION_RULES]
 TOKENIZE_RULES = [r for r in CHAT_RULES if r["code"] in ("nested_too_deeply", "chat_template_error")] + [
     {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
@@ -133,29 +137,29 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
     """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits());
     `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint); `max_grammar_bytes`:
     the server's --max-grammar-bytes."""
-    models = [CompletionRequest, ChatCompletionRequest, CompletionResponse, ChatCompletionResponse,
-              ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest, TokenizeChatRequest,
-              TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
+    models = [CompletionRequest, ChatCompletionRequest, BatchChatCompletionRequest, CompletionResponse,
+              ChatCompletionResponse, ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest,
+              TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
     _, defs = models_json_schema([(m, "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
     L = limits["max_model_len"]
     _fill_limits(schemas, {"token_id": limits["vocab_size"] - 1, "top_k": limits["vocab_size"],
                            "max_model_len": L, "max_tokens": L - 1, "logprobs": limits["max_logprobs"]})
-    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeCompletionRequest", "TokenizeChatRequest",
-                 "DetokenizeRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest",
+                 "TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"):
         schemas[name]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
                                                 "default": None, "description": "the served model name"}
     for kind in ("regex", "grammar"):  # a text of more characters has more bytes (the rule below is exact)
         schemas["StructuredOutputs"]["properties"][kind]["maxLength"] = max_grammar_bytes
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
         schemas[name]["allOf"] = _sampling_rules(limits)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
     schemas["CompletionRequest"]["allOf"].append(
         _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
-    schemas["ChatCompletionRequest"]["allOf"].append(
-        _if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}}, ["top_logprobs"],
-                 ["logprobs"]))
+    for name in ("ChatCompletionRequest", "BatchChatCompletionRequest"):
+        schemas[name]["allOf"].append(_if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
+                                               ["top_logprobs"], ["logprobs"]))
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
         {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}},
@@ -187,17 +191,18 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                 "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
 
     def generate(summary, request, response, chunk, rules):
+        """A generation route; `chunk` None: never streamed."""
         rules = rules + [_grammar_rule(max_grammar_bytes)]
+        ok = {"description": "the result", "content": body(response)} if chunk is None else {
+            "description": f"the result; with stream=true, server-sent events of {chunk} objects ending in "
+                           "`data: [DONE]`",
+            "content": {**body(response), "text/event-stream": {"schema": events(chunk)}}}
         return {"post": {
             "summary": summary, **security, "x-request-rules": rules,
             "description": "Beyond the schema, a request is refused (400, with `code`) when: " + "; ".join(
                 f"{r['rule']} (`{r['code']}`)" for r in rules) + ".",
             "requestBody": {"required": True, "content": body(request)},
-            "responses": {"200": {"description": "the result; with stream=true, server-sent events of "
-                                                 f"{chunk} objects ending in `data: [DONE]`",
-                                  "content": {**body(response),
-                                              "text/event-stream": {"schema": events(chunk)}}},
-                          **errors}}}
+            "responses": {"200": ok, **errors}}}
 
     doc = {
         "openapi": "3.1.0",
@@ -208,6 +213,10 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
             "/v1/chat/completions": generate("chat completion (the model's chat template)",
                                              "ChatCompletionRequest", "ChatCompletionResponse",
                                              "ChatCompletionChunk", CHAT_RULES),
+            "/v1/chat/completions/batch": generate(
+                "vLLM's batch chat: messages is a list of conversations, answered by one chat completion with one "
+                "choice per conversation (index = the conversation's); not streamed, no tools, n 1",
+                "BatchChatCompletionRequest", "ChatCompletionResponse", None, BATCH_CHAT_RULES),
             "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
                                      "with prompt or prompt_embeds (and no messages) a completion",
                                      "InvocationsRequest",
@@ -220,6 +229,11 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                 "responses": {"200": {"description": "healthy"},
                                               "503": {"description": "engine down",
                                                       "content": body("ErrorResponse")}}}},
+            "/load": {"get": {"summary": "vLLM's server load: the generation requests in flight (counted with "
+                              "--enable-server-load-tracking, else 0)", "responses": {"200": {
+                                  "description": "the load", "content": {"application/json": {"schema": {
+                                      "type": "object", "required": ["server_load"], "properties": {
+                                          "server_load": {"type": "integer", "minimum": 0}}}}}}}}},
             "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
                 "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
             "/tokenize": {"post": {

@@ -48,9 +48,14 @@ class TokenText:
         return self.tok.decode(out.prompt_token_ids, skip_special_tokens=False)
 
 
+ALL = -1  # a `k` that lists every entry in the engine's order: logprob_token_ids (the sampled token, then the ids)
+
+
 def _top(lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k best; a masked token's -inf (logprobs_mode processed_*) as -9999.0, as vLLM (JSON has no inf)."""
-    return [(t, max(v, -9999.0)) for t, v in sorted(lp.items(), key=lambda kv: -kv[1])[:k]]
+    """The k best (ALL: every entry, in order); a masked token's -inf (logprobs_mode processed_*) as -9999.0,
+    as vLLM (JSON has no inf)."""
+    items = lp.items() if k == ALL else sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    return [(t, max(v, -9999.0)) for t, v in items]
 
 
 def _legacy_top(text: TokenText, tid: int, lp: dict[int, float], k: int) -> dict[str, float]:

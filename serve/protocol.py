@@ -17,7 +17,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from jaxpaged.core.logit_controls import MAX_LOGIT_BIAS
-from jaxpaged.core.sampling_params import FLOAT32_MAX, MAX_STOP_CHARS, MAX_STOP_STRINGS, SEED_END, SEED_MIN
+from jaxpaged.core.sampling_params import (
+    FLOAT32_MAX,
+    MAX_LOGPROB_TOKEN_IDS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    SEED_END,
+    SEED_MIN,
+)
 from serve.protocol_tools import DeltaToolCall, NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
 
 
@@ -91,6 +98,10 @@ class _SamplingRequest(BaseModel):
                                          "beams are the choices (docs/server.md)")
     length_penalty: Float = Field(1.0, description="with use_beam_search: a sequence's score is its cumulative "
                                   "logprob / length ** length_penalty")
+    logprob_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=MAX_LOGPROB_TOKEN_IDS,
+                                                    description="the logprobs of these ids at every generated "
+                                                    "position, beside the sampled token's, in place of the top-N "
+                                                    "(needs logprobs)")
     prompt_logprobs: int | None = Field(None, ge=-1, description="top-N logprobs of each prompt token (the "
                                         "response's prompt_logprobs); -1: capped by --max-logprobs; not "
                                         "streamed", **limit("logprobs"))

@@ -90,6 +90,17 @@ def num_logprobs(st, field: str, k: int | None) -> int | None:
     return k
 
 
+def shown_logprobs(req, k: int | None) -> int | None:
+    """The logprobs each generated token shows: the top `k` (None: none), or with logprob_token_ids (which
+    need logprobs asked, as vLLM's) the sampled token's and the ids' (fmt.ALL)."""
+    if not req.logprob_token_ids:
+        return k
+    if k is None:
+        raise APIError(400, "logprob_token_ids need logprobs (chat: logprobs true)", param="logprob_token_ids",
+                       code="invalid_combination")
+    return fmt.ALL
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: dict,
                     structured=None, prompt_logprobs: int | None = None) -> SamplingParams:
     kw = dict(structured_outputs=structured, n=req.n, max_tokens=max_tokens, logprobs=logprobs, stop=req.stop,
@@ -100,6 +111,8 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None, rename: d
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     if req.allowed_token_ids:
         kw["allowed_token_ids"] = req.allowed_token_ids
+    if req.logprob_token_ids:
+        kw["logprob_token_ids"] = req.logprob_token_ids
     for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         if getattr(req, name) is not None:
@@ -140,6 +153,7 @@ async def completions(request: Request) -> Response:
     st = request.app.state.server
     structured, _, rename = await tools.constraint(req, st.engine, st.max_grammar_bytes)
     k = num_logprobs(st, "logprobs", req.logprobs)
+    shown = shown_logprobs(req, k)  # of the generated tokens (echo: the prompt's show the top k)
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)  # the response's prompt_logprobs
     engine_pl = max((x for x in (pl, k if req.echo else None) if x is not None), default=None)
     params = sampling_params(req, 1 if echo_only else req.max_tokens, k, rename, structured, engine_pl)
@@ -158,7 +172,7 @@ async def completions(request: Request) -> Response:
     last_usage, every_usage = stream_usage(st, req)
 
     def choice(i, c, text_piece, ids, lps, offset, prompt=None, out=None):
-        lp = fmt.completion_logprobs(text, ids, lps, k, offset) if k is not None else None
+        lp = fmt.completion_logprobs(text, ids, lps, shown, offset) if k is not None else None
         if lp is not None and prompt is not None:  # echo: the prompt's tokens first
             lp = fmt.echo_logprobs(text, prompt, k, lp)
         return CompletionChoice(index=i * n + c.index, text=text_piece, logprobs=lp, finish_reason=c.finish_reason,

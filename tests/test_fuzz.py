@@ -22,6 +22,7 @@ from test_server import Server, make_tokenizer, wait_idle
 from jaxpaged import __version__
 from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.step.runner import NUM_BANNED
+from serve.batch_chat import BatchChatCompletionRequest
 from serve.openapi import openapi_schema
 from serve.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -58,7 +59,8 @@ schema = schemathesis.openapi.from_dict(DOC)
 schema.config.seed = SEED
 schema.config.cache.enabled = False  # no crash files left in the working tree
 _EXCLUDED = [positive_data_acceptance, negative_data_rejection]  # replaced by the rule- and lax-aware checks below
-_REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+_REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+             "/v1/chat/completions/batch": BatchChatCompletionRequest}
 
 
 def not_lax_coercible(path: str, body) -> str | None:

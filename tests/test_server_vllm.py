@@ -4,8 +4,10 @@ named tool call's content "", no partial tool calls when max_tokens cuts the out
 with logprobs 0, prompt_tokens_details, logprobs -1 and --max-logprobs, ... One server with the default
 flags (`server`), one with vLLM's opt-in flags (`flagged`)."""
 import asyncio
+import concurrent.futures
 import json
 import math
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -40,7 +42,7 @@ def flagged(compile_cache, server, tmp_path_factory):
     srv = Server(server.model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "vllm_flags.log"),
                  extra=("--max-model-len", "512", "--enable-prompt-tokens-details", "--max-logprobs", "400",
                         "--enable-tokenizer-info-endpoint", "--enable-force-include-usage",
-                        "--return-tokens-as-token-ids"))
+                        "--return-tokens-as-token-ids", "--enable-server-load-tracking"))
     yield srv
     srv.stop()
 
@@ -239,9 +241,9 @@ def test_tokenize_detokenize_version(server, flagged):
     assert "/tokenizer_info" not in httpx.get(server.url + "/openapi.json").json()["paths"]
 
 
-def test_vllm_tool_flags_and_refused_switches(capsys):
+def test_vllm_tool_flags(capsys):
     """vLLM's tool flags: --tool-call-parser hermes (the syntax read here) and --enable-auto-tool-choice are
-    accepted, another parser is refused with the choices; --enable-server-load-tracking is refused by name."""
+    accepted, another parser is refused with the choices."""
     import argparse
 
     from serve.app import add_serve_args
@@ -252,10 +254,6 @@ def test_vllm_tool_flags_and_refused_switches(capsys):
     with pytest.raises(SystemExit) as e:
         parse(["--tool-call-parser", "mistral"])
     assert e.value.code == 2 and "hermes" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        parse(["--enable-server-load-tracking"])
-    err = capsys.readouterr().err
-    assert e.value.code == 2 and "--enable-server-load-tracking is not supported" in err and "/load" in err, err
 
 
 def test_reasoning_parser_flag_names_its_choices(capsys):
@@ -596,3 +594,102 @@ def test_iteration_tokens_counts_and_renders_per_engine():
     assert 'jaxpaged:iteration_tokens_total_count{engine="0",model_name="tiny",replica="0"} 5.0' in text
     assert 'jaxpaged:iteration_tokens_total_sum{engine="1",model_name="tiny",replica="1"} 3.0' in text
     assert 'jaxpaged:iteration_tokens_total_bucket{engine="1",le="1.0",model_name="tiny",replica="1"} 0.0' in text
+
+
+def load(server) -> int:
+    r = httpx.get(server.url + "/load", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["server_load"]
+
+
+def until_load(server, n: int) -> None:
+    deadline = time.monotonic() + 30
+    while load(server) != n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert load(server) == n
+
+
+def test_server_load(server, flagged):
+    """GET /load as vLLM's: without --enable-server-load-tracking always 0; with it, the generation requests
+    in flight (the engine paused holds them): a stream until it ends (here: its client goes away), a plain
+    request until answered, a refused one not at all."""
+    body = {"model": "tiny", "prompt": "ab", "max_tokens": 2}
+    for srv, one in ((server, 0), (flagged, 1)):
+        assert load(srv) == 0
+        assert httpx.post(srv.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                plain = pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=120)
+                with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120,
+                                  json={"model": "tiny", "messages": USER, "stream": True}):
+                    until_load(srv, 2 * one)
+                until_load(srv, one)  # the stream's client went away
+                httpx.post(srv.url + "/resume", timeout=30)
+                assert plain.result().status_code == 200
+        finally:
+            httpx.post(srv.url + "/resume", timeout=30)
+        until_load(srv, 0)
+    refused(flagged, "/v1/chat/completions", messages=USER, n=0)
+    post(flagged, "/v1/chat/completions/batch", messages=[USER, USER], max_tokens=2)
+    post(flagged, "/invocations", prompt="ab", max_tokens=2)
+    assert load(flagged) == 0
+
+
+def test_batch_chat_completions(server):
+    """vLLM's /v1/chat/completions/batch: one choice per conversation, each what the conversation alone gets
+    (greedy; logprobs within float error), usage summed; stream, n > 1, tools and an empty conversation
+    refused by name."""
+    convs = [USER, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "bonjour"}]]
+    common = dict(max_tokens=5, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    r = post(server, "/v1/chat/completions/batch", messages=convs, return_token_ids=True, **common)
+    assert r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-")
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    prompt_tokens = 0
+    for conv, c in zip(convs, r["choices"]):
+        alone = post(server, "/v1/chat/completions", messages=conv, **common)
+        assert c["message"] == alone["choices"][0]["message"] and c["finish_reason"] == "length"
+        got, want = c["logprobs"]["content"], alone["choices"][0]["logprobs"]["content"]
+        assert [t["token"] for t in got] == [t["token"] for t in want] and len(c["token_ids"]) == 5
+        assert all(math.isclose(a["logprob"], b["logprob"], abs_tol=1e-4) and len(a["top_logprobs"]) == 2
+                   for a, b in zip(got, want))  # (batched: not bit for bit)
+        prompt_tokens += alone["usage"]["prompt_tokens"]
+    assert r["usage"]["prompt_tokens"] == prompt_tokens and r["usage"]["completion_tokens"] == 10
+    for field, value in (("stream", True), ("n", 2), ("tools", [TOOL]), ("prompt_logprobs", 1)):
+        assert refused(server, "/v1/chat/completions/batch", messages=convs, **{field: value})["param"] == field
+    assert refused(server, "/v1/chat/completions/batch", messages=[USER, []])["param"] == "messages"
+    assert refused(server, "/v1/chat/completions/batch", messages=USER)["param"] == "messages"
+
+
+def test_logprob_token_ids(server, flagged):
+    """vLLM's logprob_token_ids: each generated token's logprobs are its own, then those of the ids asked (in
+    their order), equal to what the whole vocabulary shows (flagged: tokens as token_id:N, --max-logprobs 400);
+    plain, streamed, legacy completions, batch chat; without logprobs, out of the vocabulary, more than 128
+    (vLLM's bound) or empty: a 400 naming the field."""
+    ids, named = [7, 65, 300, 65], ["token_id:7", "token_id:65", "token_id:300"]
+    base = dict(max_tokens=4, temperature=0, ignore_eos=True, logprobs=True)
+    full = post(flagged, "/v1/chat/completions", messages=USER, top_logprobs=-1, **base)
+    r = post(flagged, "/v1/chat/completions", messages=USER, logprob_token_ids=ids, **base)
+    got = r["choices"][0]["logprobs"]["content"]
+    assert len(got) == 4
+    for g, f in zip(got, full["choices"][0]["logprobs"]["content"]):
+        whole = {t["token"]: t["logprob"] for t in f["top_logprobs"]}
+        assert g["token"] == f["token"] and g["logprob"] == pytest.approx(f["logprob"], abs=1e-4)
+        assert [t["token"] for t in g["top_logprobs"]] == list(dict.fromkeys([g["token"], *named]))
+        assert all(t["logprob"] == pytest.approx(whole[t["token"]], abs=1e-4) for t in g["top_logprobs"])
+    shown = [[t["token"] for t in c["top_logprobs"]] for c in got]
+    chunks = stream(flagged, "/v1/chat/completions", messages=USER, logprob_token_ids=ids, **base)
+    assert [[t["token"] for t in c["top_logprobs"]] for ch in chunks for x in ch["choices"] if x.get("logprobs")
+            for c in x["logprobs"]["content"]] == shown
+    r = post(flagged, "/v1/chat/completions/batch", messages=[USER, USER], logprob_token_ids=ids, **base)
+    assert [[[t["token"] for t in c["top_logprobs"]] for c in x["logprobs"]["content"]] for x in r["choices"]] == \
+        [shown, shown]
+    r = post(flagged, "/v1/completions", prompt="ab", max_tokens=3, temperature=0, ignore_eos=True, logprobs=0,
+             logprob_token_ids=ids)
+    lp = r["choices"][0]["logprobs"]
+    for tok, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+        assert list(top) == list(dict.fromkeys([tok, *named])) and top[tok] == v
+    for body in (dict(logprob_token_ids=ids), dict(logprobs=1, logprob_token_ids=[320]),
+                 dict(logprobs=1, logprob_token_ids=list(range(129))), dict(logprobs=1, logprob_token_ids=[])):
+        assert refused(server, "/v1/completions", prompt="ab", **body)["param"] == "logprob_token_ids", body
+    assert refused(server, "/v1/chat/completions", messages=USER, logprob_token_ids=ids)["param"] == \
+        "logprob_token_ids"

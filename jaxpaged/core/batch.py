@@ -171,7 +171,7 @@ class PersistentBatch:
 # passed beside the packed buffer, always — so the compiled step's signature does not depend on where
 # they are. A new input of this kind (a large per-slot mask that is all ones when unused) goes here.
 SEPARATE = ("prev_tokens", "history", "bitmask", "steering", "bias_ids", "bias_values", "draft_probs",
-            "spec_bitmask", "spec_bias_ids", "spec_bias_values", "prompt_embeds")
+            "spec_bitmask", "spec_bias_ids", "spec_bias_values", "prompt_embeds", "logprob_token_ids")
 
 
 def layout(batch: dict, sp: dict) -> tuple:

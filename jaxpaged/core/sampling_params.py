@@ -23,6 +23,7 @@ SEED_MIN, SEED_END = -2 ** 63, 2 ** 63  # seeds are int64 (as vLLM's); the engin
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024  # all stop strings together, in characters (Unicode code points)
 FLOAT32_MAX = 3.4028234663852886e38  # floats reach the step as float32: larger ones would become inf
+MAX_LOGPROB_TOKEN_IDS = 128  # logprob_token_ids per request (vLLM's bound; the step's row width)
 
 
 def _is_int(v) -> bool:
@@ -59,6 +60,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None    # top-N logprobs per generated token
+    # the logprobs of these ids at every generated position, beside the sampled token's (vLLM's; they take
+    # the place of the top-N: `logprobs` becomes 0); at most MAX_LOGPROB_TOKEN_IDS, duplicates dropped
+    logprob_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained output
     # research hooks (docs/research.md); the engine must have compiled them (hidden_state_layers, steering_layers)
@@ -131,6 +135,15 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of integers in [0, {INT32_MAX}]")
         self.stop_token_ids = [int(t) for t in ids]
         integer("logprobs", 0, optional=True)
+        if self.logprob_token_ids is not None:
+            ids = self.logprob_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and 0 <= t <= INT32_MAX
+                                                                        for t in ids):
+                bad("logprob_token_ids", f"must be None or a non-empty list of integers in [0, {INT32_MAX}]")
+            if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+                bad("logprob_token_ids", f"must hold at most {MAX_LOGPROB_TOKEN_IDS} ids (vLLM's bound)")
+            self.logprob_token_ids = list(dict.fromkeys(int(t) for t in ids))
+            self.logprobs = 0  # the sampled token's own logprob; the ids' come beside it
         integer("prompt_logprobs", 0, optional=True)
         check_logit_controls(self, bad)
         for name in ("ignore_eos", "skip_special_tokens", "return_hidden_states", "return_prompt_hidden_states",

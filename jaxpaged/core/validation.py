@@ -88,7 +88,8 @@ def check_request(ids: list[int], params, limits: dict, blocks_held, usable_bloc
         raise InvalidParam("prompt_logprobs", f"prompt_logprobs ({params.prompt_logprobs}) exceeds max_logprobs "
                            f"({limits['max_logprobs']})")
     for name, ids in (("logit_bias", params.logit_bias or ()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
+                      ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("logprob_token_ids", params.logprob_token_ids or ())):
         bad = sorted({t for t in ids if t >= V})
         if bad:  # every bad key named (at most 32 of them: the message stays bounded)
             more = f" and {len(bad) - 32} more" if len(bad) > 32 else ""

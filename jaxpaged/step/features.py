@@ -10,7 +10,8 @@ knows none by name:
   the feature reads nothing back);
 - device, traced once per compiled variant: `decoder_args(batch, sp)` (keyword arguments of the decoder)
   and `outputs(traced)` (what the step returns for it, a tuple of arrays);
-- host, at read: `read(plan, outputs, step)` with the plan made at launch.
+- host, at read: `read(plan, outputs, step)` with the plan made at launch; what it returns, if anything, is
+  {slot: [{token id: logprob} per token row]}, entries the runner adds to the sampled tokens' logprobs.
 
 The defaults do nothing, so a feature implements only its part, and a feature that is not in the tuple
 adds no input and no output. How the step draws each slot's tokens is the variant's `Sampling` (the plain
@@ -59,8 +60,9 @@ class StepFeature:
     def outputs(self, traced: Traced) -> tuple:
         return ()
 
-    def read(self, plan, outputs: tuple, step) -> None:
-        """Copy back what `plan` names of the step's `outputs` (host arrays on request)."""
+    def read(self, plan, outputs: tuple, step) -> dict | None:
+        """Copy back what `plan` names of the step's `outputs` (host arrays on request); return None, or
+        logprob entries to add to the sampled tokens' ({slot: [{token id: logprob} per token row]})."""
 
 
 def decoded(args: dict, outs: list) -> dict:
@@ -68,6 +70,16 @@ def decoded(args: dict, outs: list) -> dict:
     routes with `routes` (models/llama.py decoder)."""
     names = ["states"] * bool(args.get("capture")) + ["routes"] * bool(args.get("routes"))
     return dict(zip(names, outs))
+
+
+def add_logprobs(result: dict, entries: dict) -> None:
+    """Add a feature's logprob entries ({slot: [{token id: logprob} per token row]}) to a step's tokens
+    (`Sampling.read_tokens`: slot -> (token(s), logprob dict(s) or None)), after those already there."""
+    for slot, rows in entries.items():
+        lps = result[slot][1]
+        for lp, add in zip([lps] if isinstance(lps, dict) else lps or (), rows):
+            for t, v in add.items():
+                lp.setdefault(t, v)
 
 
 class Sampling(StepFeature):

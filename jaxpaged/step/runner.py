@@ -48,12 +48,13 @@ from jaxpaged.spec_decode.step import Unverified, Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
-from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature
+from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
 from jaxpaged.step.matmul import resolve_matmul
 from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
 from jaxpaged.step.routed_experts import RoutedExperts
+from jaxpaged.step.token_logprobs import TokenLogprobs
 from jaxpaged.step.traced import Variant, traced_step
 
 
@@ -193,7 +194,7 @@ class ModelRunner:
         if cfg.enable_prompt_embeds:  # prompts given as embeddings (jaxpaged/step/prompt_embeds.py)
             features.append(PromptEmbeds(self.buckets[-1], self.model_cfg.hidden_size, self._put))
         features += [GrammarMask(self.structured, S, self._put), LogitBias(self.controls, self._put),
-                     PromptLogprobs(self.num_logprobs)]
+                     PromptLogprobs(self.num_logprobs), TokenLogprobs(S, cfg.logprobs_mode, self._put)]
         capture, steer = tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ())
         if capture or steer:  # research hooks compiled in (validated by the engine)
             self.batch.hooks = SlotHooks(S, capture, steer, self.model_cfg.hidden_size, self.dtype, self._put)
@@ -346,9 +347,12 @@ class ModelRunner:
     def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
         """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
         speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
-        for feature, plan, outputs in step.reads:
-            feature.read(plan, outputs, step)
-        return self._sampling[step.key[2]].read_tokens(step)
+        more = [feature.read(plan, outputs, step) for feature, plan, outputs in step.reads]
+        result = self._sampling[step.key[2]].read_tokens(step)
+        for entries in more:
+            if entries:
+                add_logprobs(result, entries)
+        return result
 
     def device_inputs(self, batch: dict, sp: dict) -> tuple:
         """The step's host inputs -> what the compiled step takes: one packed int32 buffer (a single
