@@ -107,23 +107,30 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     zeros when no slot asked for logprobs: any_logprobs false).
     """
     S = logits.shape[0]
-    raw = logits  # logprobs are the model's: before bias, penalties, masks and temperature
-    logits = controlled_logits(logits, sp)
-    greedy_tok = jnp.argmax(logits, axis=-1)
+    # the common step, greedy rows and no logit control, takes the argmax of the logits as they are; any
+    # other runs the controls. Both branches return the tokens, never the [S, V] logits: a conditional that
+    # passes a large array through (an identity branch) copies it every step
+    plain = sp["all_greedy"] & ~(sp["any_bias"] | sp["any_penalty"] | sp["any_mask"] | jnp.any(sp["banned"] >= 0))
 
-    def sampled(logits):
-        scaled = processed_logits(logits, sp)
+    def controlled_tokens(raw):
+        logits = controlled_logits(raw, sp)
+        greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-        def one(seed, idx, row):
-            key = jax.random.fold_in(jax.random.key(seed), idx)
-            return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype))
-        drawn = jax.vmap(one)(sp["seed"], sp["gen_index"], scaled)
-        return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
+        def sampled(logits):
+            scaled = processed_logits(logits, sp)
 
-    tokens = jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits).astype(jnp.int32)
-    source = raw if logprobs_mode.startswith("raw") else logits  # processed: computed only when asked
+            def one(seed, idx, row):
+                key = jax.random.fold_in(jax.random.key(seed), idx)
+                return jnp.argmax(row + jax.random.gumbel(key, row.shape, row.dtype))
+            drawn = jax.vmap(one)(sp["seed"], sp["gen_index"], scaled).astype(jnp.int32)
+            return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
+        return jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits)
 
-    def logprobs(source, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
+    tokens = jax.lax.cond(plain, lambda l: jnp.argmax(l, axis=-1).astype(jnp.int32), controlled_tokens, logits)
+
+    def logprobs(raw, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
+        # raw modes: the model's logits, before bias, penalties, masks and temperature; processed: after
+        source = raw if logprobs_mode.startswith("raw") else controlled_logits(raw, sp)
         lp = processed_logits(source, sp) if logprobs_mode.startswith("processed") else source
         lp = jax.nn.log_softmax(lp, axis=-1) if logprobs_mode.endswith("logprobs") else lp
         top_lp, top_ids = jax.lax.top_k(lp, num_logprobs)
@@ -133,5 +140,5 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
         return (jnp.zeros((S,), source.dtype), jnp.zeros((S, num_logprobs), source.dtype),
                 jnp.zeros((S, num_logprobs), jnp.int32))
 
-    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, source, tokens)
+    tok_lp, top_lp, top_ids = jax.lax.cond(sp["any_logprobs"], logprobs, not_asked, logits, tokens)
     return tokens, tok_lp, top_lp, top_ids
