@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.step.batch_invariant import row_tiled_sample
-from jaxpaged.step.sampler import sample, slot_rows
+from jaxpaged.step.sampler import jnp_argmax, sample, slot_rows
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,17 @@ class Sampling(StepFeature):
     """The plain draw: one token per scheduled slot (and its logprobs), `sampler.sample` on the logits of
     each slot's last row; with batch invariance (row_tile) over row tiles of fixed shape."""
 
-    def __init__(self, num_logprobs: int, logprobs_mode: str, row_tile: int = 0):
+    def __init__(self, num_logprobs: int, logprobs_mode: str, row_tile: int = 0, argmax=jnp_argmax):
         self.num_logprobs, self.logprobs_mode, self.row_tile = num_logprobs, logprobs_mode, row_tile
+        self.argmax = argmax  # the greedy rows' (sampler.sample): XLA's, or the CPU kernel's
 
     def draw(self, logits_of, h, batch: dict, sp: dict) -> tuple:
         """(tokens i32[R], logprob f32[R], top f32[R, NL], top ids i32[R, NL]) of the R sample_slots rows."""
         S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]
         at = jnp.minimum(rows, S - 1)
         logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
-        draw = functools.partial(sample, num_logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode)
+        draw = functools.partial(sample, num_logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode,
+                                 argmax=self.argmax)
         if self.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too
             return row_tiled_sample(draw, logits, slot_rows(sp, at, S), self.row_tile)
         return draw(logits, slot_rows(sp, at, S))  # a row's draw depends on its slot's seed only

@@ -54,8 +54,10 @@ from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
 from jaxpaged.step.routed_experts import RoutedExperts
+from jaxpaged.step.sampler import jnp_argmax
 from jaxpaged.step.token_logprobs import TokenLogprobs
 from jaxpaged.step.traced import Variant, traced_step
+from pallas_kernels import cpu_argmax
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -208,7 +210,9 @@ class ModelRunner:
         verifier beside it, and the plain step's tokens read back in the verified steps' form."""
         lp, mode = self.num_logprobs, self.cfg.logprobs_mode
         if not self.num_spec:
-            return {False: Sampling(lp, mode, self.step_cfg.row_tile)}
+            # one CPU device: the greedy rows' argmax by the CPU kernel (XLA's is not vectorized there)
+            one_cpu = self.platform == "cpu" and self.mesh.devices.size == 1 and cpu_argmax.available()
+            return {False: Sampling(lp, mode, self.step_cfg.row_tile, cpu_argmax.cpu_argmax if one_cpu else jnp_argmax)}
         verify = Verification(lp, mode, self.num_spec, self.structured, self.controls, self.batch,
                               self.model_cfg.vocab_size, self.cfg.speculative_config.method == "draft_model",
                               self._put)

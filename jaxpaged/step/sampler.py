@@ -93,7 +93,12 @@ def processed_logits(controlled, sp):
     return jnp.where(sp["temperature"][:, None] > 0, scaled, controlled)
 
 
-def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
+def jnp_argmax(x):
+    """i32[...] index of each row's largest value of x [..., V]: XLA's (the default `argmax` of `sample`)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs", argmax=jnp_argmax):
     """Sample one token per slot.
 
     logits f32[S, V]; sp: dict of per-slot arrays — temperature f32[S], top_k i32[S], top_p f32[S],
@@ -103,6 +108,7 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
     unconstrained), bias_ids i32[S, NB] / bias_values f32[S, NB] (logit_bias and bad-word bans, -1 = none),
     any_penalty, any_filter, any_mask, any_bias, all_greedy, any_logprobs: bool[].
     logprobs_mode (static): one of config.LOGPROBS_MODES, what the returned logprobs describe (module docstring).
+    argmax (static): the greedy rows' argmax over [S, V] (`jnp_argmax`, or the CPU kernel's, the same result).
     Returns tokens i32[S], token_logprob f32[S], top_logprobs f32[S, K], top_ids i32[S, K] (the last three
     zeros when no slot asked for logprobs: any_logprobs false).
     """
@@ -114,7 +120,7 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
 
     def controlled_tokens(raw):
         logits = controlled_logits(raw, sp)
-        greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        greedy_tok = argmax(logits)
 
         def sampled(logits):
             scaled = processed_logits(logits, sp)
@@ -126,7 +132,7 @@ def sample(logits, sp, num_logprobs: int, logprobs_mode: str = "raw_logprobs"):
             return jnp.where(sp["temperature"] > 0, drawn, greedy_tok)
         return jax.lax.cond(sp["all_greedy"], lambda l: greedy_tok, sampled, logits)
 
-    tokens = jax.lax.cond(plain, lambda l: jnp.argmax(l, axis=-1).astype(jnp.int32), controlled_tokens, logits)
+    tokens = jax.lax.cond(plain, argmax, controlled_tokens, logits)
 
     def logprobs(raw, tokens):  # log_softmax and top-k over [S, V] cost ms a step on CPU: only when asked
         # raw modes: the model's logits, before bias, penalties, masks and temperature; processed: after

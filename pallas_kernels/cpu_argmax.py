@@ -1,0 +1,50 @@
+"""The index of each row's largest value on the CPU (cpu_argmax.cc), built at first use, called through the
+XLA FFI: `cpu_argmax(x)` for float32 x [..., V] -> int32 [...], the first of ties and the first NaN of a row
+as `jnp.argmax` (XLA:CPU's own argmax is a reduction over (value, index) pairs that it does not vectorize).
+Built like the attention kernel (pallas_kernels/cpu_ffi.py); `available()` is False (one log line says why)
+where it cannot be built, and callers keep `jnp.argmax`. The reference is `jnp.argmax`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.cpu_ffi import build_kernel
+
+logger = logging.getLogger(__name__)
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_argmax.cc")
+TARGET = "jaxpaged_cpu_argmax"
+
+
+@functools.cache
+def _library():
+    """Build, load and register the kernel once -> the library; None (logged once) when it cannot be."""
+    try:
+        lib = ctypes.cdll.LoadLibrary(build_kernel(SOURCE))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuArgmax), platform="cpu")
+    except Exception as e:  # noqa: BLE001 — any failure means: jnp.argmax
+        logger.warning("CPU argmax kernel unavailable, using jnp.argmax: %s", e)
+        return None
+    return lib
+
+
+def available() -> bool:
+    """The kernel is built, loaded and registered here."""
+    return _library() is not None
+
+
+def cpu_argmax(x):
+    """x f32[..., V] (V > 0) -> i32[...]: the first index of each row's largest value (NaN counts as largest)."""
+    if jnp.dtype(x.dtype) != jnp.float32 or x.ndim < 1 or x.shape[-1] == 0:
+        raise ValueError(f"cpu_argmax needs float32 x [..., V] with V > 0, got {x.dtype}{list(x.shape)}")
+    if not available():
+        raise RuntimeError("the CPU argmax kernel is not available here (see the log for why)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0],), jnp.int32), vmap_method="sequential")
+    return call(x2).reshape(lead)
