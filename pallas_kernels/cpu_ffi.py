@@ -116,12 +116,6 @@ def vectorized() -> bool:
     return vector_lanes() > 0
 
 
-def amx() -> bool:
-    """bfloat16 pools take the AMX path here (its block products on the tile units; see the source)."""
-    lib = _library()
-    return lib is not None and bool(lib.JaxpagedCpuAttentionAmx())
-
-
 def cpu_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,
                                window=None, softcap=None, k_scale=None, v_scale=None):
     """Mixed prefill/decode attention over packed queries q [T, Hq, D] -> [T, Hq, D] in q's dtype, the

@@ -11,9 +11,7 @@
 //   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer). Per block and KV
 //   head: the logits of the G x rows query vectors (a 16-lane dot a key, one horizontal sum), then the
 //   softmax over the block's keys 16 at a time (masking, max, a vector exp) and the values weighted into
-//   float32 accumulators (online softmax merged once a block). With AMX (bfloat16 pools, blocks of whole
-//   16-key tiles, heads of whole 32-value tiles) the block's two products run on the tiles, read from the
-//   pool in place, and the softmax stays as it is (see `amx_logits`, `amx_values`).
+//   float32 accumulators (online softmax merged once a block).
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
@@ -28,8 +26,6 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-
-#include "cpu_amx.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define JP_AVX512 1
@@ -363,104 +359,8 @@ inline void values_group(const float* p, int bsp, const float* alpha, float* acc
 
 constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
 
-#if JP_AMX && JP_AVX512
-// The AMX path (bfloat16 pools, block_size % 16 == 0, head_dim % 32 == 0, G x rows <= 16 query vectors a
-// KV head): the products of a block run on the tiles, the softmax stays the vector path's.
-// - logits: S^T (16 keys x 16 query vectors) = K rows (A tiles, read from the pool in place) x Q^T (B tiles:
-//   the unit's queries rounded to bfloat16 and packed once, row r = the pairs d = 2r, 2r+1), then gathered
-//   column by column into s;
-// - values: a 32-value slice of V rows (B tiles, read in place: adjacent values are the pairs) against the
-//   probabilities as A tiles twice, once as pairs (p, 0) (the even values) and once as (0, p) (the odd ones),
-//   rounded to bfloat16; the two results interleaved back into the float32 accumulators.
-inline uint16_t to_bf16(float x) {  // round to nearest even (finite x)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// The R query vectors of one KV head (rows of W floats) -> KC = D / 32 B tiles [16 pairs of d, 16 vectors].
-inline void amx_pack_queries(const float* q, int R, int D, size_t W, uint16_t* qt) {
-  std::fill(qt, qt + (D / 32) * 512, uint16_t{0});
-  for (int c = 0; c < R; ++c)
-    for (int d = 0; d < D; ++d) qt[(d / 32) * 512 + ((d % 32) / 2) * 32 + c * 2 + (d % 2)] = to_bf16(q[c * W + d]);
-}
-
-// 16 rows of one head from key j0 (stride key_stride bytes), copied into `pad` with zero rows past key n
-// when fewer than 16 remain (the tile never reads another block's rows, nor stale values as weights).
-inline const char* amx_rows(const char* h, size_t key_stride, int j0, int n, int D, uint16_t* pad, size_t* stride) {
-  if (n - j0 >= 16) {
-    *stride = key_stride;
-    return h + j0 * key_stride;
-  }
-  std::memset(pad, 0, sizeof(uint16_t) * 16 * D);
-  for (int j = j0; j < n; ++j) std::memcpy(pad + (j - j0) * D, h + j * key_stride, sizeof(uint16_t) * D);
-  *stride = sizeof(uint16_t) * D;
-  return reinterpret_cast<const char*>(pad);
-}
-
-inline void amx_logits(const uint16_t* qt, int R, int D, const char* kh, size_t key_stride, int n, float* s, int bsp,
-                       uint16_t* pad, float* ct) {
-  const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(16));
-  for (int j0 = 0; j0 < n; j0 += 16) {
-    size_t stride;
-    const char* kt = amx_rows(kh, key_stride, j0, n, D, pad, &stride);
-    _tile_zero(0);
-    for (int kc = 0; kc < D / 32; ++kc) {
-      _tile_loadd(2, kt + kc * 64, stride);
-      _tile_loadd(3, qt + kc * 512, 64);
-      _tile_dpbf16ps(0, 2, 3);
-    }
-    _tile_stored(0, ct, 64);
-    for (int i = 0; i < R; ++i) _mm512_storeu_ps(s + i * bsp + j0, _mm512_i32gather_ps(col, ct + i, 4));
-  }
-}
-
-inline void amx_values(const float* p, int bsp, const float* alpha, float* acc, size_t W, int R, int D,
-                       const char* vh, size_t key_stride, int n, uint16_t* ap, uint16_t* pad, float* ct) {
-  const int nsub = (n + 15) / 16;
-  std::memset(ap, 0, sizeof(uint16_t) * nsub * 2 * 512);  // rows of no query vector stay zero
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1),
-                top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int t = 0; t < nsub; ++t) {
-    const __mmask16 valid = n - 16 * t >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - 16 * t)) - 1);
-    for (int i = 0; i < R; ++i) {
-      const __m512i x = _mm512_castps_si512(_mm512_maskz_loadu_ps(valid, p + i * bsp + 16 * t));
-      const __m512i odd = _mm512_and_si512(
-          _mm512_add_epi32(x, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(x, 16), one))), top);
-      _mm512_storeu_si512(ap + (2 * t) * 512 + i * 32, _mm512_srli_epi32(odd, 16));  // (p, 0)
-      _mm512_storeu_si512(ap + (2 * t + 1) * 512 + i * 32, odd);                     // (0, p)
-    }
-  }
-  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  for (int dc = 0; dc < D / 32; ++dc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    for (int t = 0; t < nsub; ++t) {
-      size_t stride;
-      const char* vt = amx_rows(vh, key_stride, 16 * t, n, D, pad, &stride);
-      _tile_loadd(2, ap + (2 * t) * 512, 64);
-      _tile_loadd(3, ap + (2 * t + 1) * 512, 64);
-      _tile_loadd(4, vt + dc * 64, stride);
-      _tile_dpbf16ps(0, 2, 4);
-      _tile_dpbf16ps(1, 3, 4);
-    }
-    _tile_stored(0, ct, 64);
-    _tile_stored(1, ct + 256, 64);
-    for (int i = 0; i < R; ++i) {
-      const __m512 e = _mm512_load_ps(ct + 16 * i), o = _mm512_load_ps(ct + 256 + 16 * i);
-      const __m512 a = _mm512_set1_ps(alpha[i]);
-      float* dst = acc + i * W + 32 * dc;
-      _mm512_store_ps(dst, _mm512_fmadd_ps(_mm512_load_ps(dst), a, _mm512_permutex2var_ps(e, lo, o)));
-      _mm512_store_ps(dst + 16, _mm512_fmadd_ps(_mm512_load_ps(dst + 16), a, _mm512_permutex2var_ps(e, hi, o)));
-    }
-  }
-}
-#endif
-
 // One unit: rows u.row0..u.row0+u.rows of slot u.slot, every KV head, over the slot's keys.
-template <bool BF16, bool AMX>
+template <bool BF16>
 void attend_vector(const Problem& P, const Unit& u) {
   const int D = static_cast<int>(P.D), bs = static_cast<int>(P.bs), G = static_cast<int>(P.G);
   const int Hkv = static_cast<int>(P.Hkv), rows = u.rows, R = G * rows;  // R query vectors a KV head
@@ -494,22 +394,6 @@ void attend_vector(const Problem& P, const Unit& u) {
     for (int i = 0; i < R; ++i)
       std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W, P.q + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D,
                   sizeof(float) * D);
-#if JP_AMX && JP_AVX512
-  // the AMX path's scratch: [Hkv, D / 32] query tiles, a block's [bs / 16, 2] probability tiles, a padded
-  // [16, D] sub-tile, two result tiles
-  thread_local std::vector<uint16_t> tbuf;
-  alignas(64) float ct[512];
-  uint16_t *qt = nullptr, *ap = nullptr, *pad = nullptr;
-  if constexpr (AMX) {
-    const size_t nq = static_cast<size_t>(Hkv) * (D / 32) * 512, na = static_cast<size_t>(bsp / 16) * 2 * 512;
-    tbuf.resize(nq + na + 16 * static_cast<size_t>(D) + 64);
-    qt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(tbuf.data()) + 63) & ~uintptr_t{63});
-    ap = qt + nq;
-    pad = ap + na;
-    for (int h = 0; h < Hkv; ++h)
-      amx_pack_queries(qb + static_cast<size_t>(h) * R * W, R, D, W, qt + static_cast<size_t>(h) * (D / 32) * 512);
-  }
-#endif
   const size_t elt = BF16 ? 2 : 4;
   const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
   const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
@@ -532,14 +416,9 @@ void attend_vector(const Problem& P, const Unit& u) {
       const char* kh = kblock + static_cast<size_t>(h) * D * elt;
       const char* vh = vblock + static_cast<size_t>(h) * D * elt;
       // logits s[i, j] = q_i . k_j, i = (row, g)
-#if JP_AMX && JP_AVX512
-      if constexpr (AMX)
-        amx_logits(qt + static_cast<size_t>(h) * (D / 32) * 512, R, D, kh, key_stride, n, s, bsp, pad, ct);
-      else
-#endif
-        for (int i0 = 0; i0 < R; i0 += GROUP)
-          JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride,
-                    n, s + static_cast<size_t>(i0) * bsp, bsp)
+      for (int i0 = 0; i0 < R; i0 += GROUP)
+        JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
+                  s + static_cast<size_t>(i0) * bsp, bsp)
       // the block's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
@@ -582,14 +461,9 @@ void attend_vector(const Problem& P, const Unit& u) {
         }
       }
       // values: acc_i = alpha_i acc_i + sum_j p_ij v_j
-#if JP_AMX && JP_AVX512
-      if constexpr (AMX)
-        amx_values(s, bsp, alpha, acc + static_cast<size_t>(h) * R * W, W, R, D, vh, key_stride, n, ap, pad, ct);
-      else
-#endif
-        for (int i0 = 0; i0 < R; i0 += GROUP)
-          JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * bsp, bsp, alpha + i0,
-                    acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride, n)
+      for (int i0 = 0; i0 < R; i0 += GROUP)
+        JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * bsp, bsp, alpha + i0,
+                  acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride, n)
     }
   }
   for (int h = 0; h < Hkv; ++h) {
@@ -613,22 +487,11 @@ struct Shared {
   std::vector<Unit> units;
   std::atomic<int64_t> next{0}, done{0};
   bool fast = false;  // the vector path: units span every KV head
-  bool amx = false;   // its products on AMX tiles
   void work() {
-#if JP_AMX && JP_AVX512
-    if (amx) jp_amx::configure();
-#endif
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(units.size());) {
-#if JP_AMX && JP_AVX512
-      if (amx) {
-        attend_vector<true, true>(P, units[i]);
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
-#endif
 #if JP_AVX512 || JP_AVX2
       if (fast) {
-        (P.bf16 ? attend_vector<true, false> : attend_vector<false, false>)(P, units[i]);
+        (P.bf16 ? attend_vector<true> : attend_vector<false>)(P, units[i]);
         done.fetch_add(1, std::memory_order_release);
         continue;
       }
@@ -636,22 +499,8 @@ struct Shared {
       attend(P, units[i]);
       done.fetch_add(1, std::memory_order_release);
     }
-#if JP_AMX && JP_AVX512
-    if (amx) _tile_release();
-#endif
   }
 };
-
-// Whether a problem takes the AMX path: a build with it, tiles granted, a bfloat16 pool, blocks of whole
-// 16-key tiles, heads of whole 32-value tiles, at most 16 query vectors a KV head in a unit of one row.
-bool amx_fits(const Problem& P) {
-#if JP_AMX && JP_AVX512
-  return P.bf16 && P.bs % 16 == 0 && P.D % 32 == 0 && P.G <= 16 && jp_amx::permitted();
-#else
-  (void)P;
-  return false;
-#endif
-}
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                 ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -682,15 +531,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   P.scale = scale, P.softcap = softcap, P.window = window;
   std::memset(P.out, 0, sizeof(float) * P.T * P.Hq * P.D);  // padding rows stay zeros
   sh->fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;
-  sh->amx = sh->fast && amx_fits(P);
   const int64_t heads = sh->fast ? 1 : P.Hkv;  // units a row tile
-  const int64_t tile_rows = sh->amx ? std::max<int64_t>(1, std::min<int64_t>(TILE_ROWS, 16 / P.G)) : TILE_ROWS;
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
-    for (int64_t r = a; r < e; r += tile_rows)
+    for (int64_t r = a; r < e; r += TILE_ROWS)
       for (int64_t h = 0; h < heads; ++h)
         sh->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
-                             static_cast<int32_t>(std::min<int64_t>(tile_rows, e - r))});
+                             static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r))});
   }
   // the long units first (the most keys x rows): the threads then end close together
   auto cost = [&P](const Unit& x) { return static_cast<int64_t>(x.rows) * std::max<int32_t>(P.lens[x.slot], 1); };
@@ -721,12 +568,3 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuPagedAttention, Impl,
 
 // The vector path's float32 lanes in this build (16: AVX-512, 8: AVX2 + FMA), 0 without it.
 extern "C" int JaxpagedCpuAttentionVectorized() { return JP_AVX512 ? 16 : JP_AVX2 ? 8 : 0; }
-
-// 1 when bfloat16 pools take the AMX path in this build (compiled for AMX and granted the tiles), else 0.
-extern "C" int JaxpagedCpuAttentionAmx() {
-#if JP_AMX && JP_AVX512
-  return jp_amx::permitted() ? 1 : 0;
-#else
-  return 0;
-#endif
-}

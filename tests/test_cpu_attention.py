@@ -72,13 +72,6 @@ def test_mixed(dtype, options):
     _check(_case(rng, n_rows, lens, 2, 4, 64, 16, dtype), dtype, **options)
 
 
-def test_amx_path_where_the_products_have_it():
-    """On a CPU whose tiles the matmul kernel uses, the attention's bfloat16 path uses them too (the bfloat16
-    cases above then check the AMX path against the reference; elsewhere the vector path)."""
-    from pallas_kernels import cpu_matmul
-    assert cpu_ffi.amx() is (cpu_matmul.available() and cpu_matmul.amx())
-
-
 def test_quantized_pools_take_the_reference():
     rng = np.random.default_rng(1)
     q, k_pool, v_pool, tables, lens, qsl = _case(rng, [1, 4], [5, 20], 2, 2, 64, 8, jnp.float32)
