@@ -127,7 +127,9 @@ def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
         up = np.asarray(weights["layers"]["w_up"], np.float32)
         before = eng.runner.num_compilations
         new_up = (up + 0.05 * np.random.default_rng(0).standard_normal(up.shape)).astype(jnp.bfloat16)
-        eng.update_weights({"layers": {"w_up": jnp.asarray(new_up)}})
+        adopted = jnp.asarray(new_up)
+        eng.update_weights({"layers": {"w_up": adopted}})
+        assert not adopted.is_deleted()  # the caller's array is packed, not consumed
         one = np.asarray(eng.get_weights()["layers"]["wo"])[1] * 1.5
         eng.update_weights([("model.layers.1.self_attn.o_proj.weight", one.T.astype(one.dtype))])
         np.testing.assert_array_equal(np.asarray(eng.get_weights()["layers"]["w_up"]), np.asarray(new_up))

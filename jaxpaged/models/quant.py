@@ -100,7 +100,8 @@ class Packed:
         return cpu_matmul.unpack(self.tiles)
 
 
-_pack = jax.jit(cpu_matmul.pack, donate_argnums=0)   # the plain matrix is freed as its tiles are made
+_pack = jax.jit(cpu_matmul.pack)
+_pack_owned = jax.jit(cpu_matmul.pack, donate_argnums=0)  # the plain matrix freed as its tiles are made
 _unpack = jax.jit(cpu_matmul.unpack)
 
 
@@ -110,16 +111,17 @@ def packable(a) -> bool:
             and a.shape[-2] % 32 == 0 and a.shape[-1] % 16 == 0)
 
 
-def pack_layers(params: dict) -> dict:
+def pack_layers(params: dict, owned: bool = False) -> dict:
     """The parameters with their stacked plain bfloat16 layer matrices `Packed` (shapes only for abstract
-    leaves: `jax.ShapeDtypeStruct`s keep their sharding)."""
+    leaves: `jax.ShapeDtypeStruct`s keep their sharding). owned: the plain matrices are the caller's alone
+    and are freed as they are packed (never a weight update's arrays: their owner may still use them)."""
     def one(a):
         if not packable(a):
             return a
         if isinstance(a, jax.ShapeDtypeStruct):
             t = jax.eval_shape(cpu_matmul.pack, a)
             return Packed(jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=a.sharding))
-        return Packed(_pack(a))
+        return Packed((_pack_owned if owned else _pack)(a))
     layers = {k: one(a) if k in QUANTIZED_LAYER_LEAVES else a for k, a in params["layers"].items()}
     return {**params, "layers": layers}
 

@@ -152,7 +152,7 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
         if self.step_cfg.cpu_matmul:  # the layer matrices in the kernel's tile order, packed once (quant.Packed)
-            self.params = pack_layers(self.params)
+            self.params = pack_layers(self.params, owned=not abstract)  # placed just now: the runner's own
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
