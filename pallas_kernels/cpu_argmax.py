@@ -6,31 +6,22 @@ where it cannot be built, and callers keep `jnp.argmax`. The reference is `jnp.a
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import os
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_ffi import build_kernel
+from pallas_kernels.cpu_ffi import load_kernel
 
-logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_argmax.cc")
 TARGET = "jaxpaged_cpu_argmax"
 
 
 @functools.cache
 def _library():
-    """Build, load and register the kernel once -> the library; None (logged once) when it cannot be."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(build_kernel(SOURCE))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuArgmax), platform="cpu")
-    except Exception as e:  # noqa: BLE001 — any failure means: jnp.argmax
-        logger.warning("CPU argmax kernel unavailable, using jnp.argmax: %s", e)
-        return None
-    return lib
+    """The kernel's library, built and registered once; None when it cannot be here."""
+    return load_kernel(SOURCE, "JaxpagedCpuArgmax", TARGET, "jnp.argmax")
 
 
 def available() -> bool:

@@ -61,10 +61,6 @@ def build_kernel(source_path: str = SOURCE) -> str:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found)")
     with open(source_path, "rb") as f:
         source = f.read()
-    here = os.path.dirname(source_path)
-    for header in sorted(h for h in os.listdir(here) if h.endswith(".h")):  # the kernels' shared headers
-        with open(os.path.join(here, header), "rb") as f:
-            source += f.read()
     march = os.environ.get("JAXPAGED_CPU_KERNEL_MARCH", "native")  # e.g. haswell: the AVX2 path on any x86-64
     key = hashlib.sha256(b"\0".join([source, jaxlib.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
                                       march.encode()]))
@@ -86,17 +82,23 @@ def build_kernel(source_path: str = SOURCE) -> str:
     return lib
 
 
-@functools.cache
-def _library():
-    """Build, load and register the kernel once -> the loaded library; None (logged once) when that cannot
-    be done here."""
+def load_kernel(source_path: str, handler: str, target: str, instead: str):
+    """Build `source_path`, load it and register its FFI `handler` symbol as the CPU `target` -> the loaded
+    library; None, with one warning saying what runs `instead`, when that cannot be done here. Call once
+    (each kernel module caches it)."""
     try:
-        lib = ctypes.cdll.LoadLibrary(build_kernel())
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuPagedAttention), platform="cpu")
-    except Exception as e:  # noqa: BLE001 — any failure means: use the reference
-        logger.warning("CPU paged attention kernel unavailable, using the reference attention: %s", e)
+        lib = ctypes.cdll.LoadLibrary(build_kernel(source_path))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
+    except Exception as e:  # noqa: BLE001 — any failure means: the fallback
+        logger.warning("CPU kernel %s unavailable, using %s: %s", os.path.basename(source_path), instead, e)
         return None
     return lib
+
+
+@functools.cache
+def _library():
+    """The attention kernel's library, built and registered once; None when it cannot be here."""
+    return load_kernel(SOURCE, "JaxpagedCpuPagedAttention", TARGET, "the reference attention")
 
 
 def available() -> bool:

@@ -13,31 +13,22 @@ source, jaxlib, compiler and CPU flags).
 """
 from __future__ import annotations
 
-import ctypes
 import functools
-import logging
 import os
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_ffi import build_kernel
+from pallas_kernels.cpu_ffi import load_kernel
 
-logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
 TARGET = "jaxpaged_cpu_matmul"
 
 
 @functools.cache
 def _library():
-    """Build, load and register the kernel once -> the library; None (logged once) when it cannot be."""
-    try:
-        lib = ctypes.cdll.LoadLibrary(build_kernel(SOURCE))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.JaxpagedCpuMatmul), platform="cpu")
-    except Exception as e:  # noqa: BLE001 — any failure means: XLA's dot
-        logger.warning("CPU matmul kernel unavailable, using XLA's dot: %s", e)
-        return None
-    return lib
+    """The kernel's library, built and registered once; None when it cannot be here."""
+    return load_kernel(SOURCE, "JaxpagedCpuMatmul", TARGET, "XLA's dot")
 
 
 def available() -> bool:
