@@ -293,3 +293,30 @@ def test_lora(common, out_dir):
     lora = out["results"]["lora"]
     assert lora["lora_stats"]["lora_loads"] == 2 and len(lora["adapter_load_s"]) == 2
     assert lora["output_tokens"] == out["results"]["base"]["output_tokens"]
+
+
+def test_wrap_steps_is_the_timing_seam(model, compile_cache):
+    """ModelRunner.wrap_steps, the hook the benchmarks time and capture the step through: every step runs
+    through the wrapper (same tokens), `None` restores the compiled steps, a stand-in compiles nothing."""
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=24, compilation_cache_dir=compile_cache, show_progress=False)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    gen = lambda: [o.outputs[0].token_ids for o in llm.generate(["hello world"], sp, use_tqdm=False)]  # noqa: E731
+    plain, runner, keys = gen(), llm.engine.runner, []
+
+    def count(key, compiled):
+        keys.append(key)
+        return compiled()
+
+    runner.wrap_steps(count)
+    assert gen() == plain and len(keys) >= 5 and all(len(k) == 3 for k in keys)
+    runner.wrap_steps(None)
+    seen = len(keys)
+    assert gen() == plain and len(keys) == seen
+    with pytest.raises(TypeError, match="wrap must be a callable"):
+        runner.wrap_steps("timer")
+    before = runner.num_compilations
+    runner.wrap_steps(lambda key, compiled: "stand-in")  # never calls compiled(): nothing is compiled
+    assert runner.compiled_step((999, False)) == "stand-in" and runner.num_compilations == before
+    runner.wrap_steps(None)
