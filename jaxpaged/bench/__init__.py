@@ -9,10 +9,6 @@ of every family, also the tests'), `roofline`, the vLLM peers' workers and the c
 from __future__ import annotations
 
 import importlib
-import os
-
-# The repository root (docs/, docs/results/) of the checkout this package runs from.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "latency": "ms per output token at 1-8 concurrent requests, beside the peers and the weight-read time",
