@@ -197,3 +197,18 @@ def test_private_reach_check_can_fail(tmp_path):
     p.write_text("from jax._src.lib import xla_client\nimport numpy as np\n\n"
                  "def f(runner, self):\n    xla_client._xla\n    np._x\n    self._own\n    runner._compiled.get(1)\n")
     assert private_reaches(str(p)) == [f"{os.path.relpath(str(p), ROOT)}:8: ._compiled"]
+
+
+def _workshop(m: str) -> bool:
+    return any(m == p or m.startswith(p + ".") for p in ("jaxpaged.bench", "jaxpaged.testing"))
+
+
+def test_engine_never_imports_the_workshop():
+    """The library stands alone: only `jaxpaged bench` (jaxpaged/cli.py) imports the benchmarks or the shared
+    test fixtures (jaxpaged/testing/); the benchmarks may import the fixtures, the fixtures never the benchmarks."""
+    graph = import_graph()
+    assert "jaxpaged.testing.tiny_models" in graph
+    users = {m for m, deps in graph.items() if not _workshop(m) and any(_workshop(d) for d in deps)}
+    assert users == {"jaxpaged.cli"}, users
+    fixtures = [m for m in graph if m.startswith("jaxpaged.testing")]
+    assert not [(m, d) for m in fixtures for d in graph[m] if d.startswith("jaxpaged.bench")]
