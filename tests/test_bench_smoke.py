@@ -19,7 +19,7 @@ ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
+    from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
     path = make_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny"), "llama", vocab_size=320)
     add_tiny_tokenizer(path, vocab_size=300)
     return path
@@ -196,7 +196,7 @@ def test_host_null_device(common, out_dir, mode):
 
 def test_startup(tmp_path):
     from jaxpaged.bench import startup as bench_startup
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     model = make_tiny_model(str(tmp_path / "bare"), "llama")  # no tokenizer: the children skip transformers
     path = str(tmp_path / "startup.json")
     out = bench_startup.main(["--model", model, "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
