@@ -15,7 +15,7 @@ import pytest
 # the CPU; skipping that check keeps the suite's output as it was (a real GPU still starts).
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 
-from jaxpaged.bench.tiny_models import FAMILIES, make_tiny_model  # noqa: E402
+from jaxpaged.testing.tiny_models import FAMILIES, make_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ def main(workdir: str) -> dict:
     from jax.sharding import PartitionSpec as P
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "m"), "llama", num_heads=8, num_kv_heads=4, seed=3)
     kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
               compilation_cache_dir=None, show_progress=False)

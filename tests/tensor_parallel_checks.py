@@ -132,7 +132,7 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
 def pallas_checks(workdir: str) -> dict:
     """Pallas kernels (interpret mode) under shard_map at TP=2 against the reference backend at TP=1."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "pallas_llama"), "llama", num_heads=8, num_kv_heads=4,
                            head_dim=16, seed=3)
     prompts = workload()[:3]
@@ -151,7 +151,7 @@ def int8_checks(workdir: str) -> dict:
     against TP=1, bytes per device, and where each scale lives (the spec of its matrix, minus the
     reduced axis)."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "int8_qwen3"), "qwen3", num_heads=8, num_kv_heads=2,
                            head_dim=8, tie=True, seed=4)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -174,7 +174,7 @@ def kv_int8_checks(workdir: str) -> dict:
     import jax
 
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     out = {}
     for name, (family, hq, hkv, tie) in MODELS.items():
@@ -228,7 +228,7 @@ def spec_checks(workdir: str) -> dict:
     proposals being the plain continuation with every third one wrong (accepted runs and rejections), or a
     draft model's (the target itself, sharded like it)."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "spec"), "llama", num_heads=8, num_kv_heads=4, head_dim=8, seed=4)
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=1, presence_penalty=0.5, ignore_eos=True)]
@@ -278,7 +278,7 @@ def main() -> None:
     only = set(sys.argv[2:])
     import jax
 
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     out = {"num_devices": len(jax.devices())}
     for name, (family, hq, hkv, tie) in MODELS.items():
         if only and name not in only:

@@ -7,7 +7,7 @@ import pytest
 
 from jaxpaged import EngineConfig, LLMEngine, SamplingParams
 from jaxpaged.async_engine import AsyncEngine, EngineDeadError, QueueFullError
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

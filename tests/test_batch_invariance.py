@@ -87,7 +87,7 @@ def test_check_catches_a_batch_dependent_reduction(tiny_models, kw, monkeypatch)
 
 
 def test_batch_invariant_refuses_moe(tiny_models, kw, tmp_path):
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(str(tmp_path / "moe"), "mixtral")
     with pytest.raises(ValueError, match="batch_invariant"):
         LLM(model=path, **kw)

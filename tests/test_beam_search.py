@@ -14,8 +14,8 @@ import pytest
 from oracle import hf_model
 
 from jaxpaged import LLM, BeamSearchParams, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.core.beam_search import BeamSearch, get_beam_search_score
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 BLOCK = 8
 PROMPTS = [[5, 9, 23, 40, 7], [int(t) for t in np.random.default_rng(1).integers(3, 256, 17)],

@@ -10,7 +10,7 @@ import pytest
 from test_beam_search import brute_force
 from test_server import Server, make_tokenizer, metrics, wait_idle
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 EOS = 2  # make_tokenizer's </s>, the tiny model's EOS
 

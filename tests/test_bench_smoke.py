@@ -19,7 +19,7 @@ ENGINE = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
+    from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
     path = make_tiny_model(str(tmp_path_factory.mktemp("bench") / "tiny"), "llama", vocab_size=320)
     add_tiny_tokenizer(path, vocab_size=300)
     return path
@@ -196,7 +196,7 @@ def test_host_null_device(common, out_dir, mode):
 
 def test_startup(tmp_path):
     from jaxpaged.bench import startup as bench_startup
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     model = make_tiny_model(str(tmp_path / "bare"), "llama")  # no tokenizer: the children skip transformers
     path = str(tmp_path / "startup.json")
     out = bench_startup.main(["--model", model, "--max-num-seqs", "2", "--max-num-batched-tokens", "8",
@@ -293,3 +293,30 @@ def test_lora(common, out_dir):
     lora = out["results"]["lora"]
     assert lora["lora_stats"]["lora_loads"] == 2 and len(lora["adapter_load_s"]) == 2
     assert lora["output_tokens"] == out["results"]["base"]["output_tokens"]
+
+
+def test_wrap_steps_is_the_timing_seam(model, compile_cache):
+    """ModelRunner.wrap_steps, the hook the benchmarks time and capture the step through: every step runs
+    through the wrapper (same tokens), `None` restores the compiled steps, a stand-in compiles nothing."""
+    from jaxpaged import LLM, SamplingParams
+    llm = LLM(model=model, dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=24, compilation_cache_dir=compile_cache, show_progress=False)
+    sp = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    gen = lambda: [o.outputs[0].token_ids for o in llm.generate(["hello world"], sp, use_tqdm=False)]  # noqa: E731
+    plain, runner, keys = gen(), llm.engine.runner, []
+
+    def count(key, compiled):
+        keys.append(key)
+        return compiled()
+
+    runner.wrap_steps(count)
+    assert gen() == plain and len(keys) >= 5 and all(len(k) == 3 for k in keys)
+    runner.wrap_steps(None)
+    seen = len(keys)
+    assert gen() == plain and len(keys) == seen
+    with pytest.raises(TypeError, match="wrap must be a callable"):
+        runner.wrap_steps("timer")
+    before = runner.num_compilations
+    runner.wrap_steps(lambda key, compiled: "stand-in")  # never calls compiled(): nothing is compiled
+    assert runner.compiled_step((999, False)) == "stand-in" and runner.num_compilations == before
+    runner.wrap_steps(None)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from jaxpaged.bench import throughput, vllm_peer
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 STAND_IN = '''
 import json, os

@@ -67,3 +67,15 @@ def test_ratios_to_own_plain_and_to_jaxpaged_plain():
     assert per_c["vllm_ngram_k2"]["ratio_to_plain"] == 0.75
     assert per_c["vllm_ngram_k2"]["ratio_to_jaxpaged_plain"] == 1.5
     assert per_c["vllm_plain"]["ratio_to_jaxpaged_plain"] == 2.0
+
+
+def test_grounding_text_comes_from_the_flag(tmp_path):
+    """The grounded workload's paragraphs come from --grounding-text's files (prose of 60-160 words; tables,
+    headings and short lines skipped), relative to the current directory, not to where the package lies."""
+    para = " ".join(f"word{i}" for i in range(80))
+    f = tmp_path / "prose.md"
+    f.write_text(f"# Title\n\n{para}\n\n| a | table |\n\nshort.\n\n{para} again\n")
+    assert spec._paragraphs(2, [str(f), str(tmp_path / "missing.md")]) == [para, para + " again"]
+    with pytest.raises(SystemExit, match="only 2 paragraphs"):
+        spec._paragraphs(3, [str(f)])
+    assert spec._parser().parse_args(["--grounding-text", str(f)]).grounding_text == [str(f)]

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import ModelConfig
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
 from jaxpaged.checkpoints.weights import load_params
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
 

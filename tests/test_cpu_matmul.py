@@ -93,7 +93,7 @@ def test_engine_tokens_equal_xla(tmp_path, engine_kwargs, tie):
     """bfloat16 greedy tokens through chunked prefill (prompts longer than a step's 64 tokens), decodes and
     prefix hits (the same prompts twice) equal those of XLA's dot; tied: the lm_head is the embedding read
     transposed."""
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     model = make_tiny_model(str(tmp_path / "m"), "llama", tie=tie, seed=5)
     rng = np.random.default_rng(3)
     prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=n)]} for n in (5, 90, 17, 130)]
@@ -112,8 +112,8 @@ def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
     """With the kernel the runner keeps its layer matrices packed: `get_weights` still gives them as the model
     lays them out, and `update_weights` (whole tensors, one layer of a stack, HF names) takes plain matrices,
     packs them again and changes the tokens as the same update does on XLA's dot, without recompiling."""
-    from jaxpaged.bench.tiny_models import make_tiny_model
     from jaxpaged.models.quant import Packed
+    from jaxpaged.testing.tiny_models import make_tiny_model
     model = make_tiny_model(str(tmp_path / "m"), "llama", seed=7)
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 9, 11]}]
     out = {}

@@ -72,7 +72,7 @@ def worker(model_dir: str, cache: str) -> dict:
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory, compile_cache):
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     d = make_tiny_model(str(tmp_path_factory.mktemp("dp_model")), "llama", num_heads=8, num_kv_heads=4,
                         hidden_size=64)
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": ROOT}

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from jaxpaged.bench.quality import CHATS, TEXTS
 from jaxpaged.checkpoints.default_model import default_gguf_path, default_model_dir, fetch_default
+from jaxpaged.testing.prompts import CHATS, TEXTS
 
 pytestmark = pytest.mark.slow
 

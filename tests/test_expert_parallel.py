@@ -15,7 +15,7 @@ SCRIPT = r'''
 import json, re, sys
 import jax, numpy as np
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 rng = np.random.default_rng(0)
 prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(3, 256, size=n)]} for n in (5, 23, 41)]
 sp = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

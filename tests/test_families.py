@@ -9,9 +9,9 @@ from oracle import hf_greedy, hf_last_logits
 from test_oracle import _forward_last_logits, _prompts
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.bench.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 from jaxpaged.checkpoints.weights import param_shapes
 from jaxpaged.parallel.mesh import param_partition_specs
+from jaxpaged.testing.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

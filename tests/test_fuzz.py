@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import negative_data_rejection, positive_
 from test_server import Server, make_tokenizer, wait_idle
 
 from jaxpaged import __version__
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.step.runner import NUM_BANNED
+from jaxpaged.testing.tiny_models import make_tiny_model
 from serve.batch_chat import BatchChatCompletionRequest
 from serve.openapi import openapi_schema
 from serve.protocol import ChatCompletionRequest, CompletionRequest

@@ -88,7 +88,7 @@ def test_gpu_check_script_dry_runs(tmp_path):
     """scripts/gpu_check.sh parses, and DRY_RUN=1 lays out its parts (both backends' kernels in bf16 and fp8,
     the engine per backend and KV dtype) without running any."""
     import subprocess
-    script = os.path.join(gpu_compile.ROOT, "scripts", "gpu_check.sh")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "gpu_check.sh")
     subprocess.run(["bash", "-n", script], check=True)
     out = subprocess.run(["bash", script, str(tmp_path)], env=dict(os.environ, DRY_RUN="1"), capture_output=True,
                          text=True, check=True).stdout

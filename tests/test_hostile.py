@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_server import Server, assert_error, make_tokenizer, wait_idle
 
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from jaxpaged.testing.tiny_models import make_tiny_model
 from serve import tools
 from serve.body import MAX_JSON_DEPTH, loads, nesting_depth
 

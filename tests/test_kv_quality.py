@@ -1,5 +1,5 @@
 """KV cache quality on the default model (SmolLM2-135M) against its float32-KV self, teacher-forced on the
-float32 run's greedy tokens over the golden prompts (jaxpaged/bench/quality.py): the issue's goals, mean
+float32 run's greedy tokens over the golden prompts (jaxpaged/testing/prompts.py): the issue's goals, mean
 |delta logprob| of the chosen tokens <= 0.005 (bfloat16 KV) and <= 0.02 (int8 KV)."""
 import pytest
 

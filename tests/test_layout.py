@@ -159,3 +159,56 @@ def test_core_imports_nothing_above_it():
             above = sorted(d for d in deps if d.startswith(PACKAGES) and not d.startswith("jaxpaged.core")
                            and d != "jaxpaged")
             assert not above, f"{m} imports {above}"
+
+
+def private_reaches(path: str) -> list[str]:
+    """`obj._name` in the file at `path` where obj is not self / cls nor a name imported from outside
+    jaxpaged, serve and pallas_kernels (a third party's internals, e.g. jax's, are its own affair)."""
+    tree = ast.parse(open(path).read(), path)
+    foreign = {"self", "cls"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            mod, level = (node.module or "", node.level) if isinstance(node, ast.ImportFrom) else (None, 0)
+            for a in node.names:
+                if not (mod or a.name).startswith(PACKAGES) and not level:
+                    foreign.add(a.asname or a.name.split(".")[0])
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, ast.Attribute | ast.Call | ast.Subscript):
+                root = root.value if not isinstance(root, ast.Call) else root.func
+            if not (isinstance(root, ast.Name) and root.id in foreign):
+                out.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: .{node.attr}")
+    return out
+
+
+def test_the_workshop_uses_public_names():
+    """The benchmarks time and drive the engine through its public names (ModelRunner.wrap_steps for the
+    step), never its private members."""
+    bench = _modules(os.path.join(ROOT, "jaxpaged", "bench"))
+    assert "jaxpaged.bench.host" in bench
+    found = [hit for path in bench.values() for hit in private_reaches(path)]
+    assert not found, found
+
+
+def test_private_reach_check_can_fail(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text("from jax._src.lib import xla_client\nimport numpy as np\n\n"
+                 "def f(runner, self):\n    xla_client._xla\n    np._x\n    self._own\n    runner._compiled.get(1)\n")
+    assert private_reaches(str(p)) == [f"{os.path.relpath(str(p), ROOT)}:8: ._compiled"]
+
+
+def _workshop(m: str) -> bool:
+    return any(m == p or m.startswith(p + ".") for p in ("jaxpaged.bench", "jaxpaged.testing"))
+
+
+def test_engine_never_imports_the_workshop():
+    """The library stands alone: only `jaxpaged bench` (jaxpaged/cli.py) imports the benchmarks or the shared
+    test fixtures (jaxpaged/testing/); the benchmarks may import the fixtures, the fixtures never the benchmarks."""
+    graph = import_graph()
+    assert "jaxpaged.testing.tiny_models" in graph
+    users = {m for m, deps in graph.items() if not _workshop(m) and any(_workshop(d) for d in deps)}
+    assert users == {"jaxpaged.cli"}, users
+    fixtures = [m for m in graph if m.startswith("jaxpaged.testing")]
+    assert not [(m, d) for m in fixtures for d in graph[m] if d.startswith("jaxpaged.bench")]

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.checkpoints.weights import load_params
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,8 @@ import pytest
 from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.core.logit_controls import MAX_BAD_WORDS, MAX_LOGIT_BIAS
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 V = 300
 GREEDY = dict(temperature=0, ignore_eos=True, max_tokens=6)

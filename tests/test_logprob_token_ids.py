@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 
-V = 256  # jaxpaged/bench/tiny_models.py's tiny vocabulary
+V = 256  # jaxpaged/testing/tiny_models.py's tiny vocabulary
 PROMPTS = [{"prompt_token_ids": [3, 17, 9, 44, 3, 17, 9, 44, 3, 17]}, {"prompt_token_ids": [5, 6, 7]}]
 IDS = [200, 5, 17, 5, 0]  # a duplicate, dropped
 

@@ -5,7 +5,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 
-V = 256  # jaxpaged/bench/tiny_models.py's tiny vocabulary
+V = 256  # jaxpaged/testing/tiny_models.py's tiny vocabulary
 PROMPT = {"prompt_token_ids": [3, 17, 9, 44, 3, 101, 17]}
 CASES = [  # every processing step the sampler has, a few at a time
     dict(temperature=0.7, top_k=20),

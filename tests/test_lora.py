@@ -7,13 +7,13 @@ import pytest
 from lora_adapters import make_adapter, peft_last_logits
 
 from jaxpaged import ModelConfig
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.llama import forward
 from jaxpaged.parallel.mesh import make_mesh
 from jaxpaged.step.attention import make_attention
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 # (r, rslora) of the adapters in one batch, after a base-model request
 VARIANTS = ((4, False), (4, True), (16, False), (16, True))

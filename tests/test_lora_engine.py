@@ -9,7 +9,7 @@ from lora_adapters import make_adapter, peft_greedy
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import LLM, LoRARequest, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 N_NEW = 6
 

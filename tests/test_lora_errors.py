@@ -8,8 +8,8 @@ from lora_adapters import make_adapter
 from safetensors.numpy import load_file, save_file
 
 from jaxpaged import ModelConfig
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.lora.peft import load_peft
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 PREFIX = "base_model.model.model.layers"
 

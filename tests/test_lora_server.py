@@ -5,7 +5,7 @@ import pytest
 from lora_adapters import make_adapter, peft_greedy
 from test_server import Server, make_tokenizer
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 PROMPT = [5, 17, 33, 9, 100, 42, 7, 61]
 

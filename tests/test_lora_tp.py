@@ -8,7 +8,7 @@ import sys
 import pytest
 from lora_adapters import make_adapter
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -110,7 +110,7 @@ def test_engine_on_the_tpu_kernel_matches_reference(tmp_path, engine_kwargs):
     reference backend's greedy tokens through prefill chunks mixed with decodes and decode-only steps
     (a tiny Llama with the default model's head_dim 64 and GQA 3)."""
     from jaxpaged import LLM, SamplingParams
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(str(tmp_path / "llama64"), "llama", hidden_size=192, num_heads=3, num_kv_heads=1,
                            head_dim=64)
     prompts = [{"prompt_token_ids": [int(t) for t in np.random.default_rng(i).integers(3, 256, size=n)]}

@@ -79,7 +79,7 @@ class Job:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     d = str(tmp_path_factory.mktemp("mh_model"))
     make_tiny_model(d, "llama", vocab_size=256, num_heads=8, num_kv_heads=4)
     make_tokenizer(d)

@@ -5,10 +5,10 @@ import pytest
 from oracle import hf_greedy, hf_last_logits
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
-from jaxpaged.bench.tiny_models import FAMILIES, make_tiny_model
 from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.models.llama import forward
 from jaxpaged.step.attention import make_attention
+from jaxpaged.testing.tiny_models import FAMILIES, make_tiny_model
 
 PROMPT_LENS = (1, 7, 16, 17, 33, 70)
 

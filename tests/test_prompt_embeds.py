@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Request
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

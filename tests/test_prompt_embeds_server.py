@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from test_server import Server, assert_error, make_tokenizer, raw, wait_idle
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 from serve.prompt_embeds import BadTensor, decode, load_tensor
 
 torch = pytest.importorskip("torch")

@@ -5,7 +5,7 @@ import pytest
 from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import FAMILIES, NEW_FAMILIES, make_tiny_model
+from jaxpaged.testing.tiny_models import FAMILIES, NEW_FAMILIES, make_tiny_model
 
 BS = 4
 FAST = ("llama", "gemma2", "mixtral")  # untied, soft-capped and tied, MoE; the others are the same code

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, EngineConfig, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
 from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.config import ModelConfig
 from jaxpaged.models.llama import forward
 from jaxpaged.models.quant import QArray, dequantize, dot, quantize, quantize_params, ragged_dot, take_rows
 from jaxpaged.step.attention import make_attention
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 RNG = np.random.default_rng(0)
 

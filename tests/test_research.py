@@ -4,7 +4,7 @@ import pytest
 from oracle import hf_model
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
+from jaxpaged.testing.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 
 LAYERS = [0, 2, 3]   # embeddings, output of layer 1, final norm (3 layers)
 STEER = [0, 2]

@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 H, KV, HD, NL, THETA, EPS = 4, 2, 16, 2, 10000.0, 1e-6  # make_tiny_model's llama
 TEMPERATURE = 0.8

@@ -10,8 +10,8 @@ from oracle import hf_greedy, hf_routed_experts
 from starlette.testclient import TestClient
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 from jaxpaged.step.routed_experts import RoutedExperts
+from jaxpaged.testing.tiny_models import make_tiny_model, one_prompt_decoder_inputs
 
 BS = 4
 ROUTES = SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True, return_routed_experts=True)

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from jaxpaged import LLM, SamplingParams
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.step.sampler import _filter, _penalize
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 
 @pytest.fixture(scope="module")

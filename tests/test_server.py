@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from test_server import CHAT_TEMPLATE, Server, wait_idle
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 from serve.app import add_serve_args
 from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 

@@ -16,7 +16,7 @@ import pytest
 from test_server import Server
 from test_server_stall import make_byte_tokenizer
 
-from jaxpaged.bench.tiny_models import make_tiny_model
+from jaxpaged.testing.tiny_models import make_tiny_model
 from serve import tools
 
 USER = [{"role": "user", "content": "hi"}]

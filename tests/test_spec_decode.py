@@ -19,7 +19,7 @@ V = 320
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
+    from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
     path = make_tiny_model(str(tmp_path_factory.mktemp("spec") / "tiny"), "llama", vocab_size=V)
     add_tiny_tokenizer(path, vocab_size=300)
     return path

@@ -111,7 +111,7 @@ def models(tmp_path_factory):
     ranking, a flatter q); other_vocab."""
     from safetensors.numpy import load_file, save_file
 
-    from jaxpaged.bench.tiny_models import make_tiny_model
+    from jaxpaged.testing.tiny_models import make_tiny_model
     root = tmp_path_factory.mktemp("draft")
     target = make_tiny_model(str(root / "target"), "llama", vocab_size=V)
     flat = str(root / "flat")

@@ -11,9 +11,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict, Field
 from test_server import Server
 
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.checkpoints.default_model import default_model_dir
 from jaxpaged.core.structured import StructuredOutputsParams
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 from serve import tools
 
 

@@ -12,7 +12,9 @@ import sys
 
 import pytest
 
-from jaxpaged.bench import ROOT, tpu_aot
+from jaxpaged.bench import tpu_aot
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.skipif(not tpu_aot.has_libtpu(),
                                 reason='libtpu not installed (pip install "jax[tpu]==<jax version>", the test extra)')

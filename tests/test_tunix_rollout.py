@@ -25,8 +25,8 @@ from tunix.models.qwen3 import model as qwen3  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
 
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer  # noqa: E402
 from jaxpaged.rl.tunix_rollout import JaxpagedRollout, to_engine_params  # noqa: E402
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
 SIZES = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16, num_kv_heads=2,

@@ -8,11 +8,11 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from jaxpaged import SamplingParams
-from jaxpaged.bench.tiny_models import add_tiny_tokenizer, make_tiny_model
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from jaxpaged.core.validation import InvalidParam
 from jaxpaged.engine import EngineConfig, LLMEngine
 from jaxpaged.step.runner import NUM_BANNED
+from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 V, L, MAX_TOKENS = 320, 256, 5
 # as many stop strings as allowed, as many characters in all as allowed, none of them ever generated

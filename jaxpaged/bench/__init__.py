@@ -2,17 +2,15 @@
 
 Each command is a module here with `main(argv)`; `jaxpaged bench WHAT --help` says what it measures.
 The modules beside them are what the commands share: `common` (engine flags, seeded workloads, the engine
-driver, JSON output with the machine it ran on), `timing` (the one timer), `tiny_models` (tiny random models
-of every family, also the tests'), `roofline`, the vLLM peers' workers and the compile-only harnesses
-(`gpu_compile`, `tpu_aot`). The engine never imports this package.
+driver, JSON output with the machine it ran on), `timing` (the one timer), `roofline`, the vLLM peers' workers
+and the compile-only harnesses (`gpu_compile`, `tpu_aot`); tiny models and golden prompts come from
+`jaxpaged.testing`. The commands reach the engine through its public names (the step through
+`ModelRunner.wrap_steps`) and write their results only where their flags (`--json`, `--out`, `--out-dir`) say,
+relative to the current directory. The engine never imports this package.
 """
 from __future__ import annotations
 
 import importlib
-import os
-
-# The repository root (docs/, docs/results/) of the checkout this package runs from.
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "latency": "ms per output token at 1-8 concurrent requests, beside the peers and the weight-read time",

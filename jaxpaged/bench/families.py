@@ -3,8 +3,8 @@ random MoE against a dense model with the same active parameters, and the KV blo
 
     jaxpaged bench families [compile] [moe] [window] [--json PATH]
 
-compile: tiny random models of every family (tiny_models.py), every bucket of a 64-token budget compiled
-  without the persistent cache; seconds per bucket.
+compile: tiny random models of every family (jaxpaged/testing/tiny_models.py), every bucket of a 64-token budget
+  compiled without the persistent cache; seconds per bucket.
 moe: Mixtral-shaped (8 experts, top-2) vs Mistral-shaped dense with intermediate = 2 x the experts', same
   attention and embeddings; 16 requests decoding 64 tokens each at batch 16; generation timed after a
   warm-up run, the ratio is what to read.
@@ -23,7 +23,7 @@ import time
 
 def bench_compile() -> dict:
     from jaxpaged import LLM, ModelConfig
-    from jaxpaged.bench.tiny_models import NEW_FAMILIES, make_tiny_model
+    from jaxpaged.testing.tiny_models import NEW_FAMILIES, make_tiny_model
     out = {}
     with tempfile.TemporaryDirectory() as d:
         for f in ("llama",) + NEW_FAMILIES:

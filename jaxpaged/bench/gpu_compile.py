@@ -27,8 +27,6 @@ import subprocess
 import sys
 import tempfile
 
-from jaxpaged.bench import ROOT
-
 SPEC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "targets", "h100_sxm.txtpb")
 # What a compile without a device cannot do: autotune (XLA's default kernel choices instead), and size
 # CUB's radix-sort scratch (large sorts, the sampler's top-k over the vocabulary, take XLA's own sort)
@@ -72,8 +70,8 @@ def run(job: str, args: dict, timeout: float = 600) -> dict:
                    MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=dumps["mosaic"])
         out = os.path.join(tmp, "result.json")
         payload = json.dumps(dict(args, dumps=dumps))
-        proc = subprocess.run([sys.executable, "-m", "jaxpaged.bench.compile_jobs", job, payload, out], cwd=ROOT,
-                              env=env, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run([sys.executable, "-m", "jaxpaged.bench.compile_jobs", job, payload, out], env=env,
+                              capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"compile job {job} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         with open(out) as f:

@@ -128,7 +128,8 @@ def step_table(rows: list[dict]) -> str:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(gpu_compile.ROOT, "docs", "results", "compile_sm90.json"))
+    ap.add_argument("--out", default="docs/results/compile_sm90.json",
+                    help="the JSON written (updated in place: --only keeps the other part)")
     ap.add_argument("--only", choices=["kernels", "steps"], default=None)
     args = ap.parse_args(argv)
     reason = gpu_compile.missing()
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
                 r["prediction"] = predict(r)
         res["steps_seconds"] = round(time.perf_counter() - t0, 1)
         print(step_table(res["steps"]))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
     return res

@@ -63,22 +63,21 @@ class Timed:
         delattr(self.obj, self.name)
 
 
-def capture_next_step(runner) -> tuple[dict, dict]:
-    """Make the runner's compiled steps record their function and inputs; return (record, originals)."""
+def capture_next_step(runner) -> dict:
+    """Make the runner's steps record their compiled function and inputs (ModelRunner.wrap_steps) until
+    `runner.wrap_steps()` is called again; return the record, filled by the next step."""
     captured = {}
 
-    class Capture:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __call__(self, params, k, v, *inputs):
+    def capture(key, compiled):
+        def step(params, k, v, *inputs):
             import jax
-            captured.update(fn=self.fn, inputs=jax.tree.map(np.array, inputs))
-            return self.fn(params, k, v, *inputs)
+            fn = compiled()
+            captured.update(fn=fn, inputs=jax.tree.map(np.array, inputs))
+            return fn(params, k, v, *inputs)
+        return step
 
-    saved = dict(runner._compiled)
-    runner._compiled.update({key: Capture(fn) for key, fn in saved.items()})
-    return captured, saved
+    runner.wrap_steps(capture)
+    return captured
 
 
 def replay(runner, captured: dict, reps: int) -> list[float]:
@@ -162,7 +161,7 @@ def measure_null(model_dir: str, args, N: int) -> dict:
             return (device.run(sampled), prompt), k, v
         finally:
             transfer.append(time.perf_counter() - t)
-    runner.compiled_step = lambda key: timed_fake
+    runner.wrap_steps(lambda key, compiled: timed_fake)  # the real step is never compiled
     rng = np.random.default_rng(args.seed)
     from jaxpaged import SamplingParams
     vocab = eng.model_config.vocab_size
@@ -303,9 +302,9 @@ def measure(model_dir: str, args, N: int) -> dict:
         tm.remove()
     if len(sch.running) != N:
         raise SystemExit(f"N={N}: requests finished during the timed steps; raise --max-model-len")
-    captured, saved = capture_next_step(eng.runner)
+    captured = capture_next_step(eng.runner)
     eng.step()  # captured, not timed
-    eng.runner._compiled.update(saved)
+    eng.runner.wrap_steps(None)
     dev_all = replay(eng.runner, captured, args.replays)
     dev = statistics.median(dev_all)
 

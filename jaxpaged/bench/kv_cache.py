@@ -41,9 +41,9 @@ def filled_engine(model_dir: str, args, kv: str, N: int):
     while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
         eng.step()
     eng.step()
-    captured, saved = capture_next_step(eng.runner)
+    captured = capture_next_step(eng.runner)
     eng.step()
-    eng.runner._compiled.update(saved)
+    eng.runner.wrap_steps(None)
     return eng, captured
 
 

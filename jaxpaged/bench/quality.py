@@ -4,7 +4,7 @@
     jaxpaged bench quality --weights float32 --kv auto bfloat16 int8 float8_e4m3fn   # KV caches alone
 
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
-default model (TEXTS and CHATS below, also tests/test_default_model.py's: four texts, three chats;
+default model (jaxpaged/testing/prompts.py, also tests/test_default_model.py's: four texts, three chats;
 --max-tokens each, EOS ignored).
 Every other configuration is then teacher-forced on those float32 tokens: for each position i it is
 asked for the next token after prompt + float32 tokens[:i] (one request per position, max_tokens 1,
@@ -26,22 +26,10 @@ import argparse
 import numpy as np
 
 from jaxpaged.bench import common as bc
+from jaxpaged.testing.prompts import golden_prompts
 
 GOAL_INT8_WEIGHTS = 0.05  # mean |delta logprob| of int8 weights (issue 14)
 GOAL_KV = {"bfloat16": 0.005, "int8": 0.02}  # mean |delta logprob| of the KV cache dtype, float32 weights
-
-# The default model's golden prompts: texts as they are, chats through its template.
-TEXTS = ["The three primary colors are", "def fibonacci(n):", "Once upon a time, in a small village,",
-         "The capital of Japan is"]
-CHATS = [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are a terse assistant."},
-          {"role": "user", "content": "Name two planets."}],
-         [{"role": "user", "content": "Write a haiku about the sea."}]]
-
-
-def golden_prompts(tokenizer) -> list[list[int]]:
-    """Token ids of the golden prompts (texts as they are, chats through the template)."""
-    return [tokenizer.encode(t) for t in TEXTS] + [tokenizer.apply_chat_template(c) for c in CHATS]
 
 
 def engine(model_dir: str, args, weights: str, kv: str):

@@ -5,7 +5,8 @@
     jaxpaged bench spec --vllm --vllm-python ~/vllm-venv/bin/python --json docs/results/spec_vllm.json
 
 Two workloads on the default model (greedy, chat template): (a) input-grounded — the model is asked to
-repeat / lightly rewrite a paragraph of this repository's docs, so outputs copy spans of the prompt; (b)
+repeat / lightly rewrite a paragraph of prose (--grounding-text: by default the checkout's docs, read from
+the current directory), so outputs copy spans of the prompt; (b)
 free generation — short open questions. For each batch size (static batches: the next requests start
 when the batch ends) and each k: time per output token and throughput, plain vs speculative, the ratio, the
 acceptance per position, and the governor's decode step time per token bucket
@@ -23,8 +24,8 @@ import argparse
 import os
 import statistics
 
-from jaxpaged.bench import ROOT, vllm_peer, vllm_spec_peer
 from jaxpaged.bench import common as bc
+from jaxpaged.bench import vllm_peer, vllm_spec_peer
 from jaxpaged.core.tokenizer import Tokenizer
 
 QUESTIONS = ["Why is the sky blue?", "Give three tips for staying healthy.", "What is a neural network?",
@@ -34,11 +35,13 @@ ASKS = ["Repeat the following text exactly, word for word:\n\n{}", "Copy this pa
         "Rewrite the following text with the same wording, as plain prose:\n\n{}"]
 
 
-def _paragraphs(n: int) -> list[str]:
-    """n prose paragraphs (60 to 160 words) from the shipped docs."""
+GROUNDING_TEXT = ("docs/architecture.md", "README.md", "docs/server.md")
+
+
+def _paragraphs(n: int, files=GROUNDING_TEXT) -> list[str]:
+    """n prose paragraphs (60 to 160 words) from the text files `files` (missing ones skipped)."""
     out = []
-    for name in ("docs/architecture.md", "README.md", "docs/server.md"):
-        path = os.path.join(ROOT, name)
+    for path in files:
         if not os.path.isfile(path):
             continue
         for p in open(path).read().split("\n\n"):
@@ -46,15 +49,16 @@ def _paragraphs(n: int) -> list[str]:
             if 60 <= len(words) <= 160 and not p.lstrip().startswith(("|", "```", "#", "-", "    ")):
                 out.append(" ".join(words))
     if len(out) < n:
-        raise SystemExit(f"only {len(out)} paragraphs found for the input-grounded workload")
+        raise SystemExit(f"only {len(out)} paragraphs found for the input-grounded workload in {list(files)} "
+                         "(--grounding-text; run from a checkout for its docs)")
     return out[:n]
 
 
-def _workload(tok, kind: str, n: int, output_len: int) -> list:
+def _workload(tok, kind: str, n: int, output_len: int, files=GROUNDING_TEXT) -> list:
     if tok is None:
         raise SystemExit("--model: the workloads are chat prompts; this model directory has no tokenizer")
     if kind == "grounded":
-        texts = [ASKS[i % len(ASKS)].format(p) for i, p in enumerate(_paragraphs(n))]
+        texts = [ASKS[i % len(ASKS)].format(p) for i, p in enumerate(_paragraphs(n, files))]
     else:
         texts = [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
     return [bc.Req(tok.apply_chat_template([{"role": "user", "content": t}]), output_len) for t in texts]
@@ -140,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--batch-sizes", default="1,4,16")
     ap.add_argument("--ks", default="2,4", help="num_speculative_tokens values")
     ap.add_argument("--workloads", default="grounded,free")
+    ap.add_argument("--grounding-text", nargs="+", default=list(GROUNDING_TEXT), metavar="FILE",
+                    help="the text files whose paragraphs the grounded workload asks to repeat")
     ap.add_argument("--requests-per-batch-size", type=int, default=0,
                     help="requests per (workload, batch size); 0: max(batch size, 4)")
     ap.add_argument("--output-len", type=int, default=96)
@@ -170,7 +176,8 @@ def main(argv=None) -> dict:
               else {"method": "draft_model", "model": bc.resolve_model(args.draft)})
     configs = [("plain", None)] + [(f"{args.method}_k{k}", {**method, "num_speculative_tokens": k}) for k in ks]
     tok = Tokenizer.from_dir(model_dir)
-    cases = {(w, b): _workload(tok, w, args.requests_per_batch_size or max(b, 4), args.output_len)
+    cases = {(w, b): _workload(tok, w, args.requests_per_batch_size or max(b, 4), args.output_len,
+                              args.grounding_text)
              for w in args.workloads.split(",") for b in batch_sizes}
     # vLLM first: its worker does not start beside this process's engines (throughput.py found)
     vllm_results, vllm_note = _vllm_side(model_dir, cases, batch_sizes, ks, args)

@@ -31,14 +31,14 @@ def main(argv=None) -> dict:
     wl = bc.make_workload(args, model_dir)
     llm = bc.build_llm(model_dir, args, max_model_len=args.max_model_len)
     runner = llm.engine.runner
-    device_inputs, compiled_step = runner.device_inputs, runner.compiled_step
+    device_inputs = runner.device_inputs
     host, rows = {}, []  # rows: (T, raw bytes, message bytes, encode s, decode s)
 
     def record_inputs(batch, sp):
         host["inputs"] = (batch, sp)
         return device_inputs(batch, sp)
 
-    def record_step(key):
+    def record_step(key, compiled):  # ModelRunner.wrap_steps: the step about to run, after its inputs
         if "inputs" in host:
             batch, sp = host.pop("inputs")
             raw = sum(np.asarray(v).nbytes for v in [*batch.values(), *sp.values()]
@@ -48,9 +48,10 @@ def main(argv=None) -> dict:
             t1 = time.perf_counter()
             decode_step(msg, runner)
             rows.append((key[0], raw, len(msg), t1 - t0, time.perf_counter() - t1))
-        return compiled_step(key)
+        return compiled()
 
-    runner.device_inputs, runner.compiled_step = record_inputs, record_step
+    runner.device_inputs = record_inputs
+    runner.wrap_steps(record_step)
     bc.drive(llm.engine, wl.requests)
     a = np.array(rows)
     out = {}

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from jaxpaged.bench import ROOT, tpu_aot
+from jaxpaged.bench import tpu_aot
 
 MODELS = {  # Hugging Face config fields
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], vocab_size=49152, hidden_size=576,
@@ -198,7 +198,7 @@ def main(argv=None):
         code = (f"import json; from jaxpaged.bench import tpu_compile_table as t; "
                 f"print('ROWS' + json.dumps(t.measure({chip!r}, {model!r}, {tp}, {kv!r}, {args.buckets!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=ROOT, env={**os.environ, **tpu_aot.environment()})
+                             env={**os.environ, **tpu_aot.environment()})
         line = [x for x in res.stdout.splitlines() if x.startswith("ROWS")]
         rows += json.loads(line[0][4:]) if line else [dict(chip=chip, model=model, tp=tp, kv_dtype=kv, weight_bytes=0,
                                                            error="compile process failed: " + res.stderr[-200:])]

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 
-from jaxpaged.bench import ROOT, tpu_aot
+from jaxpaged.bench import tpu_aot
 
 # name, q heads, KV heads, head_dim (per device)
 SHAPES = [("SmolLM2-135M, TP=1", 9, 3, 64), ("Llama-3-8B, TP=1", 32, 8, 128), ("Llama-3-8B, TP=4", 8, 2, 128)]
@@ -105,7 +105,7 @@ def main(argv=None):
         code = ("import json; from jaxpaged.bench import tpu_kernel_compare as t; "
                 f"print('ROWS' + json.dumps(t.measure({chip!r}, {dump!r})))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             cwd=ROOT, env={**os.environ, **tpu_aot.environment(dump)})
+                             env={**os.environ, **tpu_aot.environment(dump)})
         line = [x for x in res.stdout.splitlines() if x.startswith("ROWS")]
         if not line:
             raise SystemExit(f"{chip}: compile process failed:\n{res.stderr[-3000:]}")

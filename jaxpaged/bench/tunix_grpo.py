@@ -97,11 +97,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
-    from jaxpaged.bench.tiny_models import _CORPUS, add_tiny_tokenizer
+    from jaxpaged.testing.tiny_models import CORPUS, add_tiny_tokenizer
     d = tempfile.mkdtemp()
     add_tiny_tokenizer(d)
     tok = AutoTokenizer.from_pretrained(d)
-    words = _CORPUS.split()
+    words = CORPUS.split()
     prompts = [" ".join(words[(7 * i) % 40:(7 * i) % 40 + 4]) for i in range(args.steps * args.prompts)]
     result = {k: getattr(args, k) for k in ("steps", "prompts", "samples", "gen", "lr", "family")}
     for engine in args.engines:

@@ -27,8 +27,8 @@ def main(argv=None) -> dict:
     from tunix.rl.rollout import base_rollout
     from tunix.rl.rollout.vanilla_rollout import VanillaRollout
 
-    from jaxpaged.bench.tiny_models import _CORPUS, add_tiny_tokenizer
     from jaxpaged.rl.tunix_rollout import JaxpagedRollout
+    from jaxpaged.testing.tiny_models import CORPUS, add_tiny_tokenizer
     sizes = dict(num_layers=2, vocab_size=320, embed_dim=64, hidden_dim=128, num_heads=4, head_dim=16,
                  num_kv_heads=2, rope_theta=10000, norm_eps=1e-6)
     mod, cls = (llama3, llama3.Llama3) if args.family == "llama3" else (qwen3, qwen3.Qwen3)
@@ -36,7 +36,7 @@ def main(argv=None) -> dict:
     d = tempfile.mkdtemp()
     add_tiny_tokenizer(d)
     tok = AutoTokenizer.from_pretrained(d)
-    words = _CORPUS.split()
+    words = CORPUS.split()
     prompts = [" ".join(words[i % 40:i % 40 + 4]) for i in range(args.prompts) for _ in range(args.samples)]
     # a fresh seed key per call: Tunix's sampler donates the one it is given
     config = lambda: base_rollout.RolloutConfig(max_tokens_to_generate=args.gen, max_prompt_length=16,

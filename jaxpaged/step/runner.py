@@ -246,10 +246,24 @@ class ModelRunner:
         return len(self._compiled)
 
     def compiled_step(self, key: tuple):
-        """The compiled step of variant `key` = (T, decode_only[, verify: default False]), compiling it if
-        needed."""
+        """The step of variant `key` = (T, decode_only[, verify: default False]): the compiled one (compiled
+        if needed), or what the wrapper given to `wrap_steps` makes of it."""
         key = (*key, False)[:3]
-        return self._compiled.get(key) or self._compile(*key)
+        compiled = lambda: self._compiled.get(key) or self._compile(*key)
+        return compiled() if self._step_wrap is None else self._step_wrap(key, compiled)
+
+    _step_wrap = None  # wrap_steps' wrapper; None: the compiled steps run as they are
+
+    def wrap_steps(self, wrap=None) -> None:
+        """The timing seam: from now on the step of variant `key` is `wrap(key, compiled)`, where `compiled()`
+        returns the runner's own compiled step (compiling it at first use); `None` restores the compiled steps.
+        A step is called as step(params, k_pool, v_pool, packed, extra) -> ((sampled, outputs), k_pool, v_pool).
+        A wrapper that times or records calls `compiled()` and calls through it; a stand-in for the device
+        (`jaxpaged bench host --null-device`) returns its own function and compiles nothing. The benchmarks
+        set it (jaxpaged/bench/host.py, kv_cache.py, step_message.py); the engine never does."""
+        if wrap is not None and not callable(wrap):
+            raise TypeError(f"wrap_steps: wrap must be a callable (key, compiled) -> step or None, got {wrap!r}")
+        self._step_wrap = wrap
 
     def _compile(self, T: int, decode_only: bool, verify: bool = False):
         host = self.dummy_inputs(T, verify)

@@ -71,7 +71,7 @@ def make_tiny_model(path: str, family: str = "llama", *, vocab_size: int = 256, 
     return path
 
 
-_CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! Paged attention stores keys and "
+CORPUS = ("The quick brown fox jumps over the lazy dog. Hello world! Paged attention stores keys and "
            "values in blocks. Ünïcödé façade naïve café — 東京 日本語 😀 emoji. ") * 20
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
@@ -89,7 +89,7 @@ def add_tiny_tokenizer(path: str, vocab_size: int = 300) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([_CORPUS], trainer)
+    tok.train_from_iterator([CORPUS], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(path)

@@ -1,0 +1,6 @@
+"""What the tests and the benchmarks share, shipped so that a user's own tests can use it too.
+
+`tiny_models`: tiny random Hugging Face models of every supported family, saved to disk, and a small byte-level
+tokenizer (torch and transformers, from the `test` extra, imported when called). `prompts`: the default model's
+golden prompts. The engine never imports this package (tests/test_layout.py).
+"""
