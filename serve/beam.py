@@ -120,7 +120,7 @@ def _events(chunks: list, usage_chunk) -> StreamingResponse:
 
 
 def _with_usage(st, req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage) or st.force_include_usage
+    return bool(req.stream_options and req.stream_options.include_usage) or st.config.enable_force_include_usage
 
 
 async def completions(request: Request, req: CompletionRequest) -> Response:

@@ -78,7 +78,7 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
     reasoning.check_no_constraint(req, st.reasoning)
-    structured, mode, rename_so = await tools.constraint(req, st.engine, st.max_grammar_bytes)
+    structured, mode, rename_so = await tools.constraint(req, st.engine, st.config.max_grammar_bytes)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, num_prompts)

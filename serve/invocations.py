@@ -15,7 +15,7 @@ async def invocations(request: Request) -> Response:
     vLLM's); else a 400."""
     st = request.app.state.server
     check_auth(request)
-    request.state.body = data = await read_json(request, st.max_body_bytes, st.body_timeout)
+    request.state.body = data = await read_json(request, st.config.max_body_bytes, st.config.request_body_timeout)
     if "messages" in data:
         return await chat_completions(request)
     if "prompt" in data or "prompt_embeds" in data:

@@ -33,7 +33,7 @@ async def validated(request: Request, choose):
     check_auth(request)
     data = getattr(request.state, "body", None)  # read already by /invocations
     if data is None:
-        data = await read_json(request, st.max_body_bytes, st.body_timeout)
+        data = await read_json(request, st.config.max_body_bytes, st.config.request_body_timeout)
     try:
         return choose(data).model_validate(data)
     except ValidationError as e:
@@ -57,7 +57,7 @@ def stream_usage(st, req) -> tuple[bool, bool]:
     """(usage in a last chunk, usage so far on every chunk) of a stream: stream_options.include_usage (or
     --enable-force-include-usage) and, with it, stream_options.continuous_usage_stats, as vLLM's."""
     so = req.stream_options
-    include = bool(so and so.include_usage) or st.force_include_usage
+    include = bool(so and so.include_usage) or st.config.enable_force_include_usage
     return include, include and bool(so and so.continuous_usage_stats)
 
 
@@ -65,11 +65,11 @@ def token_text(st, req) -> fmt.TokenText:
     """Token ids -> logprobs' token strings: 'token_id:N' with return_tokens_as_token_ids (default: the
     server's --return-tokens-as-token-ids)."""
     as_ids = req.return_tokens_as_token_ids
-    return fmt.TokenText(st.engine.tokenizer, st.return_tokens_as_token_ids if as_ids is None else as_ids)
+    return fmt.TokenText(st.engine.tokenizer, st.config.return_tokens_as_token_ids if as_ids is None else as_ids)
 
 
 def check_auth(request: Request) -> None:
-    key = request.app.state.server.api_key
+    key = request.app.state.server.config.api_key
     if key is None:
         return
     got = request.headers.get("authorization", "")
@@ -151,7 +151,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens (0)", param="min_tokens",
                        code="invalid_combination")
     st = request.app.state.server
-    structured, _, rename = await tools.constraint(req, st.engine, st.max_grammar_bytes)
+    structured, _, rename = await tools.constraint(req, st.engine, st.config.max_grammar_bytes)
     k = num_logprobs(st, "logprobs", req.logprobs)
     shown = shown_logprobs(req, k)  # of the generated tokens (echo: the prompt's show the top k)
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)  # the response's prompt_logprobs
