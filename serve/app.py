@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
-from serve import batch_chat, chat, invocations, rl_routes, routes, tokenize_routes
+from serve import batch_chat, chat, completions, invocations, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
 from serve.config import DEFAULT_MAX_BODY_BYTES, ServerConfig, add_server_args
 from serve.errors import APIError
@@ -76,7 +76,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
             await asyncio.to_thread(engine.shutdown)
 
     app = Starlette(routes=[
-        Route("/v1/completions", counted(routes.completions), methods=["POST"]),
+        Route("/v1/completions", counted(completions.completions), methods=["POST"]),
         Route("/v1/chat/completions", counted(chat.chat_completions), methods=["POST"]),
         Route("/v1/chat/completions/batch", counted(batch_chat.batch_chat_completions), methods=["POST"]),
         Route("/invocations", counted(invocations.invocations), methods=["POST"]),

@@ -6,8 +6,9 @@ from starlette.responses import Response
 
 from serve.body import read_json
 from serve.chat import chat_completions
+from serve.completions import completions
 from serve.errors import APIError
-from serve.routes import check_auth, completions
+from serve.routes import check_auth
 
 
 async def invocations(request: Request) -> Response:
