@@ -174,12 +174,15 @@ class _Server(uvicorn.Server):
 def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                engine_kwargs: dict | None = None) -> None:
     """Load the model, compile, serve until SIGTERM/SIGINT; in-flight requests get --shutdown-timeout
-    seconds to finish, then end (streams with an error event). Returns normally (exit status 0)."""
+    seconds to finish, then end (streams with an error event). Returns normally (exit status 0). `args`: the
+    flags of `add_serve_args` (the server's ServerConfig, the engine's EngineConfig)."""
     from jaxpaged.parallel.replicas import build_engine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    lora_modules = serve_lora.parse_modules(args.lora_modules)
-    if (lora_modules or args.enable_runtime_lora_updating) and not args.enable_lora:
+    server = ServerConfig.from_args(args, max_body_bytes=max_body_bytes, model_root=args.model or DEFAULT_MODEL_NAME,
+                                    served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME)
+    lora_modules = serve_lora.parse_modules(server.lora_modules)
+    if (lora_modules or server.enable_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
     cfg = engine_config(args, **(engine_kwargs or {}))  # multi-host: jax.distributed starts first
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
@@ -198,15 +201,12 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     for lora_name, path in lora_modules:  # checked and loaded now: a bad adapter stops the start
         adapters.by_name[lora_name] = lr = adapters.new(lora_name, path)
         engine.add_lora(lr)
-    async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, max_step_failures=args.max_step_failures)
-    config = ServerConfig.from_args(args, max_body_bytes=max_body_bytes, model_root=args.model or DEFAULT_MODEL_NAME,
-                                    served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME)
-    app = create_app(async_engine, config, adapters=adapters)
-    name = config.served_model_name
-    http = protocol(args.request_header_timeout, args.max_connections_per_client or None)
-    config = uvicorn.Config(app, host=args.host, port=args.port, access_log=False, lifespan="on", http=http,
-                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")
-    log.info("serving %r on http://%s:%d", name, args.host, args.port)
-    _Server(config, app.state.server.stopping, args.shutdown_timeout).run()
+    async_engine = AsyncEngine(engine, max_waiting=server.max_waiting, max_step_failures=server.max_step_failures)
+    app = create_app(async_engine, server, adapters=adapters)
+    http = protocol(server.request_header_timeout, server.max_connections_per_client or None)
+    config = uvicorn.Config(app, host=server.host, port=server.port, access_log=False, lifespan="on", http=http,
+                            timeout_graceful_shutdown=server.shutdown_timeout + SHUTDOWN_FLUSH, log_level="info")
+    log.info("serving %r on http://%s:%d", server.served_model_name, server.host, server.port)
+    _Server(config, app.state.server.stopping, server.shutdown_timeout).run()
     async_engine.shutdown()
     log.info("stopped")

@@ -27,6 +27,7 @@ from jaxpaged.core.beam_search import BeamSearchParams
 from serve.errors import APIError, from_value_error
 from serve.job import sse
 from serve.protocol import Usage
+from serve.routes import stream_usage
 
 log = logging.getLogger("jaxpaged.serve")
 _ids = itertools.count()
@@ -99,11 +100,16 @@ def usage(ids: list[list[int]], completion: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def prompt_ids(prompts: list) -> list[list[int]]:
+    """The token ids of engine prompts (token-id lists, or dicts beside their text)."""
+    return [q["prompt_token_ids"] if isinstance(q, dict) else q for q in prompts]
+
+
 async def answer(request: Request, req, plan, route) -> Response:
     """A beam search of `plan`'s prompts (serve/generation.py), rendered by `route`: one response, or
     streamed as one chunk per choice, then usage (with stream_options.include_usage) and [DONE]."""
     st = request.app.state.server
-    ids = [q["prompt_token_ids"] if isinstance(q, dict) else q for q in plan.prompts]
+    ids = prompt_ids(plan.prompts)
     found = await search(request, req, ids, plan.max_tokens, plan.names)
     if found is None:
         return Response(status_code=499)
@@ -111,7 +117,7 @@ async def answer(request: Request, req, plan, route) -> Response:
     response, chunks, usage_chunk = route.beam_answers(st, req, plan, found, head)
     if not req.stream:
         return JSONResponse(response.model_dump())
-    with_usage = bool(req.stream_options and req.stream_options.include_usage) or st.config.enable_force_include_usage
+    with_usage, _ = stream_usage(st, req)
 
     async def events():
         for c in chunks:

@@ -127,7 +127,7 @@ class Completions:
 
     def beam_answers(self, st, req, plan: CompletionPlan, found, head: dict):
         tok, choices, completion = st.engine.tokenizer, [], 0
-        ids = [q["prompt_token_ids"] if isinstance(q, dict) else q for q in plan.prompts]
+        ids = beam.prompt_ids(plan.prompts)
         for i, seqs in enumerate(found.best()):
             prefix = "" if not req.echo else (plan.prompts[i].get("prompt") if isinstance(plan.prompts[i], dict)
                                               else None) or (tok.decode(ids[i], skip_special_tokens=False)
