@@ -64,7 +64,7 @@ def _no_logprobs(req) -> bool:
     return req.logprobs is None or req.logprobs is False
 
 
-_CC, _CCB = (COMPLETION, CHAT), (COMPLETION, CHAT, BATCH_CHAT)
+_CC = (COMPLETION, CHAT)  # batch chat takes neither beam search nor return_routed_experts
 RULES: list[Rule] = [
     Rule("stop_token_ids", None, GENERATION, "with min_tokens > 0, the EOS ids (unless ignore_eos) and "
          "stop_token_ids are at most a fixed number", where="jaxpaged/core/validation.py", schema=_banned_ids),
