@@ -9,18 +9,21 @@ none; prompt_logprobs and return_routed_experts, answered once per response, are
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from serve import outputs as fmt
+from serve import request_rules
 from serve.chat import chat_choice, chat_params, chat_prompt, echo_text
-from serve.job import Job, run_to_end
+from serve.generation import Plan, generate
+from serve.job import Job
 from serve.prompts import truncate, truncation
 from serve.protocol import ChatCompletionRequest, ChatCompletionResponse, Message
-from serve.routes import parse, token_text
+from serve.routes import token_text
 
 _NOT_HERE = "not supported by batch chat completions (as vLLM's)"
 
@@ -43,23 +46,39 @@ def _prompts(engine, req: BatchChatCompletionRequest, keep: int | None, side: st
                                  keep is None), keep, side) for conv in req.messages]
 
 
+@dataclass(kw_only=True)
+class BatchChatPlan(Plan):
+    shown: int | None = None  # the logprobs each token shows or None
+    mode: str | None = None  # the tool mode (serve/tools.py): constrained output only here
+    text: fmt.TokenText | None = None
+
+
+class BatchChat:
+    """The pieces of /v1/chat/completions/batch (never streamed, no beam search)."""
+    kind, model, prefix = request_rules.BATCH_CHAT, BatchChatCompletionRequest, "chatcmpl"
+
+    async def plan(self, st, req: BatchChatCompletionRequest) -> BatchChatPlan:
+        params, k, _, rename, mode, max_tokens = await chat_params(st, req, len(req.messages))
+        keep, side = truncation(req, st.engine.max_model_len, max_tokens)
+        prompts = await asyncio.to_thread(_prompts, st.engine, req, keep, side)
+        return BatchChatPlan(prompts=prompts, params=params, rename=rename, shown=k, mode=mode,
+                             text=token_text(st, req))
+
+    def response(self, st, req, plan: BatchChatPlan, job: Job) -> ChatCompletionResponse:
+        choices = []
+        for i, (conv, out) in enumerate(zip(req.messages, job.lasts)):
+            role = "assistant" if req.add_generation_prompt else conv[-1].role
+            c = out.outputs[0]
+            lp = fmt.chat_logprobs(plan.text, c.token_ids, c.logprobs, plan.shown) if plan.shown is not None else None
+            choices.append(chat_choice(st, c, i, plan.mode, None, role, echo_text(req, conv, role), lp,
+                                       bool(req.return_token_ids)))
+        return ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name, choices=choices,
+                                      usage=job.usage())
+
+
+BATCH_CHAT_ROUTE = BatchChat()
+
+
 async def batch_chat_completions(request: Request) -> Response:
-    req: BatchChatCompletionRequest = await parse(request, BatchChatCompletionRequest)
-    st = request.app.state.server
-    params, k, _, rename, mode, max_tokens = await chat_params(st, req, len(req.messages))
-    keep, side = truncation(req, st.engine.max_model_len, max_tokens)
-    prompts = await asyncio.to_thread(_prompts, st.engine, req, keep, side)
-    job = Job(request, "chatcmpl", rename)
-    await job.start(prompts, params, stream=False)
-    text, ids_out = token_text(st, req), bool(req.return_token_ids)
-    if not await run_to_end(job):
-        return Response(status_code=499)
-    choices = []
-    for i, (conv, out) in enumerate(zip(req.messages, job.lasts)):
-        role = "assistant" if req.add_generation_prompt else conv[-1].role
-        c = out.outputs[0]
-        lp = fmt.chat_logprobs(text, c.token_ids, c.logprobs, k) if k is not None else None
-        choices.append(chat_choice(st, c, i, mode, None, role, echo_text(req, conv, role), lp, ids_out))
-    job.close(200)
-    return JSONResponse(ChatCompletionResponse(id=job.id, created=job.created, model=st.model_name,
-                                               choices=choices, usage=job.usage()).model_dump())
+    """POST /v1/chat/completions/batch."""
+    return await generate(request, BATCH_CHAT_ROUTE)

@@ -4,10 +4,12 @@ n best beams of each prompt are its choices (best first), answered when the sear
 max_completion_tokens, temperature (each step's; default 1 as vLLM's), ignore_eos, length_penalty, echo,
 return_token_ids, skip_special_tokens, truncate_prompt_tokens, the chat template's fields and the reasoning
 parser; like vLLM, the other sampling fields do not apply. Refused (400 invalid_combination, naming the
-field): logprobs / top_logprobs, prompt_logprobs, return_routed_experts, structured outputs (structured_outputs,
-a non-text response_format), tools, max_tokens 0, and n above max_logprobs / 2 (each step asks for the top 2n
-logprobs). `stream: true` gets the whole answer as one chunk per choice, then usage (with
+field): logprobs / top_logprobs, prompt_logprobs, prompt_embeds, return_routed_experts, structured outputs
+(structured_outputs, a non-text response_format), tools, max_tokens 0, and n above max_logprobs / 2 (each step
+asks for the top 2n logprobs). `stream: true` gets the whole answer as one chunk per choice, then usage (with
 stream_options.include_usage) and [DONE] (vLLM answers a beam search unstreamed whatever `stream` says).
+A route's plan without sampling parameters is a search here (`answer`, from serve/generation.py); the route
+renders the beams (`beam_answers`).
 """
 from __future__ import annotations
 
@@ -24,20 +26,8 @@ from jaxpaged.async_engine import EngineDeadError, QueueFullError, RequestFailed
 from jaxpaged.core.beam_search import BeamSearchParams
 from serve.errors import APIError, from_value_error
 from serve.job import sse
-from serve.prompts import completion_prompts, truncation
-from serve.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    Usage,
-)
+from serve.protocol import Usage
+from serve.routes import stream_usage
 
 log = logging.getLogger("jaxpaged.serve")
 _ids = itertools.count()
@@ -50,7 +40,7 @@ def refuse(req, max_logprobs: int) -> None:
     if 2 * req.n > max_logprobs:
         bad("n", f"(the beam width) must be at most {max_logprobs // 2} (each step asks for the top 2n logprobs; "
                  f"--max-logprobs is {max_logprobs})")
-    for field in ("logprobs", "top_logprobs", "prompt_logprobs", "structured_outputs", "tools"):
+    for field in ("logprobs", "top_logprobs", "prompt_logprobs", "prompt_embeds", "structured_outputs", "tools"):
         if getattr(req, field, None) not in (None, False):
             bad(field, "is not supported")
     rf = getattr(req, "response_format", None)
@@ -104,86 +94,38 @@ def _record(st, rid: str, ids: list[list[int]], found, params: BeamSearchParams,
              params.beam_width)
 
 
-def _usage(ids: list[list[int]], completion: int) -> Usage:
+def usage(ids: list[list[int]], completion: int) -> Usage:
+    """A search's usage: its prompts' tokens and `completion` generated tokens (the beams shown)."""
     prompt = sum(len(x) for x in ids)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _events(chunks: list, usage_chunk) -> StreamingResponse:
+def prompt_ids(prompts: list) -> list[list[int]]:
+    """The token ids of engine prompts (token-id lists, or dicts beside their text)."""
+    return [q["prompt_token_ids"] if isinstance(q, dict) else q for q in prompts]
+
+
+async def answer(request: Request, req, plan, route) -> Response:
+    """A beam search of `plan`'s prompts (serve/generation.py), rendered by `route`: one response, or
+    streamed as one chunk per choice, then usage (with stream_options.include_usage) and [DONE]."""
+    st = request.app.state.server
+    ids = prompt_ids(plan.prompts)
+    found = await search(request, req, ids, plan.max_tokens, plan.names)
+    if found is None:
+        return Response(status_code=499)
+    head = dict(id=f"{route.prefix}-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=st.model_name)
+    response, chunks, usage_chunk = route.beam_answers(st, req, plan, found, head)
+    if not req.stream:
+        return JSONResponse(response.model_dump())
+    with_usage, _ = stream_usage(st, req)
+
     async def events():
         for c in chunks:
             yield sse(c)
-        if usage_chunk is not None:
+        if with_usage:
             yield sse(usage_chunk)
         yield "data: [DONE]\n\n"
     return StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _with_usage(st, req) -> bool:
-    return bool(req.stream_options and req.stream_options.include_usage) or st.force_include_usage
-
-
-async def completions(request: Request, req: CompletionRequest) -> Response:
-    st = request.app.state.server
-    refuse(req, st.max_logprobs)
-    p = req.prompt
-    prompts = [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
-    keep, side = truncation(req, st.engine.max_model_len, req.max_tokens)
-    prompts = await completion_prompts(st.engine, prompts, keep, side)
-    ids = [q["prompt_token_ids"] if isinstance(q, dict) else q for q in prompts]
-    found = await search(request, req, ids, req.max_tokens)
-    if found is None:
-        return Response(status_code=499)
-    tok, choices, completion = st.engine.tokenizer, [], 0
-    for i, seqs in enumerate(found.best()):
-        prefix = "" if not req.echo else (prompts[i].get("prompt") if isinstance(prompts[i], dict) else None) \
-            or (tok.decode(ids[i], skip_special_tokens=False) if tok is not None else "")
-        for j, s in enumerate(seqs):
-            out = found.generated(i, s)
-            completion += len(out)
-            text = tok.decode(out, skip_special_tokens=req.skip_special_tokens) if tok is not None else ""
-            choices.append(CompletionChoice(index=i * req.n + j, text=prefix + text, finish_reason=s.finish_reason,
-                                            prompt_token_ids=list(ids[i]) if req.return_token_ids else None,
-                                            token_ids=out if req.return_token_ids else None))
-    usage = _usage(ids, completion)
-    head = dict(id=f"cmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=st.model_name)
-    if not req.stream:
-        return JSONResponse(CompletionResponse(**head, choices=choices, usage=usage).model_dump())
-    return _events([CompletionResponse(**head, choices=[c]) for c in choices],
-                   CompletionResponse(**head, choices=[], usage=usage) if _with_usage(st, req) else None)
-
-
-async def chat(request: Request, req: ChatCompletionRequest, prompt: list[int], max_tokens: int | None,
-               role: str, echo: str) -> Response:
-    """A chat answer by beam search: the conversation's ids (rendered by serve/chat.py), each beam's text
-    split by the server's reasoning parser; streamed as one chunk per choice."""
-    st = request.app.state.server
-    refuse(req, st.max_logprobs)
-    names = ("messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens")
-    found = await search(request, req, [prompt], max_tokens, names)
-    if found is None:
-        return Response(status_code=499)
-    tok, messages, completion = st.engine.tokenizer, [], 0
-    for s in found.best()[0]:
-        out = found.generated(0, s)
-        completion += len(out)
-        thought, content = st.reasoning.split(tok.decode(out, skip_special_tokens=req.skip_special_tokens))
-        messages.append((s, out, thought, echo + content if content is not None else content))
-    usage, ids_out = _usage([prompt], completion), bool(req.return_token_ids)
-    head = dict(id=f"chatcmpl-{uuid.uuid4().hex[:24]}", created=int(time.time()), model=st.model_name)
-    if not req.stream:
-        choices = [ChatChoice(index=j, message=AssistantMessage(role=role, content=content, reasoning_content=thought,
-                                                                reasoning=thought),
-                              finish_reason=s.finish_reason, token_ids=out if ids_out else None)
-                   for j, (s, out, thought, content) in enumerate(messages)]
-        return JSONResponse(ChatCompletionResponse(**head, choices=choices, usage=usage,
-                                                   prompt_token_ids=list(prompt) if ids_out else None).model_dump())
-    chunks = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
-        index=j, delta=ChatDelta(role=role, content=content, reasoning_content=thought, reasoning=thought),
-        finish_reason=s.finish_reason, token_ids=out if ids_out else None)],
-        prompt_token_ids=list(prompt) if ids_out and j == 0 else None)
-        for j, (s, out, thought, content) in enumerate(messages)]
-    return _events(chunks, ChatCompletionChunk(**head, choices=[], usage=usage) if _with_usage(st, req) else None)
 
 
 async def _run(request: Request, coro):

@@ -1,17 +1,20 @@
-"""/v1/chat/completions (plain and streamed): the conversation through the chat template (in a worker thread),
+"""/v1/chat/completions (plain, streamed, beam search), its pieces of the one generation path
+(serve/generation.py): the conversation through the chat template (in a worker thread),
 tools and structured outputs, vLLM's echo / add_generation_prompt / continue_final_message and custom roles."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from jaxpaged.core.validation import InvalidParam, check_text
-from serve import beam, prompt_size, reasoning, tools
+from serve import beam, prompt_size, reasoning, request_rules, tools
 from serve import outputs as fmt
 from serve.errors import APIError
-from serve.job import Job, JobStream, run_to_end, sse
+from serve.generation import Plan, generate
+from serve.job import Job, sse
 from serve.prompts import truncate, truncation
 from serve.protocol import (
     AssistantMessage,
@@ -24,7 +27,7 @@ from serve.protocol import (
     Usage,
 )
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
-from serve.routes import num_logprobs, parse, sampling_params, shown_logprobs, stream_usage, token_text
+from serve.routes import num_logprobs, sampling_params, shown_logprobs, stream_usage, token_text
 
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
@@ -65,12 +68,6 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     """A chat request's checks and engine parameters: (SamplingParams, the logprobs each token shows (top k,
     fmt.ALL with logprob_token_ids) or None, prompt logprobs or None, rename (engine names -> the request's),
     the tool mode, max tokens)."""
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    if req.continue_final_message and req.add_generation_prompt:
-        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
-                            "add_generation_prompt false to continue the last message)",
-                       param="continue_final_message", code="invalid_combination")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     k = num_logprobs(st, "top_logprobs", req.top_logprobs or 0) if req.logprobs else None
     shown = shown_logprobs(req, k)
@@ -78,7 +75,7 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
     reasoning.check_no_constraint(req, st.reasoning)
-    structured, mode, rename_so = await tools.constraint(req, st.engine, st.max_grammar_bytes)
+    structured, mode, rename_so = await tools.constraint(req, st.engine, st.config.max_grammar_bytes)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, num_prompts)
@@ -98,54 +95,66 @@ def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, 
                       token_ids=list(c.token_ids) if ids_out else None)
 
 
-async def chat_completions(request: Request) -> Response:
-    req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    st = request.app.state.server
-    params, k, pl, rename, mode, max_tokens = await chat_params(st, req)
-    use_tools = req.tools if mode is not None else None
-    keep, side = truncation(req, st.engine.max_model_len, max_tokens)
-    prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools, req.add_generation_prompt,
-                                     False, req.continue_final_message, keep is None)
-    prompt = truncate(prompt, keep, side)
-    named = req.tool_choice.function.name if mode == "named" else None
-    role = "assistant" if req.add_generation_prompt else req.messages[-1].role
-    echo = echo_text(req, req.messages, role)
-    if req.use_beam_search:
-        return await beam.chat(request, req, prompt, max_tokens, role, echo)
-    job = Job(request, "chatcmpl", rename)
-    await job.start([prompt], params, stream=req.stream)
-    text, ids_out = token_text(st, req), bool(req.return_token_ids)
+@dataclass(kw_only=True)
+class ChatPlan(Plan):
+    shown: int | None = None  # the logprobs each token shows (top k, fmt.ALL with logprob_token_ids) or None
+    pl: int | None = None  # prompt logprobs or None
+    mode: str | None = None  # the tool mode (serve/tools.py)
+    named: str | None = None  # the tool a named tool_choice names
+    role: str = "assistant"  # the answer's role
+    echo: str = ""  # the text echoed before the answer
+    text: fmt.TokenText | None = None
 
-    def lp(ids, lps):
-        return fmt.chat_logprobs(text, ids, lps, k) if k is not None else None
 
-    if not req.stream:
-        if not await run_to_end(job):
-            return Response(status_code=499)
-        choices = [chat_choice(st, c, c.index, mode, named, role, echo, lp(c.token_ids, c.logprobs), ids_out)
-                   for c in job.lasts[0].outputs]
-        job.close(200)
-        out = job.lasts[0]
-        return JSONResponse(ChatCompletionResponse(
+class Chat:
+    """The pieces of /v1/chat/completions."""
+    kind, model, prefix = request_rules.CHAT, ChatCompletionRequest, "chatcmpl"
+
+    async def plan(self, st, req: ChatCompletionRequest) -> ChatPlan:
+        params, k, pl, rename, mode, max_tokens = await chat_params(st, req)
+        use_tools = req.tools if mode is not None else None
+        keep, side = truncation(req, st.engine.max_model_len, max_tokens)
+        prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools, req.add_generation_prompt,
+                                         False, req.continue_final_message, keep is None)
+        prompt = truncate(prompt, keep, side)
+        role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+        plan = ChatPlan(prompts=[prompt], params=params, rename=rename, shown=k, pl=pl, mode=mode, role=role,
+                        named=req.tool_choice.function.name if mode == "named" else None,
+                        echo=echo_text(req, req.messages, role), text=token_text(st, req))
+        if req.use_beam_search:
+            beam.refuse(req, st.max_logprobs)
+            plan.params, plan.max_tokens = None, max_tokens
+            plan.names = ("messages", rename["max_tokens"])  # max_tokens or max_completion_tokens
+        return plan
+
+    def _logprobs(self, plan: ChatPlan, ids, lps):
+        return fmt.chat_logprobs(plan.text, ids, lps, plan.shown) if plan.shown is not None else None
+
+    def response(self, st, req, plan: ChatPlan, job: Job) -> ChatCompletionResponse:
+        ids_out, out = bool(req.return_token_ids), job.lasts[0]
+        choices = [chat_choice(st, c, c.index, plan.mode, plan.named, plan.role, plan.echo,
+                               self._logprobs(plan, c.token_ids, c.logprobs), ids_out) for c in out.outputs]
+        return ChatCompletionResponse(
             id=job.id, created=job.created, model=st.model_name, choices=choices, usage=job.usage(),
             prompt_routed_experts=fmt.routes(out.prompt_routed_experts),
-            prompt_logprobs=fmt.prompt_logprobs(text, out, pl),
-            prompt_token_ids=list(out.prompt_token_ids) if ids_out else None).model_dump())
+            prompt_logprobs=fmt.prompt_logprobs(plan.text, out, plan.pl),
+            prompt_token_ids=list(out.prompt_token_ids) if ids_out else None)
 
-    last_usage, every_usage = stream_usage(st, req)
+    async def events(self, st, req, plan: ChatPlan, job: Job):
+        ids_out, prompt, mode, named = bool(req.return_token_ids), plan.prompts[0], plan.mode, plan.named
+        last_usage, every_usage = stream_usage(st, req)
 
-    def chunk(choices, usage=None, **kw):
-        if every_usage and usage is None:
-            usage = job.usage() if any(o is not None for o in job.lasts) else Usage(
-                prompt_tokens=len(prompt), completion_tokens=0, total_tokens=len(prompt))
-        return sse(ChatCompletionChunk(id=job.id, created=job.created, model=st.model_name, choices=choices,
-                                        usage=usage, **kw))
+        def chunk(choices, usage=None, **kw):
+            if every_usage and usage is None:
+                usage = job.usage() if any(o is not None for o in job.lasts) else Usage(
+                    prompt_tokens=len(prompt), completion_tokens=0, total_tokens=len(prompt))
+            return sse(ChatCompletionChunk(id=job.id, created=job.created, model=st.model_name, choices=choices,
+                                           usage=usage, **kw))
 
-    async def events():
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role=role, content=""))
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role=plan.role, content=""))
                      for i in range(req.n)], prompt_token_ids=list(prompt) if ids_out else None)
-        if echo:
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=echo)) for i in range(req.n)])
+        if plan.echo:
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=plan.echo)) for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
         splits = [st.reasoning.stream() for _ in range(req.n)]  # each choice's reasoning / content split
         opened = set()  # choices whose tool call has started (named tool_choice)
@@ -185,9 +194,37 @@ async def chat_completions(request: Request) -> Response:
                         continue  # all held back (maybe a tag): it goes with the next piece
                     delta = ChatDelta(content=piece or None, reasoning_content=thought or None,
                                       reasoning=thought or None)
-                yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=lp(ids, lps),
+                yield chunk([ChatChunkChoice(index=c.index, delta=delta, logprobs=self._logprobs(plan, ids, lps),
                                              finish_reason=reason, token_ids=list(ids) if ids_out else None)])
         if last_usage:
             yield chunk([], job.usage())
 
-    return JobStream(job, events())
+    def beam_answers(self, st, req, plan: ChatPlan, found, head: dict):
+        """The beams' texts, each split by the server's reasoning parser; streamed as one chunk per choice."""
+        tok, answers, completion, prompt = st.engine.tokenizer, [], 0, plan.prompts[0]
+        for s in found.best()[0]:
+            out = found.generated(0, s)
+            completion += len(out)
+            thought, content = st.reasoning.split(tok.decode(out, skip_special_tokens=req.skip_special_tokens))
+            answers.append((s, out, thought, plan.echo + content if content is not None else content))
+        usage, ids_out = beam.usage([prompt], completion), bool(req.return_token_ids)
+        choices = [ChatChoice(index=j, message=AssistantMessage(role=plan.role, content=content,
+                                                                reasoning_content=thought, reasoning=thought),
+                              finish_reason=s.finish_reason, token_ids=out if ids_out else None)
+                   for j, (s, out, thought, content) in enumerate(answers)]
+        chunks = [ChatCompletionChunk(**head, choices=[ChatChunkChoice(
+            index=j, delta=ChatDelta(role=plan.role, content=content, reasoning_content=thought, reasoning=thought),
+            finish_reason=s.finish_reason, token_ids=out if ids_out else None)],
+            prompt_token_ids=list(prompt) if ids_out and j == 0 else None)
+            for j, (s, out, thought, content) in enumerate(answers)]
+        return (ChatCompletionResponse(**head, choices=choices, usage=usage,
+                                       prompt_token_ids=list(prompt) if ids_out else None),
+                chunks, ChatCompletionChunk(**head, choices=[], usage=usage))
+
+
+CHAT_ROUTE = Chat()
+
+
+async def chat_completions(request: Request) -> Response:
+    """POST /v1/chat/completions."""
+    return await generate(request, CHAT_ROUTE)

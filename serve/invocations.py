@@ -6,8 +6,9 @@ from starlette.responses import Response
 
 from serve.body import read_json
 from serve.chat import chat_completions
+from serve.completions import completions
 from serve.errors import APIError
-from serve.routes import check_auth, completions
+from serve.routes import check_auth
 
 
 async def invocations(request: Request) -> Response:
@@ -15,7 +16,7 @@ async def invocations(request: Request) -> Response:
     vLLM's); else a 400."""
     st = request.app.state.server
     check_auth(request)
-    request.state.body = data = await read_json(request, st.max_body_bytes, st.body_timeout)
+    request.state.body = data = await read_json(request, st.config.max_body_bytes, st.config.request_body_timeout)
     if "messages" in data:
         return await chat_completions(request)
     if "prompt" in data or "prompt_embeds" in data:

@@ -125,7 +125,7 @@ class Job:
 
     def usage(self):
         """The response's usage (prompt_tokens_details with --enable-prompt-tokens-details, else null)."""
-        return fmt.usage(self.lasts, self.st.prompt_tokens_details)
+        return fmt.usage(self.lasts, self.st.config.enable_prompt_tokens_details)
 
     def close(self, http_status: int) -> None:
         """Abort what is unfinished, record it all (once)."""

@@ -2,18 +2,16 @@
 
 Built from the pydantic models of `serve/protocol.py`, then completed with what depends on the served
 model and the server: the bounds marked with `limit` (vocabulary, max_model_len, max_logprobs), the
-model name, the rules that tie fields together (`if`/`then`), and the bearer scheme only when an API key
-is set. The few rules JSON Schema cannot state (they depend on tokenization, compare two fields, or
-measure the whole body or field: nesting depth, the stop strings' total length, a constraint's size) are
-listed per operation under `x-request-rules`, each with the `code` of its 400.
+model name, the request rules of serve/request_rules.py (those JSON Schema states as `if`/`then` in the
+request schemas, the rest listed per operation under `x-request-rules`, each with the `code` of its 400), and
+the bearer scheme only when an API key is set.
 """
 from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from jaxpaged.core.sampling_params import MAX_STOP_CHARS
+from serve import request_rules
 from serve.batch_chat import BatchChatCompletionRequest
-from serve.body import MAX_JSON_DEPTH
 from serve.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -31,84 +29,12 @@ from serve.protocol_tokenize import (
     TokenizeResponse,
     VersionResponse,
 )
+from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, TOKENIZE
 from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
-# 400s for schema-valid requests: the rules JSON Schema cannot express, by error code.
-_COMMON_RULES = [
-    {"code": "nested_too_deeply", "rule": f"the JSON body nests arrays and objects at most {MAX_JSON_DEPTH} "
-     "levels deep (the body itself is level 1)"},
-    {"code": "stop_too_long", "rule": f"the stop strings together have at most {MAX_STOP_CHARS} characters"},
-    {"code": "context_length_exceeded", "rule": "prompt tokens + max_tokens (default: the rest of "
-     "max_model_len) must not exceed max_model_len"},
-    {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
-     "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"},
-    {"code": "invalid_combination", "rule": "min_tokens must not exceed max_tokens"},
-    {"code": "invalid_combination", "rule": "logprob_token_ids need logprobs (chat: logprobs true; an if/then here "
-     "would be one too many for schemathesis' generator)"},
-    {"code": "invalid_grammar", "rule": "a JSON schema, regex or grammar (structured_outputs, "
-     "response_format, tool parameters when tool_choice is required or named) must be one llguidance "
-     "compiles (its message says why: syntax, unsupported schema features)"},
-    {"code": "invalid_token_id", "rule": "logit_bias keys must be token ids below the vocabulary size"},
-    {"code": "structured_outputs_unsupported", "rule": "constrained output (structured_outputs, a non-text "
-     "response_format, tool_choice required or named) needs a tokenizer llguidance can read"},
-    {"code": "routed_experts_unsupported", "rule": "return_routed_experts needs a mixture-of-experts model "
-     "(Mixtral, Qwen3-MoE, OLMoE)"},
-]
-_BEAM_RULE = {"code": "invalid_combination", "rule": "use_beam_search true: n (the beam width) at most "
-              "max_logprobs / 2; no logprobs / top_logprobs, prompt_logprobs, return_routed_experts, "
-              "structured_outputs, non-text response_format or tools; max_tokens at least 1"}
-COMPLETION_RULES = _COMMON_RULES + [_BEAM_RULE] + [
-    {"code": "empty_prompt", "rule": "every prompt must have at least one token once tokenized "
-     "(a string of only whitespace may have none)"},
-    {"code": "invalid_combination", "rule": "best_of must equal n"},
-    {"code": "invalid_combination", "rule": "return_routed_experts needs stream false and one prompt"},
-    {"code": "empty_prompt", "rule": "a completion needs prompt or prompt_embeds (given both, the embeddings' "
-     "prompts and choices come first)"},
-    {"code": "invalid_prompt_embeds", "rule": "prompt_embeds need the server's --enable-prompt-embeds; each is the "
-     "base64 of a torch.save'd dense floating-point tensor [prompt_len, hidden_size] (a leading axis of 1 is "
-     "dropped) with the model's hidden size and at least one position"},
-    {"code": "context_length_exceeded", "rule": "prompt_embeds positions + max_tokens must not exceed "
-     "max_model_len"},
-    {"code": "invalid_combination", "rule": "prompt_embeds cannot be combined with echo or prompt_logprobs"},
-]
-CHAT_RULES = _COMMON_RULES + [_BEAM_RULE] + [
-    {"code": "chat_template_error", "rule": "the model's chat template may refuse a conversation "
-     "(its message says why)"},
-    {"code": "invalid_combination", "rule": "at most one of structured_outputs, a non-text response_format "
-     "and tool_choice required or named; tool_choice other than none needs tools; a named tool_choice "
-     "must name one of the tools"},
-    {"code": "invalid_combination", "rule": "return_routed_experts needs stream false"},
-    {"code": "invalid_combination", "rule": "continue_final_message needs add_generation_prompt false (an "
-     "if/then here would be one too many for schemathesis' generator)"},
-    {"code": "empty_prompt", "rule": "truncate_prompt_tokens must leave at least one token of the rendered "
-     "conversation (0, or -1 with max_tokens filling max_model_len, leave none)"},
-]
-BATCH_CHAT_RULES = [r for r in CHAT_RULES if "return_routed_experts" not in r["rule"]]
-INVOCATIONS_RULES = COMPLETION_RULES + [r for r in CHAT_RULES if r not in COMPLETION_RULES]
-TOKENIZE_RULES = [r for r in CHAT_RULES if r["code"] in ("nested_too_deeply", "chat_template_error")] + [
-    {"code": "context_length_exceeded", "rule": "a prompt (or rendered conversation) longer in characters than "
-     "(max_model_len - 1) times the most bytes one token stands for is refused before it is tokenized"}]
-
-
-def _if_then(if_props: dict, then_props: dict, required: list[str], then_required=()) -> dict:
-    then = {"properties": then_props}
-    if then_required:
-        then["required"] = list(then_required)
-    return {"if": {"properties": if_props, "required": required}, "then": then}
-
-
-def _sampling_rules(limits: dict) -> list[dict]:
-    """min_tokens > 0 bans EOS (unless ignore_eos) and stop_token_ids; the step holds a fixed number."""
-    nb, eos = limits["max_banned_ids"], limits["num_eos_ids"]
-
-    def at_most(k):
-        return {"stop_token_ids": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": max(k, 0)}]}}
-    return [_if_then({"min_tokens": {"minimum": 1}}, at_most(nb), ["min_tokens"]),
-            _if_then({"min_tokens": {"minimum": 1}, "ignore_eos": {"const": False}}, at_most(nb - eos),
-                     ["min_tokens"]),
-            _if_then({"stream_options": {"type": "object"}}, {"stream": {"const": True}}, ["stream_options"],
-                     ["stream"]),
-            _if_then({"prompt_logprobs": {"type": "integer"}}, {"stream": {"const": False}}, ["prompt_logprobs"])]
+# the request schemas the rules of each kind (serve/request_rules.py) tie together with if/then
+_KIND_SCHEMAS = {COMPLETION: "CompletionRequest", CHAT: "ChatCompletionRequest",
+                 BATCH_CHAT: "BatchChatCompletionRequest"}
 
 
 def _fill_limits(node, values: dict) -> None:
@@ -152,14 +78,10 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                                                 "default": None, "description": "the served model name"}
     for kind in ("regex", "grammar"):  # a text of more characters has more bytes (the rule below is exact)
         schemas["StructuredOutputs"]["properties"][kind]["maxLength"] = max_grammar_bytes
-    for name in ("CompletionRequest", "ChatCompletionRequest", "BatchChatCompletionRequest"):
-        schemas[name]["allOf"] = _sampling_rules(limits)
+    facts = {"limits": limits, "max_grammar_bytes": max_grammar_bytes}
+    for kind, name in _KIND_SCHEMAS.items():
+        schemas[name]["allOf"] = request_rules.schemas(kind, facts)
         schemas[name]["properties"]["logit_bias"]["anyOf"][0]["additionalProperties"] = False  # keys: digits only
-    schemas["CompletionRequest"]["allOf"].append(
-        _if_then({"max_tokens": {"const": 0}}, {"echo": {"const": True}}, ["max_tokens"], ["echo"]))
-    for name in ("ChatCompletionRequest", "BatchChatCompletionRequest"):
-        schemas[name]["allOf"].append(_if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
-                                               ["top_logprobs"], ["logprobs"]))
 
     schemas["InvocationsRequest"] = {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"}, {"allOf": [
         {"$ref": "#/components/schemas/CompletionRequest"}, {"not": {"required": ["messages"]}},
@@ -190,9 +112,9 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                 "type": "string", "contentMediaType": "application/json",
                 "contentSchema": {"anyOf": [ref(chunk), ref("ErrorResponse")]}}]}}}
 
-    def generate(summary, request, response, chunk, rules):
-        """A generation route; `chunk` None: never streamed."""
-        rules = rules + [_grammar_rule(max_grammar_bytes)]
+    def generate(summary, request, response, chunk, kinds):
+        """A generation route taking requests of `kinds`; `chunk` None: never streamed."""
+        rules = request_rules.stated(kinds, facts)
         ok = {"description": "the result", "content": body(response)} if chunk is None else {
             "description": f"the result; with stream=true, server-sent events of {chunk} objects ending in "
                            "`data: [DONE]`",
@@ -209,18 +131,18 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
         "info": {"title": "jaxpaged OpenAI-compatible server", "version": version},
         "paths": {
             "/v1/completions": generate("text completion", "CompletionRequest", "CompletionResponse",
-                                        "CompletionResponse", COMPLETION_RULES),
+                                        "CompletionResponse", (COMPLETION,)),
             "/v1/chat/completions": generate("chat completion (the model's chat template)",
                                              "ChatCompletionRequest", "ChatCompletionResponse",
-                                             "ChatCompletionChunk", CHAT_RULES),
+                                             "ChatCompletionChunk", (CHAT,)),
             "/v1/chat/completions/batch": generate(
                 "vLLM's batch chat: messages is a list of conversations, answered by one chat completion with one "
                 "choice per conversation (index = the conversation's); not streamed, no tools, n 1",
-                "BatchChatCompletionRequest", "ChatCompletionResponse", None, BATCH_CHAT_RULES),
+                "BatchChatCompletionRequest", "ChatCompletionResponse", None, (BATCH_CHAT,)),
             "/invocations": generate("vLLM's (SageMaker's): a body with messages is a chat completion, one "
                                      "with prompt or prompt_embeds (and no messages) a completion",
                                      "InvocationsRequest",
-                                     "InvocationsResponse", "InvocationsChunk", INVOCATIONS_RULES),
+                                     "InvocationsResponse", "InvocationsChunk", (COMPLETION, CHAT)),
             "/v1/models": {"get": {"summary": "the served model", **security, "responses": {
                 "200": {"description": "model list", "content": body("ModelList")},
                 **({"401": errors["401"]} if api_key else {})}}},
@@ -238,7 +160,7 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
                 "200": {"description": "text exposition format", "content": {"text/plain": {}}}}}},
             "/tokenize": {"post": {
                 "summary": "a prompt's token ids, or a conversation's through the chat template (vLLM's)",
-                **security, "x-request-rules": TOKENIZE_RULES,
+                **security, "x-request-rules": request_rules.stated((TOKENIZE,), facts),
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {"anyOf": [
                     ref("TokenizeCompletionRequest"), ref("TokenizeChatRequest")]}}}},
                 "responses": {"200": {"description": "the tokens", "content": body("TokenizeResponse")},
