@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 
+from jaxpaged.controls.kv import invalidate_kv
 from jaxpaged.core.request import Request
 from jaxpaged.core.scheduler import SchedulerOutput
 
@@ -72,11 +73,9 @@ class Executor:
                   type(error).__name__, error, exc_info=error)
         self.outputs.fail(groups, f"the step running this request failed (error id {error_id}): "
                           f"{type(error).__name__}")
-        if self.runner.reset_pools(only_lost=True):
+        if invalidate_kv(self.runner, self.scheduler, only_if_lost=True):
             log.warning("the KV pool was lost with the failed step (error id %s): %d running requests "
                         "will be recomputed", error_id, len(self.scheduler.running))
-            self.scheduler.recompute_all()
-            self.scheduler.bm.reset_prefix_cache()
 
 
 class AsyncExecutor(Executor):

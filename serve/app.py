@@ -288,7 +288,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     adapters = serve_lora.Adapters() if cfg.enable_lora else None
     for lora_name, path in lora_modules:  # checked and loaded now: a bad adapter stops the start
         adapters.by_name[lora_name] = lr = adapters.new(lora_name, path)
-        engine.add_lora(lr)
+        engine.controls.add_lora(lr)
     async_engine = AsyncEngine(engine, max_waiting=args.max_waiting, max_step_failures=args.max_step_failures)
     name = args.served_model_name or (args.model if args.model else DEFAULT_MODEL_NAME)
     app = create_app(async_engine, served_model_name=name, api_key=args.api_key, max_body_bytes=max_body_bytes,

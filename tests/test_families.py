@@ -11,7 +11,7 @@ from test_oracle import _forward_last_logits, _prompts
 from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.bench.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 from jaxpaged.checkpoints.weights import param_shapes
-from jaxpaged.parallel.mesh import param_partition_specs
+from jaxpaged.step.mesh import param_partition_specs
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -12,8 +12,8 @@ from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.llama import forward
-from jaxpaged.parallel.mesh import make_mesh
 from jaxpaged.step.attention import make_attention
+from jaxpaged.step.mesh import make_mesh
 
 # (r, rslora) of the adapters in one batch, after a base-model request
 VARIANTS = ((4, False), (4, True), (16, False), (16, True))
