@@ -63,8 +63,8 @@ class Executor:
     def failed(self, out: SchedulerOutput, error: Exception) -> None:
         """The runner raised: the step's requests (whole groups) finish with "error", the rest go on.
 
-        A failed device call may have consumed the donated KV pool; it is then rebuilt (zeros), every
-        running request is recomputed from scratch (as after preemption) and the prefix cache dropped."""
+        A failed device call may have consumed the donated KV pool; the KV cache is then invalidated
+        (`controls/kv.py`: the pool rebuilt, every running request recomputed, the prefix cache dropped)."""
         error_id = uuid.uuid4().hex[:12]
         self.num_step_failures += 1
         self.num_consecutive_step_failures += 1
