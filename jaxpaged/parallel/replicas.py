@@ -14,6 +14,7 @@ so the replicas' device work overlaps.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,7 +45,7 @@ class Replicas(ControlsFront):
         self.config, self.tokenizer = config, first.tokenizer
         self.model_config, self.max_model_len = first.model_config, first.max_model_len
         self.eos_token_ids, self.model_dir = first.eos_token_ids, first.model_dir
-        self.controls = ReplicaControls(self)
+        self.controls = ReplicaControls(weakref.proxy(self))  # held weakly: no reference cycle
         self._owner: dict[str, int] = {}                       # unfinished request id -> replica
         self._affinity: OrderedDict[tuple, int] = OrderedDict()  # first block's token ids -> replica
         self._ids = itertools.count()
