@@ -19,7 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.contract import ControlsFront
+from jaxpaged.contract import ControlsFront, Engine
 from jaxpaged.core import prompt_embeds
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
@@ -170,7 +170,7 @@ class Replicas(ControlsFront):
         self._pool.shutdown(wait=True)
 
 
-def build_engine(config: EngineConfig):
+def build_engine(config: EngineConfig) -> Engine | None:
     """The engine `config` asks for: an LLMEngine, Replicas when data_parallel_size > 1, or in a multi-host
     job (num_processes > 1, after `multihost.initialize`) the leader's engine, or None on a follower once
     the leader has stopped."""
