@@ -1,4 +1,5 @@
-"""AsyncEngine: the LLMEngine loop on its own thread, each request's outputs streamed to asyncio.
+"""AsyncEngine: an engine's loop (any `Engine` of jaxpaged/contract.py) on its own thread, each request's
+outputs streamed to asyncio.
 
 JAX blocks the calling thread for the whole step, so the engine gets a thread of its own. Commands
 (add, abort) cross to it through one inbox guarded by a condition variable; outputs cross back with
@@ -24,12 +25,13 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jaxpaged.contract import Engine
+from jaxpaged.controls.pause import PAUSE_MODES
 from jaxpaged.core.beam_search import BeamSearch, BeamSearchParams, candidates, check_beam_search
+from jaxpaged.core.outputs import RequestOutput
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam
-from jaxpaged.engine import LLMEngine, RequestOutput
-from jaxpaged.rl.pause import PAUSE_MODES
 
 log = logging.getLogger("jaxpaged.async_engine")
 
@@ -60,7 +62,7 @@ class _Stream:
 class AsyncEngine:
     """Runs `engine` on a background thread; `max_waiting` bounds requests queued for a slot."""
 
-    def __init__(self, engine: LLMEngine, max_waiting: int | None = None, max_step_failures: int = 3):
+    def __init__(self, engine: Engine, max_waiting: int | None = None, max_step_failures: int = 3):
         if max_waiting is not None and max_waiting < 0:
             raise ValueError(f"max_waiting must be >= 0 or None, got {max_waiting!r}")
         if not isinstance(max_step_failures, int) or max_step_failures < 1:
@@ -100,7 +102,7 @@ class AsyncEngine:
         return self.engine.config.enable_prompt_embeds
 
     def request_limits(self) -> dict:
-        """The model-dependent bounds every request is checked against (see LLMEngine.request_limits)."""
+        """The model-dependent bounds every request is checked against (see Engine.request_limits)."""
         return self.engine.request_limits()
 
     def is_alive(self) -> bool:
@@ -230,7 +232,7 @@ class AsyncEngine:
             if not stream.finished:
                 self.abort(stream.request_id)
 
-    # -- RL controls: pause / resume (jaxpaged/rl/pause.py) -------------------------------------
+    # -- RL controls: pause / resume (jaxpaged/controls/pause.py) -------------------------------------
     async def pause_generation(self, mode: str = "abort") -> None:
         """Pause the engine; returns once paused ("wait": once the running requests are done). Requests
         added meanwhile wait for `resume_generation`; "abort" ends the others' streams with
@@ -345,10 +347,10 @@ class AsyncEngine:
         """Apply a pause or resume command (the future last in `args`)."""
         *args, fut = args
         if what == "resume":
-            self.engine.resume_generation()
+            self.engine.controls.resume_generation()
             _resolve(fut)
             return
-        self._publish(self.engine.pause_generation(args[0], wait=False))
+        self._publish(self.engine.controls.pause_generation(args[0], wait=False))
         if self.engine.can_step():  # "wait": resolved by the loop once drained
             self._pause_waiters.append(fut)
         else:

@@ -5,7 +5,8 @@ computes the step and advances its requests) and update (the output processor's 
 outputs). Features enter through seams chosen once at start-up, never as branches in the step: the
 speculative proposer (`spec_decode/`, `NoSpeculation` when off), the executor (plain or async
 scheduling, `executor.py`), the runner's step features (`step/`). Around the step: admission checks
-(`admission.py`), LoRA administration (`lora/manager.py`), RL controls (`rl/`).
+(`admission.py`), LoRA administration (`lora/manager.py`), the controls facet (`controls/`:
+pause, sleep, weights, LoRA; the contract in `contract.py`).
 """
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from jaxpaged import loading
 from jaxpaged.admission import Admission
 from jaxpaged.checkpoints.weights import release_host_memory
 from jaxpaged.config import EngineConfig, ModelConfig
+from jaxpaged.contract import ControlsFront
+from jaxpaged.controls.facet import Controls
+from jaxpaged.controls.pause import PauseControl
+from jaxpaged.controls.sleep import SleepControl
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.iteration_stats import IterationTokens
 from jaxpaged.core.output_processor import OutputProcessor
@@ -26,13 +31,11 @@ from jaxpaged.core.structured import StructuredOutputs, StructuredOutputsParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.executor import FatalStepError, make_executor  # noqa: F401 -- FatalStepError: re-exported
 from jaxpaged.lora.manager import LoRAManager
-from jaxpaged.models.quant import unpack_layers
-from jaxpaged.parallel.mesh import kv_head_replication, make_mesh
-from jaxpaged.rl.pause import PauseControl
-from jaxpaged.rl.sleep import SleepControl
 from jaxpaged.spec_decode.decoder import NoSpeculation, SpecDecoder
 from jaxpaged.spec_decode.draft import check_draft
+from jaxpaged.step.mesh import kv_head_replication, make_mesh
 from jaxpaged.step.runner import ModelRunner
+from jaxpaged.step.sink import StepSink
 
 
 def _freeze_startup_heap() -> None:
@@ -50,12 +53,17 @@ def _freeze_startup_heap() -> None:
         gc.freeze()
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, devices: list | None = None, params: dict | None = None):
+class LLMEngine(ControlsFront):
+    """One engine (the `Engine` of jaxpaged/contract.py); its controls (`controls`: pause, sleep, weights,
+    LoRA adapters) read as its own attributes too (`engine.add_lora(...)`)."""
+
+    def __init__(self, config: EngineConfig, devices: list | None = None, params: dict | None = None,
+                 step_sink: StepSink | None = None):
         """Load the model onto a mesh of the first config.tensor_parallel_size of `devices`
         (default: jax.devices()) and compile every step shape. `params`: the parameter pytree to start from
         (the layout of jaxpaged/models/llama.py, host or device arrays) instead of the model directory's
-        weights (the directory then needs only config.json; e.g. an RL trainer's model, device to device)."""
+        weights (the directory then needs only config.json; e.g. an RL trainer's model, device to device).
+        `step_sink`: where each step's host inputs go too (a multi-host leader's, jaxpaged/step/sink.py)."""
         self.config = cfg = config
         self.model_dir = path = loading.model_dir(cfg)
         self.model_config = mc = ModelConfig.from_dir(path)
@@ -73,7 +81,7 @@ class LLMEngine:
         self.structured = StructuredOutputs(os.path.join(path, "tokenizer.json") if self.tokenizer else None,
                                             mc.vocab_size, cfg.max_num_seqs, self.eos_token_ids)
         self.runner = ModelRunner(mc, cfg, params, self.num_blocks, self.max_model_len, mesh=self.mesh,
-                                  structured=self.structured)
+                                  structured=self.structured, step_sink=step_sink)
         del params
         release_host_memory()
         if cfg.warmup:
@@ -93,13 +101,9 @@ class LLMEngine:
         self.executor = make_executor(self.async_scheduling, self.runner, self.scheduler, self.spec, self.outputs)
         me = weakref.proxy(self)  # the parts around the step hold the engine weakly: no reference cycle
         self.admission, self.pause_control, self.sleep_control = Admission(me), PauseControl(me), SleepControl(me)
-        self.lora = LoRAManager(self.runner.lora, self.scheduler, self.block_manager, self.executor)
+        self.lora = LoRAManager(self.runner.lora, self.scheduler, self.executor)
+        self.controls = Controls(me)
         _freeze_startup_heap()
-
-    def replace_runner(self, runner: ModelRunner) -> None:
-        """Run every step on `runner` from now on: one that took over this runner's state (a multi-host
-        leader's, jaxpaged/parallel/multihost.py)."""
-        self.runner = self.executor.runner = runner
 
     @property
     def groups(self) -> dict:
@@ -141,8 +145,9 @@ class LLMEngine:
 
     def can_step(self) -> bool:
         """Whether `step` would compute anything: unfinished requests, not asleep, not paused (or draining)."""
-        return (self.has_unfinished_requests() and not self.sleep_level
-                and (not self.is_paused or self.executor.in_flight is not None or self.pause_control.is_draining))
+        pause = self.pause_control
+        return (self.has_unfinished_requests() and not self.sleep_control.level
+                and (not pause.is_paused or self.executor.in_flight is not None or pause.is_draining))
 
     # -- one step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -174,57 +179,11 @@ class LLMEngine:
     def num_consecutive_step_failures(self) -> int:
         return self.executor.num_consecutive_step_failures
 
-    # -- RL controls (jaxpaged/rl/, docs/research.md) ------------------------------------------
-    def pause_generation(self, mode: str = "abort", wait: bool = True) -> list[RequestOutput]:
-        """Pause: "abort" | "wait" | "keep" (jaxpaged/rl/pause.py); returns the outputs the pause produced."""
-        return self.pause_control.pause(mode, wait)
-
-    def resume_generation(self) -> None:
-        """Undo pause_generation: waiting and kept requests are scheduled again."""
-        self.pause_control.resume()
-
-    @property
-    def is_paused(self) -> bool:
-        return self.pause_control.is_paused
-
-    def sleep(self, level: int = 1) -> dict:
-        """Release device memory (jaxpaged/rl/sleep.py); returns device bytes before and after."""
-        return self.sleep_control.sleep(level)
-
-    def wake_up(self, reload: bool = False) -> dict:
-        """Undo sleep, without recompiling (jaxpaged/rl/sleep.py); returns device bytes before and after."""
-        return self.sleep_control.wake_up(reload)
-
-    @property
-    def sleep_level(self) -> int:
-        return self.sleep_control.level
-
-    def get_weights(self) -> dict:
-        """The parameter pytree the steps run on (device arrays; layout in jaxpaged/models/llama.py), every
-        matrix as the model lays it out (a copy of those the runner keeps packed for the CPU matmul kernel)."""
-        return unpack_layers(self.runner.params)
-
-    def update_weights(self, weights) -> None:
-        """Replace parameters between steps, without recompiling: (HF name, array) pairs or (part of) the
-        `get_weights` pytree; see jaxpaged/checkpoints/weight_update.py."""
-        from jaxpaged.checkpoints.weight_update import update_weights
-        update_weights(self, weights)
-
-    # -- LoRA adapters (jaxpaged/lora/manager.py) ------------------------------------------------
-    def add_lora(self, lora_request) -> bool:
-        return self.lora.add(lora_request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        return self.lora.remove(lora_int_id)
-
-    def list_loras(self) -> list[int]:
-        return self.lora.ids()
-
-    def lora_requests(self) -> list:
-        return self.lora.requests()
-
-    def update_lora(self, lora_int_id: int, weights) -> None:
-        self.lora.update(lora_int_id, weights)
+    def score(self, prompts: list, continuations: list) -> list[list[float]]:
+        """The logprob of each continuation token after its prompt: one dense forward with the engine's
+        parameters (jaxpaged/step/scoring.py); its requests and KV pool are untouched."""
+        from jaxpaged.step.scoring import score
+        return score(self, prompts, continuations)
 
     def stats(self) -> dict:
         bm, sch, runner = self.block_manager, self.scheduler, self.runner

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 
+from jaxpaged.controls.kv import invalidate_kv
 from jaxpaged.core.request import Request
 from jaxpaged.core.scheduler import SchedulerOutput
 
@@ -62,8 +63,8 @@ class Executor:
     def failed(self, out: SchedulerOutput, error: Exception) -> None:
         """The runner raised: the step's requests (whole groups) finish with "error", the rest go on.
 
-        A failed device call may have consumed the donated KV pool; it is then rebuilt (zeros), every
-        running request is recomputed from scratch (as after preemption) and the prefix cache dropped."""
+        A failed device call may have consumed the donated KV pool; the KV cache is then invalidated
+        (`controls/kv.py`: the pool rebuilt, every running request recomputed, the prefix cache dropped)."""
         error_id = uuid.uuid4().hex[:12]
         self.num_step_failures += 1
         self.num_consecutive_step_failures += 1
@@ -72,11 +73,9 @@ class Executor:
                   type(error).__name__, error, exc_info=error)
         self.outputs.fail(groups, f"the step running this request failed (error id {error_id}): "
                           f"{type(error).__name__}")
-        if self.runner.reset_pools(only_lost=True):
+        if invalidate_kv(self.runner, self.scheduler, only_if_lost=True):
             log.warning("the KV pool was lost with the failed step (error id %s): %d running requests "
                         "will be recomputed", error_id, len(self.scheduler.running))
-            self.scheduler.recompute_all()
-            self.scheduler.bm.reset_prefix_cache()
 
 
 class AsyncExecutor(Executor):

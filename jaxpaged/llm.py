@@ -1,10 +1,11 @@
-"""LLM: offline generation, scoring and weight updates over an engine (one LLMEngine, replicas, or a
-multi-host job's leader)."""
+"""LLM: offline generation, scoring and the engine's controls over an `Engine` (jaxpaged/contract.py: one
+LLMEngine, replicas, or a multi-host job's leader)."""
 from __future__ import annotations
 
 import itertools
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.contract import ControlsFront, Engine, EngineControls
 from jaxpaged.core.beam_search import (
     BeamSearch,
     BeamSearchOutput,
@@ -36,7 +37,7 @@ def _per_prompt(value, n: int, what: str) -> list:
     return values
 
 
-class LLM:
+class LLM(ControlsFront):
     """Offline generation: `LLM(model=DIR, ...).generate(prompts, SamplingParams(...))`.
 
     Keyword arguments are EngineConfig fields (model, dtype, block_size, num_kv_blocks, max_num_seqs,
@@ -46,6 +47,10 @@ class LLM:
     Scale-out (docs/scale-out.md): `data_parallel_size=M` runs M replicas behind this one object;
     `coordinator_address`, `num_processes`, `process_id` (as in `jax.distributed.initialize`) make one
     engine over every process's devices, process 0 generating and the others following.
+
+    The engine's controls (`controls`, documented in jaxpaged/contract.py's `EngineControls`) read as the
+    LLM's own attributes, under vLLM's names: `llm.pause_generation(mode)`, `llm.sleep(level)`,
+    `llm.update_weights(weights)`, `llm.add_lora(lora_request)`, ...
     """
 
     def __init__(self, model: str | None = None, **kwargs):
@@ -57,7 +62,7 @@ class LLM:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine) -> "LLM":
+    def from_engine(cls, engine: Engine) -> "LLM":
         """`LLM`'s generate/chat around an engine built by hand (e.g. `LLMEngine(config, devices)`)."""
         llm = cls.__new__(cls)
         llm.engine, llm._ids = engine, itertools.count()
@@ -70,10 +75,15 @@ class LLM:
         return self.engine is not None
 
     @property
+    def controls(self) -> EngineControls:
+        """The engine's pause, sleep, weights and LoRA adapters."""
+        return self._leader().controls
+
+    @property
     def tokenizer(self) -> Tokenizer | None:
         return self._leader().tokenizer
 
-    def _leader(self):
+    def _leader(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("this process follows process 0 of a multi-host job; only process 0 generates")
         return self.engine
@@ -90,7 +100,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts), "sampling params")
         loras = _per_prompt(lora_request, len(prompts), "lora requests")
         eng = self._leader()
-        if eng.is_paused or eng.sleep_level:
+        if eng.controls.is_paused or eng.controls.sleep_level:
             raise RuntimeError("generate: the engine is paused or asleep; call resume_generation() / wake_up()")
         ids = [f"llm-{next(self._ids)}" for _ in prompts]
         try:
@@ -139,11 +149,9 @@ class LLM:
         the continuation. Prompts as `generate` takes them; continuations as strings (tokenized without
         special tokens) or token-id lists. One dense forward over the whole sequences (`jaxpaged.step.scoring`),
         with the engine's parameters and layer code; the engine's requests and KV pool are untouched."""
-        from jaxpaged.step.scoring import score
         if _is_one_prompt(prompts):
             prompts, continuations = [prompts], [continuations]
-        eng = self._leader()
-        return score(eng.engines[0] if hasattr(eng, "engines") else eng, list(prompts), list(continuations))
+        return self._leader().score(list(prompts), list(continuations))
 
     def chat(self, messages_list, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -158,62 +166,3 @@ class LLM:
     def stats(self) -> dict:
         """Engine counters; with data_parallel_size > 1 the sums, and `replicas`: each replica's."""
         return self._leader().stats()
-
-    def add_lora(self, lora_request) -> bool:
-        """Register and load a LoRA adapter (a LoRARequest naming a PEFT directory); False if known."""
-        return self._leader().add_lora(lora_request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (ValueError while unfinished requests use it); False if unknown."""
-        return self._leader().remove_lora(lora_int_id)
-
-    def list_loras(self) -> list[int]:
-        """The registered adapters' lora_int_ids."""
-        return self._leader().list_loras()
-
-    def update_lora(self, lora_int_id: int, weights) -> None:
-        """Replace an adapter's A/B in the running engine without recompiling (RL: after a training step).
-        `weights`: PEFT-named (name, array) pairs or a dict of them (scaled by the adapter's config), or
-        {"a": {leaf: [L, in, r]}, "b": {leaf: [L, r, out]}} (scaling folded into b). Refused while
-        requests are unfinished; the prefix cache is flushed."""
-        self._leader().update_lora(lora_int_id, weights)
-
-    def get_weights(self) -> dict:
-        """The engine's parameter pytree (device arrays; with data_parallel_size > 1, replica 0's)."""
-        return self._leader().get_weights()
-
-    def update_weights(self, weights) -> None:
-        """Load new weights into the running engine, without recompiling (docs/research.md).
-
-        `weights`: an iterable of (Hugging Face tensor name, array) pairs, as vLLM's `load_weights` takes
-        them (any subset of the checkpoint's tensors), or (part of) the pytree `get_weights` returns.
-        Shapes and dtypes must match the engine's (ValueError naming the tensor; nothing changes). Device
-        arrays with the engine's sharding are adopted without a copy; arrays sharded otherwise (a
-        trainer's FSDP layout, say) are resharded device to device. The prefix cache is flushed. Refused
-        (RuntimeError) while requests run: call it between `generate` calls or while paused."""
-        self._leader().update_weights(weights)
-
-    # -- RL controls (docs/research.md: the RL recipe) -----------------------------------------
-    def pause_generation(self, mode: str = "abort") -> list[RequestOutput]:
-        """Pause the engine: "abort" finishes unfinished requests now, "wait" runs the running ones to
-        their end, "keep" freezes them (an `update_weights` meanwhile recomputes their KV under the new
-        weights). Returns the outputs the pause produced (jaxpaged/rl/pause.py)."""
-        return self._leader().pause_generation(mode)
-
-    def resume_generation(self) -> None:
-        """Undo pause_generation."""
-        self._leader().resume_generation()
-
-    @property
-    def is_paused(self) -> bool:
-        return self._leader().is_paused
-
-    def sleep(self, level: int = 1) -> dict:
-        """Release device memory: level 1 deletes the KV pool and moves the weights to host memory, level
-        2 drops the weights too. Returns device bytes {"before", "after"} (jaxpaged/rl/sleep.py)."""
-        return self._leader().sleep(level)
-
-    def wake_up(self, reload: bool = False) -> dict:
-        """Undo sleep without recompiling; `reload=True` reads the weights from the model directory again
-        (after level 2, unless a full update_weights already gave them). Returns device bytes."""
-        return self._leader().wake_up(reload)

@@ -200,7 +200,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     adapters = serve_lora.Adapters() if cfg.enable_lora else None
     for lora_name, path in lora_modules:  # checked and loaded now: a bad adapter stops the start
         adapters.by_name[lora_name] = lr = adapters.new(lora_name, path)
-        engine.add_lora(lr)
+        engine.controls.add_lora(lr)
     async_engine = AsyncEngine(engine, max_waiting=server.max_waiting, max_step_failures=server.max_step_failures)
     app = create_app(async_engine, server, adapters=adapters)
     http = protocol(server.request_header_timeout, server.max_connections_per_client or None)

@@ -74,7 +74,7 @@ async def load(request: Request) -> PlainTextResponse:
         raise APIError(404, f"No adapter found for {path}", param="lora_path", code="adapter_not_found")
     lora = st.adapters.new(name, path)
     try:
-        await st.engine.call(lambda eng: eng.add_lora(lora))
+        await st.engine.call(lambda eng: eng.controls.add_lora(lora))
     except ValueError as e:
         raise APIError(400, str(e), param="lora_path") from None
     st.adapters.by_name[name] = lora
@@ -91,7 +91,7 @@ async def unload(request: Request) -> PlainTextResponse:
         raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                        code="model_not_found")
     try:
-        await st.engine.call(lambda eng: eng.remove_lora(lora.lora_int_id))
+        await st.engine.call(lambda eng: eng.controls.remove_lora(lora.lora_int_id))
     except ValueError as e:  # requests still use it
         raise APIError(400, str(e), param="lora_name") from None
     del st.adapters.by_name[name]

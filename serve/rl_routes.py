@@ -1,5 +1,5 @@
 """The RL controls over HTTP (vLLM's names): `POST /pause?mode=abort|wait|keep`, `POST /resume`,
-`GET /is_paused`. Behind the API key like /v1/*; the engine's pause semantics are jaxpaged/rl/pause.py."""
+`GET /is_paused`. Behind the API key like /v1/*; the engine's pause semantics are jaxpaged/controls/pause.py."""
 from __future__ import annotations
 
 from starlette.requests import Request

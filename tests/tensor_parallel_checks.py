@@ -103,8 +103,8 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
     from jaxpaged.checkpoints.weights import load_params
     from jaxpaged.config import ModelConfig
     from jaxpaged.models.llama import forward
-    from jaxpaged.parallel.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
     from jaxpaged.step.attention import make_attention
+    from jaxpaged.step.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
     mc = ModelConfig.from_dir(path)
     params = load_params(path, mc, "float32", quantization=quantization)
     lens, bs = (13, 6), 8

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.parallel.mesh import make_mesh
 from jaxpaged.step import attention
 from jaxpaged.step.aot import abstract_params, abstract_runner, compile_steps
+from jaxpaged.step.mesh import make_mesh
 
 
 @dataclasses.dataclass

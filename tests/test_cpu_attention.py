@@ -113,7 +113,7 @@ def test_tensor_parallel_two_devices():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import Mesh
-        from jaxpaged.parallel.mesh import MODEL_AXIS
+        from jaxpaged.step.mesh import MODEL_AXIS
         from jaxpaged.step.attention import make_attention
         from pallas_kernels.reference import ragged_paged_attention_reference as ref
         mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", MODEL_AXIS))

@@ -10,7 +10,7 @@ from test_oracle import _forward_last_logits, _prompts
 
 from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.checkpoints.weights import param_shapes
-from jaxpaged.parallel.mesh import param_partition_specs
+from jaxpaged.step.mesh import param_partition_specs
 from jaxpaged.testing.tiny_models import NEW_FAMILIES, WINDOW, make_tiny_model
 
 BS = 4

@@ -3,6 +3,8 @@
 - no import cycle among the modules of jaxpaged/, serve/ and pallas_kernels/ (the benchmarks in
   jaxpaged/bench/ too), counting every import statement, also the ones inside functions;
 - the engine never imports the benchmarks: only `jaxpaged bench` (jaxpaged/cli.py) and jaxpaged/bench/ itself;
+- each folder sits on one side of jaxpaged/engine.py: below it (what the engine imports) or above it
+  (what imports the engine), never both;
 - `from jaxpaged import ...` still gives the public API, without importing jax until a name is used.
 """
 from __future__ import annotations
@@ -212,3 +214,43 @@ def test_engine_never_imports_the_workshop():
     assert users == {"jaxpaged.cli"}, users
     fixtures = [m for m in graph if m.startswith("jaxpaged.testing")]
     assert not [(m, d) for m in fixtures for d in graph[m] if d.startswith("jaxpaged.bench")]
+
+
+ENGINE = "jaxpaged.engine"
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def engine_sides(graph: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """{folder: {"below": its modules the engine imports (directly or not), "above": its modules that import
+    the engine}}, by the folder holding each module's file (a package file is in its own folder); jaxpaged's
+    top-level modules (the engine's siblings) are not in a folder."""
+    below, above = _reach(graph, ENGINE), {m for m in graph if ENGINE in _reach(graph, m)}
+    paths = {m: p for pkg in PACKAGES for m, p in _modules(os.path.join(ROOT, pkg)).items()}
+    sides: dict[str, dict[str, list[str]]] = {}
+    for m in sorted(graph):
+        folder = os.path.relpath(os.path.dirname(paths[m]), ROOT)
+        if folder == "jaxpaged":
+            continue
+        entry = sides.setdefault(folder, {"below": [], "above": []})
+        for side, members in (("below", below), ("above", above)):
+            if m in members:
+                entry[side].append(m)
+    return sides
+
+
+def test_each_folder_on_one_side_of_the_engine():
+    """Every folder is either built into the engine (imported by jaxpaged/engine.py, directly or not) or built
+    on it (imports it), never both: no folder holds modules on both sides (imports inside functions count)."""
+    sides = engine_sides(import_graph())
+    assert sides["jaxpaged/step"]["below"] and sides["jaxpaged/parallel"]["above"] and sides["serve"]["above"]
+    both = {f: s for f, s in sides.items() if s["below"] and s["above"]}
+    assert not both, f"folders on both sides of {ENGINE}: {both}"

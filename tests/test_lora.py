@@ -11,8 +11,8 @@ from jaxpaged.checkpoints.weights import load_params
 from jaxpaged.lora.request import LoRARequest
 from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.llama import forward
-from jaxpaged.parallel.mesh import make_mesh
 from jaxpaged.step.attention import make_attention
+from jaxpaged.step.mesh import make_mesh
 from jaxpaged.testing.tiny_models import make_tiny_model
 
 # (r, rslora) of the adapters in one batch, after a base-model request

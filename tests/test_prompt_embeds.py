@@ -165,8 +165,8 @@ def test_async_scheduling_keeps_outputs(llm, path, engine_kwargs):
 def test_abstract_step_compiles_with_the_flag():
     """The step with the feature compiles for any mesh (step/aot.py): its placeholder is abstract too."""
     from jaxpaged.config import EngineConfig, ModelConfig
-    from jaxpaged.parallel.mesh import make_mesh
     from jaxpaged.step.aot import abstract_runner, compile_steps
+    from jaxpaged.step.mesh import make_mesh
     from jaxpaged.step.prompt_embeds import PromptEmbeds
     mc = ModelConfig.from_hf_dict(dict(architectures=["LlamaForCausalLM"], vocab_size=256, hidden_size=64,
                                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -11,7 +11,7 @@ import pytest
 
 from jaxpaged.checkpoints.weights import param_shapes
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.parallel.mesh import (
+from jaxpaged.step.mesh import (
     device_groups,
     kv_head_replication,
     make_mesh,

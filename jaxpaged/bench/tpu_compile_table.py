@@ -56,7 +56,7 @@ def weight_bytes(cfg, tp: int) -> int:
     import jax
 
     from jaxpaged.checkpoints.weights import param_shapes
-    from jaxpaged.parallel.mesh import param_partition_specs, sharded_model_config
+    from jaxpaged.step.mesh import param_partition_specs, sharded_model_config
     shapes = param_shapes(sharded_model_config(cfg, tp))
     specs = param_partition_specs(cfg, tp)
     is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)

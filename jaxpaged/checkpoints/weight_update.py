@@ -22,8 +22,9 @@ import jax
 import numpy as np
 
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
+from jaxpaged.controls.kv import invalidate_kv
 from jaxpaged.models.quant import Packed, QArray, quantize
-from jaxpaged.parallel.mesh import kv_head_replication, replicate_kv_heads
+from jaxpaged.step.mesh import kv_head_replication, replicate_kv_heads
 
 
 def _put(arr: np.ndarray, sharding) -> jax.Array:
@@ -124,5 +125,4 @@ def update_weights(engine, weights) -> None:
     new = _from_pytree(engine, weights) if isinstance(weights, dict) else _from_named(engine, weights)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(engine.runner.params, is_leaf=_packed)
     engine.runner.replace_params(jax.tree_util.tree_unflatten(treedef, [new.get(p, a) for p, a in leaves]))
-    engine.scheduler.recompute_all()  # requests kept by a pause: their KV is of the old weights
-    engine.block_manager.reset_prefix_cache()
+    invalidate_kv(engine.runner, engine.scheduler)  # the pool holds K/V of the old weights

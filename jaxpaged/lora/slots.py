@@ -29,7 +29,7 @@ from jaxpaged.checkpoints.weights import param_shapes
 from jaxpaged.config import ModelConfig
 from jaxpaged.lora.peft import HostAdapter, host_adapter, load_peft, lora_targets
 from jaxpaged.lora.request import LoRARequest
-from jaxpaged.parallel.mesh import MODEL_AXIS, kv_head_replication
+from jaxpaged.step.mesh import MODEL_AXIS, kv_head_replication
 
 _ROW_PARALLEL = ("wo", "w_down")
 

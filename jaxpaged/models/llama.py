@@ -25,7 +25,7 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
 Matrices (and the embedding) may be `jaxpaged.models.quant.QArray`s (weight-only int8 / fp8); every product
 goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
-the E axis (see partition specs in `jaxpaged/parallel/mesh.py`) without the layers knowing.
+the E axis (see partition specs in `jaxpaged/step/mesh.py`) without the layers knowing.
 
 KV pool: k_pool, v_pool [L * N, block_size, Hkv, hd] — every layer's N blocks in one array; layer l
 owns blocks l*N .. l*N+N-1, so block tables and slot mappings are offset by l*N per layer and the

@@ -1,13 +1,14 @@
 """Multi-host serving on JAX's multi-controller runtime (`jax.distributed`); see docs/scale-out.md.
 
 Every process loads the same model onto one global mesh (tensor parallelism over all processes' devices)
-and compiles the same step buckets. Process 0 (the leader) schedules; before each step it puts the step's
-host inputs (bucket key, padded batch and sampling arrays; zlib-compressed) into the coordination
-service's key-value store under `jaxpaged/step/<n>`. The other processes (followers) read step n, build
-the same device inputs and call the same compiled step, so every device joins the step's collectives.
+and compiles the same step buckets. Process 0 (the leader) schedules; before each step its runner's step
+sink (`LeaderSink`) puts the step's host inputs (bucket key, padded batch and sampling arrays;
+zlib-compressed) into the coordination service's key-value store under `jaxpaged/step/<n>`. The other
+processes (followers) read step n, build the same device inputs and call the same compiled step, so every
+device joins the step's collectives.
 An empty message tells the followers to stop.
 
-Failures: the leader runs each step under a watchdog. A follower that dies (the step's collective fails
+Failures: the leader's sink runs each step under a watchdog. A follower that dies (the step's collective fails
 at once) or hangs (the step takes longer than `distributed_timeout`) fails the step with FollowerLostError,
 and every later one; the engine loop then reports the engine down. Followers exit when the leader's
 coordination service goes away.
@@ -25,7 +26,7 @@ import zlib
 import numpy as np
 
 from jaxpaged.config import EngineConfig
-from jaxpaged.engine import FatalStepError
+from jaxpaged.executor import FatalStepError
 from jaxpaged.step.runner import ModelRunner
 
 log = logging.getLogger("jaxpaged.parallel.multihost")
@@ -165,34 +166,26 @@ class StepChannel:
 
 
 # -- the leader ------------------------------------------------------------------------------------
-class LeaderRunner(ModelRunner):
-    """Process 0's runner: sends each step's inputs to the followers, and runs the step under a watchdog."""
+class LeaderSink:
+    """Process 0's step sink (jaxpaged/step/sink.py): sends each step's inputs to the followers, and runs
+    each step under a watchdog."""
 
-    def __init__(self, runner: ModelRunner, channel: StepChannel, timeout_s: float):
-        self.__dict__.update(runner.__dict__)  # takes over the built runner: params, pools, compiled steps
+    def __init__(self, channel: StepChannel, timeout_s: float):
         self.channel, self.timeout_s = channel, timeout_s
-        self._host_inputs = None
         self._failure: str | None = None
         self._closed = False
 
-    def device_inputs(self, batch: dict, sp: dict):
-        self._host_inputs = (batch, sp)
-        return super().device_inputs(batch, sp)
+    def send(self, key: tuple[int, bool, bool], batch: dict, sp: dict) -> None:
+        self.channel.send(encode_step(key, batch, sp))
 
-    def compiled_step(self, key):
-        host, self._host_inputs = self._host_inputs, None
-        if host is not None:  # execute() asks for the step it is about to run: the followers run it too
-            self.channel.send(encode_step(key, *host))
-        return super().compiled_step(key)
-
-    def execute(self, out):
+    def guard(self, step):
         if self._failure:
             raise FollowerLostError(self._failure)
         box: dict = {}
 
         def run():
             try:
-                box["result"] = super(LeaderRunner, self).execute(out)
+                box["result"] = step()
             except BaseException as e:  # noqa: BLE001 -- handed to the engine thread below
                 box["error"] = e
 
@@ -258,7 +251,7 @@ def follow(runner: ModelRunner, channel: StepChannel) -> int:
 
 
 def build_engine(config: EngineConfig):
-    """Process 0: an LLMEngine whose runner leads. Other processes: follow until the leader stops, then
+    """Process 0: an LLMEngine whose runner's step sink leads. Other processes: follow until the leader stops, then
     return None. Needs `initialize` first; tensor parallelism spans every process's devices."""
     import jax
 
@@ -272,12 +265,12 @@ def build_engine(config: EngineConfig):
     if config.tensor_parallel_size != len(devices):
         raise ValueError(f"multi-host: tensor_parallel_size ({config.tensor_parallel_size}) must equal the "
                          f"devices of all {config.num_processes} processes ({len(devices)})")
-    engine = LLMEngine(config, devices=devices)
     channel = StepChannel()
+    sink = LeaderSink(channel, config.distributed_timeout) if config.process_id == 0 else None
+    engine = LLMEngine(config, devices=devices, step_sink=sink)
     channel.client.wait_at_barrier("jaxpaged/ready", READY_TIMEOUT_S * 1000)  # all loaded and compiled
-    if config.process_id == 0:
-        engine.replace_runner(LeaderRunner(engine.runner, channel, config.distributed_timeout))
-        atexit.register(engine.runner.close)
+    if sink is not None:
+        atexit.register(sink.close)
         return engine
     log.info("process %d follows process 0", config.process_id)
     steps = follow(engine.runner, channel)

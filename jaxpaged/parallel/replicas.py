@@ -1,5 +1,6 @@
 """Data parallelism: `Replicas`, M LLMEngines (each on its own group of devices, with its own scheduler and
-block pool) behind the LLMEngine interface, so `LLM` and the AsyncEngine/server drive it unchanged.
+block pool) behind one `Engine` (jaxpaged/contract.py), so `LLM` and the AsyncEngine/server drive it as they
+drive one engine; its controls reach every replica (`replica_controls.py`).
 
 Routing (`route`): a request whose first full block of prompt tokens was routed before goes to the same
 replica (its prefix cache likely holds that block), unless that replica is overloaded: its outstanding
@@ -13,15 +14,19 @@ so the replicas' device work overlaps.
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 
 from jaxpaged.config import EngineConfig
+from jaxpaged.contract import ControlsFront, Engine
 from jaxpaged.core import prompt_embeds
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import prompt_ids
 from jaxpaged.engine import LLMEngine, RequestOutput
+from jaxpaged.parallel.replica_controls import ReplicaControls
+from jaxpaged.step.mesh import device_groups
 
 AFFINITY_SLACK_STEPS = 4     # affinity yields when the cached replica is this many full steps behind
 AFFINITY_MAP_SIZE = 1 << 16  # first blocks remembered by the router (least recently routed dropped first)
@@ -30,17 +35,17 @@ _RATIOS = ("kv_cache_usage", "prefix_cache_hit_rate")
 _SAME = ("tensor_parallel_size", "num_buckets")  # equal on every replica: reported once, not summed
 
 
-class Replicas:
+class Replicas(ControlsFront):
     """`config.data_parallel_size` engines on `mesh.device_groups(tp, dp, devices)`, one front."""
 
     def __init__(self, config: EngineConfig, devices: list | None = None):
-        from jaxpaged.parallel.mesh import device_groups
         groups = device_groups(config.tensor_parallel_size, config.data_parallel_size, devices)
         self.engines = [LLMEngine(config, devices=g) for g in groups]
         first = self.engines[0]
         self.config, self.tokenizer = config, first.tokenizer
         self.model_config, self.max_model_len = first.model_config, first.max_model_len
-        self.eos_token_ids = first.eos_token_ids
+        self.eos_token_ids, self.model_dir = first.eos_token_ids, first.model_dir
+        self.controls = ReplicaControls(weakref.proxy(self))  # held weakly: no reference cycle
         self._owner: dict[str, int] = {}                       # unfinished request id -> replica
         self._affinity: OrderedDict[tuple, int] = OrderedDict()  # first block's token ids -> replica
         self._ids = itertools.count()
@@ -78,17 +83,23 @@ class Replicas:
     def replica_of(self, request_id: str) -> int | None:
         return self._owner.get(str(request_id))
 
-    # -- the LLMEngine interface --------------------------------------------------------------
+    def forget_finished(self, outputs: list[RequestOutput]) -> None:
+        """Drop the owners of the finished requests among `outputs`."""
+        for o in outputs:
+            if o.finished:
+                self._owner.pop(o.request_id, None)
+
+    # -- the Engine contract ----------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, stream: bool = True) -> str:
+                    arrival_time: float | None = None, stream: bool = True, lora_request=None) -> str:
         """Route and queue a request; ValueError (nothing queued) if it is invalid. Returns its id."""
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
         embeds = isinstance(prompt, dict) and prompt_embeds.PARAM in prompt  # no token ids: routed by load
-        ids = [] if embeds else prompt_ids(prompt, self.tokenizer, self.engines[0].model_dir)[1]
+        ids = [] if embeds else prompt_ids(prompt, self.tokenizer, self.model_dir)[1]
         r = self.route(ids)
-        self.engines[r].add_request(request_id, prompt, params, arrival_time, stream)
+        self.engines[r].add_request(request_id, prompt, params, arrival_time, stream, lora_request)
         self._owner[request_id] = r
         return request_id
 
@@ -123,9 +134,7 @@ class Replicas:
         else:
             results = list(self._pool.map(LLMEngine.step, busy))
         outputs = [o for res in results for o in res]
-        for o in outputs:
-            if o.finished:
-                self._owner.pop(o.request_id, None)
+        self.forget_finished(outputs)
         return outputs
 
     def stats(self) -> dict:
@@ -150,57 +159,18 @@ class Replicas:
         total["replicas"] = per
         return total
 
-    def get_weights(self) -> dict:
-        """Replica 0's parameter pytree (every replica holds the same values)."""
-        return self.engines[0].get_weights()
-
-    def update_weights(self, weights) -> None:
-        """The same update on every replica (pairs are read once; device arrays copied to each replica)."""
-        for e in self.engines:  # checked here too: no replica may be left on the old weights
-            e.pause_control.check_update_allowed()
-        weights = weights if isinstance(weights, dict) else list(weights)
-        for e in self.engines:
-            e.update_weights(weights)
-
-    # -- RL controls: every replica alike (jaxpaged/rl/) ----------------
     def can_step(self) -> bool:
         return any(e.can_step() for e in self.engines)
 
-    def pause_generation(self, mode: str = "abort", wait: bool = True) -> list[RequestOutput]:
-        outputs = [o for e in self.engines for o in e.pause_generation(mode, wait)]
-        for o in outputs:
-            if o.finished:
-                self._owner.pop(o.request_id, None)
-        return outputs
-
-    def resume_generation(self) -> None:
-        for e in self.engines:
-            e.resume_generation()
-
-    @property
-    def is_paused(self) -> bool:
-        return self.engines[0].is_paused
-
-    @property
-    def sleep_level(self) -> int:
-        return self.engines[0].sleep_level
-
-    def sleep(self, level: int = 1) -> dict:
-        """Every replica asleep; device bytes {"before", "after"} summed over the replicas."""
-        return _sum_bytes([e.sleep(level) for e in self.engines])
-
-    def wake_up(self, reload: bool = False) -> dict:
-        return _sum_bytes([e.wake_up(reload) for e in self.engines])
+    def score(self, prompts: list, continuations: list) -> list[list[float]]:
+        """Replica 0 scores (every replica holds the same weights)."""
+        return self.engines[0].score(prompts, continuations)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _sum_bytes(per: list[dict]) -> dict:
-    return {when: {k: sum(p[when][k] for p in per) for k in per[0][when]} for when in ("before", "after")}
-
-
-def build_engine(config: EngineConfig):
+def build_engine(config: EngineConfig) -> Engine | None:
     """The engine `config` asks for: an LLMEngine, Replicas when data_parallel_size > 1, or in a multi-host
     job (num_processes > 1, after `multihost.initialize`) the leader's engine, or None on a follower once
     the leader has stopped."""

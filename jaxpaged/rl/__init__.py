@@ -1,3 +1,3 @@
-"""Controls for RL loops, under vLLM's names: pause / resume generation around weight updates
-(`pause.py`) and sleep / wake releasing device memory (`sleep.py`). The engine holds one of each and
-forwards its public methods to them; they change the engine only through its parts' public methods."""
+"""Built on the engine for RL trainers: the Tunix rollout (`tunix_rollout.py`, `JaxpagedRollout`) and the
+Tunix model families it maps onto the engine's parameter pytree (`tunix_models.py`). The controls an RL loop
+calls (pause, sleep, weight updates, under vLLM's names) are the engine's, below it: jaxpaged/controls/."""

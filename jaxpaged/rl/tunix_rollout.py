@@ -256,8 +256,8 @@ class JaxpagedRollout(base_rollout.BaseRollout):
         weights, and only the adapted weights are replaced (docs/research.md: why merged, not adapter slots)."""
         has_lora = bool(_lora_keys(params.to_pure_dict() if hasattr(params, "to_pure_dict") else params))
         base = nnx.state(self._model, nnx.Not(nnx.LoRAParam)) if has_lora else None
-        self.engine.update_weights(to_engine_params(params, self._model.config, self._tied, self._dtype,
-                                                    self._lora_alpha, base))
+        new = to_engine_params(params, self._model.config, self._tied, self._dtype, self._lora_alpha, base)
+        self.engine.controls.update_weights(new)
 
     def pad_id(self) -> int:
         return self._tokenizer.pad_id()

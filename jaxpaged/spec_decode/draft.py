@@ -32,10 +32,10 @@ from jax.sharding import NamedSharding
 from jaxpaged.config import ModelConfig
 from jaxpaged.core.batch import PersistentBatch
 from jaxpaged.models.llama import decoder, lm_logits
-from jaxpaged.parallel.mesh import POOL_SPEC, REPLICATED, place_params, sharded_model_config
 from jaxpaged.spec_decode.step import draft_inputs
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import make_attention, resolve_backend
+from jaxpaged.step.mesh import POOL_SPEC, REPLICATED, place_params, sharded_model_config
 from jaxpaged.step.sampler import controlled_logits, processed_logits, sample
 
 _SAMPLER_KEYS = ("temperature", "top_k", "top_p", "min_p", "seed", "gen_index", "banned", "any_filter",

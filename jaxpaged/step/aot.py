@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxpaged.checkpoints.weights import empty_params
 from jaxpaged.config import EngineConfig, ModelConfig
-from jaxpaged.parallel.mesh import MODEL_AXIS, leaf_specs, param_partition_specs, sharded_model_config
+from jaxpaged.step.mesh import MODEL_AXIS, leaf_specs, param_partition_specs, sharded_model_config
 from jaxpaged.step.runner import ModelRunner
 
 

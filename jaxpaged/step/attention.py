@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxpaged.config import ATTENTION_BACKENDS
-from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
+from jaxpaged.step.mesh import MODEL_AXIS, POOL_SPEC, SCALE_SPEC, shard_map
 from pallas_kernels import cpu_ffi
 from pallas_kernels.reference import ragged_paged_attention_reference
 

@@ -4,7 +4,7 @@ Every step has the same shapes except the token count T, padded up to a bucket (
 `max_num_batched_tokens`); each bucket (and, with the Pallas backend, a decode-only variant of the
 small ones) is compiled ahead of time at start-up, so a running engine never compiles.
 
-The runner owns a mesh (see `jaxpaged/parallel/mesh.py`): params sharded by their partition specs, the pools
+The runner owns a mesh (see `jaxpaged/step/mesh.py`): params sharded by their partition specs, the pools
 by KV head, step inputs and outputs replicated; each compiled step donates the pools (updated in place).
 Its host inputs come from the persistent batch (`jaxpaged/core/batch.py`) and go to the device as one packed
 buffer; `launch` starts a step without waiting, `read` waits for its tokens (async scheduling runs the
@@ -33,7 +33,13 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.quant import pack_layers
-from jaxpaged.parallel.mesh import (
+from jaxpaged.spec_decode.step import Unverified, Verification
+from jaxpaged.step import kv_cache
+from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
+from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
+from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
+from jaxpaged.step.matmul import resolve_matmul
+from jaxpaged.step.mesh import (
     MODEL_AXIS,
     POOL_SPEC,
     REPLICATED,
@@ -44,17 +50,12 @@ from jaxpaged.parallel.mesh import (
     sharded_model_config,
     vocab_sharded,
 )
-from jaxpaged.spec_decode.step import Unverified, Verification
-from jaxpaged.step import kv_cache
-from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
-from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
-from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
-from jaxpaged.step.matmul import resolve_matmul
 from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
 from jaxpaged.step.routed_experts import RoutedExperts
 from jaxpaged.step.sampler import jnp_argmax
+from jaxpaged.step.sink import NoSink, StepSink
 from jaxpaged.step.token_logprobs import TokenLogprobs
 from jaxpaged.step.traced import Variant, traced_step
 from pallas_kernels import cpu_argmax
@@ -123,11 +124,13 @@ def _lost(a) -> bool:
 class ModelRunner:
     """The step's device state and its compiled variants. `abstract=True` (jaxpaged/step/aot.py): `params`
     is a pytree of `jax.ShapeDtypeStruct`s already sharded on `mesh`, nothing is placed on a device, and
-    the variants only compile (for any target, compile-only topology devices included)."""
+    the variants only compile (for any target, compile-only topology devices included). `step_sink`
+    (jaxpaged/step/sink.py) receives each step's host inputs and runs each whole step."""
 
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, params: dict, num_blocks: int,
                  max_model_len: int, mesh=None, structured: StructuredOutputs | None = None,
-                 abstract: bool = False):
+                 abstract: bool = False, step_sink: StepSink | None = None):
+        self.step_sink = step_sink if step_sink is not None else NoSink()  # where each step's inputs go too
         self.mesh = mesh if mesh is not None else make_mesh(cfg.tensor_parallel_size)
         self.abstract = abstract
         self.platform = target_platform(self.mesh.devices.flat)[0]
@@ -343,7 +346,7 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, dict | None]]:
         """Run one step; return slot -> (sampled token, {token id: logprob} or None)."""
-        return self.read(self.launch(out))
+        return self.step_sink.guard(lambda: self.read(self.launch(out)))
 
     def launch(self, out: SchedulerOutput, prev: Launched | None = None, pending=frozenset()) -> Launched:
         """Prepare and start one step, without waiting for it (JAX dispatches asynchronously).
@@ -357,6 +360,7 @@ class ModelRunner:
         batch, sp, slots, plans = self._step_inputs(out, T, verify, self.batch,
                                                     prev.tokens if pending else self._no_prev, pending)
         inputs = self.device_inputs(batch, sp)
+        self.step_sink.send(key, batch, sp)
         ((tokens, *logprobs), outputs), self.k_pool, self.v_pool = \
             self.compiled_step(key)(self.step_params, self.k_pool, self.v_pool, *inputs)
         reads = tuple((f, plan, o) for f, plan, o in zip(self.features, plans, outputs) if plan)

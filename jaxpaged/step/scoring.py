@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding
 
 from jaxpaged.core.validation import InvalidParam, check_text, prompt_ids
 from jaxpaged.models.llama import decoder, lm_logits
-from jaxpaged.parallel.mesh import MODEL_AXIS, POOL_SPEC
 from jaxpaged.step.attention import make_attention
+from jaxpaged.step.mesh import MODEL_AXIS, POOL_SPEC
 
 
 def dense_logprobs(params, cfg, tokens, attn_fn, *, block_size: int, pool_sharding=None):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 
 from jaxpaged.checkpoints.weights import load_params, release_host_memory
-from jaxpaged.parallel.mesh import place_params
+from jaxpaged.controls.kv import invalidate_kv
+from jaxpaged.step.mesh import place_params
 
 SLEEP_LEVELS = (1, 2)
 
@@ -62,8 +63,7 @@ class SleepControl:
             raise RuntimeError("sleep: the engine has unfinished requests; sleep between generate calls or "
                                "after pause_generation()") from None
         before = self.device_bytes()
-        engine.scheduler.recompute_all()  # kept requests (paused) lose their KV
-        engine.block_manager.reset_prefix_cache()
+        invalidate_kv(engine.runner, engine.scheduler)  # kept requests (paused) lose their KV
         self._host_params = engine.runner.offload(keep_params=level == 1)
         self.level = level
         return dict(before=before, after=self.device_bytes())
