@@ -18,7 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu_common import (
+from pallas_kernels.attention.api import check_options, check_pow2, validate, with_tuning
+from pallas_kernels.attention.mosaic_gpu_common import (
     ROWS,
     Ring,
     attend,
@@ -33,8 +34,7 @@ from pallas_kernels.mosaic_gpu_common import (
     ring_scratch,
     smem,
 )
-from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
-from pallas_kernels.reference import check_options, with_tuning
+from pallas_kernels.attention.triton_decode import compute_dtype, pad_table
 
 _TARGET_PROGRAMS = 264  # two programs per SM of a 132-SM H100 / H200
 

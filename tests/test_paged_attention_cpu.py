@@ -1,4 +1,4 @@
-"""The CPU paged attention kernel (pallas_kernels/cpu_paged_attention.cc) against the plain-JAX reference."""
+"""The CPU paged attention kernel (pallas_kernels/attention/cpu.cc) against the plain-JAX reference."""
 import os
 import subprocess
 import sys
@@ -11,8 +11,8 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.step.attention import resolve_backend
-from pallas_kernels import cpu_ffi
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.attention import cpu as cpu_ffi
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 pytestmark = pytest.mark.skipif(not cpu_ffi.available(), reason="the CPU kernel cannot be built here")
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -115,7 +115,7 @@ def test_tensor_parallel_two_devices():
         from jax.sharding import Mesh
         from jaxpaged.parallel.mesh import MODEL_AXIS
         from jaxpaged.step.attention import make_attention
-        from pallas_kernels.reference import ragged_paged_attention_reference as ref
+        from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
         mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", MODEL_AXIS))
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((32, 8, 4, 64)), jnp.float32) for _ in range(2))
@@ -136,8 +136,8 @@ def test_avx2_path_equals_the_reference():
     subprocess (its own build and registration)."""
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
-        from pallas_kernels import cpu_ffi
-        from pallas_kernels.reference import ragged_paged_attention_reference as ref
+        from pallas_kernels.attention import cpu as cpu_ffi
+        from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
         assert cpu_ffi.vector_lanes() == 8, cpu_ffi.vector_lanes()
         rng = np.random.default_rng(0)
         cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
