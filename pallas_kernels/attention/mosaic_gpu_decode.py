@@ -1,6 +1,6 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm_90a): one query per slot, keys through the block table.
 
-Same public signature and options as the Triton kernel (``paged_attention.py``), same pool layout. A
+Same public signature and options as the Triton kernel (``triton_decode.py``), same pool layout. A
 program (one warpgroup) handles one (slot, 64-row tile of a KV head's query heads, key split): the GQA
 group as the WGMMA M dimension (zero rows pad it to 64; groups over 64 take several tiles). K/V blocks
 come by TMA, one copy per block, into a ``num_stages``-deep shared-memory ring; QK and PV run on WGMMA

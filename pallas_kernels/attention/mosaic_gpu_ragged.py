@@ -1,7 +1,7 @@
 """Ragged paged attention on Mosaic GPU (Hopper, sm_90a): prefill chunks and decodes packed by
 ``query_start_loc``, keys through the block table, causal within each slot.
 
-Same public signature and options as the Triton kernel (``ragged_paged_attention.py``), same pool layout
+Same public signature and options as the Triton kernel (``triton_ragged.py``), same pool layout
 and the same tiles (``tile_layout``: ``block_q`` tokens of one slot each). A program (one warpgroup)
 handles one (tile, KV head): its 64 query rows are ``block_q`` tokens x the GQA group (padded to a power
 of two), the WGMMA M dimension. K/V blocks come by TMA into a ``num_stages``-deep shared-memory ring,

@@ -1,4 +1,4 @@
-"""Plain-JAX paged attention: the CPU path of the engine and the oracle of every kernel test.
+"""Plain-JAX paged attention: the oracle of every kernel test, and what runs where no kernel can.
 
 Pool layout (every kernel shares it): ``k_pool``, ``v_pool``: ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A slot's keys are the first ``seq_lens[i]`` positions of the blocks listed in its row of

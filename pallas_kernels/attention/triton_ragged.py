@@ -7,7 +7,7 @@ one (tile, KV head): ``block_q x group`` query rows against the slot's keys up t
 position, ``blocks_per_iter`` blocks per step, online softmax. Rows past ``query_start_loc[S]`` are
 padding and come back as zeros.
 
-Backend: the Pallas Triton lowering, like the decode kernel (``paged_attention.py``).
+Backend: the Pallas Triton lowering, like the decode kernel (``triton_decode.py``).
 """
 from __future__ import annotations
 
