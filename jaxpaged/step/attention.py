@@ -65,8 +65,8 @@ def resolve_backend(name: str, head_dim: int, block_size: int, devices=None, *, 
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {name!r}")
     platform, cc = target_platform(jax.devices() if devices is None else devices)
-    pool = (None if dtype is None and kv_cache_dtype == "auto"
-            else kv_cache.storage_dtype(kv_cache_dtype, jnp.float32 if dtype is None else dtype))
+    known = dtype is not None or kv_cache_dtype != "auto"  # the pool's storage dtype follows from these
+    pool = kv_cache.storage_dtype(kv_cache_dtype, dtype) if known else None
     cfg = Config(platform, cc, head_dim, block_size, None if dtype is None else jnp.dtype(dtype), pool)
     if name == "auto":  # the first that runs natively here and is not passed over for speed; the reference last
         return next(b.name for b in BACKENDS.values() if platform in b.platforms and b.unsupported(cfg) is None
