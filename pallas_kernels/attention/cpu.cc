@@ -507,7 +507,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   P.bf16 = et == ffi::DataType::BF16;
   P.scale = scale, P.softcap = softcap, P.window = window;
   std::memset(P.out, 0, sizeof(float) * P.T * P.Hq * P.D);  // padding rows stay zeros
-  const bool fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;  // the vector path: units span every KV head
+  const bool fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;  // the vector path (cpu.py VECTOR_BLOCK_SIZE)
   const int64_t heads = fast ? 1 : P.Hkv;  // units a row tile
   std::vector<Unit> units;
   for (int64_t s = 0; s < P.S; ++s) {
