@@ -5,7 +5,7 @@
 # No installs, no network. Usage (from anywhere): scripts/tpu_check.sh [OUT_DIR]
 # OUT_DIR defaults to $OUT, else ./tpu_check_out. Writes there:
 #   env.txt                         jax / libtpu versions and the devices
-#   pytest.txt, pytest.xml          tests/test_mosaic_tpu.py, run natively (interpret mode only off a TPU)
+#   pytest.txt, pytest.xml          tests/test_paged_attention_mosaic_tpu.py, run natively (interpret mode only off a TPU)
 #   bench.log, bench/results.{json,md}   jaxpaged/bench/tpu_kernel.py (rewritten after every measurement)
 #   e2e_<backend>.json, e2e.log     jaxpaged/bench/throughput.py, jaxpaged only, bf16, per attention backend
 #   summary.md                      what ran, its exit status, and the tables
@@ -30,7 +30,7 @@ cat "$OUT_DIR/env.txt"
 
 test_status="pytest not installed: skipped (the benchmark still checks every shape against the reference)"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout "${TEST_TIMEOUT:-600}" "$PY" -m pytest tests/test_mosaic_tpu.py -q -p no:cacheprovider \
+  timeout "${TEST_TIMEOUT:-600}" "$PY" -m pytest tests/test_paged_attention_mosaic_tpu.py -q -p no:cacheprovider \
     --junitxml="$OUT_DIR/pytest.xml" >"$OUT_DIR/pytest.txt" 2>&1
   test_status="exit $?: $(tail -n 1 "$OUT_DIR/pytest.txt")"
 fi

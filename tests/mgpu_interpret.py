@@ -5,7 +5,7 @@ decode and ragged kernels multiply ``q @ k^T`` with ``k`` as a transposed view o
 (``plgpu.transpose_ref``), which the interpreter rejects ("'TransposeTransform' object has no attribute
 'indices'"). ``transposed_wgmma()`` swaps in, for the duration of a test, a WGMMA callback that reads
 each operand through its indexers and then applies the transpose; every other construct runs on JAX's
-own interpreter. The shim is tested against ``np.matmul`` in ``test_mosaic_gpu_kernels.py``.
+own interpreter. The shim is tested against ``np.matmul`` in ``test_paged_attention_mosaic_gpu.py``.
 """
 from __future__ import annotations
 

@@ -28,24 +28,15 @@ TPU = FakeDevice("tpu", "TPU v5 lite")
 CPU = FakeDevice("cpu", "cpu")
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    """Every implementation registered (the GPU / TPU kernels register themselves as they land)."""
-    reg = dict(attention.KERNELS)
-    for name in attention.IMPLEMENTATIONS[1:]:
-        reg.setdefault(name, lambda decode_only, interpret: None)
-    monkeypatch.setattr(attention, "KERNELS", reg)
-
-
 @pytest.mark.parametrize("asked, device, want", [
     ("auto", CPU, "cpu kernel"), ("auto", H200, "mosaic_gpu"), ("auto", A100, "triton"), ("auto", TPU, "mosaic_tpu"),
     ("pallas", CPU, "triton"), ("pallas", H200, "mosaic_gpu"), ("pallas", TOPOLOGY_H100, "mosaic_gpu"),
     ("pallas", A100, "triton"), ("pallas", TPU, "mosaic_tpu"), ("mosaic", H200, "mosaic_gpu"),
     ("mosaic", TPU, "mosaic_tpu"), ("triton", H200, "triton"), ("mosaic_gpu", CPU, "mosaic_gpu"),
     ("mosaic_tpu", CPU, "mosaic_tpu"), ("reference", TPU, "reference")])
-def test_backend_from_target_devices(kernels, asked, device, want):
+def test_backend_from_target_devices(asked, device, want):
     if want == "cpu kernel":  # the C++ kernel where its vector path was built here, else the reference
-        from pallas_kernels import cpu_ffi
+        from pallas_kernels.attention import cpu as cpu_ffi
         want = "cpu" if cpu_ffi.vectorized() else "reference"
     assert attention.resolve_backend(asked, 128, 16, [device]) == want
 
@@ -53,7 +44,7 @@ def test_backend_from_target_devices(kernels, asked, device, want):
 @pytest.mark.parametrize("asked, device, match", [
     ("mosaic", CPU, "ambiguous"), ("triton", TPU, "runs on gpu targets, not tpu"),
     ("mosaic_tpu", H200, "runs on tpu targets"), ("mosaic_gpu", A100, "needs sm_90"), ("flash", CPU, "must be one of")])
-def test_backend_refused_by_name(kernels, asked, device, match):
+def test_backend_refused_by_name(asked, device, match):
     with pytest.raises(ValueError, match=match):
         attention.resolve_backend(asked, 128, 16, [device])
 

@@ -73,7 +73,7 @@ def test_whole_step_compiles_for_h100(tp, variant):
 def test_triton_deprecation_is_quiet_for_users():
     """JAX 0.11's Triton-deprecation warning (raised when the caller's jit lowers the kernel) is filtered,
     that message only."""
-    from pallas_kernels.paged_attention import quiet_triton_deprecation
+    from pallas_kernels.attention.triton_decode import quiet_triton_deprecation
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         quiet_triton_deprecation.cache_clear()

@@ -8,7 +8,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import (
+from test_paged_attention_kernels import (
     DECODE_LENS,
     ON_GPU,
     PAD_ROWS,

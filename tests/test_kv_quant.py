@@ -15,7 +15,7 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from tests.test_kernels import dense_attention, make_case, ragged_case
+from tests.test_paged_attention_kernels import dense_attention, make_case, ragged_case
 
 QUANT = ("int8", "float8_e4m3fn")
 

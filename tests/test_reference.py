@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import ragged_paged_attention_reference as ragged
+from pallas_kernels.attention.reference import ragged_paged_attention_reference as ragged
 
 
 @pytest.mark.parametrize("seed", range(4))

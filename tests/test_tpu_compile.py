@@ -33,7 +33,7 @@ KERNEL = """
 import json, jax, jax.numpy as jnp
 from jaxpaged.bench import tpu_aot
 from jax.sharding import NamedSharding, PartitionSpec as P
-from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention as attn
+from pallas_kernels.attention.mosaic_tpu import mosaic_tpu_ragged_paged_attention as attn
 out = []
 for chip in ("v5e", "v6e"):
     mesh = tpu_aot.topology_mesh(chip, 1)

@@ -27,8 +27,8 @@ def kernel_fn(backend: str, kernel: str):
     if backend == "triton":
         from pallas_kernels import paged_attention, ragged_paged_attention
         return paged_attention if kernel == "decode" else ragged_paged_attention
-    from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
-    from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
+    from pallas_kernels.attention.mosaic_gpu_decode import mosaic_paged_attention
+    from pallas_kernels.attention.mosaic_gpu_ragged import mosaic_ragged_paged_attention
     return mosaic_paged_attention if kernel == "decode" else mosaic_ragged_paged_attention
 
 

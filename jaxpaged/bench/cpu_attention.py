@@ -1,4 +1,4 @@
-"""One layer's decode attention on the CPU: the C++ kernel (pallas_kernels/cpu_ffi.py) against the plain-JAX
+"""One layer's decode attention on the CPU: the C++ kernel (pallas_kernels/attention/cpu.py) against the plain-JAX
 reference, jitted on the same arrays, interleaved repetitions, medians.
 
     jaxpaged bench cpu_attention --dtype bfloat16 float32 --json docs/results/cpu_attention.json
@@ -23,8 +23,8 @@ def measure(dtype: str, slots: int, context: tuple[int, int], heads: int, kv_hea
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import cpu_ffi
-    from pallas_kernels.reference import ragged_paged_attention_reference
+    from pallas_kernels.attention import cpu as cpu_ffi
+    from pallas_kernels.attention.reference import ragged_paged_attention_reference
     dt = jnp.dtype(dtype)
     rng = np.random.default_rng(seed)
     lens = rng.integers(context[0], context[1] + 1, slots)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    from pallas_kernels import cpu_ffi
+    from pallas_kernels.attention import cpu as cpu_ffi
     if not cpu_ffi.available():
         raise SystemExit("the CPU kernel cannot be built here (see the warning above)")
     rows = [measure(d, args.slots, tuple(args.context), *args.heads, args.block_size, args.repeats)

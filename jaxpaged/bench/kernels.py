@@ -33,8 +33,8 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
-from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
+from pallas_kernels.attention.mosaic_gpu_decode import mosaic_paged_attention
+from pallas_kernels.attention.mosaic_gpu_ragged import mosaic_ragged_paged_attention
 
 # --backend: (decode, ragged) kernels and the decode tuning sweep of each
 KERNELS = {"triton": (paged_attention, ragged_paged_attention), "mosaic": (mosaic_paged_attention,
@@ -224,7 +224,8 @@ def main(argv=None):
                     help="the kernels' implementation: Pallas Triton, or Mosaic GPU (sm_90a)")
     args = ap.parse_args(argv)
     if args.backend == "mosaic" and args.cpu_smoke:
-        ap.error("--backend mosaic runs on an sm_90 GPU; its interpret-mode check is tests/test_mosaic_gpu_kernels.py")
+        ap.error("--backend mosaic runs on an sm_90 GPU; its interpret-mode check is "
+                 "tests/test_paged_attention_mosaic_gpu.py")
     cfg = dict(SMOKE if args.cpu_smoke else GPU, kv_dtype=args.kv_dtype, backend=args.backend)
     if args.backend == "mosaic" and not args.cpu_smoke:
         cfg["sweep"] = MOSAIC_SWEEP

@@ -55,7 +55,7 @@ def attention_times(model_dir: str, args, N: int) -> list[dict]:
 
     from jaxpaged.config import ModelConfig
     from jaxpaged.step import kv_cache
-    from pallas_kernels.reference import ragged_paged_attention_reference as attend
+    from pallas_kernels.attention.reference import ragged_paged_attention_reference as attend
     mc, bs, ctx = ModelConfig.from_dir(model_dir), args.block_size, args.context + 3
     B = -(-(args.context + 64) // bs)
     n_blocks = mc.num_layers * (N * B + 1)

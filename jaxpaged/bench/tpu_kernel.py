@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.bench import timing
-from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.attention.mosaic_tpu import mosaic_tpu_ragged_paged_attention
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
 TPU = dict(Hq=32, Hkv=8, D=128, bs=16, batches=[1, 8, 64, 256], contexts=[512, 4096], mixed=(64, 4096, [512, 512]),
            copy_bytes=1 << 30)

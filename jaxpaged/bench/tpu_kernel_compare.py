@@ -32,7 +32,7 @@ def _compile_one(chip, kernel, shape, step, dump):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention
+    from pallas_kernels.attention.mosaic_tpu import mosaic_tpu_ragged_paged_attention
     _, Hq, Hkv, D = shape
     _, T, S, bq = step
     mesh = tpu_aot.topology_mesh(chip, 1)

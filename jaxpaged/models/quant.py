@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.step.batch_invariant import row_tiled
-from pallas_kernels import cpu_matmul
+from pallas_kernels.matmul import cpu as cpu_matmul
 
 # format -> (storage dtype, largest representable magnitude)
 FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
@@ -74,7 +74,7 @@ class LayerOf:
 @dataclasses.dataclass(frozen=True)
 class Packed:
     """A bfloat16 matrix [.., K, N] kept in the CPU matmul kernel's tile order, `tiles` [.., N / 16, K / 32,
-    16, 32] (pallas_kernels/cpu_matmul.py `pack`): the kernel reads it without repacking it every step. The
+    16, 32] (pallas_kernels/matmul/cpu.py `pack`): the kernel reads it without repacking it every step. The
     runner keeps its layer matrices so when the step's products run on the kernel (`pack_layers`); `shape`
     and `dtype` are the matrix's, so shape checks and weight updates see the matrix it stands for."""
     tiles: jax.Array
@@ -174,7 +174,7 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     row_tile > 0 (batch-invariant steps, jaxpaged/step/batch_invariant.py): x [M, in] is multiplied
     row_tile rows at a time, so every row rounds alike whatever M is.
     kernel (`ModelConfig.cpu_matmul`, resolved by jaxpaged/step/matmul.py): a plain bfloat16 matrix of a
-    shape it takes is multiplied by the CPU matmul kernel (pallas_kernels/cpu_matmul.py), float32
+    shape it takes is multiplied by the CPU matmul kernel (pallas_kernels/matmul/cpu.py), float32
     accumulation as XLA's; anything else by XLA's dot."""
     if row_tile:
         return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,

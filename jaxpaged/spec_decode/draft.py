@@ -127,7 +127,7 @@ class DraftModelProposer:
         zeros = jax.jit(lambda: kv_cache.zeros_pool(shape, "auto", runner.dtype), out_shardings=pool)
         self.k_pool, self.v_pool = zeros(), zeros()
         backend = resolve_backend(cfg.attention_backend, self.model_config.head_dim, runner.block_size,
-                                  mesh.devices.flat)
+                                  mesh.devices.flat, dtype=runner.dtype)  # its pool: kv_cache_dtype 'auto'
         params_sharding = jax.tree.map(lambda a: a.sharding, self.params)
         self._fn = jax.jit(functools.partial(_propose, cfg=step_cfg, attn_fn=make_attention(backend, False, mesh),
                                              num_spec=num_spec, block_size=runner.block_size),

@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.reference import (
+from pallas_kernels.attention.reference import (
     _NEG,
     _chunk_logits,
     _chunk_values,

@@ -2,7 +2,7 @@
 
 XLA:CPU's bfloat16 dot does not reach AMX's rate at decode batch sizes (on a 2-core Xeon with amx_bf16:
 ~80 GFLOP/s at 64 rows, below its float32 dot), so on such CPUs the plain bfloat16 matrices (attention,
-MLP, the lm_head; not quantized ones, not MoE experts) go through `pallas_kernels/cpu_matmul.py`, which
+MLP, the lm_head; not quantized ones, not MoE experts) go through `pallas_kernels/matmul/cpu.py`, which
 reads the weights as stored and multiplies on the tile units with float32 accumulation. The choice is
 static for a runner (`ModelConfig.cpu_matmul` of its step config); `quant.dot` follows it.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_matmul
+from pallas_kernels.matmul import cpu as cpu_matmul
 
 
 def resolve_matmul(name: str, dtype, platform: str, num_devices: int) -> bool:

@@ -58,7 +58,7 @@ from jaxpaged.step.sampler import jnp_argmax
 from jaxpaged.step.sink import NoSink, StepSink
 from jaxpaged.step.token_logprobs import TokenLogprobs
 from jaxpaged.step.traced import Variant, traced_step
-from pallas_kernels import cpu_argmax
+from pallas_kernels.argmax import cpu as cpu_argmax
 
 
 def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
@@ -149,7 +149,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
         self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size,
-                                       self.mesh.devices.flat)
+                                       self.mesh.devices.flat, dtype=self.dtype, kv_cache_dtype=cfg.kv_cache_dtype)
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,7 +1,7 @@
-"""The index of each row's largest value on the CPU (cpu_argmax.cc), built at first use, called through the
+"""The index of each row's largest value on the CPU (cpu.cc beside this file), built at first use, called through the
 XLA FFI: `cpu_argmax(x)` for float32 x [..., V] -> int32 [...], the first of ties and the first NaN of a row
 as `jnp.argmax` (XLA:CPU's own argmax is a reduction over (value, index) pairs that it does not vectorize).
-Built like the attention kernel (pallas_kernels/cpu_ffi.py); `available()` is False (one log line says why)
+Built and loaded by pallas_kernels/ffi; `available()` is False (one log line says why)
 where it cannot be built, and callers keep `jnp.argmax`. The reference is `jnp.argmax`.
 """
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_ffi import load_kernel
+from pallas_kernels.ffi import load_kernel
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_argmax.cc")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 TARGET = "jaxpaged_cpu_argmax"
 
 

@@ -1,10 +1,10 @@
-"""The CPU argmax kernel (pallas_kernels/cpu_argmax.cc) against jnp.argmax, its reference."""
+"""The CPU argmax kernel (pallas_kernels/argmax/cpu.cc) against jnp.argmax, its reference."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_argmax
+from pallas_kernels.argmax import cpu as cpu_argmax
 
 pytestmark = pytest.mark.skipif(not cpu_argmax.available(), reason="the CPU kernel cannot be built here")
 

@@ -26,16 +26,12 @@ try:
 except ImportError:  # a JAX without the (deprecated) Triton backend: only another backend can serve
     plgpu = None
 
-from pallas_kernels.reference import QUANTIZED, check_options, check_scales, paged_attention_reference, with_tuning
+from pallas_kernels.attention.api import QUANTIZED, check_options, check_pow2, pow2_ceil, validate, with_tuning
+from pallas_kernels.attention.reference import paged_attention_reference
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
 _TARGET_PROGRAMS = 512  # enough (slot, head, split) programs to fill ~130 SMs a few times over
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
 
 
 # JAX 0.11 deprecates the Pallas Triton backend and warns at every Triton lowering, which happens when the
@@ -58,41 +54,6 @@ def compiler_params(num_warps: int, num_stages: int):
     quiet_triton_deprecation()
     cls = getattr(plgpu, "CompilerParams", None) or getattr(plgpu, "TritonCompilerParams")
     return cls(num_warps=num_warps, num_stages=num_stages)
-
-
-def validate(q, k_pool, v_pool, block_tables, seq_lens, k_scale=None, v_scale=None):
-    """Check shapes and dtypes shared by both kernels; return (block_tables, seq_lens) as int32."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [tokens, num_q_heads, head_dim], got shape {q.shape}")
-    if k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError("k_pool and v_pool must both be [num_blocks, block_size, num_kv_heads, head_dim]"
-                         f", got {k_pool.shape} and {v_pool.shape}")
-    _, bs, hkv, d = k_pool.shape
-    if q.shape[2] != d:
-        raise ValueError(f"head_dim of q ({q.shape[2]}) differs from the pools' ({d})")
-    if q.shape[1] % hkv:
-        raise ValueError(f"num_q_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({hkv})")
-    if d != _pow2(d) or not 16 <= d <= 256:
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {d}")
-    if bs != _pow2(bs):
-        raise ValueError(f"block_size must be a power of two, got {bs}")
-    pools = _DTYPES + QUANTIZED
-    if jnp.dtype(q.dtype) not in _DTYPES or jnp.dtype(k_pool.dtype) not in pools or k_pool.dtype != v_pool.dtype:
-        raise ValueError("q must be float32, bfloat16 or float16, and k_pool and v_pool one of them or int8 / "
-                         f"float8_e4m3fn, the same; got {q.dtype}, {k_pool.dtype}, {v_pool.dtype}")
-    check_scales(k_pool, v_pool, k_scale, v_scale)
-    if block_tables.ndim != 2 or not jnp.issubdtype(block_tables.dtype, jnp.integer):
-        raise ValueError(f"block_tables must be an integer [num_slots, max_blocks] array, got "
-                         f"{block_tables.dtype}{list(block_tables.shape)}")
-    if seq_lens.shape != block_tables.shape[:1] or not jnp.issubdtype(seq_lens.dtype, jnp.integer):
-        raise ValueError(f"seq_lens must be integer [{block_tables.shape[0]}] (one per block-table row), "
-                         f"got {seq_lens.dtype}{list(seq_lens.shape)}")
-    return block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32)
-
-
-def check_pow2(name: str, value: int, minimum: int = 1):
-    if value != _pow2(value) or value < minimum:
-        raise ValueError(f"{name} must be a power of two >= {minimum}, got {value}")
 
 
 def pad_table(block_tables, blocks_per_iter):
@@ -186,7 +147,7 @@ def decode_defaults(num_slots, num_kv_heads, head_dim, block_size, max_blocks):
     """
     keys = 64 if head_dim <= 128 else 32
     nb = max(keys // block_size, pl.cdiv(16, block_size), 1)
-    nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
+    nb = min(nb, max(pow2_ceil(max_blocks), pl.cdiv(16, block_size)))
     iters = pl.cdiv(max_blocks, nb)
     splits = max(1, min(_TARGET_PROGRAMS // (num_slots * num_kv_heads), iters, 32))
     return dict(blocks_per_iter=nb, num_splits=splits, num_warps=4, num_stages=2)
@@ -199,7 +160,7 @@ def _paged_attention(q, k_pool, v_pool, block_tables, seq_lens, k_scale, v_scale
     S, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
-    M = max(16, _pow2(G))
+    M = max(16, pow2_ceil(G))
     quantized = k_scale is not None
     qg = q.astype(compute_dtype(q, k_pool)).reshape(S, Hkv, G, D)
     if M != G:

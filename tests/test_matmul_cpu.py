@@ -1,4 +1,4 @@
-"""The CPU matmul kernel (pallas_kernels/cpu_matmul.cc) against numpy, and through the engine against XLA's dot.
+"""The CPU matmul kernel (pallas_kernels/matmul/cpu.cc) against numpy, and through the engine against XLA's dot.
 
 On CPUs with AMX the kernel runs on the tile units; elsewhere its plain-loop path runs the same contract, so
 these tests check the shapes, the transposed (tied lm_head) form and the engine's wiring on every machine."""
@@ -10,7 +10,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.quant import dot
 from jaxpaged.step.matmul import resolve_matmul
-from pallas_kernels import cpu_matmul
+from pallas_kernels.matmul import cpu as cpu_matmul
 
 pytestmark = pytest.mark.skipif(not cpu_matmul.available(), reason="the CPU kernel cannot be built here")
 
@@ -150,7 +150,7 @@ def test_plain_loop_path():
     import textwrap
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
-        from pallas_kernels import cpu_matmul
+        from pallas_kernels.matmul import cpu as cpu_matmul
         assert cpu_matmul.available() and not cpu_matmul.amx()
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((7, 64)), jnp.bfloat16)

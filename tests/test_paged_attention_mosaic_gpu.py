@@ -15,13 +15,13 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from mgpu_interpret import original_wgmma, transposed_wgmma
-from test_kernels import BS, DECODE_LENS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case, reference
+from test_paged_attention_kernels import BS, DECODE_LENS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case, reference
 
 from jaxpaged.step.kv_cache import quantize
 from pallas_kernels import paged_attention_reference, ragged_paged_attention_reference
-from pallas_kernels.mosaic_gpu_common import interpret_params, smem
-from pallas_kernels.mosaic_gpu_decode import mosaic_paged_attention
-from pallas_kernels.mosaic_gpu_ragged import mosaic_ragged_paged_attention
+from pallas_kernels.attention.mosaic_gpu_common import interpret_params, smem
+from pallas_kernels.attention.mosaic_gpu_decode import mosaic_paged_attention
+from pallas_kernels.attention.mosaic_gpu_ragged import mosaic_ragged_paged_attention
 
 LONG_DECODE = DECODE_LENS + [9 * BS + 7]
 LONG_RAGGED = RAGGED + [(6 * BS + 3, 40)]
@@ -155,12 +155,12 @@ def test_limits_are_value_errors():
 def test_engine_factory(monkeypatch):
     """attention_backend='mosaic_gpu': refused on a CPU target; on a GPU target the Mosaic GPU kernels take
     16-bit q over 16-bit or 8-bit pools and hand float32 (WGMMA multiplies no float32) to Triton."""
-    from jaxpaged.step import attention
+    from pallas_kernels.attention import backends
     with pytest.raises(ValueError, match="cannot run on a CPU target"):
-        attention.KERNELS["mosaic_gpu"](True, True)
+        backends.BACKENDS["mosaic_gpu"].make(True, True)
     handed = []
-    monkeypatch.setattr(attention, "_triton", lambda decode_only, interpret: lambda *a, **k: handed.append(a[0].dtype))
-    attn = attention.KERNELS["mosaic_gpu"](False, False)
+    monkeypatch.setattr(backends, "_triton", lambda decode_only, interpret: lambda *a, **k: handed.append(a[0].dtype))
+    attn = backends.BACKENDS["mosaic_gpu"].make(False, False)
     case, _ = ragged_case(38)
     attn(*case.values())  # float32: Triton's
     assert handed == [jnp.float32]

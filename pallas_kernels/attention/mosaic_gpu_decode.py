@@ -1,6 +1,6 @@
 """Paged decode attention on Mosaic GPU (Hopper, sm_90a): one query per slot, keys through the block table.
 
-Same public signature and options as the Triton kernel (``paged_attention.py``), same pool layout. A
+Same public signature and options as the Triton kernel (``triton_decode.py``), same pool layout. A
 program (one warpgroup) handles one (slot, 64-row tile of a KV head's query heads, key split): the GQA
 group as the WGMMA M dimension (zero rows pad it to 64; groups over 64 take several tiles). K/V blocks
 come by TMA, one copy per block, into a ``num_stages``-deep shared-memory ring; QK and PV run on WGMMA
@@ -18,7 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu_common import (
+from pallas_kernels.attention.api import check_options, check_pow2, validate, with_tuning
+from pallas_kernels.attention.mosaic_gpu_common import (
     ROWS,
     Ring,
     attend,
@@ -33,8 +34,7 @@ from pallas_kernels.mosaic_gpu_common import (
     ring_scratch,
     smem,
 )
-from pallas_kernels.paged_attention import check_pow2, compute_dtype, pad_table, validate
-from pallas_kernels.reference import check_options, with_tuning
+from pallas_kernels.attention.triton_decode import compute_dtype, pad_table
 
 _TARGET_PROGRAMS = 264  # two programs per SM of a 132-SM H100 / H200
 

@@ -7,7 +7,7 @@ one (tile, KV head): ``block_q x group`` query rows against the slot's keys up t
 position, ``blocks_per_iter`` blocks per step, online softmax. Rows past ``query_start_loc[S]`` are
 padding and come back as zeros.
 
-Backend: the Pallas Triton lowering, like the decode kernel (``paged_attention.py``).
+Backend: the Pallas Triton lowering, like the decode kernel (``triton_decode.py``).
 """
 from __future__ import annotations
 
@@ -18,19 +18,24 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.paged_attention import (
-    _NEG,
-    _pow2,
+from pallas_kernels.attention.api import (
+    check_options,
     check_pow2,
+    check_query_start_loc,
+    pow2_ceil,
+    validate,
+    with_tuning,
+)
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
+from pallas_kernels.attention.triton_decode import (
+    _NEG,
     compiler_params,
     compute_dtype,
     dequantize_block,
     online_softmax_step,
     pad_table,
     plgpu,
-    validate,
 )
-from pallas_kernels.reference import check_options, check_query_start_loc, ragged_paged_attention_reference, with_tuning
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, block_q,
@@ -96,11 +101,11 @@ def tile_layout(query_start_loc, seq_lens, num_tokens, block_q):
 
 def ragged_defaults(num_q_heads, num_kv_heads, head_dim, block_size, max_blocks):
     """Tuning defaults: ~64 query rows (tokens x GQA group) and ~64 keys per step (32 at head_dim 256)."""
-    Gp = _pow2(num_q_heads // num_kv_heads)
+    Gp = pow2_ceil(num_q_heads // num_kv_heads)
     rows = 64 if head_dim <= 128 else 32
     keys = 64 if head_dim <= 128 else 32
     nb = max(keys // block_size, pl.cdiv(16, block_size), 1)
-    nb = min(nb, max(_pow2(max_blocks), pl.cdiv(16, block_size)))
+    nb = min(nb, max(pow2_ceil(max_blocks), pl.cdiv(16, block_size)))
     return dict(block_q=max(rows // Gp, pl.cdiv(16, Gp)), blocks_per_iter=nb, num_warps=4, num_stages=2)
 
 
@@ -111,7 +116,7 @@ def _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_sta
     T, Hq, D = q.shape
     Hkv = k_pool.shape[2]
     G = Hq // Hkv
-    Gp = _pow2(G)
+    Gp = pow2_ceil(G)
     qg = jnp.pad(q.astype(compute_dtype(q, k_pool)).reshape(T, Hkv, G, D),
                  ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
     scales = () if k_scale is None else (k_scale, v_scale)
@@ -164,7 +169,7 @@ def ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_star
     check_query_start_loc(query_start_loc, block_tables.shape[0])
     Hq, Hkv = q.shape[1], k_pool.shape[2]
     knobs = with_tuning(ragged_defaults(Hq, Hkv, q.shape[2], k_pool.shape[1], block_tables.shape[1]), tuning)
-    check_pow2("block_q", knobs["block_q"], pl.cdiv(16, _pow2(Hq // Hkv)))
+    check_pow2("block_q", knobs["block_q"], pl.cdiv(16, pow2_ceil(Hq // Hkv)))
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)
     return _ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens,

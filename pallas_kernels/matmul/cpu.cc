@@ -5,7 +5,7 @@
 // index of the one to read (so the layer loop hands the kernel the stack, never a sliced copy). AMX's B
 // operand wants K in pairs (the VNNI layout: row r of a tile holds k = 2r, 2r+1 of 16 columns). Weights
 // packed ahead of time in that order (`packed` 1: [N / 16, K / 32, 16, 32], the tiles of 16 columns one
-// after the other; cpu_matmul.py `pack`, done once when the runner places its parameters) are read as tiles
+// after the other; matmul/cpu.py `pack`, done once when the runner places its parameters) are read as tiles
 // straight from memory; otherwise each unit of work interleaves its slice of the weights into a small
 // per-thread buffer (two AVX-512 permutes per two rows of 32 columns). Then every row tile of x runs over it:
 //   transpose 0: a unit is 32 columns of w (two 16-column tiles); A = x's rows, B = the packed columns.
@@ -13,20 +13,17 @@
 //     A tiles as they lie in memory; B = x^T, packed once per call; each 16 x 16 result tile is written
 //     back transposed.
 // Register blocking: 2 x 2 result tiles (tmm0-3), 2 A tiles (tmm4-5), 2 B tiles (tmm6-7); float32
-// accumulation over K in tiles of 32. Requirements (checked by the caller, pallas_kernels/cpu_matmul.py):
+// accumulation over K in tiles of 32. Requirements (checked by the caller, pallas_kernels/matmul/cpu.py):
 // K % 32 == 0, N % 16 == 0, both operands bfloat16.
 // Units are shared by the XLA FFI's intra-op thread pool through an atomic counter; the calling thread
 // works too. Built without AMX (or without the kernel's permission to use it), the same contract runs
 // as plain loops: correct and slow, for tests on machines without AMX.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_common.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && defined(__linux__)
 #define JP_AMX 1
@@ -61,16 +58,9 @@ inline void configure() {
 #define JP_AMX 0
 #endif
 
-namespace ffi = xla::ffi;
-
 namespace {
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using jp::bf16_to_f32;
 
 struct Problem {
   const uint16_t* x;  // [M, K] (or the zero-padded copy [Mp, K] on the AMX path)
@@ -78,7 +68,7 @@ struct Problem {
   float* out;         // [M, N]
   int64_t M, K, N;
   bool transpose;
-  bool packed;  // w in the tile order of `pack` (cpu_matmul.py): [N / 16, K / 32, 16, 32]
+  bool packed;  // w in the tile order of `pack` (matmul/cpu.py): [N / 16, K / 32, 16, 32]
 };
 
 // Element (k, n) of w [K, N] (transpose 0), wherever its layout puts it.
@@ -177,75 +167,70 @@ inline void interleave(const uint16_t* r0, const uint16_t* r1, int cols, uint16_
   if (cols > 16) _mm512_storeu_si512(hi, _mm512_permutex2var_epi16(a, idx_hi, b));
 }
 
-struct Shared {
+// One unit u of the product on AMX tiles (on a thread that configured them): a panel of up to PANEL
+// columns of w (transpose 0), or 32 rows of w (transpose 1). x is padded to m_tiles * 16 rows (transpose
+// 0); xt is x^T packed, m_tiles x KB tiles (transpose 1).
+struct Tiled {
   Problem P;
-  int64_t units = 0;            // pairs of 16-wide tiles along N
-  int64_t m_tiles = 0;          // 16-row tiles along M (x padded to m_tiles * 16 rows)
-  std::vector<uint16_t> xpad;   // x zero-padded [m_tiles * 16, K] (transpose 0, when M % 16)
-  std::vector<uint16_t> xt;     // x^T packed: m_tiles x KB tiles (transpose 1)
-  std::atomic<int64_t> next{0}, done{0};
+  int64_t m_tiles;         // 16-row tiles along M
+  const uint16_t* xt;      // transpose 1 only
 
-  void work() {
-    jp_amx::configure();
+  void unit(int64_t u) const {
     const int64_t K = P.K, KB = K / 32, N = P.N;
     thread_local std::vector<uint16_t> buf;
     alignas(64) float c[1024];
-    for (int64_t u; (u = next.fetch_add(1)) < units;) {
-      if (!P.transpose) {
-        // a panel of up to PANEL columns: its rows read 2 at a time in order (a few cache lines each,
-        // prefetched ahead), interleaved into tiles t (16 columns each) x kb, then every row tile of x
-        const int64_t n0 = u * PANEL, nt = std::min<int64_t>(PANEL / 16, (N - n0) / 16);
-        buf.resize(PANEL / 16 * KB * 512);
-        uint16_t* b = P.packed ? const_cast<uint16_t*>(P.w) + (n0 / 16) * KB * 512 : buf.data();
-        for (int64_t kb = 0; kb < KB && !P.packed; ++kb)
-          for (int r = 0; r < 16; ++r) {
-            const int64_t k = kb * 32 + 2 * r;
-            const uint16_t* r0 = P.w + k * N + n0;
-            if (k + PREFETCH_ROWS + 1 < K)
-              for (int64_t j = 0; j < nt * 16; j += 32) {
-                _mm_prefetch(reinterpret_cast<const char*>(r0 + PREFETCH_ROWS * N + j), _MM_HINT_T0);
-                _mm_prefetch(reinterpret_cast<const char*>(r0 + (PREFETCH_ROWS + 1) * N + j), _MM_HINT_T0);
-              }
-            for (int64_t t = 0; t < nt; t += 2)
-              interleave(r0 + t * 16, r0 + N + t * 16, static_cast<int>(std::min<int64_t>(2, nt - t) * 16),
-                         b + (t * KB + kb) * 512 + r * 32, b + ((t + 1) * KB + kb) * 512 + r * 32);
-          }
-        for (int64_t t = 0; t < nt; t += 2) {
-          const int tn = static_cast<int>(std::min<int64_t>(2, nt - t));
-          const uint16_t* bt[2] = {b + t * KB * 512, b + (t + 1) * KB * 512};
-          for (int64_t mt = 0; mt < m_tiles; mt += 2) {
-            const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
-            TILES[mn - 1][tn - 1](P.x + mt * 16 * K, K * 2, bt, KB, c, P.packed && mt == 0 ? FETCH_B : 0);
-            for (int i = 0; i < mn; ++i)
-              for (int r = 0; r < 16; ++r) {
-                const int64_t m = (mt + i) * 16 + r;
-                if (m >= P.M) break;
-                for (int j = 0; j < tn; ++j)
-                  std::memcpy(P.out + m * N + n0 + (t + j) * 16, c + (i * 2 + j) * 256 + r * 16, 64);
-              }
-          }
+    if (!P.transpose) {
+      // a panel of up to PANEL columns: its rows read 2 at a time in order (a few cache lines each,
+      // prefetched ahead), interleaved into tiles t (16 columns each) x kb, then every row tile of x
+      const int64_t n0 = u * PANEL, nt = std::min<int64_t>(PANEL / 16, (N - n0) / 16);
+      buf.resize(PANEL / 16 * KB * 512);
+      uint16_t* b = P.packed ? const_cast<uint16_t*>(P.w) + (n0 / 16) * KB * 512 : buf.data();
+      for (int64_t kb = 0; kb < KB && !P.packed; ++kb)
+        for (int r = 0; r < 16; ++r) {
+          const int64_t k = kb * 32 + 2 * r;
+          const uint16_t* r0 = P.w + k * N + n0;
+          if (k + PREFETCH_ROWS + 1 < K)
+            for (int64_t j = 0; j < nt * 16; j += 32) {
+              _mm_prefetch(reinterpret_cast<const char*>(r0 + PREFETCH_ROWS * N + j), _MM_HINT_T0);
+              _mm_prefetch(reinterpret_cast<const char*>(r0 + (PREFETCH_ROWS + 1) * N + j), _MM_HINT_T0);
+            }
+          for (int64_t t = 0; t < nt; t += 2)
+            interleave(r0 + t * 16, r0 + N + t * 16, static_cast<int>(std::min<int64_t>(2, nt - t) * 16),
+                       b + (t * KB + kb) * 512 + r * 32, b + ((t + 1) * KB + kb) * 512 + r * 32);
         }
-      } else {  // out^T tile (w rows n, x rows m) = w[n0 .., :] @ x^T; w's 32 rows read in place as A tiles
-        const int64_t n0 = u * 32, nt = std::min<int64_t>(2, (N - n0) / 16);
+      for (int64_t t = 0; t < nt; t += 2) {
+        const int tn = static_cast<int>(std::min<int64_t>(2, nt - t));
+        const uint16_t* bt[2] = {b + t * KB * 512, b + (t + 1) * KB * 512};
         for (int64_t mt = 0; mt < m_tiles; mt += 2) {
           const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
-          const uint16_t* bt[2] = {xt.data() + mt * KB * 512, xt.data() + (mt + 1) * KB * 512};
-          TILES[nt - 1][mn - 1](P.w + n0 * K, K * 2, bt, KB, c, mt == 0 ? FETCH_A : 0);
-          for (int i = 0; i < nt; ++i)      // w rows n0 + 16 i ..
-            for (int j = 0; j < mn; ++j) {  // x rows 16 (mt + j) ..
-              const float* t = c + (i * 2 + j) * 256;
-              for (int mm = 0; mm < 16; ++mm) {
-                const int64_t m = (mt + j) * 16 + mm;
-                if (m >= P.M) break;
-                float* o = P.out + m * N + n0 + i * 16;
-                for (int nn = 0; nn < 16; ++nn) o[nn] = t[nn * 16 + mm];
-              }
+          TILES[mn - 1][tn - 1](P.x + mt * 16 * K, K * 2, bt, KB, c, P.packed && mt == 0 ? FETCH_B : 0);
+          for (int i = 0; i < mn; ++i)
+            for (int r = 0; r < 16; ++r) {
+              const int64_t m = (mt + i) * 16 + r;
+              if (m >= P.M) break;
+              for (int j = 0; j < tn; ++j)
+                std::memcpy(P.out + m * N + n0 + (t + j) * 16, c + (i * 2 + j) * 256 + r * 16, 64);
             }
         }
       }
-      done.fetch_add(1, std::memory_order_release);
+    } else {  // out^T tile (w rows n, x rows m) = w[n0 .., :] @ x^T; w's 32 rows read in place as A tiles
+      const int64_t n0 = u * 32, nt = std::min<int64_t>(2, (N - n0) / 16);
+      for (int64_t mt = 0; mt < m_tiles; mt += 2) {
+        const int mn = static_cast<int>(std::min<int64_t>(2, m_tiles - mt));
+        const uint16_t* bt[2] = {xt + mt * KB * 512, xt + (mt + 1) * KB * 512};
+        TILES[nt - 1][mn - 1](P.w + n0 * K, K * 2, bt, KB, c, mt == 0 ? FETCH_A : 0);
+        for (int i = 0; i < nt; ++i)      // w rows n0 + 16 i ..
+          for (int j = 0; j < mn; ++j) {  // x rows 16 (mt + j) ..
+            const float* t = c + (i * 2 + j) * 256;
+            for (int mm = 0; mm < 16; ++mm) {
+              const int64_t m = (mt + j) * 16 + mm;
+              if (m >= P.M) break;
+              float* o = P.out + m * N + n0 + i * 16;
+              for (int nn = 0; nn < 16; ++nn) o[nn] = t[nn * 16 + mm];
+            }
+          }
+      }
     }
-    _tile_release();
   }
 };
 #endif
@@ -274,26 +259,25 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
   if (P.M == 0 || P.N == 0) return ffi::Error::Success();
 #if JP_AMX
   if (P.K % 32 == 0 && P.N % 16 == 0 && jp_amx::permitted()) {
-    auto sh = std::make_shared<Shared>();
-    sh->P = P;
-    sh->m_tiles = (P.M + 15) / 16;
-    sh->units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;
+    Tiled tiled{P, (P.M + 15) / 16, nullptr};
+    const int64_t units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;  // panels or row pairs
     const int64_t KB = P.K / 32;
+    std::vector<uint16_t> xpad;  // x zero-padded [m_tiles * 16, K] (transpose 0, when M % 16)
+    std::vector<uint16_t> xt;    // x^T packed: m_tiles x KB tiles (transpose 1)
     if (!P.transpose && P.M % 16) {
-      sh->xpad.assign(sh->m_tiles * 16 * P.K, 0);
-      std::memcpy(sh->xpad.data(), P.x, sizeof(uint16_t) * P.M * P.K);
-      sh->P.x = sh->xpad.data();
+      xpad.assign(tiled.m_tiles * 16 * P.K, 0);
+      std::memcpy(xpad.data(), P.x, sizeof(uint16_t) * P.M * P.K);
+      tiled.P.x = xpad.data();
     }
     if (P.transpose) {  // x^T in VNNI tiles: tile (mt, kb) row r = the pairs k = kb*32 + 2r, +1 of rows mt*16 ..
-      sh->xt.assign((sh->m_tiles + 1) * KB * 512, 0);
+      xt.assign((tiled.m_tiles + 1) * KB * 512, 0);
       for (int64_t m = 0; m < P.M; ++m)
         for (int64_t k = 0; k < P.K; ++k)
-          sh->xt[((m / 16) * KB + k / 32) * 512 + ((k % 32) / 2) * 32 + (m % 16) * 2 + (k % 2)] = P.x[m * P.K + k];
+          xt[((m / 16) * KB + k / 32) * 512 + ((k % 32) / 2) * 32 + (m % 16) * 2 + (k % 2)] = P.x[m * P.K + k];
+      tiled.xt = xt.data();
     }
-    const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->units) - 1;
-    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
-    sh->work();
-    while (sh->done.load(std::memory_order_acquire) < sh->units) std::this_thread::yield();
+    jp::parallel_for(pool, units, units, [tiled](int64_t u) { tiled.unit(u); }, [] { jp_amx::configure(); },
+                     [] { _tile_release(); });
     return ffi::Error::Success();
   }
 #endif

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_kernel_options import LONG_RAGGED, OPTIONS
-from test_kernels import BS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case
 from test_kv_quant import quantized
+from test_paged_attention_kernels import BS, PAD_ROWS, RAGGED, TOL, make_case, ragged_case
 
-from pallas_kernels.mosaic_tpu_ragged import mosaic_tpu_ragged_paged_attention as tpu_ragged
-from pallas_kernels.reference import ragged_paged_attention_reference as reference
+from pallas_kernels.attention.mosaic_tpu import mosaic_tpu_ragged_paged_attention as tpu_ragged
+from pallas_kernels.attention.reference import ragged_paged_attention_reference as reference
 
 INTERPRET = jax.devices()[0].platform != "tpu"  # natively on a TPU (scripts/tpu_check.sh)
 

@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.reference import QUANTIZED
+from pallas_kernels.attention.api import QUANTIZED
 
 ROWS = 64  # query rows per program: the M of one warpgroup's WGMMA
 NEG = -1e30

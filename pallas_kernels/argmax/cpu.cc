@@ -2,20 +2,14 @@
 // ties, and the first NaN where a row holds one, as jnp.argmax. XLA:CPU runs jnp.argmax as a (value, index)
 // reduction it does not vectorize (4.4 ms for the [64, 49152] logits of a decode step on a 2-core Xeon);
 // here each row is one pass of 16-lane compares, the rows shared by the intra-op thread pool.
-#include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-
-namespace ffi = xla::ffi;
 
 namespace {
 
@@ -52,28 +46,13 @@ int32_t row_argmax(const float* x, int64_t V) {
   return static_cast<int32_t>(at);
 }
 
-struct Shared {
-  const float* x;
-  int32_t* out;
-  int64_t R, V;
-  std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    for (int64_t r; (r = next.fetch_add(1)) < R;) {
-      out[r] = row_argmax(x + r * V, V);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
   auto d = x.dimensions();
   if (d.size() != 2 || d[1] <= 0) return ffi::Error::InvalidArgument("cpu_argmax: x [R, V] with V > 0");
-  auto sh = std::make_shared<Shared>();
-  sh->x = x.typed_data(), sh->out = out->typed_data(), sh->R = d[0], sh->V = d[1];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), sh->R / 8) - 1;  // 8 rows at least a thread
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  while (sh->done.load(std::memory_order_acquire) < sh->R) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  int32_t* o = out->typed_data();
+  const int64_t R = d[0], V = d[1];
+  jp::parallel_for(pool, R, R / 8, [=](int64_t r) { o[r] = row_argmax(xs + r * V, V); });  // 8 rows a thread
   return ffi::Error::Success();
 }
 

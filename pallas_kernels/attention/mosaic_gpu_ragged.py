@@ -1,7 +1,7 @@
 """Ragged paged attention on Mosaic GPU (Hopper, sm_90a): prefill chunks and decodes packed by
 ``query_start_loc``, keys through the block table, causal within each slot.
 
-Same public signature and options as the Triton kernel (``ragged_paged_attention.py``), same pool layout
+Same public signature and options as the Triton kernel (``triton_ragged.py``), same pool layout
 and the same tiles (``tile_layout``: ``block_q`` tokens of one slot each). A program (one warpgroup)
 handles one (tile, KV head): its 64 query rows are ``block_q`` tokens x the GQA group (padded to a power
 of two), the WGMMA M dimension. K/V blocks come by TMA into a ``num_stages``-deep shared-memory ring,
@@ -19,7 +19,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.mosaic_gpu_common import (
+from pallas_kernels.attention.api import (
+    check_options,
+    check_pow2,
+    check_query_start_loc,
+    pow2_ceil,
+    validate,
+    with_tuning,
+)
+from pallas_kernels.attention.mosaic_gpu_common import (
     ROWS,
     Ring,
     attend,
@@ -34,9 +42,8 @@ from pallas_kernels.mosaic_gpu_common import (
     ring_scratch,
     smem,
 )
-from pallas_kernels.paged_attention import _pow2, check_pow2, compute_dtype, pad_table, validate
-from pallas_kernels.ragged_paged_attention import tile_layout
-from pallas_kernels.reference import check_options, check_query_start_loc, with_tuning
+from pallas_kernels.attention.triton_decode import compute_dtype, pad_table
+from pallas_kernels.attention.triton_ragged import tile_layout
 
 
 def _ragged_kernel(tiles_ref, tables_ref, q_ref, k_ref, v_ref, *refs, scale, nb, stages, group, window, softcap,
@@ -88,7 +95,7 @@ def mosaic_ragged_defaults(num_q_heads, num_kv_heads, head_dim, block_size, max_
     """Tuning defaults: 64 query rows (block_q tokens x the padded group), 64 keys per step; 3 stages at
     head_dim <= 64, else 2 (two programs an SM fit in shared memory at head_dim 128); max_blocks does not
     matter (the key loop stops at each tile's last position)."""
-    Gp = _pow2(num_q_heads // num_kv_heads)
+    Gp = pow2_ceil(num_q_heads // num_kv_heads)
     nb = max(ROWS // block_size, 1)
     return dict(block_q=max(ROWS // Gp, 1), blocks_per_iter=nb, num_stages=3 if head_dim <= 64 else 2)
 
@@ -150,9 +157,9 @@ def mosaic_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, que
                          f"got {Hq // Hkv}")
     knobs = with_tuning(mosaic_ragged_defaults(Hq, Hkv, q.shape[2], k_pool.shape[1], block_tables.shape[1]),
                         tuning)
-    if knobs["block_q"] * _pow2(Hq // Hkv) != ROWS:
+    if knobs["block_q"] * pow2_ceil(Hq // Hkv) != ROWS:
         raise ValueError(f"block_q x the GQA group padded to a power of two must be {ROWS} rows, got block_q "
-                         f"{knobs['block_q']} x {_pow2(Hq // Hkv)}")
+                         f"{knobs['block_q']} x {pow2_ceil(Hq // Hkv)}")
     check_pow2("blocks_per_iter", knobs["blocks_per_iter"], pl.cdiv(16, k_pool.shape[1]))
     check_mosaic(q, k_pool, k_pool.shape[1], knobs["blocks_per_iter"], knobs["num_stages"])
     scale = q.shape[2] ** -0.5 if scale is None else float(scale)

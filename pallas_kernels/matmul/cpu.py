@@ -1,4 +1,5 @@
-"""bfloat16 products on the CPU's AMX tiles (cpu_matmul.cc): built at first use, called through the XLA FFI.
+"""bfloat16 products on the CPU's AMX tiles (cpu.cc beside this file): built at first use, called through the
+XLA FFI.
 
 `cpu_matmul(x, w, transpose=False)` is `x @ w` (`x @ w.T` when `transpose`: the tied embedding [V, D] as the
 lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K] and a bfloat16 matrix w
@@ -8,8 +9,8 @@ lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K]
 elsewhere the same call runs as plain loops
 (correct, slow: `matmul_backend="cpu"` uses it for tests). `supported(x, w, transpose)` says whether the
 shapes fit the kernel (K % 32 == 0, N % 16 == 0, both bfloat16, w 2-D); otherwise callers use XLA's dot.
-Built like the attention kernel (pallas_kernels/cpu_ffi.py: the system C++ compiler, a cache keyed by the
-source, jaxlib, compiler and CPU flags).
+Built and loaded by pallas_kernels/ffi (the system C++ compiler, a cache keyed by the source, its headers,
+jaxlib, the compiler, the flags and the CPU).
 """
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ import os
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_ffi import load_kernel
+from pallas_kernels.ffi import load_kernel
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_matmul.cc")
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 TARGET = "jaxpaged_cpu_matmul"
 
 

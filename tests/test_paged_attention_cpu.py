@@ -1,4 +1,4 @@
-"""The CPU paged attention kernel (pallas_kernels/cpu_paged_attention.cc) against the plain-JAX reference."""
+"""The CPU paged attention kernel (pallas_kernels/attention/cpu.cc) against the plain-JAX reference."""
 import os
 import subprocess
 import sys
@@ -11,10 +11,10 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.step.attention import resolve_backend
-from pallas_kernels import cpu_ffi
-from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.attention import cpu as cpu_attention
+from pallas_kernels.attention.reference import ragged_paged_attention_reference
 
-pytestmark = pytest.mark.skipif(not cpu_ffi.available(), reason="the CPU kernel cannot be built here")
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel cannot be built here")
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 
 
@@ -31,7 +31,7 @@ def _case(rng, n_rows, lens, Hkv, G, D, bs, dtype):
 
 
 def _check(args, dtype, **options):
-    got = jax.jit(lambda *a: cpu_ffi.cpu_ragged_paged_attention(*a, **options))(*args)
+    got = jax.jit(lambda *a: cpu_attention.cpu_ragged_paged_attention(*a, **options))(*args)
     want = ragged_paged_attention_reference(*args, **options)
     assert got.dtype == want.dtype == args[0].dtype and got.shape == want.shape
     got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
@@ -78,13 +78,13 @@ def test_quantized_pools_take_the_reference():
     k8, v8 = (jnp.clip(jnp.round(p * 20), -127, 127).astype(jnp.int8) for p in (k_pool, v_pool))
     scales = jnp.full(k_pool.shape[:3], 0.05, jnp.float32)
     args = (q, k8, v8, tables, lens, qsl)
-    got = cpu_ffi.cpu_ragged_paged_attention(*args, k_scale=scales, v_scale=scales)
+    got = cpu_attention.cpu_ragged_paged_attention(*args, k_scale=scales, v_scale=scales)
     want = ragged_paged_attention_reference(*args, k_scale=scales, v_scale=scales)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_resolve():
-    assert resolve_backend("auto", 64, 16) == ("cpu" if cpu_ffi.vectorized() else "reference")
+    assert resolve_backend("auto", 64, 16) == ("cpu" if cpu_attention.vectorized() else "reference")
     assert resolve_backend("reference", 64, 16) == "reference"
     assert resolve_backend("cpu", 64, 16) == "cpu"
 
@@ -115,7 +115,7 @@ def test_tensor_parallel_two_devices():
         from jax.sharding import Mesh
         from jaxpaged.step.mesh import MODEL_AXIS
         from jaxpaged.step.attention import make_attention
-        from pallas_kernels.reference import ragged_paged_attention_reference as ref
+        from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
         mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", MODEL_AXIS))
         rng = np.random.default_rng(0)
         k, v = (jnp.asarray(rng.standard_normal((32, 8, 4, 64)), jnp.float32) for _ in range(2))
@@ -136,9 +136,9 @@ def test_avx2_path_equals_the_reference():
     subprocess (its own build and registration)."""
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
-        from pallas_kernels import cpu_ffi
-        from pallas_kernels.reference import ragged_paged_attention_reference as ref
-        assert cpu_ffi.vector_lanes() == 8, cpu_ffi.vector_lanes()
+        from pallas_kernels.attention import cpu as cpu_attention
+        from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
+        assert cpu_attention.vector_lanes() == 8, cpu_attention.vector_lanes()
         rng = np.random.default_rng(0)
         cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
         for dtype, tol, D, bs in cases:
@@ -147,7 +147,7 @@ def test_avx2_path_equals_the_reference():
             tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:36].reshape(4, 9), jnp.int32)
             args = (q, k, v, tables, jnp.array([3, 70, 9, 1], jnp.int32), jnp.array([0, 1, 2, 11, 12], jnp.int32))
             for opts in ({}, {"window": 21, "softcap": 5.0}):
-                got = jax.jit(lambda *a: cpu_ffi.cpu_ragged_paged_attention(*a, **opts))(*args)
+                got = jax.jit(lambda *a: cpu_attention.cpu_ragged_paged_attention(*a, **opts))(*args)
                 want = ref(*args, **opts)
                 got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
                 np.testing.assert_allclose(got, want, atol=tol, rtol=tol)

@@ -1,4 +1,4 @@
-"""Plain-JAX paged attention: the CPU path of the engine and the oracle of every kernel test.
+"""Plain-JAX paged attention: the oracle of every kernel test, and what runs where no kernel can.
 
 Pool layout (every kernel shares it): ``k_pool``, ``v_pool``: ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A slot's keys are the first ``seq_lens[i]`` positions of the blocks listed in its row of
@@ -20,6 +20,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.attention.api import check_heads, check_options, check_scales
 
 _NEG = -1e30
 _HIGHEST = jax.lax.Precision.HIGHEST  # an oracle must not drop to TF32 on GPU
@@ -176,53 +178,6 @@ def _widen(rows, dtype):
     return rows.astype(jnp.float32)
 
 
-def _check_heads(q, k_pool):
-    if q.shape[-2] % k_pool.shape[2]:
-        raise ValueError(
-            f"num_q_heads ({q.shape[-2]}) must be a multiple of num_kv_heads ({k_pool.shape[2]})")
-
-
-QUANTIZED = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
-
-
-def check_scales(k_pool, v_pool, k_scale, v_scale):
-    """Quantized pools (int8 / float8_e4m3fn) need both scale pools f32[num_blocks, bs, Hkv]; others none."""
-    quantized = jnp.dtype(k_pool.dtype) in QUANTIZED
-    if (k_scale is None) != (v_scale is None) or quantized != (k_scale is not None):
-        raise ValueError(f"k_scale and v_scale must be given exactly when the pools are int8 or float8_e4m3fn "
-                         f"(pools {k_pool.dtype}, k_scale {'given' if k_scale is not None else None}, "
-                         f"v_scale {'given' if v_scale is not None else None})")
-    if quantized:
-        want = tuple(k_pool.shape[:3])
-        for name, a in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if tuple(a.shape) != want or a.dtype != jnp.float32:
-                raise ValueError(f"{name} must be float32{list(want)} (the pool's [num_blocks, block_size, "
-                                 f"num_kv_heads]), got {a.dtype}{list(a.shape)}")
-
-
-def check_query_start_loc(query_start_loc, num_slots: int) -> None:
-    """ValueError unless query_start_loc is an integer array [num_slots + 1] (the ragged kernels' layout)."""
-    if query_start_loc.shape != (num_slots + 1,) or not jnp.issubdtype(query_start_loc.dtype, jnp.integer):
-        raise ValueError(f"query_start_loc must be integer [{num_slots + 1}] (num_slots + 1), got "
-                         f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
-
-
-def with_tuning(defaults: dict, tuning: dict) -> dict:
-    """A kernel's tuning knobs: its defaults overridden by `tuning`; ValueError naming any unknown knob."""
-    unknown = set(tuning) - set(defaults)
-    if unknown:
-        raise ValueError(f"unknown tuning knobs {sorted(unknown)}; valid: {sorted(defaults)}")
-    return {**defaults, **tuning}
-
-
-def check_options(window, softcap):
-    """Validate the shared keyword options; window and softcap must be static Python numbers."""
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
-        raise ValueError(f"softcap must be a positive number or None, got {softcap!r}")
-
-
 def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scale=None, window=None,
                               softcap=None, chunk_blocks=None, k_scale=None, v_scale=None):
     """Decode attention, one query per slot: q [S, Hq, D] -> [S, Hq, D].
@@ -230,7 +185,7 @@ def paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, *, scal
     The query of slot i sees keys max(0, seq_lens[i] - window)..seq_lens[i]-1; a slot with seq_lens 0
     returns zeros. Quantized pools (int8 / fp8 values) come with k_scale, v_scale f32[num_blocks, bs, Hkv].
     """
-    _check_heads(q, k_pool)
+    check_heads(q, k_pool)
     check_scales(k_pool, v_pool, k_scale, v_scale)
     check_options(window, softcap)
     S = q.shape[0]
@@ -294,7 +249,7 @@ def ragged_paged_attention_reference(q, k_pool, v_pool, block_tables, seq_lens, 
     work list of `_attend_tiles` then took 0.87x of the grouped tiles' time.
     Quantized pools (int8 / fp8 values) come with k_scale, v_scale f32[num_blocks, bs, Hkv].
     """
-    _check_heads(q, k_pool)
+    check_heads(q, k_pool)
     check_scales(k_pool, v_pool, k_scale, v_scale)
     check_options(window, softcap)
     T, S = q.shape[0], seq_lens.shape[0]

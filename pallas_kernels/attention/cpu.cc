@@ -1,6 +1,6 @@
 // Ragged paged attention on the CPU, reading the paged KV pool in place (an XLA FFI handler).
 //
-// Semantics are those of pallas_kernels/reference.py (ragged_paged_attention_reference): the rows
+// Semantics are those of pallas_kernels/attention/reference.py (ragged_paged_attention_reference): the rows
 // query_start_loc[s]..query_start_loc[s+1] of q are the last tokens of slot s's seq_lens[s] keys, causal;
 // q head j reads KV head j / G (G = Hq / Hkv); rows past query_start_loc[S], and rows that see no key,
 // are zeros. Keys visible to a query at position p: p - window < k <= p (window 0: unbounded).
@@ -17,15 +17,12 @@
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
 // calling thread works too, so the call never waits on a pool that is busy elsewhere.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "ffi_common.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define JP_AVX512 1
@@ -40,19 +37,12 @@
 #define JP_AVX2 0
 #endif
 
-namespace ffi = xla::ffi;
-
 namespace {
 
 constexpr int TILE_ROWS = 8;  // query rows of one slot a unit (prefill); decode units have one
 constexpr float NEG = -1e30f;
 
-inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
+using jp::bf16_to_f32;
 
 // D values of one pool row -> float32 dst.
 inline void widen(const void* src, bool bf16, int D, float* dst) {
@@ -481,26 +471,14 @@ void attend_vector(const Problem& P, const Unit& u) {
 #endif
 
 
-// The units shared by the threads: each takes the next by `next`, counts it in `done` when finished.
-struct Shared {
-  Problem P;
-  std::vector<Unit> units;
-  std::atomic<int64_t> next{0}, done{0};
-  bool fast = false;  // the vector path: units span every KV head
-  void work() {
-    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(units.size());) {
+// One unit of work: the vector path's (`fast`: units span every KV head) or the plain loops'.
+inline void run_unit(const Problem& P, const Unit& u, bool fast) {
 #if JP_AVX512 || JP_AVX2
-      if (fast) {
-        (P.bf16 ? attend_vector<true> : attend_vector<false>)(P, units[i]);
-        done.fetch_add(1, std::memory_order_release);
-        continue;
-      }
+  if (fast) return (P.bf16 ? attend_vector<true> : attend_vector<false>)(P, u);
 #endif
-      attend(P, units[i]);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
+  (void)fast;
+  attend(P, u);
+}
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
                 ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
@@ -512,8 +490,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   const auto et = k_pool.element_type();
   if (et != ffi::DataType::F32 && et != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("cpu_paged_attention: pools must be float32 or bfloat16");
-  auto sh = std::make_shared<Shared>();
-  Problem& P = sh->P;
+  Problem P;
   P.q = q.typed_data();
   P.k = static_cast<const char*>(k_pool.untyped_data());
   P.v = static_cast<const char*>(v_pool.untyped_data());
@@ -530,23 +507,22 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   P.bf16 = et == ffi::DataType::BF16;
   P.scale = scale, P.softcap = softcap, P.window = window;
   std::memset(P.out, 0, sizeof(float) * P.T * P.Hq * P.D);  // padding rows stay zeros
-  sh->fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;
-  const int64_t heads = sh->fast ? 1 : P.Hkv;  // units a row tile
+  const bool fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;  // the vector path (cpu.py VECTOR_BLOCK_SIZE)
+  const int64_t heads = fast ? 1 : P.Hkv;  // units a row tile
+  std::vector<Unit> units;
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
     for (int64_t r = a; r < e; r += TILE_ROWS)
       for (int64_t h = 0; h < heads; ++h)
-        sh->units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
-                             static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r))});
+        units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
+                         static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r))});
   }
   // the long units first (the most keys x rows): the threads then end close together
   auto cost = [&P](const Unit& x) { return static_cast<int64_t>(x.rows) * std::max<int32_t>(P.lens[x.slot], 1); };
-  std::stable_sort(sh->units.begin(), sh->units.end(), [&](const Unit& x, const Unit& y) { return cost(x) > cost(y); });
-  const int64_t n = static_cast<int64_t>(sh->units.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([sh] { sh->work(); });
-  sh->work();
-  while (sh->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  std::stable_sort(units.begin(), units.end(), [&](const Unit& x, const Unit& y) { return cost(x) > cost(y); });
+  const int64_t n = static_cast<int64_t>(units.size());
+  const Unit* us = units.data();
+  jp::parallel_for(pool, n, n, [P, us, fast](int64_t i) { run_unit(P, us[i], fast); });
   return ffi::Error::Success();
 }
 

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.reference import QUANTIZED, check_options, check_scales, with_tuning
+from pallas_kernels.attention.api import QUANTIZED, check_options, check_scales, with_tuning
 
 _NEG = -1e30
 _LANES = 128

@@ -1,0 +1,66 @@
+// What every CPU kernel of pallas_kernels shares: the XLA FFI API, bfloat16 widening, and the thread
+// fan-out over the FFI's intra-op thread pool. Built into each kernel by pallas_kernels/ffi/loader.py
+// (its hash is part of each kernel's build key).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jp {
+
+// A bfloat16's bits (the high half of a float32) -> the float32.
+inline float bf16_to_f32(uint16_t x) {
+  uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+struct NoHook {
+  void operator()() const {}
+};
+
+// Runs body(i) for every unit i in [0, n) on the calling thread and up to min(pool threads, max_threads,
+// n) - 1 helpers of `pool`; returns when every unit is done. Units are taken in index order through an
+// atomic counter, so a caller that sorts its units longest first has the threads end close together. The
+// calling thread works too: the call never waits on a pool busy elsewhere, and a helper that starts late
+// finds no unit left (the shared state outlives the call for it). Each participating thread calls
+// enter() before its first unit and leave() after its last (per-thread setup, e.g. AMX tile config).
+template <typename Body, typename Enter = NoHook, typename Leave = NoHook>
+void parallel_for(ffi::ThreadPool pool, int64_t n, int64_t max_threads, Body body, Enter enter = {},
+                  Leave leave = {}) {
+  struct State {
+    Body body;
+    Enter enter;
+    Leave leave;
+    int64_t n;
+    std::atomic<int64_t> next{0}, done{0};
+    State(Body b, Enter e, Leave l, int64_t count)
+        : body(std::move(b)), enter(std::move(e)), leave(std::move(l)), n(count) {}
+    void work() {
+      enter();
+      for (int64_t i; (i = next.fetch_add(1)) < n;) {
+        body(i);
+        done.fetch_add(1, std::memory_order_release);
+      }
+      leave();
+    }
+  };
+  if (n <= 0) return;
+  auto st = std::make_shared<State>(std::move(body), std::move(enter), std::move(leave), n);
+  const int64_t helpers = std::min<int64_t>({static_cast<int64_t>(pool.num_threads()), max_threads, n}) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([st] { st->work(); });
+  st->work();
+  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+}  // namespace jp
