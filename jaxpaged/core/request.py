@@ -54,12 +54,10 @@ class Request:
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device
     needs_last_token: bool = field(init=False, default=False)
-    num_checked_tokens: int = field(init=False, default=0)  # tokens the output processor's stop checks saw
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.num_checked_tokens = len(self.token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids).union(
             () if self.params.ignore_eos else self.eos_token_ids)
         p = self.params
