@@ -36,10 +36,16 @@ class Group:
     finished_time: float | None = None
     # seconds between one step's tokens and the next's, over its samples (vLLM's inter-token latencies)
     inter_token_latencies: list[float] = field(default_factory=list)
-    num_checked: list[int] = field(init=False)  # per sample: its tokens the stop checks saw (the prompt first)
+    # per sample (by index): its tokens the stop checks saw (the prompt at first); when its first and its
+    # latest tokens reached this processor
+    num_checked: list[int] = field(init=False)
+    first_token_times: list[float | None] = field(init=False)
+    last_token_times: list[float | None] = field(init=False)
 
     def __post_init__(self):
         self.num_checked = [len(r.token_ids) for r in self.samples]
+        self.first_token_times = [None] * len(self.samples)
+        self.last_token_times = [None] * len(self.samples)
         # detokenize every step (streamed text, stop strings), or only when the final output is built
         self.text_each_step = self.stream or bool(self.samples[0].params.stop)
 
@@ -102,11 +108,12 @@ class OutputProcessor:
         stops: dict[Request, Finish] = {}
         for req in got:
             group = groups[req.group_id]
-            if req.first_token_time is None:
-                req.first_token_time = now
+            i = req.index
+            if group.first_token_times[i] is None:
+                group.first_token_times[i] = now
             else:
-                group.inter_token_latencies.append(now - req.last_token_time)
-            req.last_token_time = now
+                group.inter_token_latencies.append(now - group.last_token_times[i])
+            group.last_token_times[i] = now
             length = len(req.token_ids)
             if length - group.num_checked[req.index] > 1:
                 reason, length = self._check_each(req, group)
@@ -172,12 +179,12 @@ class OutputProcessor:
         outs = [_completion(r, d, final, end) for r, d, end in zip(samples, detoks, ends)]
         r = samples[0]
         if len(samples) == 1:
-            first = r.first_token_time
+            first = group.first_token_times[0]
         else:
-            first = min([r.first_token_time for r in samples if r.first_token_time is not None], default=None)
+            first = min([t for t in group.first_token_times if t is not None], default=None)
         plp = r.prompt_logprobs
         scheduled = min([r.scheduled_time for r in samples if r.scheduled_time is not None], default=None)
-        last = max([r.last_token_time for r in samples if r.last_token_time is not None], default=None)
+        last = max([t for t in group.last_token_times if t is not None], default=None)
         metrics = dict(arrival_time=group.arrival, scheduled_time=scheduled, first_token_time=first,
                        last_token_time=last, finished_time=group.finished_time,
                        inter_token_latencies=group.inter_token_latencies)

@@ -35,9 +35,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None
-    first_token_time: float | None = None
     scheduled_time: float | None = None   # when the scheduler first gave it a slot (vLLM's scheduled_ts)
-    last_token_time: float | None = None  # when its latest tokens reached the output processor
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
     hidden_states: dict | None = None     # token index -> f32[nL, D] (return_hidden_states)
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)

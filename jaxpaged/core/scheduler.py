@@ -4,6 +4,12 @@ Prefill and decode are one thing: a request catches up `num_computed_tokens` to 
 Running requests go first (oldest first), then waiting ones are admitted FCFS into free slots. When a
 running request cannot get a block, the newest running request is preempted (its blocks freed, back to
 the front of the waiting queue, recomputed later).
+
+The scheduler is the one writer of request state (docs/architecture.md, "One owner per state"): it
+commits what the others report (core/step_result.py) — the runner's tokens and the verifier's acceptance
+(`update_from_output`, `fill_placeholders`), the output processor's finishes (`finish_all`) — and alone
+appends to a request's `token_ids` or has its block manager free its blocks (tests/test_layout.py holds
+the first).
 """
 from __future__ import annotations
 
@@ -194,9 +200,9 @@ class Scheduler:
 
         result: the runner's (`StepResult`); a request that proposed commits what `accepted` (the
         verifier's `Acceptance`) kept of its proposals, then the target's next token. Stop conditions on
-        tokens are the output processor's (`finish_all` applies them). result None (async scheduling: the tokens are
-        still on the device): each such request gets the placeholder PLACEHOLDER, its index and slot kept
-        in `out.placeholders` for `fill_placeholders`.
+        tokens are the output processor's (`finish_all` applies them). result None (async scheduling: the
+        tokens are still on the device): each such request gets the placeholder PLACEHOLDER, its index and
+        slot kept in `out.placeholders` for `fill_placeholders`.
         """
         got = []
         block_size, caching = self.bm.block_size, self.bm.enable_prefix_caching
