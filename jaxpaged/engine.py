@@ -92,8 +92,8 @@ class LLMEngine(ControlsFront):
                                           sliding_window=window)
         self.scheduler = Scheduler(self.block_manager, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.max_loras if cfg.enable_lora else None)
-        self.outputs = OutputProcessor(self.scheduler, self.structured, self.max_model_len)
-        self.spec = (SpecDecoder(spec, self.max_model_len, self.runner, self.block_manager) if spec is not None
+        self.outputs = OutputProcessor(self.structured, self.max_model_len)
+        self.spec = (SpecDecoder(spec, self.max_model_len, self.runner) if spec is not None
                      else NoSpeculation())
         # a multi-host leader hands each step's host inputs to its followers: it keeps the plain step
         self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
@@ -138,7 +138,7 @@ class LLMEngine(ControlsFront):
 
     def abort_request(self, request_id: str) -> None:
         """Finish the request now and free its blocks (a no-op for unknown or finished ids)."""
-        self.outputs.abort(str(request_id))
+        self.scheduler.finish_all(self.outputs.abort(str(request_id)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.executor.in_flight is not None
@@ -159,17 +159,23 @@ class LLMEngine(ControlsFront):
         self.sleep_control.check_awake()
         out = self.schedule()
         got = self.executor.run(out)
-        return self.outputs.update(got)
+        return self.update(got)
 
     def schedule(self) -> SchedulerOutput:
         """The next step's schedule: proposals first (the scheduler schedules them after each request's last
         token), then the scheduler's choice, then a draft model's proposals into the scheduled placeholders."""
         self.spec.propose(self.scheduler.running)
-        out = self.scheduler.schedule()
-        self.spec.fill(out)
+        out = self.spec.fill(self.scheduler.schedule())
         if out.num_tokens:
             self.iteration_tokens.observe(out.num_tokens)
         return out
+
+    def update(self, got: list) -> list[RequestOutput]:
+        """After a run: the output processor's stop checks of the requests that got tokens (`got`), the
+        finishes they decide applied by the scheduler; returns the outputs built since the last update."""
+        outputs, finishes = self.outputs.update(got)
+        self.scheduler.finish_all(finishes)
+        return outputs
 
     @property
     def num_step_failures(self) -> int:

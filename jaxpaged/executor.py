@@ -1,14 +1,16 @@
-"""Running a schedule: the runner computes it, its requests advance, a failed step ends only its requests.
+"""Running a schedule: the runner computes it, the scheduler commits it, a failed step ends only its requests.
 
 Two executors, one chosen at start-up (`make_executor`):
-- `Executor`, the plain step: launch the step, read its tokens back, advance the scheduled requests.
+- `Executor`, the plain step: launch the step, read its result back, commit it.
 - `AsyncExecutor` (async scheduling): launch step t+1 before reading step t back, so the host prepares
   the next step while the device computes; each `run` returns the requests of the step it read.
 
-The plain executor returns the requests that got tokens, for the output processor
-(`core/output_processor.py`) to check for stops; the async one hands them to it itself, in between.
-Speculative decoding enters through the proposer seam (`spec_decode/decoder.py`): it
-rewrites what a verified step kept (`accept`) and frees the blocks of rejected proposals (`rollback`).
+A step's order is data, not convention: the runner returns what it computed (`StepResult`), the
+speculative seam (`spec_decode/decoder.py`) what its verification accepted (`Acceptance`, None without
+speculation), and `Scheduler.update_from_output(out, result, accepted)` commits both at once (the one
+writer of request tokens and blocks). The plain executor returns the requests that got tokens, for the
+output processor (`core/output_processor.py`) to check for stops; the async one has them checked itself,
+in between, and has the scheduler apply the finishes the checks return.
 """
 from __future__ import annotations
 
@@ -26,13 +28,6 @@ class FatalStepError(RuntimeError):
     """A step failure that no retry can mend (e.g. a lost multi-host follower): the engine is down."""
 
 
-def _drop_finished(out: SchedulerOutput) -> SchedulerOutput:
-    """Take requests finished since scheduling (stopped one step late, aborted) out of a SchedulerOutput."""
-    out.scheduled = [(r, n) for r, n in out.scheduled if not r.is_finished]
-    out.num_tokens = sum(n for _, n in out.scheduled)
-    return out
-
-
 class Executor:
     """The plain step. `in_flight` is a step started and not read back (always None here)."""
 
@@ -48,17 +43,15 @@ class Executor:
         if out.is_empty:
             return []
         try:
-            sampled = self.runner.execute(out)
+            result = self.runner.execute(out)
         except FatalStepError:  # the engine cannot step at all (a multi-host follower is lost)
             raise
         except Exception as e:  # noqa: BLE001 -- the step's requests fail; the engine carries on
             self.failed(out, e)
             return []
         self.num_consecutive_step_failures = 0
-        sampled = self.spec.accept(out, sampled)  # accepted proposals appended; the schedule says so
-        got = self.scheduler.update_from_output(out, sampled)
-        self.spec.rollback(out)
-        return got
+        accepted = self.spec.verify(out, result)  # what verification kept (None: no speculation)
+        return self.scheduler.update_from_output(out, result, accepted)
 
     def failed(self, out: SchedulerOutput, error: Exception) -> None:
         """The runner raised: the step's requests (whole groups) finish with "error", the rest go on.
@@ -71,8 +64,8 @@ class Executor:
         groups = list(dict.fromkeys(req.group_id for req, _ in out.scheduled))
         log.error("step failed (error id %s; requests %s): %s: %s", error_id, ", ".join(sorted(groups)),
                   type(error).__name__, error, exc_info=error)
-        self.outputs.fail(groups, f"the step running this request failed (error id {error_id}): "
-                          f"{type(error).__name__}")
+        self.scheduler.finish_all(self.outputs.fail(
+            groups, f"the step running this request failed (error id {error_id}): {type(error).__name__}"))
         if invalidate_kv(self.runner, self.scheduler, only_if_lost=True):
             log.warning("the KV pool was lost with the failed step (error id %s): %d running requests "
                         "will be recomputed", error_id, len(self.scheduler.running))
@@ -91,43 +84,40 @@ class AsyncExecutor(Executor):
         prev, self.in_flight = self.in_flight, None
         if prev is not None and (out.is_empty or any(r.needs_last_token and r in prev.pending
                                                       for r, _ in out.scheduled)):
-            self.outputs.process(self._complete(prev))
+            self._check(self._complete(prev))
             prev = None
-            _drop_finished(out)
+            out = out.without_finished()
         if not out.is_empty:
             try:
                 self.in_flight = self.runner.launch(out, prev, prev.pending if prev is not None else ())
             except Exception as e:  # noqa: BLE001 -- as in the plain step
                 if prev is not None:
-                    self.outputs.process(self._complete(prev))
+                    self._check(self._complete(prev))
                     prev = None
-                if not _drop_finished(out).is_empty:
+                if not (out := out.without_finished()).is_empty:
                     self.failed(out, e)
         if prev is not None:
-            self.outputs.process(self._complete(prev))
+            self._check(self._complete(prev))
         if self.in_flight is not None:  # computed counts advance now; the new tokens are placeholders
             self.in_flight.pending = frozenset(self.scheduler.update_from_output(self.in_flight.out, None))
         return []
 
+    def _check(self, got: list[Request]) -> None:
+        """The output processor's stop checks of a step read back (it keeps their outputs for the engine's
+        update); the scheduler applies the finishes before anything further is scheduled or launched."""
+        self.scheduler.finish_all(self.outputs.process(got))
+
     def _complete(self, step) -> list[Request]:
-        """Read a launched step back and fill its placeholder tokens; returns the requests that got one.
-        A request finished meanwhile (stopped one step earlier, aborted) drops its token."""
+        """Read a launched step back and have the scheduler fill its placeholder tokens; returns the
+        requests that got one (a request finished meanwhile drops its token)."""
         try:
-            sampled = self.runner.read(step)
+            result = self.runner.read(step)
         except Exception as e:  # noqa: BLE001 -- the step failed on the device: so did any started after it
             self.in_flight = None  # its requests were not advanced: they run again
-            self.failed(_drop_finished(step.out), e)
+            self.failed(step.out.without_finished(), e)
             return []
         self.num_consecutive_step_failures = 0
-        got = []
-        for req, slot, i in step.out.placeholders:
-            if not req.is_finished:
-                tok, lp = sampled[slot]
-                req.token_ids[i] = tok
-                if req.logprobs is not None:
-                    req.logprobs.append(lp)
-                got.append(req)
-        return got
+        return self.scheduler.fill_placeholders(step.out, result)
 
 
 def make_executor(asynchronous: bool, runner, scheduler, spec, outputs) -> Executor:

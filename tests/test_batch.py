@@ -11,6 +11,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Request
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.step_result import Sampled, StepResult
 
 
 def _params(rnd: random.Random) -> SamplingParams:
@@ -86,7 +87,7 @@ def test_persistent_batch_equals_rebuilt(data):
             a = np.asarray((got_b, got_s)[which][name])
             want = a.astype(np.int32) if dtype == "bool" else a.reshape(-1).view(np.int32)
             assert np.array_equal(buf[start:start + size], want.reshape(-1)), name
-        sampled = {r.slot: (rnd.randint(2, 6), None) for r, _ in out.scheduled}
+        sampled = StepResult({r.slot: Sampled([rnd.randint(2, 6)], None) for r, _ in out.scheduled})
         for req in sched.update_from_output(out, sampled):
             if req.num_output_tokens >= req.params.max_tokens or req.token_ids[-1] == 2:
                 sched.finish(req, "stop")

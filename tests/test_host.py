@@ -8,6 +8,7 @@ from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Request, RequestStatus
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.scheduler import Scheduler
+from jaxpaged.core.step_result import Sampled, StepResult
 
 
 def _check_invariants(bm: BlockManager, live: list[Request]):
@@ -68,7 +69,7 @@ def test_scheduler_random_workload_no_leaks(data):
                 assert len(r.block_ids) * bs >= r.num_computed_tokens + n
                 lowest = max(r.num_computed_tokens - (window or 10 ** 9) + 1, 0)  # first key a query sees
                 assert all(r.block_ids[j] for j in range(lowest // bs, -(-(r.num_computed_tokens + n) // bs)))
-            sampled = {r.slot: (rnd.randrange(vocab), None) for r, _ in out.scheduled}
+            sampled = StepResult({r.slot: Sampled([rnd.randrange(vocab)], None) for r, _ in out.scheduled})
             for r in sched.update_from_output(out, sampled):
                 if r.num_output_tokens >= r.params.max_tokens:
                     sched.finish(r, "length")
@@ -97,7 +98,7 @@ def test_progress_without_deadlock():
             break
         out = sched.schedule()
         assert not out.is_empty
-        for r in sched.update_from_output(out, {r.slot: (1, None) for r, _ in out.scheduled}):
+        for r in sched.update_from_output(out, StepResult({r.slot: Sampled([1], None) for r, _ in out.scheduled})):
             if r.num_output_tokens >= 10:
                 sched.finish(r, "length")
     assert not sched.has_unfinished() and sched.num_preemptions > 0

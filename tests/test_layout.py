@@ -6,6 +6,10 @@
 - each folder sits on one side of jaxpaged/engine.py: below it (what the engine imports) or above it
   (what imports the engine), never both;
 - `from jaxpaged import ...` still gives the public API, without importing jax until a name is used.
+
+
+- `from jaxpaged import ...` still gives the public API, without importing jax until a name is used;
+- one owner per state: only the scheduler writes a request's `token_ids` (docs/architecture.md, "Seams").
 """
 from __future__ import annotations
 
@@ -254,3 +258,90 @@ def test_each_folder_on_one_side_of_the_engine():
     assert sides["jaxpaged/step"]["below"] and sides["jaxpaged/parallel"]["above"] and sides["serve"]["above"]
     both = {f: s for f, s in sides.items() if s["below"] and s["above"]}
     assert not both, f"folders on both sides of {ENGINE}: {both}"
+
+
+# -- one owner per state: only the scheduler writes a request's tokens --------------------------------------
+TOKEN_OWNERS = {"jaxpaged/core/scheduler.py"}
+# a benchmark that times the grammar masks drives detached requests (no scheduler, no engine)
+TOKEN_WRITERS_OUTSIDE_THE_ENGINE = {"jaxpaged/bench/grammar.py"}
+LIST_MUTATORS = {"append", "extend", "insert", "pop", "clear", "remove", "sort", "reverse", "__setitem__",
+                 "__delitem__", "__iadd__"}
+
+
+def _is_tokens(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "token_ids"
+
+
+def _written(target) -> bool:
+    """An assignment or `del` target that changes a `.token_ids` list in place: an item or a slice of it
+    (`x.token_ids[i] = ...`, `del x.token_ids[i:]`), also inside a tuple target."""
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return any(_written(t) for t in target.elts)
+    if isinstance(target, ast.Starred):
+        return _written(target.value)
+    return isinstance(target, ast.Subscript) and _is_tokens(target.value)
+
+
+def token_writes(source: str) -> list[int]:
+    """Lines of `source` that mutate some object's `.token_ids` list: a list method that changes it
+    (`.append`, `.extend`, `.insert`, `.pop`, `.clear`, ...), `+=` (or any augmented assignment), item or
+    slice assignment, `del` of it or of an item or slice. (Aliases, `ids = r.token_ids; ids.append(t)`, are
+    not followed: the rule is held where a write names the field.)"""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in LIST_MUTATORS and _is_tokens(node.func.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.AugAssign) and (_is_tokens(node.target) or _written(node.target)):
+            lines.append(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(_written(t) for t in targets):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Delete) and any(_is_tokens(t) or _written(t) for t in node.targets):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_scheduler_writes_tokens():
+    """No module of jaxpaged/ or serve/ but the scheduler's mutates a request's `token_ids`: the runner
+    reports (core/step_result.StepResult), speculative verification reports what it accepted
+    (`Acceptance`), the output processor reports the finishes (`Finish`, with the stop-string and rejection
+    trims), and the scheduler alone commits them."""
+    found = {}
+    for package in ("jaxpaged", "serve"):
+        for path in _modules(os.path.join(ROOT, package)).values():
+            rel = os.path.relpath(path, ROOT).replace(os.sep, "/")
+            with open(path, encoding="utf-8") as f:
+                lines = token_writes(f.read())
+            if lines:
+                found[rel] = lines
+    assert "jaxpaged/core/scheduler.py" in found  # the walk reaches the owner, whose writes it sees
+    others = {p: lines for p, lines in found.items() if p not in TOKEN_OWNERS | TOKEN_WRITERS_OUTSIDE_THE_ENGINE}
+    assert not others, f"request tokens written outside the scheduler (file: lines): {others}"
+
+
+def test_token_write_check_can_fail():
+    """Each form of write is caught; reading, copying or rebinding another field is not."""
+    writes = """
+r.token_ids.append(t)
+r.token_ids.extend(ts)
+r.token_ids += ts
+r.token_ids[i] = t
+r.token_ids[-n:] = []
+tail, r.token_ids[-n:] = r.token_ids[-n:], []
+del r.token_ids[k:]
+r.token_ids.pop()
+r.token_ids.insert(0, t)
+r.token_ids.clear()
+"""
+    reads = """
+n = len(r.token_ids)
+t = r.token_ids[-1]
+ids = list(r.token_ids)
+r.prompt_token_ids.append(t)
+r.spec_token_ids[k:] = []
+out = f(r.token_ids)
+"""
+    assert token_writes(writes) == list(range(2, 12))
+    assert token_writes(reads) == []

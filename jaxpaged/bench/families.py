@@ -85,6 +85,7 @@ def bench_window(window=4096, bs=16, budget=512, prompt=16384, new=512, n=8) -> 
     from jaxpaged.core.request import Request
     from jaxpaged.core.sampling_params import SamplingParams
     from jaxpaged.core.scheduler import Scheduler
+    from jaxpaged.core.step_result import Sampled, StepResult
     out = {}
     for name, w in (("without_freeing", None), ("with_freeing", window)):
         bm = BlockManager(10 ** 6, bs, enable_prefix_caching=True, sliding_window=w)
@@ -97,7 +98,7 @@ def bench_window(window=4096, bs=16, budget=512, prompt=16384, new=512, n=8) -> 
         while done < n:
             o = sched.schedule()
             peak = max(peak, bm.num_used_blocks)
-            for r in sched.update_from_output(o, {r.slot: (1, None) for r, _ in o.scheduled}):
+            for r in sched.update_from_output(o, StepResult({r.slot: Sampled([1], None) for r, _ in o.scheduled})):
                 if r.num_output_tokens >= new:
                     sched.finish(r, "length")
                     done += 1

@@ -46,7 +46,9 @@ class PauseControl:
         else:
             engine.scheduler.hold()
         if mode == "abort":
-            outputs += engine.outputs.abort_all()
+            aborted, finishes = engine.outputs.abort_all()
+            engine.scheduler.finish_all(finishes)
+            outputs += aborted
         while wait and self.is_draining:
             outputs += engine.step()
         return outputs
@@ -67,7 +69,7 @@ class PauseControl:
         engine = self.engine
         if engine.executor.in_flight is None:
             return []
-        return engine.outputs.update(engine.executor.run(SchedulerOutput()))
+        return engine.update(engine.executor.run(SchedulerOutput()))
 
     def check_update_allowed(self) -> None:
         """update_weights (and sleep) need no running computation: an idle engine, or one paused and not

@@ -35,9 +35,7 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None
-    first_token_time: float | None = None
     scheduled_time: float | None = None   # when the scheduler first gave it a slot (vLLM's scheduled_ts)
-    last_token_time: float | None = None  # when its latest tokens reached the output processor
     sibling: "Request | None" = None      # the group's sample 0, whose prompt blocks this one shares
     hidden_states: dict | None = None     # token index -> f32[nL, D] (return_hidden_states)
     prompt_hidden_states: object = None   # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
@@ -54,12 +52,10 @@ class Request:
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device
     needs_last_token: bool = field(init=False, default=False)
-    num_checked_tokens: int = field(init=False, default=0)  # tokens the output processor's stop checks saw
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
-        self.num_checked_tokens = len(self.token_ids)
         self.stop_ids = frozenset(self.params.stop_token_ids).union(
             () if self.params.ignore_eos else self.eos_token_ids)
         p = self.params

@@ -4,15 +4,23 @@ Prefill and decode are one thing: a request catches up `num_computed_tokens` to 
 Running requests go first (oldest first), then waiting ones are admitted FCFS into free slots. When a
 running request cannot get a block, the newest running request is preempted (its blocks freed, back to
 the front of the waiting queue, recomputed later).
+
+The scheduler is the one writer of request state (docs/architecture.md, "One owner per state"): it
+commits what the others report (core/step_result.py) — the runner's tokens and the verifier's acceptance
+(`update_from_output`, `fill_placeholders`), the output processor's finishes (`finish_all`) — and alone
+appends to a request's `token_ids` or has its block manager free its blocks (tests/test_layout.py holds
+the first).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from jaxpaged.core.block_manager import BlockManager
 from jaxpaged.core.request import Request, RequestStatus
+from jaxpaged.core.step_result import Acceptance, Finish, StepResult
 
 PLACEHOLDER = -1  # a token sampled on the device, not read back yet (async scheduling)
 
@@ -32,6 +40,12 @@ class SchedulerOutput:
     @property
     def decode_only(self) -> bool:
         return all(n == 1 for _, n in self.scheduled)
+
+    def without_finished(self) -> SchedulerOutput:
+        """A copy less the requests finished since scheduling (stopped one step late, aborted)."""
+        scheduled = [(r, n) for r, n in self.scheduled if not r.is_finished]
+        return dataclasses.replace(self, scheduled=scheduled, num_tokens=sum(n for _, n in scheduled),
+                                   placeholders=[])
 
 
 class Scheduler:
@@ -179,34 +193,72 @@ class Scheduler:
                    or (r.sibling is not None and r.sibling.status is RequestStatus.RUNNING
                        and r.sibling.num_computed_tokens < r.sibling.num_prompt_tokens))
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, tuple] | None) -> list[Request]:
-        """Advance computed counts; append each slot's sampled token when the request caught up.
+    def update_from_output(self, out: SchedulerOutput, result: StepResult | None,
+                           accepted: Acceptance | None = None) -> list[Request]:
+        """Commit a step: advance computed counts; append each request's new tokens when it caught up;
+        free the blocks of rejected proposals. Returns the requests that got tokens.
 
-        sampled: slot -> (token id, logprobs dict or None). Returns the requests that got a token.
-        Stop conditions on tokens (EOS, stop ids, max tokens, max_model_len) are the engine's call.
-        sampled None (async scheduling: the tokens are still on the device): each such request gets the
-        placeholder PLACEHOLDER, its index and slot kept in `out.placeholders` for the engine to fill.
+        result: the runner's (`StepResult`); a request that proposed commits what `accepted` (the
+        verifier's `Acceptance`) kept of its proposals, then the target's next token. Stop conditions on
+        tokens are the output processor's (`finish_all` applies them). result None (async scheduling: the
+        tokens are still on the device): each such request gets the placeholder PLACEHOLDER, its index and
+        slot kept in `out.placeholders` for `fill_placeholders`.
         """
         got = []
         block_size, caching = self.bm.block_size, self.bm.enable_prefix_caching
+        verdicts = accepted.by_slot if accepted is not None else {}
         for req, n in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue
+            verdict = verdicts.get(req.slot)
+            if verdict is not None:  # its accepted proposals are its tokens now; the rejected ones never were
+                n -= verdict.num_rejected
+                req.token_ids.extend(verdict.token_ids)
+                if req.logprobs is not None:
+                    req.logprobs.extend(verdict.logprobs)
+                req.spec_token_ids = []
             req.num_computed_tokens += n
             if caching and req.num_computed_tokens >= (req.num_registered_blocks + 1) * block_size:
                 self.bm.cache_blocks(req)  # a block filled up
             if req.num_computed_tokens == len(req.token_ids):
-                if sampled is None:
+                if result is None:
                     out.placeholders.append((req, req.slot, len(req.token_ids)))
                     req.token_ids.append(PLACEHOLDER)
                     got.append(req)
                     continue
-                tok, lp = sampled[req.slot]
-                req.token_ids.append(tok)
+                toks, lps = result.sampled[req.slot]
+                req.token_ids.append(toks[-1])
                 if req.logprobs is not None:
-                    req.logprobs.append(lp)
+                    req.logprobs.append(lps[-1] if lps else None)
+                got.append(req)
+        if accepted is not None:  # blocks past the computed tokens held only rejected proposals' K/V
+            for req, _ in out.scheduled:
+                if not req.is_finished:
+                    self.bm.trim(req, req.num_computed_tokens)
+        return got
+
+    def fill_placeholders(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
+        """Async scheduling: put a step's tokens, read back now, in place of its placeholders; returns the
+        requests that got one. A request finished meanwhile (stopped one step earlier, aborted) drops it."""
+        got = []
+        for req, slot, i in out.placeholders:
+            if not req.is_finished:
+                toks, lps = result.sampled[slot]
+                req.token_ids[i] = toks[-1]
+                if req.logprobs is not None:
+                    req.logprobs.append(lps[-1] if lps else None)
                 got.append(req)
         return got
+
+    def finish_all(self, finishes: list[Finish]) -> None:
+        """Apply the output processor's finishes: each request cut to its kept tokens, then finished."""
+        for req, reason, num_tokens in finishes:
+            drop = len(req.token_ids) - num_tokens
+            if drop:
+                del req.token_ids[num_tokens:]
+                if req.logprobs is not None:
+                    del req.logprobs[len(req.logprobs) - drop:]
+            self.finish(req, reason)
 
     def abort(self, req: Request) -> None:
         self.finish(req, "abort")

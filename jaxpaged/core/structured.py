@@ -174,8 +174,9 @@ class StructuredOutputs:
             raise InvalidParam(name, f"invalid {name}: {m.get_error()}"[:2000], "invalid_grammar")
         params.template = m
 
-    def _matcher(self, req) -> list:
-        """[matcher, number of output tokens consumed], caught up with the request's output tokens."""
+    def _matcher(self, req, end: int | None = None) -> list:
+        """[matcher, number of output tokens consumed], caught up with the request's output tokens (those
+        before index `end` of its token ids, when given)."""
         entry = self._matchers.get(req)
         if entry is None:
             import llguidance
@@ -190,7 +191,7 @@ class StructuredOutputs:
                 del self._templates[next(iter(self._templates))]
             entry = self._matchers[req] = [template.deep_copy(), 0]
         m, n = entry
-        new = req.token_ids[req.num_prompt_tokens + n:]
+        new = req.token_ids[req.num_prompt_tokens + n:end]
         if new:
             m.consume_tokens(new)
             entry[1] += len(new)
@@ -208,12 +209,13 @@ class StructuredOutputs:
             row = self._allowed[req] = allowed_row(req.params.allowed_token_ids, self.words)
         return row
 
-    def is_complete(self, req) -> bool:
-        """After a token was appended: does the grammar end here (no further token allowed), or did the
-        output leave it (a token no mask allowed, e.g. forced by min_tokens)? Either finishes the request."""
+    def is_complete(self, req, length: int | None = None) -> bool:
+        """After the request's first `length` tokens (default: all): does the grammar end here (no further
+        token allowed), or did the output leave it (a token no mask allowed, e.g. forced by min_tokens)?
+        Either finishes the request."""
         if req.params.structured_outputs is None:
             return False
-        m = self._matcher(req)[0]
+        m = self._matcher(req, length)[0]
         return m.is_stopped() or m.is_error()
 
     def bitmask_arrays(self, scheduled, S: int) -> dict:

@@ -230,11 +230,12 @@ class IncrementalDetokenizer:
         self.next += 1
         return self.tok is not None and self._add(token_id)
 
-    def catch_up(self, token_ids: list[int]) -> bool:
+    def catch_up(self, token_ids: list[int], end: int | None = None) -> bool:
         """Add the tokens of `token_ids` (the followed prompt + output) not seen yet, up to the first not
-        read back yet (negative; usually there is one new token); return True if a stop string now ends
-        the text. (The library's decode_batch was measured slower than this, one window at a time.)"""
-        hit, n = False, len(token_ids)
+        read back yet (negative; usually there is one new token) or index `end`; return True if a stop
+        string now ends the text. (The library's decode_batch was measured slower than this, one window at
+        a time.)"""
+        hit, n = False, len(token_ids) if end is None else end
         while self.next < n and not hit and token_ids[self.next] >= 0:
             hit = self.add(token_ids[self.next])
         return hit

@@ -3,23 +3,27 @@
 1. `propose`: gives each decoding request up to k proposals (`req.spec_token_ids`), which the scheduler
    schedules with the request's last token as one chunk of 1 + m tokens;
 2. (the step verifies them on the device: verify.py)
-3. `accept`: appends the accepted proposals to the request's tokens and makes the schedule say what was
-   kept (1 + a tokens: their K/V is valid), so the scheduler's update appends the target's next token
-   and advances `num_computed_tokens` past the accepted tokens only;
-4. `rollback`: frees the blocks past the computed tokens (those held only rejected proposals' K/V; a
-   block is offered to the prefix cache only once computed tokens fill it, so rejected K/V never is).
+3. `verify`: reports what the step accepted (an `Acceptance`, core/step_result.py: per request that
+   proposed, its accepted proposals and how many were rejected) and records it (counters, gate, governor).
+   It writes no request state: the scheduler commits the acceptance (`Scheduler.update_from_output`
+   appends the accepted tokens and the target's next one, advances `num_computed_tokens` past the accepted
+   tokens only, and frees the blocks that held only rejected proposals' K/V; a block is offered to the
+   prefix cache only once computed tokens fill it, so rejected K/V never is).
 
 `NoSpeculation` is the same seam when speculative decoding is off: it proposes nothing, and every step is
-the plain one. Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One that
-runs on the
-device (the draft model, draft.py; a draft head would too) proposes placeholders and also has `fill(out)`:
-after scheduling it writes its proposals into the scheduled requests and returns its distributions q,
-which the step's verifier takes (rejection sampling); the verifier does not change per proposer.
+the plain one. Any proposer with `propose(req, k) -> list[int]` and `retain(request ids)` slots in here. One
+that runs on the device (the draft model, draft.py; a draft head would too) proposes placeholders and also
+has `fill(out)`: after scheduling it writes its proposals into the scheduled requests and returns its
+distributions q, which the step's verifier takes (rejection sampling); the verifier does not change per
+proposer.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
+from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.step_result import Acceptance, Accepted, StepResult
 from jaxpaged.spec_decode.config import SpeculativeConfig, check_request
 from jaxpaged.spec_decode.draft import DraftModelProposer
 from jaxpaged.spec_decode.governor import Governor, RequestGate
@@ -35,25 +39,21 @@ class NoSpeculation:
     def propose(self, running) -> None:
         pass
 
-    def fill(self, out) -> None:
-        pass
+    def fill(self, out):
+        return out
 
-    def accept(self, out, sampled: dict) -> dict:
-        return sampled
-
-    def rollback(self, out) -> None:
-        pass
+    def verify(self, out, result) -> None:
+        return None
 
     def stats(self) -> dict:
         return {}
 
 
 class SpecDecoder:
-    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner, block_manager):
+    def __init__(self, cfg: SpeculativeConfig, max_model_len: int, runner):
         self.k = cfg.num_speculative_tokens
         self.max_model_len = max_model_len
         self.runner = runner  # its token buckets: what a proposal costs depends on the bucket it lands in
-        self.block_manager = block_manager  # rollback frees the blocks of rejected proposals
         if cfg.method == "draft_model":  # its params and pool beside the target's (runner: mesh, blocks)
             self.proposer = DraftModelProposer(cfg.model, runner, cfg.num_speculative_tokens)
         else:
@@ -122,48 +122,40 @@ class SpecDecoder:
                 return (None, []) if plain + made <= larger else (larger - plain, order)
         return bucket - plain, order
 
-    def fill(self, out) -> None:
-        """After scheduling: a device proposer writes its proposals into `out`'s requests and its q into
-        `out.draft_probs` (the host n-gram proposer has nothing to do)."""
+    def fill(self, out: SchedulerOutput) -> SchedulerOutput:
+        """After scheduling: a device proposer writes its proposals into `out`'s requests; returns the
+        schedule with its distributions q as `draft_probs` (`out` itself for the host n-gram proposer)."""
         fill = getattr(self.proposer, "fill", None)
-        if fill is not None and not out.is_empty:
-            t0 = time.perf_counter()
-            out.draft_probs = fill(out)
-            self.propose_seconds += time.perf_counter() - t0
+        if fill is None or out.is_empty:
+            return out
+        t0 = time.perf_counter()
+        out = dataclasses.replace(out, draft_probs=fill(out))
+        self.propose_seconds += time.perf_counter() - t0
+        return out
 
-    def accept(self, out, sampled: dict) -> dict:
-        """Apply a verified step: `sampled` slot -> (new tokens, their logprobs or None)
-        (`Verification.read_tokens`, spec_decode/step.py).
-        Appends the accepted proposals to each request's tokens, rewrites `out.scheduled` to the tokens kept
-        and returns slot -> (target's next token, its logprobs), what the scheduler's update appends."""
-        plain = {}
+    def verify(self, out: SchedulerOutput, result: StepResult) -> Acceptance:
+        """What a verified step kept of each request's proposals: `result`'s tokens of a slot that proposed
+        are its accepted proposals, then the target's next token (`Verification.read_tokens`,
+        spec_decode/step.py). Records the acceptance (counters, the request gate, the governor's step
+        time); the scheduler commits it (`Scheduler.update_from_output`)."""
+        by_slot = {}
         decoding = all(len(r.token_ids) - r.num_computed_tokens == 1 and n == 1 + len(r.spec_token_ids)
                        for r, n in out.scheduled)
-        for i, (req, n) in enumerate(out.scheduled):
-            toks, lps = sampled[req.slot]
-            d, a = req.spec_token_ids, len(toks) - 1
+        for req, _ in out.scheduled:
+            d = req.spec_token_ids
             if d:
+                toks, lps = result.sampled[req.slot]
+                a = len(toks) - 1
                 self.gate.record(req.request_id, len(d), a)
                 self.num_drafts += 1
                 self.num_draft_tokens += len(d)
                 self.num_accepted_tokens += a
                 for j in range(a):
                     self.accepted_per_pos[j] += 1
-                req.token_ids.extend(toks[:-1])
-                if req.logprobs is not None:
-                    req.logprobs.extend(lps[:-1])
-                out.scheduled[i] = (req, n - len(d) + a)
-                req.spec_token_ids = []
-            plain[req.slot] = (toks[-1], lps[-1] if lps else None)
+                by_slot[req.slot] = Accepted(toks[:-1], lps[:-1] if lps is not None else None, len(d) - a)
         if decoding:  # a step of decodes only (no prefill chunk): its time is the governor's figure
             self.governor.record(self.runner.bucket_for(out.num_tokens), time.perf_counter() - self._start)
-        return plain
-
-    def rollback(self, out) -> None:
-        """Free each running request's blocks past its computed tokens (rejected proposals' K/V)."""
-        for req, _ in out.scheduled:
-            if not req.is_finished:
-                self.block_manager.trim(req, req.num_computed_tokens)
+        return Acceptance(by_slot)
 
     def stats(self) -> dict:
         """vLLM's counters (spec_decode_num_drafts, ..._num_draft_tokens, ..._num_accepted_tokens, accepted

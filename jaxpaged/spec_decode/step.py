@@ -1,15 +1,16 @@
 """Speculative decoding in the runner: the verifying step's draw (step/features.py `Sampling`), its inputs
-(the proposals, the per-position controls) and its tokens read back; and the plain step of a speculative
-engine, read back in the same form.
+(the proposals, the per-position controls) and its tokens read back. A speculative engine's step in which
+no request proposes is the plain `Sampling`, read back in the same form (`Sampled`, one token a slot).
 
 The runner compiles the verifying variant beside the plain one (runner.variants) and runs it when some
-scheduled request proposes; then a slot's result is (its new tokens: accepted proposals, then the
+scheduled request proposes; then a slot's result is Sampled(its new tokens: accepted proposals, then the
 target's next token; their logprob dicts or None).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from jaxpaged.core.step_result import Sampled
 from jaxpaged.spec_decode.controls import PositionControls
 from jaxpaged.spec_decode.positions import proposal_rows
 from jaxpaged.spec_decode.verify import verify_rows
@@ -31,14 +32,6 @@ def draft_inputs(scheduled, num_slots: int, num_spec: int, draft_probs=None) -> 
         min_tokens[req.slot] = req.params.min_tokens
     out = dict(draft_tokens=draft_tokens, num_drafts=num_drafts, min_tokens=min_tokens)
     return out if draft_probs is None else dict(out, draft_probs=draft_probs)
-
-
-class Unverified(Sampling):
-    """A speculative engine's step in which no request proposes: the plain draw, read back as a verified
-    step is: slot -> ([token], [its logprobs] or None)."""
-
-    def read_tokens(self, step) -> dict:
-        return {s: ([tok], None if lp is None else [lp]) for s, (tok, lp) in super().read_tokens(step).items()}
 
 
 class Verification(Sampling):
@@ -72,12 +65,12 @@ class Verification(Sampling):
         """i32[S, K+1]: the row whose logits gave each slot's j-th new token (positions.proposal_rows)."""
         return proposal_rows(batch["logits_indices"], batch["num_drafts"], self.num_spec + 1)
 
-    def read_tokens(self, step) -> dict[int, tuple[list[int], list | None]]:
-        """slot -> (its new tokens, their logprobs or None) of a launched verifying step (runner.Launched;
-        tokens i32[S, K+1], -1 past each slot's output)."""
+    def read_tokens(self, step) -> dict[int, Sampled]:
+        """slot -> Sampled(its new tokens, their logprobs or None) of a launched verifying step
+        (runner.Launched; tokens i32[S, K+1], -1 past each slot's output)."""
         tokens = np.asarray(step.tokens)
         counts = (tokens >= 0).sum(axis=1)                                  # [S]
-        result = {s: (tokens[s, :counts[s]].tolist(), None) for s in step.slots}
+        result = {s: Sampled(tokens[s, :counts[s]].tolist(), None) for s in step.slots}
         if not step.any_logprobs:
             return result
         tok_lp, top_lp, top_ids = (np.asarray(a) for a in step.logprobs)     # [S, K+1], [S, K+1, NL] x2
@@ -90,5 +83,5 @@ class Verification(Sampling):
                 lp = {int(i): float(v) for i, v in zip(top_ids[s, j, :k], top_lp[s, j, :k])}
                 lp[t] = float(tok_lp[s, j])
                 lps.append(lp)
-            result[s] = (toks, lps)
+            result[s] = Sampled(toks, lps)
         return result

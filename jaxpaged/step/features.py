@@ -27,6 +27,7 @@ from typing import Callable
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.core.step_result import Sampled
 from jaxpaged.step.batch_invariant import row_tiled_sample
 from jaxpaged.step.sampler import jnp_argmax, sample, slot_rows
 
@@ -74,10 +75,9 @@ def decoded(args: dict, outs: list) -> dict:
 
 def add_logprobs(result: dict, entries: dict) -> None:
     """Add a feature's logprob entries ({slot: [{token id: logprob} per token row]}) to a step's tokens
-    (`Sampling.read_tokens`: slot -> (token(s), logprob dict(s) or None)), after those already there."""
+    (`Sampling.read_tokens`: slot -> Sampled), after those already there."""
     for slot, rows in entries.items():
-        lps = result[slot][1]
-        for lp, add in zip([lps] if isinstance(lps, dict) else lps or (), rows):
+        for lp, add in zip(result[slot].logprobs or (), rows):
             for t, v in add.items():
                 lp.setdefault(t, v)
 
@@ -105,10 +105,10 @@ class Sampling(StepFeature):
         """i32[S, 1]: each slot's token comes from its last row."""
         return batch["logits_indices"][:, None]
 
-    def read_tokens(self, step) -> dict:
-        """slot -> (sampled token, {token id: logprob} or None) of a launched step (runner.Launched)."""
+    def read_tokens(self, step) -> dict[int, Sampled]:
+        """slot -> Sampled([its token], [{token id: logprob}] or None) of a launched step (runner.Launched)."""
         tokens = np.asarray(step.tokens).tolist()
-        result = {s: (tokens[s], None) for s in step.slots}
+        result = {s: Sampled([tokens[s]], None) for s in step.slots}
         if not step.any_logprobs:
             return result
         want_lp = [(r, s) for (r, _), s in zip(step.out.scheduled, step.slots) if r.params.logprobs is not None]
@@ -117,7 +117,7 @@ class Sampling(StepFeature):
             k = req.params.logprobs
             lp = {int(i): float(v) for i, v in zip(top_ids[s, :k], top_lp[s, :k])}
             lp[tokens[s]] = float(tok_lp[s])
-            result[s] = (tokens[s], lp)
+            result[s] = Sampled([tokens[s]], [lp])
         return result
 
 

@@ -30,10 +30,11 @@ from jaxpaged.config import EngineConfig, ModelConfig
 from jaxpaged.core.batch import NUM_BANNED, SEPARATE, PersistentBatch, layout, pack  # noqa: F401 (re-export)
 from jaxpaged.core.logit_controls import LogitControls
 from jaxpaged.core.scheduler import SchedulerOutput
+from jaxpaged.core.step_result import StepResult
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.quant import pack_layers
-from jaxpaged.spec_decode.step import Unverified, Verification
+from jaxpaged.spec_decode.step import Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
@@ -219,7 +220,7 @@ class ModelRunner:
         verify = Verification(lp, mode, self.num_spec, self.structured, self.controls, self.batch,
                               self.model_cfg.vocab_size, self.cfg.speculative_config.method == "draft_model",
                               self._put)
-        return {False: Unverified(lp, mode), True: verify}
+        return {False: Sampling(lp, mode), True: verify}
 
     @property
     def step_params(self) -> dict:
@@ -344,8 +345,8 @@ class ModelRunner:
                 return b
         raise ValueError(f"{num_tokens} tokens exceed max_num_batched_tokens ({self.buckets[-1]})")
 
-    def execute(self, out: SchedulerOutput) -> dict[int, tuple[int, dict | None]]:
-        """Run one step; return slot -> (sampled token, {token id: logprob} or None)."""
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one step; return what it computed (core/step_result.py: per scheduled slot its new tokens)."""
         return self.step_sink.guard(lambda: self.read(self.launch(out)))
 
     def launch(self, out: SchedulerOutput, prev: Launched | None = None, pending=frozenset()) -> Launched:
@@ -366,15 +367,17 @@ class ModelRunner:
         reads = tuple((f, plan, o) for f, plan, o in zip(self.features, plans, outputs) if plan)
         return Launched(out, slots, key, tokens, tuple(logprobs), bool(sp["any_logprobs"]), reads)
 
-    def read(self, step: Launched) -> dict[int, tuple[int, dict | None]]:
-        """Wait for a launched step; return slot -> (sampled token, {token id: logprob} or None) (with
-        speculative decoding: slot -> (new tokens, their logprob dicts or None), spec_decode/step.py)."""
+    def read(self, step: Launched) -> StepResult:
+        """Wait for a launched step; return what it computed: per scheduled slot its new tokens and their
+        logprobs (a verifying step's: accepted proposals, then the next token; spec_decode/step.py), the
+        features' logprob entries added. (Research hooks, prompt logprobs and routed experts store what
+        they read on the requests they serve: step/features.py.)"""
         more = [feature.read(plan, outputs, step) for feature, plan, outputs in step.reads]
-        result = self._sampling[step.key[2]].read_tokens(step)
+        sampled = self._sampling[step.key[2]].read_tokens(step)
         for entries in more:
             if entries:
-                add_logprobs(result, entries)
-        return result
+                add_logprobs(sampled, entries)
+        return StepResult(sampled)
 
     def device_inputs(self, batch: dict, sp: dict) -> tuple:
         """The step's host inputs -> what the compiled step takes: one packed int32 buffer (a single
