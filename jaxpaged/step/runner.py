@@ -214,8 +214,9 @@ class ModelRunner:
         verifier beside it, and the plain step's tokens read back in the verified steps' form."""
         lp, mode = self.num_logprobs, self.cfg.logprobs_mode
         if not self.num_spec:
-            # one CPU device: the greedy rows' argmax by the CPU kernel (XLA's is not vectorized there)
-            one_cpu = self.platform == "cpu" and self.mesh.devices.size == 1 and cpu_argmax.available()
+            # one CPU device: the greedy rows' argmax by the CPU kernel (XLA's is not vectorized there) where
+            # its build is measured faster (cpu_argmax.auto_skip says why not)
+            one_cpu = self.platform == "cpu" and self.mesh.devices.size == 1 and cpu_argmax.auto_skip() is None
             return {False: Sampling(lp, mode, self.step_cfg.row_tile, cpu_argmax.cpu_argmax if one_cpu else jnp_argmax)}
         verify = Verification(lp, mode, self.num_spec, self.structured, self.controls, self.batch,
                               self.model_cfg.vocab_size, self.cfg.speculative_config.method == "draft_model",

@@ -65,3 +65,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuArgmax, Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()    // x
                                   .Ret<ffi::AnyBuffer>());  // out
+
+// The float32 lanes of the vector loop in this build (16: AVX-512 F), 0 where only the scalar loop runs.
+extern "C" int JaxpagedCpuArgmaxLanes() {
+#if defined(__AVX512F__)
+  return 16;
+#else
+  return 0;
+#endif
+}

@@ -260,8 +260,8 @@ ffi::Error check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::An
     return jp::bad_operand(K, "layer", "one int32", layer);
   const int64_t l = stacked ? layer.typed_data<int32_t>()[0] : 0;
   if (l < 0 || (stacked && l >= wd[0]))
-    return ffi::Error::InvalidArgument("cpu_matmul: layer " + std::to_string(l) + " is out of w's range [0, " +
-                                       std::to_string(stacked ? wd[0] : 1) + ")");
+    return ffi::Error::InvalidArgument("cpu_matmul: layer must be in [0, " + std::to_string(stacked ? wd[0] : 1) +
+                                       ") (w's stacked matrices), got " + std::to_string(l));
   P.N = packed ? d0 * 16 : transpose ? d0 : d1;
   if (out.element_type() != T::F32 || !jp::has_dims(out, {M, P.N}))
     return jp::bad_operand(K, "out", "float32 [M = " + std::to_string(M) + ", N = " + std::to_string(P.N) + "]", out);
