@@ -17,6 +17,8 @@ from pallas_kernels.attention import cpu as cpu_attention
 from pallas_kernels.ffi import loader
 from pallas_kernels.matmul import cpu as cpu_matmul
 
+pytestmark = pytest.mark.slow  # four sanitized builds and two processes under ASan: ~1-2 min on 2 cores
+
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 CHECK_CALL = re.compile(r"^\s*if \(ffi::Error e = check\(.*$", re.MULTILINE)  # the attention handler's checks
 
@@ -80,8 +82,8 @@ DRIVER = textwrap.dedent("""
 
 
 def _sanitized(source, out, cut_checks=False):
-    """`source` compiled with the sanitizers (and the loader's flags, -O1) to `out`; with `cut_checks` a copy
-    of it whose handler skips its operand checks."""
+    """`source` compiled with the sanitizers (and the loader's flags, -O0: the quickest build) to `out`; with
+    `cut_checks` a copy of it whose handler skips its operand checks."""
     if cut_checks:
         with open(source) as f:
             text, n = CHECK_CALL.subn("", f.read())
@@ -89,7 +91,7 @@ def _sanitized(source, out, cut_checks=False):
         source = out + ".cc"
         with open(source, "w") as f:
             f.write(text)
-    flags = [f for f in loader.compile_flags() if f != "-O3"] + ["-O1", "-I", os.path.dirname(cpu_attention.SOURCE)]
+    flags = [f for f in loader.compile_flags() if f != "-O3"] + ["-O0", "-I", os.path.dirname(cpu_attention.SOURCE)]
     done = subprocess.run([loader.compiler(), *flags, *SANITIZE, source, "-o", out], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -105,7 +107,7 @@ def _run(libs):
            "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "print_stacktrace=1"}
     args = [f"{k}={v}" for k, v in libs.items()]
     return subprocess.run([sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, env=env,
-                          timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")

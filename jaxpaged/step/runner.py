@@ -151,6 +151,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
         self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size,
                                        self.mesh.devices.flat, dtype=self.dtype, kv_cache_dtype=cfg.kv_cache_dtype)
+        self.kv_pool_dtype = jnp.dtype(kv_cache.storage_dtype(cfg.kv_cache_dtype, self.dtype)).name  # stats()
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
