@@ -56,7 +56,6 @@ def test_scalar_build_equals_jnp_argmax():
     code = textwrap.dedent("""
         import jax.numpy as jnp, numpy as np
         from pallas_kernels.argmax import cpu as cpu_argmax
-from pallas_kernels.ffi import loader
         assert cpu_argmax.vector_lanes() == 0 and "scalar loop" in cpu_argmax.auto_skip()
         x = np.random.default_rng(0).standard_normal((5, 1000)).astype(np.float32)
         x[0, 700] = x[0, 300] = x[0].max() + 1  # a tie: the first wins

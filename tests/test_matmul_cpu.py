@@ -163,8 +163,7 @@ def test_plain_loop_path():
     import textwrap
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
-        from pallas_kernels.ffi import loader
-from pallas_kernels.matmul import cpu as cpu_matmul
+        from pallas_kernels.matmul import cpu as cpu_matmul
         assert cpu_matmul.available() and not cpu_matmul.amx()
         rng = np.random.default_rng(0)
         for t, K in ((False, 64), (True, 64), (False, 576)):
