@@ -128,7 +128,8 @@ class LLM(ControlsFront):
         One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
         the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
         eng = self._leader()
-        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"])
+        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"],
+                          eng.config.enable_prefix_caching)
         prompts = _prompt_list(prompts)
         ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
         loras = _per_prompt(lora_request, len(prompts), "lora requests")
