@@ -89,6 +89,14 @@ def test_embed_and_pair_score(llama, paths):
 
 
 def test_pooling_needs_the_runner(paths, engine_kwargs):
+    generating = LLM(model=paths["llama"], **engine_kwargs, warmup=False)  # refused before any step compiles
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        generating.embed([[5, 6]])
+    with pytest.raises(ValueError, match="runner='pooling'"):  # the engine's own check (admission)
+        generating.generate([[5, 6]], SamplingParams(max_tokens=1, pooling=Pooling("LAST", True)))
+    for bad in (dict(max_tokens=2), dict(max_tokens=1, n=2)):  # a pooling request finishes after its prompt
+        with pytest.raises(ValueError, match="pooling"):
+            SamplingParams(**bad, pooling=Pooling("LAST", True))
     with pytest.raises(ValueError, match="convert"):
         LLM(model=paths["llama"], **engine_kwargs, runner="generate", convert="embed")
     with pytest.raises(ValueError, match="pooling_type"):

@@ -160,8 +160,9 @@ class SamplingParams:
                 bad("structured_outputs", "must be a StructuredOutputsParams or None")
             self.structured_outputs.validate()
         self._validate_steering(bad)
-        if self.pooling is not None and (not isinstance(self.pooling, Pooling) or self.max_tokens != 1):
-            bad("pooling", "must be None or a core.pooling.Pooling, with max_tokens 1")
+        if self.pooling is not None and (not isinstance(self.pooling, Pooling) or self.max_tokens != 1
+                                         or self.n != 1):  # a pooling request finishes after its prompt, alone
+            bad("pooling", "must be None or a core.pooling.Pooling, with max_tokens 1 and n 1")
 
     def _validate_steering(self, bad) -> None:
         """steering_vectors -> {layer: f32[hidden] numpy} (the model checks layers and sizes at add_request)."""
