@@ -51,6 +51,7 @@ from jaxpaged.step.mesh import (
     sharded_model_config,
     vocab_sharded,
 )
+from jaxpaged.step.pooling import Pooler
 from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
@@ -208,6 +209,8 @@ class ModelRunner:
             features.append(self.batch.hooks)
         if self.model_cfg.num_experts:
             features.append(RoutedExperts())
+        if cfg.pooling:  # --runner pooling: embeddings (jaxpaged/step/pooling.py)
+            features.append(Pooler())
         return tuple(features)
 
     def _samplings(self) -> dict[bool, Sampling]:
