@@ -20,6 +20,8 @@ from serve.errors import APIError
 # the kinds of request a rule applies to; /invocations takes both COMPLETION's and CHAT's
 COMPLETION, CHAT, BATCH_CHAT, TOKENIZE = "completion", "chat", "batch_chat", "tokenize"
 GENERATION = (COMPLETION, CHAT, BATCH_CHAT)
+EMBED, SCORE, RERANK = "embed", "score", "rerank"  # with --runner pooling (serve/embeddings.py, scoring_routes.py)
+POOLING = (EMBED, SCORE, RERANK)
 
 
 @dataclass(frozen=True)
@@ -160,6 +162,24 @@ RULES: list[Rule] = [
     Rule("truncate_prompt_tokens", "empty_prompt", (CHAT, BATCH_CHAT), "truncate_prompt_tokens must leave at least "
          "one token of the rendered conversation (0, or -1 with max_tokens filling max_model_len, leave none)",
          where="jaxpaged/core/validation.py"),
+]
+
+RULES += [
+    Rule("dimensions", "unsupported_dimensions", (EMBED,), "dimensions is refused: the served model is not a "
+         "matryoshka model, its embeddings have their full size only", broken=lambda r: r.dimensions is not None,
+         message=lambda r: f"dimensions: {r.dimensions} requested; the served model is not a matryoshka model, so "
+         "its embeddings have their full size only", example={"dimensions": 8}),
+    Rule("text_1", "invalid_combination", (SCORE,), "text_1 is one text, or a list as long as text_2",
+         broken=lambda r: isinstance(r.text_1, list) and len(r.text_1) > 1 and len(r.text_1) != (
+             len(r.text_2) if isinstance(r.text_2, list) else 1),
+         message="text_1 must be one text or as many texts as text_2", example={"text_1": ["a", "b", "c"]}),
+    Rule("input", "too_many_inputs", POOLING, "at most --max-embedding-inputs inputs in one request (texts of "
+         "input, text_1 and text_2, query and documents together); the 400 names the first field",
+         where="serve/embeddings.py"),
+    Rule("input", "empty_prompt", POOLING, "every input must have at least one token once tokenized (a text of "
+         "only whitespace may have none); the 400 names the field", where="serve/embeddings.py"),
+    Rule("input", "context_length_exceeded", POOLING, "every input has fewer than max_model_len tokens (after "
+         "truncate_prompt_tokens); the 400 names the field", where="serve/embeddings.py"),
 ]
 
 
