@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import glob
+import logging
+import os
 import sys
 import time
 
@@ -11,6 +14,37 @@ from jaxpaged.args import add_engine_args, add_quantization_arg, engine_kwargs
 # `generate` runs a few prompts: a smaller batch and budget than the engine's defaults, so it compiles less;
 # its --seed is every prompt's sampling seed (none: unseeded)
 GENERATE_DEFAULTS = dict(max_model_len=2048, max_num_seqs=8, max_num_batched_tokens=256, seed=None)
+
+
+# Where an accelerator's driver shows itself: NVIDIA's device node or driver, AMD's compute driver (ROCm),
+# TPU chips as /dev/accel* (v2-v4) or as PCI devices of Google's vendor id 0x1ae0 (v5e and later, behind vfio)
+_ACCELERATOR_PATHS = ("/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd", "/dev/accel*")
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def accelerator_present() -> bool:
+    """Whether this machine shows a GPU or TPU to its processes (device nodes, drivers, PCI vendor ids)."""
+    if any(glob.glob(p) for p in _ACCELERATOR_PATHS):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            with open(vendor) as f:
+                if f.read().strip() == _GOOGLE_PCI_VENDOR:
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def select_platform(environ=os.environ) -> None:
+    """With JAX_PLATFORMS unset and no accelerator on the machine, set it to `cpu` before jax is imported:
+    the GPU and TPU plugins an environment may hold (the `test` extra installs both) then are never
+    initialised, so they print no traceback nor error line on start. A set JAX_PLATFORMS is left alone,
+    and with an accelerator present jax picks it as usual."""
+    if "JAX_PLATFORMS" in environ or accelerator_present():
+        return
+    environ["JAX_PLATFORMS"] = "cpu"
+    logging.getLogger(__name__).debug("no GPU or TPU on this machine: JAX_PLATFORMS=cpu (set it to choose)")
 
 
 def _generate(args) -> int:
@@ -107,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    select_platform()  # before anything imports jax
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

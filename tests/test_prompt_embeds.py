@@ -178,3 +178,22 @@ def test_abstract_step_compiles_with_the_flag():
         assert any(isinstance(f, PromptEmbeds) for f in runner.features) == on
         (tokens, *_), _ = compile_steps(runner, [(8, False)])[(8, False)].out_info[0]
         assert tokens.shape == (4,)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_embeds_as_vllm_reads_them(family, engine_kwargs, tmp_path):
+    """Gemma 3 takes prompt_embeds as given (vLLM, and HF's `inputs_embeds`); vLLM's Gemma 2 scales them by
+    sqrt(hidden) as it scales the lookup (HF's Gemma 2 takes `inputs_embeds` as given: it gets them scaled)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    path = make_tiny_model(str(tmp_path / family), family, seed=5)
+    embeds = np.random.default_rng(0).normal(0, 0.5, (2, 11, 64)).astype(np.float32)  # [prompts, len, D]
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    given = torch.from_numpy(embeds) * (float(np.sqrt(64)) if family == "gemma2" else 1.0)
+    with torch.no_grad():
+        want = hf.generate(inputs_embeds=given, attention_mask=torch.ones(given.shape[:2], dtype=torch.long),
+                           max_new_tokens=6, do_sample=False, min_new_tokens=6, pad_token_id=0).tolist()
+    llm = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True, warmup=False)
+    got = _tokens(llm.generate([{"prompt_embeds": e} for e in embeds],
+                               SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False))
+    assert got == want

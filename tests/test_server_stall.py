@@ -3,15 +3,22 @@ byte-level BPE tokenizer: an 8 MB prompt refused from its size while a stream ru
 call on it), a client that hangs up mid-body (a quiet 499), header and body deadlines, the per-client
 connection bound, a non-finite max_tokens, SIGTERM with a stream still open (server_shutdown + [DONE]); output
 constraints over --max-grammar-bytes refused before llguidance sees them, and a large legal one compiled while a
-stream runs without holding it."""
+stream runs without holding it.
+
+The two stall checks (`stall_failures`) time the stall while it happens: a stream runs and /health is polled
+throughout the slow request, the bound is derived from the same stream's gaps and /health's latency measured
+just before it, and the stream must be seen alive inside the request's window. Each has a twin with its
+protection switched off in the server (SWITCH_PRELUDE) that asserts the same check then fails."""
 import argparse
 import json
+import os
 import signal
 import socket
 import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 from test_server import CHAT_TEMPLATE, Server, wait_idle
 
@@ -34,6 +41,19 @@ PRELUDE = ("import jaxpaged.core.tokenizer as _t\n"
            "    print('GRAMMAR_FROM', kind, len(text), flush=True)\n"
            "    return _grammar_from(kind, text)\n"
            "_lg.grammar_from = _seen\n")
+# The protections, switched off while the file named by STALL_SWITCH_OFF exists: the size check before tokenizing
+# (every prompt then "fits" it and is tokenized whole) and the grammar compile in a worker thread (then run on the
+# event loop itself).
+SWITCH_PRELUDE = ("import os as _os, types as _types, asyncio as _asyncio\n"
+                  "_off = lambda: _os.path.exists(_os.environ['STALL_SWITCH_OFF'])\n"
+                  "import serve.prompt_size as _ps\n"
+                  "_unseen = _ps.refused_unseen\n"
+                  "_ps.refused_unseen = lambda *a: True if _off() else _unseen(*a)\n"
+                  "import serve.tools as _st\n"
+                  "async def _to_thread(f, *a, **k):\n"
+                  "    return f(*a, **k) if _off() else await _asyncio.to_thread(f, *a, **k)\n"
+                  "_st.asyncio = _types.SimpleNamespace(to_thread=_to_thread)\n")
+BIG_GRAMMAR_BYTES = 2 ** 21  # the switched server's --max-grammar-bytes: room for a schema that costs seconds
 FLAGS = ("--request-header-timeout", "1", "--request-body-timeout", "1", "--max-connections-per-client", "6")
 
 
@@ -68,46 +88,149 @@ def server(model_dir, compile_cache, tmp_path_factory):
     srv.stop()
 
 
-def stream_gaps(url: str, out: dict, started: threading.Event) -> None:
-    """Stream a long completion; record the largest gap between its events and whether it ended in [DONE]."""
+@pytest.fixture(scope="module")
+def switched(model_dir, compile_cache, tmp_path_factory):
+    """A server whose two stall protections a test can switch off (yields (server, the switch's path))."""
+    off = str(tmp_path_factory.mktemp("switch") / "off")
+    os.environ["STALL_SWITCH_OFF"] = off
+    try:
+        srv = Server(model_dir, compile_cache, str(tmp_path_factory.mktemp("logs") / "switched.log"),
+                     extra=(*FLAGS, "--max-grammar-bytes", str(BIG_GRAMMAR_BYTES)), prelude=PRELUDE + SWITCH_PRELUDE,
+                     max_body=16 * 2 ** 20)
+    finally:
+        del os.environ["STALL_SWITCH_OFF"]
+    yield srv, off
+    srv.stop()
+
+
+def stream_gaps(url: str, out: dict, started: threading.Event, until: threading.Event | None = None) -> None:
+    """Stream a long completion; record the largest gap between its events, their times and whether it ended
+    in [DONE]. With `until`, stream one completion after another until it is set."""
     body = {"model": "tiny", "prompt": "the dog", "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
-        last, gaps, lines = None, [], []
-        for line in r.iter_lines():
-            if not line:
-                continue
-            now = time.monotonic()
-            if last is not None:
-                gaps.append(now - last)
-            last = now
-            lines.append(line)
-            started.set()
-    out["max_gap"], out["lines"] = max(gaps, default=0.0), lines
+    last, gaps = None, []
+    while True:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = []
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                lines.append(line)
+                out.setdefault("times", []).append(now)
+                started.set()
+        out["max_gap"], out["lines"] = max(gaps, default=0.0), lines
+        if until is None or until.is_set():
+            return
+
+
+def during_stream(url: str, slow) -> dict:
+    """Run `slow()` (a request the server must not stall on) while a long stream runs and /health is polled
+    without pause; measure the stream and /health before it (the baseline) and during it."""
+    out, started, done = {}, threading.Event(), threading.Event()
+    t = threading.Thread(target=stream_gaps, args=(url, out, started, done))
+    t.start()
+    assert started.wait(60)
+    while len(out["times"]) < 12:  # a baseline of 10 gaps between events
+        time.sleep(0.01)
+    base_health = []
+    for _ in range(5):
+        t0 = time.monotonic()
+        httpx.get(url + "/health", timeout=60)
+        base_health.append(time.monotonic() - t0)
+    health = []
+
+    def poll():
+        while not done.is_set():
+            a = time.monotonic()
+            httpx.get(url + "/health", timeout=60)
+            health.append((a, time.monotonic() - a))
+
+    p = threading.Thread(target=poll)
+    t0 = time.monotonic()
+    p.start()
+    r = slow()
+    t1 = time.monotonic()
+    time.sleep(0.5)  # more events after the request
+    done.set()
+    p.join(60)
+    t.join(120)
+    times = out["times"]
+    before = [x for x in times if x < t0]
+    gaps = np.diff(before)
+    spanning = [x for x in times if x >= before[-1]]  # the last event before the request and all after it
+    inside = [b - a for a, b in zip(spanning, spanning[1:]) if a <= t1]  # gaps that overlap the request
+    return dict(response=r, window=t1 - t0, baseline_gap=float(gaps.max()), baseline_health=max(base_health),
+                gap=max(inside, default=np.inf), events_inside=sum(t0 <= x <= t1 for x in times),
+                stream_ended=out["lines"][-1] == "data: [DONE]",
+                health=max((d for a, d in health if a <= t1), default=np.inf))
+
+
+def summary(m: dict) -> str:
+    return ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in m.items() if k != "response")
+
+
+# A stall is a pause over 20 times the baseline's largest: a compile in a worker thread still slows the stream
+# (llguidance and the engine share the GIL and two cores: measured 17 times the baseline's largest gap, the
+# stream never stopping), where the loop held by it stops everything for the whole compile (hundreds of times).
+STALL_FACTOR = 20
+
+
+def stall_failures(m: dict) -> list[str]:
+    """What shows the server stalled during the slow request (m from `during_stream`); empty: it did not.
+    The stream's largest gap that overlaps the request and the slowest /health answered during it must stay
+    under STALL_FACTOR times their baseline, and the stream must have sent events during the request."""
+    bound = STALL_FACTOR * max(m["baseline_gap"], m["baseline_health"])
+    failures = []
+    if m["gap"] >= bound:
+        failures.append(f"the stream paused {m['gap']:.3f}s (bound {bound:.3f}s)")
+    if m["health"] >= bound:
+        failures.append(f"/health took {m['health']:.3f}s (bound {bound:.3f}s)")
+    if m["events_inside"] == 0:
+        failures.append(f"no event of the stream during the request's {m['window']:.3f}s")
+    return failures
+
+
+def oversized(url: str, path: str) -> httpx.Response:
+    text = "the quick brown fox " * (BIG // 20)
+    body = ({"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]})
+    return httpx.post(url + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=120)
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_oversized_prompt_refused_before_tokenizing(server, path):
-    out, started = {}, threading.Event()
-    t = threading.Thread(target=stream_gaps, args=(server.url, out, started))
-    t.start()
-    assert started.wait(60)
-    text = "the quick brown fox " * (BIG // 20)
-    body = ({"prompt": text} if path == "/v1/completions" else {"messages": [{"role": "user", "content": text}]})
-    r = httpx.post(server.url + path, json={"model": "tiny", "max_tokens": 4, **body}, timeout=60)
-    t0 = time.monotonic()
-    assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    health = time.monotonic() - t0
-    t.join(120)
+def test_oversized_prompt_refused_before_tokenizing(switched, path):
+    server, _ = switched
+    before = server.output()
+    m = during_stream(server.url, lambda: oversized(server.url, path))
+    r = m["response"]
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["code"] == "context_length_exceeded" and err["param"] == ("prompt" if "chat" not in path
                                                                           else "messages"), err
     assert "characters" in err["message"] and "max_model_len is 256" in err["message"]
-    assert "BIG_ENCODE" not in server.output()  # the 8 MB text never reached the tokenizer
-    assert out["lines"][-1] == "data: [DONE]"
-    print(f"{path}: stream's largest gap {out['max_gap']:.3f}s, /health {health:.3f}s")
-    assert out["max_gap"] < 5 and health < 5  # loose: the refusal does not hold the engine or the loop
+    assert "BIG_ENCODE" not in server.output()[len(before):]  # the 8 MB text never reached the tokenizer
+    assert m["stream_ended"]
+    print(f"{path}: {summary(m)}")
+    assert stall_failures(m) == []
     wait_idle(server)  # every block given back
+
+
+def test_oversized_prompt_unguarded_stalls(switched):
+    """The twin: with the size check off, the 8 MB text is tokenized whole and the same check fails."""
+    server, off = switched
+    before = server.output()
+    open(off, "w").close()
+    try:
+        m = during_stream(server.url, lambda: oversized(server.url, "/v1/completions"))
+    finally:
+        os.remove(off)
+    assert m["response"].status_code == 400
+    assert "BIG_ENCODE" in server.output()[len(before):]
+    print(summary(m))
+    assert stall_failures(m), summary(m)
+    wait_idle(server)
 
 
 def test_prompt_within_the_bound_still_served(server):
@@ -256,23 +379,39 @@ def test_constraint_within_the_limit_still_compiled(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
 
 
-def test_large_legal_schema_does_not_stall_a_stream(server):
-    schema = int_schema(1000)
-    assert len(json.dumps(schema)) <= DEFAULT_MAX_GRAMMAR_BYTES
-    out, started = {}, threading.Event()
-    t = threading.Thread(target=stream_gaps, args=(server.url, out, started))
-    t.start()
-    assert started.wait(60)
-    t0 = time.monotonic()
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+COSTLY = int_schema(4000)  # ~0.25 MB: 4 times the default bound, under llguidance's lexer limit
+
+
+def costly_constraint(url: str) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=120, json={
         "model": "tiny", "messages": _MSG, "max_tokens": 8,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": schema}}})
-    took = time.monotonic() - t0
-    t.join(120)
-    assert r.status_code == 200, r.text
-    assert out["lines"][-1] == "data: [DONE]"
-    print(f"large schema: answered in {took:.3f}s, the stream's largest gap {out['max_gap']:.3f}s")
-    assert out["max_gap"] < 2  # loose: compiled in a worker thread, not on the loop nor the engine thread
+        "response_format": {"type": "json_schema", "json_schema": {"name": "big", "schema": COSTLY}}})
+
+
+def test_large_legal_schema_does_not_stall_a_stream(switched):
+    server, _ = switched
+    assert DEFAULT_MAX_GRAMMAR_BYTES < len(json.dumps(COSTLY)) <= BIG_GRAMMAR_BYTES
+    before = grammar_calls(server)
+    m = during_stream(server.url, lambda: costly_constraint(server.url))
+    assert m["response"].status_code == 200, m["response"].text
+    assert grammar_calls(server) == before + 1
+    assert m["stream_ended"]
+    print(f"large schema: {summary(m)}")
+    assert stall_failures(m) == []  # compiled in a worker thread, not on the loop nor the engine thread
+    wait_idle(server)
+
+
+def test_large_schema_compiled_on_the_loop_stalls(switched):
+    """The twin: compiled on the event loop, the same schema fails the same check."""
+    server, off = switched
+    open(off, "w").close()
+    try:
+        m = during_stream(server.url, lambda: costly_constraint(server.url))
+    finally:
+        os.remove(off)
+    assert m["response"].status_code == 200, m["response"].text
+    print(summary(m))
+    assert stall_failures(m), summary(m)
     wait_idle(server)
 
 

@@ -6,13 +6,14 @@
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
 default model (jaxpaged/testing/prompts.py, also tests/test_default_model.py's: four texts, three chats;
 --max-tokens each, EOS ignored).
-Every other configuration is then teacher-forced on those float32 tokens: for each position i it is
-asked for the next token after prompt + float32 tokens[:i] (one request per position, max_tokens 1,
-the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
+Every configuration is then teacher-forced on those float32 tokens: one request per prompt, prompt +
+float32 tokens, scored by its prompt logprobs (the top --top-logprobs and the given token's, at every
+position, over the configuration's weights and KV cache: the prefill writes K/V to the cache and attends
+over it), and reports
   - greedy agreement: the share of positions where its greedy token equals the float32 token;
   - mean / max |delta logprob| of the float32 token: its logprob there minus float32's own (computed
-    the same teacher-forced way). A float32 token outside the configuration's top logprobs counts with
-    the smallest logprob listed (an underestimate of |delta|; counted as `outside_top`).
+    the same teacher-forced way); `outside_top` counts the positions where that token is not among the
+    configuration's top logprobs.
 Each configuration row: weights (--weights: float32, bfloat16 (the engine dtype: weights and activations),
 int8, fp8 (weight-only, float32 activations), bfloat16-int8 (int8 weights, bfloat16 activations and KV))
 x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
@@ -42,20 +43,19 @@ def engine(model_dir: str, args, weights: str, kv: str):
     return bc.build_llm(model_dir, args, dtype=dtype or "float32", **over)
 
 
-def teacher_forced(llm, prompts: list[list[int]], tokens: list[list[int]], top: int) -> dict:
+def teacher_forced(llm, prompts: list[list[int]], tokens: list[list[int]], top: int) -> list:
     """Per prompt: [(greedy token, logprob of the float32 token, float32 token outside the top?)] at every
-    position of the float32 continuation."""
+    position of the float32 continuation, from one request per prompt (prompt + float32 tokens) and its
+    prompt logprobs."""
     from jaxpaged import SamplingParams
-    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=top)
-    reqs = [{"prompt_token_ids": p + t[:i]} for p, t in zip(prompts, tokens) for i in range(len(t))]
-    outs = iter(llm.generate(reqs, sp, use_tqdm=False))
+    sp = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=top)
+    outs = llm.generate([{"prompt_token_ids": p + t} for p, t in zip(prompts, tokens)], sp, use_tqdm=False)
     res = []
-    for t in tokens:
+    for p, t, o in zip(prompts, tokens, outs):
         rows = []
-        for want in t:
-            o = next(outs).outputs[0]
-            lp = o.logprobs[0]
-            rows.append((o.token_ids[0], lp.get(want, min(lp.values())), want not in lp))
+        for i, want in enumerate(t):
+            lp = o.prompt_logprobs[len(p) + i]  # {id: logprob}: the top `top` (best first), then want's
+            rows.append((next(iter(lp)), lp[want], len(lp) > top))
         res.append(rows)
     return res
 

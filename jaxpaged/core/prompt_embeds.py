@@ -1,11 +1,11 @@
 """Prompts given as embeddings (vLLM's `{"prompt_embeds": array[prompt_len, hidden]}`): checked on the host.
 
-The embeddings stand for the output of the token lookup (the raw rows of the embedding table, before any
-embedding scale a family applies, e.g. Gemma's sqrt(hidden)): the step feeds them to the first layer in
-place of the lookup at the prompt's positions (jaxpaged/step/prompt_embeds.py); the tokens generated
-after the prompt take the ordinary lookup. The request's prompt token ids are placeholders (0), as vLLM's
-engine keeps them: they count the prompt's positions and key nothing, so the blocks of such a request
-never enter the prefix cache (`Request.cacheable`).
+The embeddings stand for the output of the token lookup (the raw rows of the embedding table; as vLLM reads them,
+before Gemma 2's sqrt(hidden) scale and after Gemma 3's, which takes them as given): the step feeds them
+to the first layer in place of the lookup at the prompt's positions (jaxpaged/step/prompt_embeds.py);
+the tokens generated after the prompt take the ordinary lookup. The request's prompt token ids are
+placeholders (0), as vLLM's engine keeps them: they count the prompt's positions and key nothing, so
+the blocks of such a request never enter the prefix cache (`Request.cacheable`).
 
 Host only (numpy): a jax array, a numpy array or anything `np.asarray` reads (a CPU torch tensor) is taken,
 in any floating-point dtype (bfloat16 included), and kept as float32 [prompt_len, hidden] until the step

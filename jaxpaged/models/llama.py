@@ -88,7 +88,8 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     returned last (after the states); the scan gives them as its per-layer outputs.
 
     `prompt_embeds` (bool[T], f32[T, D]): the rows marked take the given embeddings in place of the token
-    lookup's output (before the embedding scale; jaxpaged/step/prompt_embeds.py)."""
+    lookup's output (as vLLM reads them: before the embedding scale on Gemma 2, after it on Gemma 3, which
+    takes them as given; jaxpaged/step/prompt_embeds.py)."""
     if routes and not cfg.num_experts:
         raise ValueError("routes (return_routed_experts) needs a mixture-of-experts model")
     T = batch["input_ids"].shape[0]
@@ -103,11 +104,15 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         norm = lambda x, w: row_tiled(lambda t: rms_norm(t, w, eps, plus_one), x, cfg.row_tile)
 
     x = take_rows(params["embed"], batch["input_ids"])  # [T, D]
+    scale = jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)  # HF rounds sqrt(hidden) to the param dtype first
+    if cfg.embed_scale:
+        x = x * scale
     if prompt_embeds is not None:
         use, given = prompt_embeds  # bool[T], f32[T, D]
-        x = jnp.where(use[:, None], given.astype(x.dtype), x)
-    if cfg.embed_scale:  # HF rounds sqrt(hidden) to the parameter dtype first
-        x = x * jnp.asarray(math.sqrt(cfg.hidden_size), x.dtype)
+        given = given.astype(x.dtype)
+        if cfg.embed_scale and cfg.family == "gemma2":  # vLLM scales Gemma 2's; Gemma 3's are taken as given
+            given = given * scale
+        x = jnp.where(use[:, None], given, x)
     kinds = sorted(set(cfg.layer_types))
     ropes = {t: rope_tables(cfg, batch["positions"], local=t == SLIDING) for t in kinds}  # cos, sin [T, hd/2]
     # x @ w over the tokens (in row tiles for batch invariance), plus each token's LoRA slot (jaxpaged/lora/)

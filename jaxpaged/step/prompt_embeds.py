@@ -10,8 +10,9 @@ the step as it would without this file). With it, every step takes two more inpu
 A step scheduling no prompt position of such a request (every decode step, every step while no such
 request is admitted) sends all-false rows and the zeros that stay on the device: no copy of [E, D], no
 extra compilation (one per bucket, as without the flag). The decoder puts the rows in place of the token
-lookup's output (before any embedding scale), so an embedding equal to a token's row of the table gives
-exactly that token's computation; the tokens generated after the prompt take the ordinary lookup.
+lookup's output (before Gemma 2's embedding scale, after Gemma 3's), so an embedding equal to a token's
+(scaled, on Gemma 3) row of the table gives exactly that token's computation;
+the tokens generated after the prompt take the ordinary lookup.
 
 Measured on the compiled step of a tiny Llama (bucket 16): without the flag its HLO is the one of the tree
 before this feature, byte for byte but source locations; with it, a [T, D] select more (+1040 flops).
