@@ -105,6 +105,9 @@ class ServerConfig:
                                   "grammar or choices, the tools' parameters for tool_choice required or named), "
                                   "else a 400 grammar_too_large before any compiling (default %(default)s)",
                                   group=LIMITS, type=_positive)
+    max_stored_responses: int = flag(1024, "finished /v1/responses responses kept in memory for GET and "
+                                     "previous_response_id, the least recently used dropped first; 0: none kept "
+                                     "(default %(default)s)", group=LIMITS)
     lora_modules: list[str] | None = flag(None, "PEFT adapter directories to serve, by name (requests pick one by "
                                           "`model`)", group=LORA, nargs="+", metavar="NAME=PATH")
     enable_runtime_lora_updating: bool = flag(False, "serve POST /v1/load_lora_adapter and "

@@ -19,6 +19,7 @@ from serve.errors import APIError
 
 # the kinds of request a rule applies to; /invocations takes both COMPLETION's and CHAT's
 COMPLETION, CHAT, BATCH_CHAT, TOKENIZE = "completion", "chat", "batch_chat", "tokenize"
+RESPONSES = "responses"  # /v1/responses: its request is planned as a chat request (serve/responses.py)
 GENERATION = (COMPLETION, CHAT, BATCH_CHAT)
 
 
@@ -160,6 +161,17 @@ RULES: list[Rule] = [
     Rule("truncate_prompt_tokens", "empty_prompt", (CHAT, BATCH_CHAT), "truncate_prompt_tokens must leave at least "
          "one token of the rendered conversation (0, or -1 with max_tokens filling max_model_len, leave none)",
          where="jaxpaged/core/validation.py"),
+    Rule("previous_response_id", "previous_response_not_found", (RESPONSES,), "previous_response_id must name a "
+         "stored response: one made with store true, not deleted, among the newest --max-stored-responses",
+         where="serve/responses.py"),
+    Rule("max_output_tokens", "context_length_exceeded", (RESPONSES,), "the rendered conversation's tokens + "
+         "max_output_tokens (default: the rest of max_model_len) must not exceed max_model_len",
+         where="jaxpaged/core/validation.py"),
+    Rule(None, "invalid_combination", (RESPONSES,), "at most one of a non-text text.format and tool_choice required "
+         "or a function; tool_choice other than none needs tools; a function tool_choice must name one of the "
+         "tools", where="serve/tools.py"),
+    Rule("input", "chat_template_error", (RESPONSES,), "the model's chat template may refuse the conversation (its "
+         "message says why)", where="serve/chat.py"),
 ]
 
 
