@@ -38,8 +38,12 @@ async def tokenize(request: Request) -> Response:
                                 else TokenizeCompletionRequest)
     L = st.engine.max_model_len
     if isinstance(req, TokenizeChatRequest):
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                                "add_generation_prompt false to continue the last message)",
+                           param="continue_final_message", code="invalid_combination")
         ids = await asyncio.to_thread(chat_prompt, st.engine, req.messages, None, req.add_generation_prompt,
-                                      req.add_special_tokens)
+                                      req.add_special_tokens, req.continue_final_message)
     else:
         await prompt_size.check_prompts(tok, [req.prompt], L)  # a prompt too large refused before tokenizing
         ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
@@ -70,4 +74,5 @@ async def tokenizer_info(request: Request) -> Response:
     if tok is None:
         raise APIError(404, "this model has no tokenizer files", code="not_found")
     return JSONResponse({**{k: v for k, v in tok.special.items() if v}, "chat_template": tok.chat_template,
-                         "vocab_size": len(tok), "model_max_length": st.engine.max_model_len})
+                         "vocab_size": len(tok), "model_max_length": st.engine.max_model_len,
+                         "tokenizer_class": tok.tokenizer_class})
