@@ -12,7 +12,8 @@ from serve.batch_chat import BatchChatCompletionRequest
 from serve.errors import APIError
 from serve.openapi import openapi_schema
 from serve.protocol import ChatCompletionRequest, CompletionRequest
-from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, RULES, TOKENIZE
+from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, RESPONSES, RULES, TOKENIZE
+from serve.responses_protocol import ResponsesRequest
 
 LIMITS = dict(vocab_size=256, max_model_len=64, max_logprobs=20, max_banned_ids=16, num_eos_ids=1)
 FACTS = {"limits": LIMITS, "max_grammar_bytes": 1000}
@@ -24,6 +25,7 @@ KINDS = {  # kind -> (request model, a valid body, the operation, the request sc
     BATCH_CHAT: (BatchChatCompletionRequest, {"messages": [_MESSAGES["messages"]]}, "/v1/chat/completions/batch",
                  "BatchChatCompletionRequest"),
     TOKENIZE: (None, None, "/tokenize", None),
+    RESPONSES: (ResponsesRequest, {"input": "hi"}, "/v1/responses", "ResponsesRequest"),
 }
 CHECKED = [r for r in RULES if r.broken is not None]
 
