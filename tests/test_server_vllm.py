@@ -719,7 +719,7 @@ def test_tokenize_chat_as_vllm(server, flagged):
     err = refused(server, "/tokenize", messages=convo, continue_final_message=True)  # with add_generation_prompt
     assert err["param"] == "continue_final_message", err
     info = httpx.get(flagged.url + "/tokenizer_info").json()
-    assert info["tokenizer_class"] == type(tok).__name__ == "PreTrainedTokenizerFast", info
+    assert info["tokenizer_class"] == type(tok).__name__, info
 
 
 def test_prefix_cache_counters(server):
