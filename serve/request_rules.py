@@ -97,7 +97,7 @@ RULES: list[Rule] = [
          schema=lambda f: [if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
                                    ["top_logprobs"], ["logprobs"])],
          example={"top_logprobs": 2}),
-    Rule("continue_final_message", "invalid_combination", (CHAT, BATCH_CHAT), "continue_final_message needs "
+    Rule("continue_final_message", "invalid_combination", (CHAT, BATCH_CHAT, TOKENIZE), "continue_final_message needs "
          "add_generation_prompt false (an if/then here would be one too many for schemathesis' generator)",
          broken=lambda r: r.continue_final_message and r.add_generation_prompt,
          message="continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "

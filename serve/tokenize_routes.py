@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serve import lora as serve_lora
-from serve import prompt_size
+from serve import prompt_size, request_rules
 from serve.chat import chat_prompt
 from serve.errors import APIError
 from serve.protocol_tokenize import (
@@ -38,10 +38,7 @@ async def tokenize(request: Request) -> Response:
                                 else TokenizeCompletionRequest)
     L = st.engine.max_model_len
     if isinstance(req, TokenizeChatRequest):
-        if req.continue_final_message and req.add_generation_prompt:
-            raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
-                                "add_generation_prompt false to continue the last message)",
-                           param="continue_final_message", code="invalid_combination")
+        request_rules.check(req, request_rules.TOKENIZE)  # a chat's rules (continue_final_message)
         ids = await asyncio.to_thread(chat_prompt, st.engine, req.messages, None, req.add_generation_prompt,
                                       req.add_special_tokens, req.continue_final_message)
     else:
