@@ -155,6 +155,11 @@ def _stored(request: Request):
     return st, rid
 
 
+async def stored(request: Request) -> Response:
+    """GET or DELETE /v1/responses/{response_id} (one route, so a 405's Allow lists both)."""
+    return await (retrieve if request.method in ("GET", "HEAD") else delete)(request)
+
+
 async def retrieve(request: Request) -> Response:
     """GET /v1/responses/{response_id}: a stored response (404 if none)."""
     st, rid = _stored(request)
