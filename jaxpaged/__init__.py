@@ -22,6 +22,7 @@ _EXPORTS = {
     "BeamSearchParams": "jaxpaged.core.beam_search",
     "BeamSearchOutput": "jaxpaged.core.beam_search",
     "BeamSearchSequence": "jaxpaged.core.beam_search",
+    "PoolingParams": "jaxpaged.core.pooling",
 }
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -61,6 +61,9 @@ class Admission:
         e.spec.check(params)
         check_params(params, tuple(cfg.hidden_state_layers or ()), tuple(cfg.steering_layers or ()), mc.hidden_size)
         routed_experts.check_params(params, mc)
+        if params.pooling is not None and not cfg.pooling:
+            raise InvalidParam("pooling", "embeddings need an engine started with runner='pooling' (--runner "
+                                          "pooling) or convert='embed'")
         if params.logprob_token_ids and cfg.logprobs_mode.startswith("processed"):
             raise InvalidParam("logprob_token_ids", f"logprob_token_ids are read from the raw logits; this engine's "
                                f"logprobs_mode is {cfg.logprobs_mode}")

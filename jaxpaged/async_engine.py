@@ -189,7 +189,8 @@ class AsyncEngine:
         beam and iteration ("<request_id>-<iteration>-<beam>"), all of an iteration queued together. Returns
         the finished search (`best()`, `generated(...)`). Raises as `add_requests` (an invalid prompt: the
         first iteration's ValueError) and RequestFailedError; cancelled, it aborts the iteration's requests."""
-        check_beam_search(params, self.engine.config.logprobs_mode, self.request_limits()["max_logprobs"])
+        check_beam_search(params, self.engine.config.logprobs_mode, self.request_limits()["max_logprobs"],
+                          self.engine.config.enable_prefix_caching)
         search = BeamSearch(prompts, params, self.engine.eos_token_ids, self.max_model_len)
         step, iteration = search.step_params(), 0
         while not search.done:

@@ -175,6 +175,14 @@ class EngineConfig:
                                         "token lookup (jaxpaged/step/prompt_embeds.py)")
     seed: int = option(0, MODEL, "seed of the engine's random stream, from which a request without a seed of "
                        "its own draws one")
+    # -- pooling (jaxpaged/core/pooling.py, jaxpaged/step/pooling.py): embeddings from the final-norm states
+    runner: str = option("auto", MODEL, "generate, or pooling: also serve embeddings (LLM.embed, /v1/embeddings, "
+                         "/pooling, /score, /rerank) from the model's pooled final-norm hidden states; auto: pooling "
+                         "when --convert embed", choices=("auto", "generate", "pooling"))
+    convert: str = option("auto", MODEL, "embed: serve the decoder language model as an embedding model (vLLM's "
+                          "--convert; implies --runner pooling)", choices=("auto", "none", "embed"))
+    pooler_config: Any = option(None, MODEL, 'as JSON: \'{"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": '
+                                'true}\' (default: LAST, normalized)', metavar="JSON")
     # -- scheduler
     max_num_seqs: int = option(64, SCHEDULER, "batch slots: requests that run at once")
     max_num_batched_tokens: int = option(512, SCHEDULER, "token budget of one step, prefill chunks and decodes "
@@ -286,6 +294,9 @@ class EngineConfig:
             check_engine(self)
             if self.speculative_config.method == "draft_model":
                 check_draft_engine(self)
+        from jaxpaged.core.pooling import PoolerConfig, pooling_enabled
+        self.pooling = pooling_enabled(self.runner, self.convert)  # not a field: no flag of its own
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
         if self.steering_layers and self.num_processes > 1:
             raise ValueError("steering_layers is not supported with num_processes > 1 (the followers "
                              "would not see the per-slot vectors)")

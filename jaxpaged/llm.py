@@ -1,4 +1,4 @@
-"""LLM: offline generation, scoring and the engine's controls over an `Engine` (jaxpaged/contract.py: one
+"""LLM: offline generation, scoring, embeddings and the engine's controls over an `Engine` (jaxpaged/contract.py: one
 LLMEngine, replicas, or a multi-host job's leader)."""
 from __future__ import annotations
 
@@ -14,6 +14,15 @@ from jaxpaged.core.beam_search import (
     check_beam_search,
 )
 from jaxpaged.core.outputs import RequestOutput
+from jaxpaged.core.pooling import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    PoolingParams,
+    ScoringOutput,
+    ScoringRequestOutput,
+    cosine,
+    pairs,
+)
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.tokenizer import Tokenizer
 from jaxpaged.core.validation import prompt_ids
@@ -128,7 +137,8 @@ class LLM(ControlsFront):
         One engine step per iteration for all live beams of all prompts; a beam forks from its parent through
         the prefix cache (the parent's full blocks are shared, only its partial last block is recomputed)."""
         eng = self._leader()
-        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"])
+        check_beam_search(params, eng.config.logprobs_mode, eng.request_limits()["max_logprobs"],
+                          eng.config.enable_prefix_caching)
         prompts = _prompt_list(prompts)
         ids = [prompt_ids(p, eng.tokenizer, eng.config.model)[1] for p in prompts]
         loras = _per_prompt(lora_request, len(prompts), "lora requests")
@@ -152,6 +162,34 @@ class LLM(ControlsFront):
         if _is_one_prompt(prompts):
             prompts, continuations = [prompts], [continuations]
         return self._leader().score(list(prompts), list(continuations))
+
+    def embed(self, prompts, pooling_params: PoolingParams | None = None, use_tqdm: bool = True,
+              lora_request=None) -> list[EmbeddingRequestOutput]:
+        """vLLM's `LLM.embed`: each prompt's pooled final-norm hidden state (`.outputs.embedding`), pooled as
+        the engine's `pooler_config` says (LAST / MEAN / CLS; normalized unless `pooling_params.normalize` is
+        False). Needs an engine started with `runner="pooling"` or `convert="embed"`. Each prompt is
+        computed like a prompt to generate from (chunked prefill, the prefix cache for LAST pooling) and
+        finishes after it: no token is generated, no KV block is computed past it."""
+        eng = self._leader()
+        if not eng.config.pooling:
+            raise ValueError("embed needs an engine started with runner='pooling' or convert='embed'")
+        params = SamplingParams(max_tokens=1, temperature=0.0,
+                                pooling=(pooling_params or PoolingParams()).resolve(eng.config.pooler_config))
+        outs = self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(o.pooled.tolist()))
+                for o in outs]
+
+    def pair_score(self, data_1, data_2, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """vLLM's `LLM.score` for an embedding model, under this name (`LLM.score` is the continuation
+        logprobs; docs/research.md): the cosine similarity of the embeddings of each pair (`.outputs.score`).
+        `data_1` one prompt (against each of `data_2`) or as many as `data_2` (pairwise)."""
+        data_1, data_2 = _prompt_list(data_1), _prompt_list(data_2)
+        index = pairs(data_1, data_2)
+        embs = self.embed(data_1 + data_2, use_tqdm=use_tqdm)
+        a, b = embs[:len(data_1)], embs[len(data_1):]
+        return [ScoringRequestOutput(f"score-{k}", a[i].prompt_token_ids + b[j].prompt_token_ids,
+                                     ScoringOutput(cosine(a[i].outputs.embedding, b[j].outputs.embedding)))
+                for k, (i, j) in enumerate(index)]
 
     def chat(self, messages_list, sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

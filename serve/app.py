@@ -28,6 +28,7 @@ from jaxpaged.async_engine import AsyncEngine
 from serve import batch_chat, chat, completions, invocations, responses, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
 from serve.config import DEFAULT_MAX_BODY_BYTES, ServerConfig, add_server_args
+from serve.embeddings import embeddings, pooling
 from serve.errors import APIError
 from serve.http_protocol import protocol
 from serve.load import Load, counted, server_load
@@ -35,6 +36,7 @@ from serve.metrics import Metrics
 from serve.openapi import openapi_schema
 from serve.reasoning import ReasoningParser, make_parser
 from serve.responses_store import ResponseStore
+from serve.scoring_routes import rerank, score
 
 log = logging.getLogger("jaxpaged.serve")
 
@@ -99,12 +101,14 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
          if config.enable_tokenizer_info_endpoint else [])
       + ([Route("/v1/load_lora_adapter", routes.load_lora_adapter, methods=["POST"]),
           Route("/v1/unload_lora_adapter", routes.unload_lora_adapter, methods=["POST"])]
-         if config.enable_runtime_lora_updating else []),
+         if config.enable_runtime_lora_updating else [])
+      + (embedding_routes() if engine.engine.config.pooling else []),
         exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _server_error},
         lifespan=lifespan)
     limits = engine.request_limits()
     schema = openapi_schema(__version__, limits=limits, model_name=name, max_grammar_bytes=config.max_grammar_bytes,
-                            api_key=bool(config.api_key), tokenizer_info=config.enable_tokenizer_info_endpoint)
+                            api_key=bool(config.api_key), tokenizer_info=config.enable_tokenizer_info_endpoint,
+                            pooling=engine.engine.config.pooling)
     if adapters is None and config.enable_runtime_lora_updating:
         adapters = serve_lora.Adapters()
     app.state.server = ServerState(engine, dataclasses.replace(config, api_key=config.api_key or None), name,
@@ -113,6 +117,13 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
                                    make_parser(config.reasoning_parser), Load(config.enable_server_load_tracking),
                                    adapters, responses=ResponseStore(config.max_stored_responses))
     return app
+
+
+def embedding_routes() -> list[Route]:
+    """The routes of an engine started with --runner pooling (serve/embeddings.py, serve/scoring_routes.py)."""
+    handlers = {"/v1/embeddings": embeddings, "/pooling": pooling, "/score": score, "/v1/score": score,
+                "/rerank": rerank, "/v1/rerank": rerank, "/v2/rerank": rerank}
+    return [Route(path, counted(handler), methods=["POST"]) for path, handler in handlers.items()]
 
 
 async def _api_error(request: Request, exc: APIError):

@@ -26,6 +26,7 @@ DEFAULT_MAX_WAITING = 512
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # seconds in-flight requests get after SIGTERM
 DEFAULT_HEADER_TIMEOUT = 10.0  # seconds a request's header may take to arrive
 DEFAULT_BODY_TIMEOUT = 60.0  # seconds a request's body may take to arrive
+DEFAULT_MAX_EMBEDDING_INPUTS = 256  # inputs of one embeddings request (--max-embedding-inputs)
 
 LIMITS, LORA = "server: deadlines and bounds on work", "server: LoRA adapters (with --enable-lora)"
 
@@ -108,6 +109,9 @@ class ServerConfig:
     max_stored_responses: int = flag(1024, "finished /v1/responses responses kept in memory for GET and "
                                      "previous_response_id, the least recently used dropped first; 0: none kept "
                                      "(default %(default)s)", group=LIMITS)
+    max_embedding_inputs: int = flag(DEFAULT_MAX_EMBEDDING_INPUTS, "inputs one embeddings, pooling, score or rerank "
+                                     "request may carry (texts or token-id lists together), else a 400 naming the "
+                                     "field (default %(default)s)", group=LIMITS, type=_positive)
     lora_modules: list[str] | None = flag(None, "PEFT adapter directories to serve, by name (requests pick one by "
                                           "`model`)", group=LORA, nargs="+", metavar="NAME=PATH")
     enable_runtime_lora_updating: bool = flag(False, "serve POST /v1/load_lora_adapter and "

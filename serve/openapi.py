@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic.json_schema import models_json_schema
 
-from serve import request_rules
+from serve import openapi_embed, request_rules
 from serve.batch_chat import BatchChatCompletionRequest
 from serve.protocol import (
     ChatCompletionChunk,
@@ -59,13 +59,15 @@ def _grammar_rule(max_bytes: int) -> dict:
 
 
 def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool,
-                   tokenizer_info: bool = False, max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> dict:
+                   tokenizer_info: bool = False, max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES,
+                   pooling: bool = False) -> dict:
     """The OpenAPI 3.1 document of a server over a model with `limits` (LLMEngine.request_limits());
     `tokenizer_info`: GET /tokenizer_info is served (--enable-tokenizer-info-endpoint); `max_grammar_bytes`:
-    the server's --max-grammar-bytes."""
+    the server's --max-grammar-bytes; `pooling`: the embedding routes are served (--runner pooling)."""
     models = [CompletionRequest, ChatCompletionRequest, BatchChatCompletionRequest, CompletionResponse,
               ChatCompletionResponse, ChatCompletionChunk, ModelList, ErrorResponse, TokenizeCompletionRequest,
               TokenizeChatRequest, TokenizeResponse, DetokenizeRequest, DetokenizeResponse, VersionResponse]
+    models += openapi_embed.MODELS if pooling else []
     _, defs = models_json_schema([(m, "validation") for m in models],
                                  ref_template="#/components/schemas/{model}")
     schemas = defs["$defs"]
@@ -183,6 +185,8 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
         "components": {"schemas": schemas},
     }
     _add_responses(doc, generate, errors, security, limits, model_name)
+    if pooling:
+        doc["paths"].update(openapi_embed.embedding_paths(schemas, model_name, facts, security, errors))
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc

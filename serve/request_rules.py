@@ -22,6 +22,8 @@ COMPLETION, CHAT, BATCH_CHAT, TOKENIZE = "completion", "chat", "batch_chat", "to
 RESPONSES = "responses"  # /v1/responses: its request is planned as a chat request (serve/responses.py)
 GENERATION = (COMPLETION, CHAT, BATCH_CHAT)
 _ALL = GENERATION + (RESPONSES,)  # the body's and the output constraints' rules hold for /v1/responses too
+EMBED, SCORE, RERANK = "embed", "score", "rerank"  # with --runner pooling (serve/embeddings.py, scoring_routes.py)
+POOLING = (EMBED, SCORE, RERANK)
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,24 @@ RULES: list[Rule] = [
          "tools", where="serve/tools.py"),
     Rule("input", "chat_template_error", (RESPONSES,), "the model's chat template may refuse the conversation (its "
          "message says why)", where="serve/chat.py"),
+]
+
+RULES += [
+    Rule("dimensions", "unsupported_dimensions", (EMBED,), "dimensions is refused: the served model is not a "
+         "matryoshka model, its embeddings have their full size only", broken=lambda r: r.dimensions is not None,
+         message=lambda r: f"dimensions: {r.dimensions} requested; the served model is not a matryoshka model, so "
+         "its embeddings have their full size only", example={"dimensions": 8}),
+    Rule("text_1", "invalid_combination", (SCORE,), "text_1 is one text, or a list as long as text_2",
+         broken=lambda r: isinstance(r.text_1, list) and len(r.text_1) > 1 and len(r.text_1) != (
+             len(r.text_2) if isinstance(r.text_2, list) else 1),
+         message="text_1 must be one text or as many texts as text_2", example={"text_1": ["a", "b", "c"]}),
+    Rule("input", "too_many_inputs", POOLING, "at most --max-embedding-inputs inputs in one request (texts of "
+         "input, text_1 and text_2, query and documents together); the 400 names the first field",
+         where="serve/embeddings.py"),
+    Rule("input", "empty_prompt", POOLING, "every input must have at least one token once tokenized (a text of "
+         "only whitespace may have none); the 400 names the field", where="serve/embeddings.py"),
+    Rule("input", "context_length_exceeded", POOLING, "every input has fewer than max_model_len tokens (after "
+         "truncate_prompt_tokens); the 400 names the field", where="serve/embeddings.py"),
 ]
 
 

@@ -233,3 +233,18 @@ def test_core_against_brute_force_on_a_toy_model(seed):
         want = _toy_brute_force(p, width, max_tokens, 2, ignore_eos, lp, max_model_len)
         assert [g.tokens for g in got] == [w[0] for w in want]
         np.testing.assert_allclose([g.cum_logprob for g in got], [w[1] for w in want])
+
+
+def test_without_the_prefix_cache_one_warning_says_the_prompt_is_recomputed(caplog, monkeypatch):
+    import functools
+    import logging
+
+    from jaxpaged.core import beam_search
+    monkeypatch.setattr(beam_search, "_warn_recompute", functools.cache(beam_search._warn_recompute.__wrapped__))
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    with caplog.at_level(logging.WARNING, logger=beam_search.__name__):
+        beam_search.check_beam_search(params, "raw_logprobs", 8, prefix_caching=True)
+        assert not caplog.records
+        for _ in range(3):
+            beam_search.check_beam_search(params, "raw_logprobs", 8, prefix_caching=False)
+    assert len(caplog.records) == 1 and "recomputes every beam's prompt" in caplog.records[0].getMessage()

@@ -80,3 +80,39 @@ def test_no_compiler_warns_and_reports_unavailable(monkeypatch, tmp_path, caplog
     assert "argmax/cpu.cc unavailable, using jnp.argmax" in caplog.text and "no C++ compiler" in caplog.text
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         build_kernel(cpu_argmax.SOURCE)
+
+
+def test_each_kernel_without_a_compiler_warns_once_and_falls_back(monkeypatch, tmp_path, caplog):
+    """No compiler: each kernel's library is None after one warning, `available()` is False, and what runs
+    instead gives the reference's results (attention: the reference; matmul: XLA's dot; argmax: jnp.argmax)."""
+    import functools
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxpaged.step.attention import resolve_backend
+    from jaxpaged.step.matmul import resolve_matmul
+    from pallas_kernels.attention.reference import ragged_paged_attention_reference
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    for module in (cpu_attention, cpu_matmul, cpu_argmax):  # a fresh cache: the next use builds again
+        monkeypatch.setattr(module, "_library", functools.cache(module._library.__wrapped__))
+    monkeypatch.setattr(cpu_matmul, "amx", functools.cache(cpu_matmul.amx.__wrapped__))
+    rng = np.random.default_rng(0)
+    k, v = (jnp.asarray(rng.standard_normal((8, 4, 2, 16)), jnp.float32) for _ in range(2))
+    args = (jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32), k, v, jnp.array([[1, 2], [3, 4]], jnp.int32),
+            jnp.array([6, 2], jnp.int32), jnp.array([0, 1, 3], jnp.int32))
+    with caplog.at_level(logging.WARNING, logger=loader.__name__):
+        for _ in range(2):
+            assert not cpu_attention.available() and not cpu_attention.vectorized()
+            assert resolve_backend("auto", 16, 4) == "reference"
+            np.testing.assert_array_equal(np.asarray(cpu_attention.cpu_ragged_paged_attention(*args)),
+                                          np.asarray(ragged_paged_attention_reference(*args)))
+            assert not cpu_matmul.available() and not cpu_matmul.amx()
+            assert resolve_matmul("auto", jnp.bfloat16, "cpu", 1) is False
+            with pytest.raises(ValueError, match="could not be built here"):
+                resolve_matmul("cpu", jnp.bfloat16, "cpu", 1)
+            assert not cpu_argmax.available() and "could not be built" in cpu_argmax.auto_skip()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 3, warnings  # one a kernel
+    for name, instead in (("attention", "the reference attention"), ("matmul", "XLA's dot"), ("argmax", "jnp.argmax")):
+        assert sum(f"{name}/cpu.cc unavailable, using {instead}" in w and "no C++ compiler" in w for w in warnings) == 1

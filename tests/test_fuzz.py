@@ -37,7 +37,8 @@ def fuzz_server(compile_cache, tmp_path_factory):
     make_tokenizer(d)
     _byte_level_decoder(d)  # so llguidance can read it: constrained requests run too
     srv = Server(d, compile_cache, str(tmp_path_factory.mktemp("logs") / "fuzz.log"),
-                 extra=("--max-model-len", "64"))  # short generations keep the run bounded
+                 extra=("--max-model-len", "64", "--runner", "pooling"))  # short generations keep the run bounded;
+    # --runner pooling: the embedding routes too
     yield srv
     srv.stop()
 
@@ -54,7 +55,7 @@ def _byte_level_decoder(d):
 # The contract of the fuzzed server, built here so that pytest can collect one test per operation;
 # test_served_schema_is_this_one checks the server publishes exactly this document.
 LIMITS = dict(vocab_size=256, max_model_len=64, max_logprobs=20, max_banned_ids=NUM_BANNED, num_eos_ids=1)
-DOC = openapi_schema(__version__, limits=LIMITS, model_name="tiny", api_key=False)
+DOC = openapi_schema(__version__, limits=LIMITS, model_name="tiny", api_key=False, pooling=True)
 schema = schemathesis.openapi.from_dict(DOC)
 schema.config.seed = SEED
 schema.config.cache.enabled = False  # no crash files left in the working tree

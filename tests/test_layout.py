@@ -71,7 +71,7 @@ def test_public_api_is_lazy():
     code = BLOCK_JAX + "import jaxpaged\nassert sorted(jaxpaged.__all__) == sorted(%r)\n" % [
         "LLM", "LLMEngine", "SamplingParams", "EngineConfig", "ModelConfig", "RequestOutput",
         "CompletionOutput", "StructuredOutputsParams", "LoRARequest", "BeamSearchParams", "BeamSearchOutput",
-        "BeamSearchSequence"]
+        "BeamSearchSequence", "PoolingParams"]
     code += ("from jaxpaged import SamplingParams, RequestOutput, StructuredOutputsParams, LoRARequest\n"
              "from jaxpaged import BeamSearchParams, BeamSearchOutput\n"
              "SamplingParams(max_tokens=3)\nBeamSearchParams(beam_width=2, max_tokens=3)\n")

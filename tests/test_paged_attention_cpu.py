@@ -1,5 +1,6 @@
 """The CPU paged attention kernel (pallas_kernels/attention/cpu.cc) against the plain-JAX reference."""
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -13,6 +14,7 @@ from jaxpaged import LLM, SamplingParams
 from jaxpaged.step.attention import resolve_backend
 from pallas_kernels.attention import cpu as cpu_attention
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
+from pallas_kernels.ffi import loader
 
 pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel cannot be built here")
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
@@ -51,9 +53,10 @@ def test_decode(dtype, G, D):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("D,bs", [(40, 8), (16, 32), (96, 16), (24, 4)])
+@pytest.mark.parametrize("D,bs", [(40, 8), (16, 32), (96, 16), (24, 4), (32, 256)])
 def test_shapes(dtype, D, bs):
-    """Head sizes that are not whole 16-lane vectors and block sizes other than 16 (masked tails)."""
+    """Head sizes that are not whole 16-lane vectors and block sizes other than 16 (masked tails); blocks
+    over cpu.VECTOR_BLOCK_SIZE (256) run the plain-loop `attend()` of every build."""
     rng = np.random.default_rng(D + bs)
     lens = [1, bs, 3 * bs + 1, 70, 9]
     n_rows = [1, 1, 1, 11, 9]
@@ -72,15 +75,38 @@ def test_mixed(dtype, options):
     _check(_case(rng, n_rows, lens, 2, 4, 64, 16, dtype), dtype, **options)
 
 
-def test_quantized_pools_take_the_reference():
+def test_quantized_pools_equal_attention_over_their_dequantized_values():
+    """int8 pools with scales (taken by the reference) against an independent computation: the pools
+    dequantized in numpy (values x scales) and attended in float32 by the C++ kernel."""
     rng = np.random.default_rng(1)
     q, k_pool, v_pool, tables, lens, qsl = _case(rng, [1, 4], [5, 20], 2, 2, 64, 8, jnp.float32)
-    k8, v8 = (jnp.clip(jnp.round(p * 20), -127, 127).astype(jnp.int8) for p in (k_pool, v_pool))
-    scales = jnp.full(k_pool.shape[:3], 0.05, jnp.float32)
-    args = (q, k8, v8, tables, lens, qsl)
-    got = cpu_attention.cpu_ragged_paged_attention(*args, k_scale=scales, v_scale=scales)
-    want = ragged_paged_attention_reference(*args, k_scale=scales, v_scale=scales)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    k8, v8 = (np.clip(np.round(np.asarray(p) * 20), -127, 127).astype(np.int8) for p in (k_pool, v_pool))
+    k_scale, v_scale = (rng.uniform(0.02, 0.08, k_pool.shape[:3]).astype(np.float32) for _ in range(2))
+    got = cpu_attention.cpu_ragged_paged_attention(q, jnp.asarray(k8), jnp.asarray(v8), tables, lens, qsl,
+                                                   k_scale=jnp.asarray(k_scale), v_scale=jnp.asarray(v_scale))
+    k_deq, v_deq = (jnp.asarray(p.astype(np.float32) * s[..., None]) for p, s in ((k8, k_scale), (v8, v_scale)))
+    want = cpu_attention.cpu_ragged_paged_attention(q, k_deq, v_deq, tables, lens, qsl)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.abs(np.asarray(want)).max() > 0.1  # not a comparison of zeros
+
+
+@pytest.mark.parametrize("bs", [16, 256])  # the vector path and the plain loops
+def test_stale_nan_and_inf_in_the_pool_are_never_read(bs):
+    """Pool positions past a slot's length, unused blocks and the null block may hold anything (NaN, inf):
+    the output equals that of a clean pool."""
+    rng = np.random.default_rng(bs)
+    args = list(_case(rng, [1, 4, 1], [5, 20, 2 * bs + 3], 2, 2, 32, bs, jnp.float32))
+    k, v = np.asarray(args[1]).copy(), np.asarray(args[2]).copy()
+    used = np.zeros(k.shape[:2], bool)  # [num_blocks, bs]
+    for row, n in zip(np.asarray(args[3]), np.asarray(args[4])):
+        for j in range(n):
+            used[row[j // bs], j % bs] = True
+    for pool, junk in ((k, np.nan), (v, np.inf)):
+        pool[~used] = junk
+    clean = cpu_attention.cpu_ragged_paged_attention(*args)
+    dirty = cpu_attention.cpu_ragged_paged_attention(args[0], jnp.asarray(k), jnp.asarray(v), *args[3:])
+    assert np.isfinite(np.asarray(dirty)).all()
+    np.testing.assert_array_equal(np.asarray(dirty), np.asarray(clean))
 
 
 def test_resolve():
@@ -131,30 +157,53 @@ def test_tensor_parallel_two_devices():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
-def test_avx2_path_equals_the_reference():
-    """The kernel built for AVX2 + FMA (8 lanes: the path of CPUs without AVX-512) against the reference, in a
-    subprocess (its own build and registration)."""
-    code = textwrap.dedent("""
-        import jax, jax.numpy as jnp, numpy as np
-        from pallas_kernels.attention import cpu as cpu_attention
-        from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
-        assert cpu_attention.vector_lanes() == 8, cpu_attention.vector_lanes()
-        rng = np.random.default_rng(0)
-        cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
-        for dtype, tol, D, bs in cases:
-            k, v = (jnp.asarray(rng.standard_normal((40, bs, 2, D)), dtype) for _ in range(2))
-            q = jnp.asarray(rng.standard_normal((15, 6, D)), dtype)
-            tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:36].reshape(4, 9), jnp.int32)
-            args = (q, k, v, tables, jnp.array([3, 70, 9, 1], jnp.int32), jnp.array([0, 1, 2, 11, 12], jnp.int32))
-            for opts in ({}, {"window": 21, "softcap": 5.0}):
-                got = jax.jit(lambda *a: cpu_attention.cpu_ragged_paged_attention(*a, **opts))(*args)
-                want = ref(*args, **opts)
-                got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-                np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
-        print("ok")
-    """)
-    env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+def test_native_build_has_the_widest_vector_path():
+    """-march=native on a CPU with AVX-512 F, BW and VL builds the 16-lane path (which every other test of this
+    module then runs); with AVX2 + FMA only, the 8-lane one."""
+    flags = set(loader.cpu_flags().split())
+    if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        assert cpu_attention.vector_lanes() == 16
+    elif {"avx2", "fma"} <= flags:
+        assert cpu_attention.vector_lanes() == 8
+    else:
+        pytest.skip(f"this CPU has neither AVX-512 nor AVX2 + FMA: the native build has no vector path "
+                    f"(vector_lanes {cpu_attention.vector_lanes()})")
+
+
+ISA_CHECK = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    from pallas_kernels.attention import cpu as cpu_attention
+    from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
+    assert cpu_attention.vector_lanes() == int(sys.argv[1]), cpu_attention.vector_lanes()
+    rng = np.random.default_rng(0)
+    cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
+    for dtype, tol, D, bs in cases:
+        k, v = (np.asarray(rng.standard_normal((40, bs, 2, D)), np.float32) for _ in range(2))
+        k[0], v[0] = np.nan, np.inf  # the null block (never in a used table entry) holds junk
+        k, v = jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+        q = jnp.asarray(rng.standard_normal((15, 6, D)), dtype)
+        tables = jnp.asarray(rng.permutation(np.arange(1, 40))[:36].reshape(4, 9), jnp.int32)
+        args = (q, k, v, tables, jnp.array([3, 70, 9, 1], jnp.int32), jnp.array([0, 1, 2, 11, 12], jnp.int32))
+        for opts in ({}, {"window": 21, "softcap": 5.0}):
+            got = jax.jit(lambda *a: cpu_attention.cpu_ragged_paged_attention(*a, **opts))(*args)
+            want = ref(*args, **opts)
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+            np.testing.assert_allclose(got, want, atol=tol, rtol=tol)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("march,lanes", [("haswell", 8), ("x86-64", 0)])
+def test_isa_build_equals_the_reference(march, lanes):
+    """The kernel built for another ISA in a subprocess (its own build and registration) against the
+    reference: haswell, AVX2 + FMA (the 8-lane vector path of CPUs without AVX-512); x86-64, SSE2 only (the
+    plain-loop `attend()` of CPUs without AVX2). The native build (AVX-512 here) is every other test's."""
+    if platform.machine() != "x86_64":
+        pytest.skip(f"-march={march} builds for x86-64; this machine is {platform.machine()}")
+    env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": march, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", ISA_CHECK, str(lanes)], capture_output=True, text=True, env=env,
+                          timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 

@@ -12,7 +12,8 @@ from serve.batch_chat import BatchChatCompletionRequest
 from serve.errors import APIError
 from serve.openapi import openapi_schema
 from serve.protocol import ChatCompletionRequest, CompletionRequest
-from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, RESPONSES, RULES, TOKENIZE
+from serve.protocol_embed import EmbeddingRequest, RerankRequest, ScoreRequest
+from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, EMBED, RERANK, RESPONSES, RULES, SCORE, TOKENIZE
 from serve.responses_protocol import ResponsesRequest
 
 LIMITS = dict(vocab_size=256, max_model_len=64, max_logprobs=20, max_banned_ids=16, num_eos_ids=1)
@@ -26,12 +27,15 @@ KINDS = {  # kind -> (request model, a valid body, the operation, the request sc
                  "BatchChatCompletionRequest"),
     TOKENIZE: (None, None, "/tokenize", None),
     RESPONSES: (ResponsesRequest, {"input": "hi"}, "/v1/responses", "ResponsesRequest"),
+    EMBED: (EmbeddingRequest, {"input": "hi"}, "/v1/embeddings", None),
+    SCORE: (ScoreRequest, {"text_1": "hi", "text_2": ["a", "b"]}, "/score", None),
+    RERANK: (RerankRequest, {"query": "hi", "documents": ["a"]}, "/rerank", None),
 }
 CHECKED = [r for r in RULES if r.broken is not None]
 
 
 def _doc() -> dict:
-    return openapi_schema("0", limits=LIMITS, model_name="m", api_key=False, max_grammar_bytes=1000)
+    return openapi_schema("0", limits=LIMITS, model_name="m", api_key=False, max_grammar_bytes=1000, pooling=True)
 
 
 def _stated(doc: dict, rule, kind: str) -> bool:

@@ -113,7 +113,8 @@ def main(argv=None) -> dict:
         base = N / statistics.median(times[args.kv[0]])
         for kv in args.kv:
             step = statistics.median(times[kv])
-            rows.append(dict(running=N, kv_cache_dtype=kv, step_ms=1e3 * step, tokens_per_s=N / step,
+            rows.append(dict(running=N, kv_cache_dtype=kv, attention_backend=engines[kv][0].runner.backend,
+                             step_ms=1e3 * step, tokens_per_s=N / step,
                              ratio=N / step / base, kv_bytes=engines[kv][0].runner.memory_per_device()[
                                  "kv_bytes_per_device"], all_ms=[1e3 * t for t in times[kv]]))
             bc.say(f"N={N} {kv}: {1e3 * step:.1f} ms/step, {N / step:.0f} tok/s, x{N / step / base:.2f}")

@@ -178,7 +178,8 @@ def main(argv=None) -> dict:
                            tensor_parallel_size=tp, data_parallel_size=dp, dtype=dtype)
         eng = bc.replica_engines(llm.engine)[0]
         engine_info.update(max_model_len=eng.max_model_len, num_kv_blocks=eng.num_blocks,
-                           attention_backend=eng.runner.backend, buckets=list(eng.runner.buckets))
+                           attention_backend=eng.runner.backend, kv_cache_dtype=eng.runner.kv_pool_dtype,
+                           buckets=list(eng.runner.buckets))
         suffix = ((f"-{dtype}" if len(engine_dtypes) > 1 else "") + (f"-tp{tp}" if len(tp_sizes) > 1 else "")
                   + (f"-dp{dp}" if len(dp_sizes) > 1 else ""))
         for b in (b for b in backends if b in ("jaxpaged", "static")):

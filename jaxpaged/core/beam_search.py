@@ -19,6 +19,8 @@ Host code, no jax.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import numbers
 from collections.abc import Collection
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 
 from jaxpaged.core.sampling_params import SamplingParams
 from jaxpaged.core.validation import InvalidParam
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -86,9 +90,19 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
         return -math.inf if cumulative_logprob < 0 else 0.0
 
 
-def check_beam_search(params: BeamSearchParams, logprobs_mode: str, max_logprobs: int) -> None:
+@functools.cache
+def _warn_recompute() -> None:
+    logger.warning("beam search without the prefix cache (enable_prefix_caching=False) recomputes every beam's "
+                   "prompt and generated tokens at every iteration: enable it to compute only the new blocks")
+
+
+def check_beam_search(params: BeamSearchParams, logprobs_mode: str, max_logprobs: int,
+                      prefix_caching: bool = True) -> None:
     """Refuse (ValueError) a search the engine cannot run: candidates ranked by logprob need logprobs (not
-    logits), 2 * beam_width of them a step."""
+    logits), 2 * beam_width of them a step. Without the prefix cache (`prefix_caching` False) a search
+    recomputes each beam's whole sequence every iteration: one warning a process says so."""
+    if not prefix_caching:
+        _warn_recompute()
     if not logprobs_mode.endswith("logprobs"):
         raise ValueError(f"beam search ranks logprobs; this engine's logprobs_mode is {logprobs_mode}")
     if 2 * params.beam_width > max_logprobs:

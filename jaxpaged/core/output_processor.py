@@ -192,7 +192,8 @@ class OutputProcessor:
                              r.num_cached_tokens, metrics,
                              error, r.prompt_hidden_states if finished else None,
                              prompt_logprobs=list(plp) if plp is not None else None,
-                             prompt_routed_experts=_prompt_routes(r) if final else None)
+                             prompt_routed_experts=_prompt_routes(r) if final else None,
+                             pooled=r.pooled if final and r.params.pooling is not None else None)
 
 
 def _finishing(group: Group, reason: str) -> dict[Request, Finish]:

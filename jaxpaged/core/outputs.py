@@ -62,3 +62,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token id: logprob}
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_routed_experts: np.ndarray | None = None  # i32[num_prompt_tokens, L, k] (return_routed_experts; final)
+    pooled: np.ndarray | None = None  # f32[D]: the pooled prompt states (SamplingParams.pooling; final output)

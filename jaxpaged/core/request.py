@@ -48,6 +48,7 @@ class Request:
     # f32[num_prompt_tokens, D]: the prompt given as embeddings (core/prompt_embeds.py); its prompt token
     # ids are then placeholders (0)
     prompt_embeds: object = None
+    pooled: object = None  # f32[D] (params.pooling): the pooled prompt states so far (MEAN: their sum), then the vector
     stop_ids: frozenset[int] = field(init=False, default=frozenset())  # EOS (unless ignored) + stop ids
     # the host needs the last sampled token to prepare the next step (penalty history, grammar matcher,
     # bad words), so with async scheduling that token cannot stay on the device
@@ -81,6 +82,11 @@ class Request:
             return False
         have = max(self.num_routed, self.num_prompt_tokens if self.index else 0)
         return have < len(self.token_ids) - 1
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Pooling that reads positions a prefix-cache hit would skip (MEAN, CLS): the cache is not matched."""
+        return self.params.pooling is not None and self.params.pooling.every_position
 
     @property
     def cacheable(self) -> bool:

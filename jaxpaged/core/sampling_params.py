@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxpaged.core.logit_controls import check_logit_controls
+from jaxpaged.core.pooling import Pooling
 from jaxpaged.core.structured import StructuredOutputsParams
 from jaxpaged.core.validation import InvalidParam, check_text
 
@@ -75,6 +76,8 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words never generated (see jaxpaged/core/logit_controls.py)
     # MoE models: each token's top-k expert ids per layer, for routing replay (jaxpaged/step/routed_experts.py)
     return_routed_experts: bool = False  # RequestOutput.prompt_routed_experts, CompletionOutput.routed_experts
+    # an embedding request (core/pooling.py; LLM.embed and the server set it): RequestOutput.pooled, max_tokens 1
+    pooling: Pooling | None = None
 
     def __post_init__(self):
         self.validate()
@@ -157,6 +160,9 @@ class SamplingParams:
                 bad("structured_outputs", "must be a StructuredOutputsParams or None")
             self.structured_outputs.validate()
         self._validate_steering(bad)
+        if self.pooling is not None and (not isinstance(self.pooling, Pooling) or self.max_tokens != 1
+                                         or self.n != 1):  # a pooling request finishes after its prompt, alone
+            bad("pooling", "must be None or a core.pooling.Pooling, with max_tokens 1 and n 1")
 
     def _validate_steering(self, bad) -> None:
         """steering_vectors -> {layer: f32[hidden] numpy} (the model checks layers and sizes at add_request)."""

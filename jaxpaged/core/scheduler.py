@@ -158,9 +158,10 @@ class Scheduler:
             if sib is not None and sib.status is RequestStatus.RUNNING \
                     and sib.num_computed_tokens < sib.num_prompt_tokens:
                 break  # wait for sample 0's prompt, then share its blocks
-            # prompt logprobs or routed experts still missing: compute the prompt, do not match it
-            # (step/prompt_logprobs.py, step/routed_experts.py)
-            cached = 0 if req.needs_prompt_logprobs or req.needs_routes else self.bm.match_prefix(req)
+            # prompt logprobs, routed experts or pooled states still missing: compute the prompt, do not match
+            # it (step/prompt_logprobs.py, step/routed_experts.py, step/pooling.py)
+            cached = 0 if req.needs_prompt_logprobs or req.needs_routes or req.needs_every_position \
+                else self.bm.match_prefix(req)
             n = min(len(req.token_ids) - cached, budget)
             if not self.bm.allocate(req, cached + n):
                 self.bm.free(req)

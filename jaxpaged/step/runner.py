@@ -51,6 +51,7 @@ from jaxpaged.step.mesh import (
     sharded_model_config,
     vocab_sharded,
 )
+from jaxpaged.step.pooling import Pooler
 from jaxpaged.step.prompt_embeds import PromptEmbeds
 from jaxpaged.step.prompt_logprobs import PromptLogprobs
 from jaxpaged.step.research import SlotHooks
@@ -151,6 +152,7 @@ class ModelRunner:
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
         self.backend = resolve_backend(cfg.attention_backend, model_cfg.head_dim, cfg.block_size,
                                        self.mesh.devices.flat, dtype=self.dtype, kv_cache_dtype=cfg.kv_cache_dtype)
+        self.kv_pool_dtype = jnp.dtype(kv_cache.storage_dtype(cfg.kv_cache_dtype, self.dtype)).name  # stats()
         if cfg.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -207,6 +209,8 @@ class ModelRunner:
             features.append(self.batch.hooks)
         if self.model_cfg.num_experts:
             features.append(RoutedExperts())
+        if cfg.pooling:  # --runner pooling: embeddings (jaxpaged/step/pooling.py)
+            features.append(Pooler())
         return tuple(features)
 
     def _samplings(self) -> dict[bool, Sampling]:
@@ -214,8 +218,9 @@ class ModelRunner:
         verifier beside it, and the plain step's tokens read back in the verified steps' form."""
         lp, mode = self.num_logprobs, self.cfg.logprobs_mode
         if not self.num_spec:
-            # one CPU device: the greedy rows' argmax by the CPU kernel (XLA's is not vectorized there)
-            one_cpu = self.platform == "cpu" and self.mesh.devices.size == 1 and cpu_argmax.available()
+            # one CPU device: the greedy rows' argmax by the CPU kernel (XLA's is not vectorized there) where
+            # its build is measured faster (cpu_argmax.auto_skip says why not)
+            one_cpu = self.platform == "cpu" and self.mesh.devices.size == 1 and cpu_argmax.auto_skip() is None
             return {False: Sampling(lp, mode, self.step_cfg.row_tile, cpu_argmax.cpu_argmax if one_cpu else jnp_argmax)}
         verify = Verification(lp, mode, self.num_spec, self.structured, self.controls, self.batch,
                               self.model_cfg.vocab_size, self.cfg.speculative_config.method == "draft_model",

@@ -46,12 +46,14 @@ int32_t row_argmax(const float* x, int64_t V) {
   return static_cast<int32_t>(at);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
-  auto d = x.dimensions();
-  if (d.size() != 2 || d[1] <= 0) return ffi::Error::InvalidArgument("cpu_argmax: x [R, V] with V > 0");
-  const float* xs = x.typed_data();
-  int32_t* o = out->typed_data();
-  const int64_t R = d[0], V = d[1];
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out) {
+  if (x.element_type() != ffi::DataType::F32 || !jp::has_dims(x, {-1, -1}) || x.dimensions()[1] <= 0)
+    return jp::bad_operand("cpu_argmax", "x", "float32 [R, V] with V > 0", x);
+  const int64_t R = x.dimensions()[0], V = x.dimensions()[1];
+  if (out->element_type() != ffi::DataType::S32 || !jp::has_dims(*out, {R}))
+    return jp::bad_operand("cpu_argmax", "out", "int32 [R = " + std::to_string(R) + "]", *out);
+  const float* xs = x.typed_data<float>();
+  int32_t* o = out->typed_data<int32_t>();
   jp::parallel_for(pool, R, R / 8, [=](int64_t r) { o[r] = row_argmax(xs + r * V, V); });  // 8 rows a thread
   return ffi::Error::Success();
 }
@@ -61,5 +63,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuArgmax, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+                                  .Arg<ffi::AnyBuffer>()    // x
+                                  .Ret<ffi::AnyBuffer>());  // out
+
+// The float32 lanes of the vector loop in this build (16: AVX-512 F), 0 where only the scalar loop runs.
+extern "C" int JaxpagedCpuArgmaxLanes() {
+#if defined(__AVX512F__)
+  return 16;
+#else
+  return 0;
+#endif
+}

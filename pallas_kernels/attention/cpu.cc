@@ -480,29 +480,55 @@ inline void run_unit(const Problem& P, const Unit& u, bool fast) {
   attend(P, u);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
-                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens,
-                ffi::Buffer<ffi::S32> query_start_loc, ffi::ResultBuffer<ffi::F32> out, float scale,
-                int64_t window, float softcap) {
-  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = block_tables.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || k_pool.element_type() != v_pool.element_type())
-    return ffi::Error::InvalidArgument("cpu_paged_attention: q [T, Hq, D], pools [NB, bs, Hkv, D] alike, tables [S, B]");
+// Every operand's dtype and dimensions against q's and the tables' (InvalidArgument naming the operand):
+// the loops below index seq_lens and query_start_loc by slot, v_pool like k_pool and out like q.
+ffi::Error check(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k_pool, const ffi::AnyBuffer& v_pool,
+                 const ffi::AnyBuffer& block_tables, const ffi::AnyBuffer& seq_lens,
+                 const ffi::AnyBuffer& query_start_loc, const ffi::AnyBuffer& out) {
+  constexpr const char* K = "cpu_paged_attention";
+  using T = ffi::DataType;
+  if (q.element_type() != T::F32 || !jp::has_dims(q, {-1, -1, -1}) || q.dimensions()[2] <= 0)
+    return jp::bad_operand(K, "q", "float32 [T, Hq, D > 0]", q);
+  auto qd = q.dimensions(), kd = k_pool.dimensions();
   const auto et = k_pool.element_type();
-  if (et != ffi::DataType::F32 && et != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("cpu_paged_attention: pools must be float32 or bfloat16");
+  if ((et != T::F32 && et != T::BF16) || !jp::has_dims(k_pool, {-1, -1, -1, qd[2]}) || kd[0] <= 0 || kd[1] <= 0 ||
+      kd[2] <= 0 || qd[1] % kd[2])
+    return jp::bad_operand(K, "k_pool", "float32 or bfloat16 [num_blocks > 0, block_size > 0, Hkv, D = " +
+                           std::to_string(qd[2]) + "] with Hkv > 0 dividing q's " + std::to_string(qd[1]) +
+                           " heads", k_pool);
+  if (v_pool.element_type() != et || !jp::has_dims(v_pool, {kd[0], kd[1], kd[2], kd[3]}))
+    return jp::bad_operand(K, "v_pool", "k_pool's dtype and dimensions (" + jp::describe(k_pool) + ")", v_pool);
+  if (block_tables.element_type() != T::S32 || !jp::has_dims(block_tables, {-1, -1}) ||
+      block_tables.dimensions()[1] <= 0)
+    return jp::bad_operand(K, "block_tables", "int32 [S, B > 0]", block_tables);
+  const int64_t S = block_tables.dimensions()[0];
+  if (seq_lens.element_type() != T::S32 || !jp::has_dims(seq_lens, {S}))
+    return jp::bad_operand(K, "seq_lens", "int32 [S = " + std::to_string(S) + "] (one per block_tables row)",
+                           seq_lens);
+  if (query_start_loc.element_type() != T::S32 || !jp::has_dims(query_start_loc, {S + 1}))
+    return jp::bad_operand(K, "query_start_loc", "int32 [S + 1 = " + std::to_string(S + 1) + "]", query_start_loc);
+  if (out.element_type() != T::F32 || !jp::has_dims(out, {qd[0], qd[1], qd[2]}))
+    return jp::bad_operand(K, "out", "float32 of q's dimensions", out);
+  return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool,
+                ffi::AnyBuffer block_tables, ffi::AnyBuffer seq_lens, ffi::AnyBuffer query_start_loc,
+                ffi::Result<ffi::AnyBuffer> out, float scale, int64_t window, float softcap) {
+  if (ffi::Error e = check(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *out); e.failure()) return e;
+  auto qd = q.dimensions(), kd = k_pool.dimensions(), td = block_tables.dimensions();
   Problem P;
-  P.q = q.typed_data();
+  P.q = q.typed_data<float>();
   P.k = static_cast<const char*>(k_pool.untyped_data());
   P.v = static_cast<const char*>(v_pool.untyped_data());
-  P.tables = block_tables.typed_data();
-  P.lens = seq_lens.typed_data();
-  P.qsl = query_start_loc.typed_data();
-  P.out = out->typed_data();
+  P.tables = block_tables.typed_data<int32_t>();
+  P.lens = seq_lens.typed_data<int32_t>();
+  P.qsl = query_start_loc.typed_data<int32_t>();
+  P.out = out->typed_data<float>();
   P.T = qd[0], P.Hq = qd[1], P.D = qd[2];
   P.NB = kd[0], P.bs = kd[1], P.Hkv = kd[2];
   P.S = td[0], P.B = td[1];
-  if (kd[3] != P.D || P.Hkv <= 0 || P.Hq % P.Hkv || P.B <= 0 || P.NB <= 0)
-    return ffi::Error::InvalidArgument("cpu_paged_attention: head_dim / head counts do not match");
+  const auto et = k_pool.element_type();
   P.G = P.Hq / P.Hkv;
   P.bf16 = et == ffi::DataType::BF16;
   P.scale = scale, P.softcap = softcap, P.window = window;
@@ -531,13 +557,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuPagedAttention, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k_pool
+                                  .Arg<ffi::AnyBuffer>()  // v_pool
+                                  .Arg<ffi::AnyBuffer>()  // block_tables
+                                  .Arg<ffi::AnyBuffer>()  // seq_lens
+                                  .Arg<ffi::AnyBuffer>()  // query_start_loc
+                                  .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<float>("scale")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap"));

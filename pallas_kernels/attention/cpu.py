@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.attention.api import check_heads, check_options, check_scales
+from pallas_kernels.attention.api import FLOATS, QUANTIZED, check_options, check_scales
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ffi import load_kernel
 
@@ -50,11 +50,42 @@ def vectorized() -> bool:
     return vector_lanes() > 0
 
 
+def _integer(a) -> bool:
+    return jnp.issubdtype(a.dtype, jnp.integer)
+
+
+def check_operands(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc):
+    """ValueError naming the first operand whose dtype or shape does not fit the others (the checks cpu.cc's
+    handler repeats at the FFI boundary): q [T, Hq, D], pools [num_blocks, block_size, Hkv, D] alike with
+    Hkv dividing Hq, block_tables [S, B], seq_lens [S], query_start_loc [S + 1]."""
+    if q.ndim != 3 or q.shape[2] <= 0 or jnp.dtype(q.dtype) not in FLOATS:
+        raise ValueError(f"q must be float32 / bfloat16 / float16 [T, Hq, D > 0], got {q.dtype}{list(q.shape)}")
+    T, Hq, D = q.shape
+    if (k_pool.ndim != 4 or min(k_pool.shape[:3]) <= 0 or k_pool.shape[3] != D or Hq % k_pool.shape[2]
+            or jnp.dtype(k_pool.dtype) not in FLOATS + QUANTIZED):
+        raise ValueError(f"k_pool must be [num_blocks, block_size, num_kv_heads, head_dim = {D}] (sizes > 0, "
+                         f"num_kv_heads dividing q's {Hq} heads) of a float or int8 / float8_e4m3fn dtype, got "
+                         f"{k_pool.dtype}{list(k_pool.shape)}")
+    if v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"v_pool must have k_pool's dtype and shape {k_pool.dtype}{list(k_pool.shape)}, got "
+                         f"{v_pool.dtype}{list(v_pool.shape)}")
+    if block_tables.ndim != 2 or block_tables.shape[1] <= 0 or not _integer(block_tables):
+        raise ValueError(f"block_tables must be integer [S, B > 0], got {block_tables.dtype}{list(block_tables.shape)}")
+    S = block_tables.shape[0]
+    if seq_lens.shape != (S,) or not _integer(seq_lens):
+        raise ValueError(f"seq_lens must be integer [{S}] (one per block_tables row), got "
+                         f"{seq_lens.dtype}{list(seq_lens.shape)}")
+    if query_start_loc.shape != (S + 1,) or not _integer(query_start_loc):
+        raise ValueError(f"query_start_loc must be integer [{S + 1}] (block_tables rows + 1), got "
+                         f"{query_start_loc.dtype}{list(query_start_loc.shape)}")
+
+
 def cpu_ragged_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, *, scale=None,
                                window=None, softcap=None, k_scale=None, v_scale=None):
     """Mixed prefill/decode attention over packed queries q [T, Hq, D] -> [T, Hq, D] in q's dtype, the
-    reference's semantics; the kernel for float32 / bfloat16 pools, the reference otherwise."""
-    check_heads(q, k_pool)
+    reference's semantics; the kernel for float32 / bfloat16 pools, the reference otherwise. ValueError
+    naming the operand whose shape or dtype does not fit (`check_operands`)."""
+    check_operands(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc)
     check_scales(k_pool, v_pool, k_scale, v_scale)
     check_options(window, softcap)
     if (k_scale is not None or jnp.dtype(k_pool.dtype) not in POOL_DTYPES or v_pool.dtype != k_pool.dtype

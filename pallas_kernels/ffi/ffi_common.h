@@ -1,5 +1,5 @@
-// What every CPU kernel of pallas_kernels shares: the XLA FFI API, bfloat16 widening, and the thread
-// fan-out over the FFI's intra-op thread pool. Built into each kernel by pallas_kernels/ffi/loader.py
+// What every CPU kernel of pallas_kernels shares: the XLA FFI API, bfloat16 widening, the operand checks
+// at the FFI boundary, and the thread fan-out over the FFI's intra-op thread pool. Built into each kernel by pallas_kernels/ffi/loader.py
 // (its hash is part of each kernel's build key).
 #pragma once
 
@@ -7,7 +7,9 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
+#include <string>
 #include <thread>
 #include <utility>
 
@@ -23,6 +25,44 @@ inline float bf16_to_f32(uint16_t x) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// The operand checks of a handler: every operand's dtype and dimensions are checked before any is read,
+// and a mismatch is an InvalidArgument error naming the kernel, the operand, what it must be and what it is.
+inline const char* dtype_name(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S8: return "int8";
+    default: return "another dtype";
+  }
+}
+
+inline std::string describe(const ffi::AnyBuffer& b) {  // e.g. "float32[4, 16, 2, 64]"
+  std::string s = std::string(dtype_name(b.element_type())) + "[";
+  auto d = b.dimensions();
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+inline ffi::Error bad_operand(const char* kernel, const char* operand, const std::string& want,
+                              const ffi::AnyBuffer& got) {
+  return ffi::Error::InvalidArgument(std::string(kernel) + ": " + operand + " must be " + want + ", got " +
+                                     describe(got));
+}
+
+// b has `rank` dimensions, each dims[i] unless that is negative (any size).
+inline bool has_dims(const ffi::AnyBuffer& b, std::initializer_list<int64_t> dims) {
+  auto d = b.dimensions();
+  if (d.size() != dims.size()) return false;
+  size_t i = 0;
+  for (int64_t want : dims) {
+    if (want >= 0 && d[i] != want) return false;
+    ++i;
+  }
+  return true;
 }
 
 struct NoHook {

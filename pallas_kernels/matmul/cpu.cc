@@ -235,27 +235,47 @@ struct Tiled {
 };
 #endif
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t transpose, int64_t packed) {
-  auto xd = x.dimensions(), wd = w.dimensions();
+// Every operand's dtype and dimensions (InvalidArgument naming the operand) -> the problem, w pointing at
+// the matrix of the layer index.
+ffi::Error check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::AnyBuffer& layer,
+                 const ffi::AnyBuffer& out, bool transpose, bool packed, Problem& P) {
+  constexpr const char* K = "cpu_matmul";
+  using T = ffi::DataType;
+  if (x.element_type() != T::BF16 || !jp::has_dims(x, {-1, -1}))
+    return jp::bad_operand(K, "x", "bfloat16 [M, K]", x);
+  const int64_t M = x.dimensions()[0], Kx = x.dimensions()[1];
+  auto wd = w.dimensions();
   const size_t mat = packed ? 4 : 2;  // w's dimensions of one matrix; one more when stacked
-  if (xd.size() != 2 || (wd.size() != mat && wd.size() != mat + 1) || layer.element_count() != 1 ||
-      (packed && (transpose || wd[wd.size() - 2] != 16 || wd[wd.size() - 1] != 32)))
-    return ffi::Error::InvalidArgument("cpu_matmul: x [M, K], w [K, N] (or [N, K] transposed, or packed "
-                                       "[N / 16, K / 32, 16, 32]; or [L, ..] stacked with a layer index)");
+  const std::string w_form = std::string("bfloat16 ") +
+                             (packed ? "packed [N / 16, K / 32, 16, 32]" : transpose ? "[N, K]" : "[K, N]") +
+                             " (or [L, ..] of them, stacked) with K = " + std::to_string(Kx) + " (x's)";
+  if (w.element_type() != T::BF16 || (wd.size() != mat && wd.size() != mat + 1))
+    return jp::bad_operand(K, "w", w_form, w);
   const bool stacked = wd.size() == mat + 1;
   const int64_t d0 = wd[stacked], d1 = wd[stacked + 1];  // [K, N], [N, K], or packed N / 16, K / 32
-  const int64_t l = stacked ? layer.typed_data()[0] : 0;
+  if ((packed ? d1 * 32 : transpose ? d1 : d0) != Kx ||
+      (packed && (transpose || wd[wd.size() - 2] != 16 || wd[wd.size() - 1] != 32)))
+    return jp::bad_operand(K, "w", w_form, w);
+  if (layer.element_type() != T::S32 || layer.element_count() != 1)
+    return jp::bad_operand(K, "layer", "one int32", layer);
+  const int64_t l = stacked ? layer.typed_data<int32_t>()[0] : 0;
   if (l < 0 || (stacked && l >= wd[0]))
-    return ffi::Error::InvalidArgument("cpu_matmul: the layer index is out of range");
+    return ffi::Error::InvalidArgument("cpu_matmul: layer must be in [0, " + std::to_string(stacked ? wd[0] : 1) +
+                                       ") (w's stacked matrices), got " + std::to_string(l));
+  P.N = packed ? d0 * 16 : transpose ? d0 : d1;
+  if (out.element_type() != T::F32 || !jp::has_dims(out, {M, P.N}))
+    return jp::bad_operand(K, "out", "float32 [M = " + std::to_string(M) + ", N = " + std::to_string(P.N) + "]", out);
+  P.x = static_cast<const uint16_t*>(x.untyped_data());
+  P.w = static_cast<const uint16_t*>(w.untyped_data()) + l * d0 * d1 * (packed ? 512 : 1);
+  P.M = M, P.K = Kx, P.transpose = transpose, P.packed = packed;
+  return ffi::Error::Success();
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
+                ffi::Result<ffi::AnyBuffer> out, int64_t transpose, int64_t packed) {
   Problem P;
-  P.x = reinterpret_cast<const uint16_t*>(x.untyped_data());
-  P.w = reinterpret_cast<const uint16_t*>(w.untyped_data()) + l * d0 * d1 * (packed ? 512 : 1);
-  P.out = out->typed_data();
-  P.M = xd[0], P.K = xd[1], P.transpose = transpose != 0, P.packed = packed != 0;
-  P.N = P.packed ? d0 * 16 : P.transpose ? d0 : d1;
-  if ((P.packed ? d1 * 32 : P.transpose ? d1 : d0) != P.K)
-    return ffi::Error::InvalidArgument("cpu_matmul: the contracted sizes of x and w differ");
+  if (ffi::Error e = check(x, w, layer, *out, transpose != 0, packed != 0, P); e.failure()) return e;
+  P.out = out->typed_data<float>();
   if (P.M == 0 || P.N == 0) return ffi::Error::Success();
 #if JP_AMX
   if (P.K % 32 == 0 && P.N % 16 == 0 && jp_amx::permitted()) {
@@ -290,10 +310,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()  // x
+                                  .Arg<ffi::AnyBuffer>()  // w
+                                  .Arg<ffi::AnyBuffer>()  // layer
+                                  .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<int64_t>("transpose")
                                   .Attr<int64_t>("packed"));
 
