@@ -198,6 +198,7 @@ class LLMEngine(ControlsFront):
                     num_buckets=len(runner.variants()), compile_seconds=runner.compile_seconds,
                     kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
+                    prefix_cache_queries=bm.queried_tokens, prefix_cache_hits=bm.hit_tokens,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
                     num_waiting_deferred=sch.num_deferred(),
                     iteration_tokens=self.iteration_tokens.snapshot(),

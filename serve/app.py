@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from jaxpaged.args import add_engine_args, engine_config
 from jaxpaged.async_engine import AsyncEngine
-from serve import batch_chat, chat, completions, invocations, rl_routes, routes, tokenize_routes
+from serve import batch_chat, chat, completions, invocations, responses, rl_routes, routes, tokenize_routes
 from serve import lora as serve_lora
 from serve.config import DEFAULT_MAX_BODY_BYTES, ServerConfig, add_server_args
 from serve.embeddings import embeddings, pooling
@@ -35,6 +35,7 @@ from serve.load import Load, counted, server_load
 from serve.metrics import Metrics
 from serve.openapi import openapi_schema
 from serve.reasoning import ReasoningParser, make_parser
+from serve.responses_store import ResponseStore
 from serve.scoring_routes import rerank, score
 
 log = logging.getLogger("jaxpaged.serve")
@@ -58,6 +59,7 @@ class ServerState:
     load: Load  # GET /load (counted with --enable-server-load-tracking)
     adapters: serve_lora.Adapters | None = None  # LoRA adapters by name (--enable-lora)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # /v1/responses' stored responses
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapters: serve_lora.Adapters | None = None,
@@ -82,6 +84,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
         Route("/v1/chat/completions", counted(chat.chat_completions), methods=["POST"]),
         Route("/v1/chat/completions/batch", counted(batch_chat.batch_chat_completions), methods=["POST"]),
         Route("/invocations", counted(invocations.invocations), methods=["POST"]),
+        Route("/v1/responses", counted(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.stored, methods=["GET", "DELETE"]),
         Route("/load", server_load, methods=["GET"]),
         Route("/v1/models", routes.models, methods=["GET"]),
         Route("/health", routes.health, methods=["GET"]),
@@ -111,7 +115,7 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
                                    config.model_root or name, Metrics(engine, name, limits["max_model_len"]),
                                    schema, int(time.time()), limits["max_logprobs"],
                                    make_parser(config.reasoning_parser), Load(config.enable_server_load_tracking),
-                                   adapters)
+                                   adapters, responses=ResponseStore(config.max_stored_responses))
     return app
 
 

@@ -106,6 +106,9 @@ class ServerConfig:
                                   "grammar or choices, the tools' parameters for tool_choice required or named), "
                                   "else a 400 grammar_too_large before any compiling (default %(default)s)",
                                   group=LIMITS, type=_positive)
+    max_stored_responses: int = flag(1024, "finished /v1/responses responses kept in memory for GET and "
+                                     "previous_response_id, the least recently used dropped first; 0: none kept "
+                                     "(default %(default)s)", group=LIMITS)
     max_embedding_inputs: int = flag(DEFAULT_MAX_EMBEDDING_INPUTS, "inputs one embeddings, pooling, score or rerank "
                                      "request may carry (texts or token-id lists together), else a 400 naming the "
                                      "field (default %(default)s)", group=LIMITS, type=_positive)

@@ -67,6 +67,12 @@ class _EngineCollector:
         for i, r in enumerate(per):
             c.add_metric([self.model_name, str(i), str(i)], float(r["num_preemptions"]))
         yield c
+        for name, doc in (("prefix_cache_queries", "Prompt tokens looked up in the prefix cache since start."),
+                          ("prefix_cache_hits", "Prompt tokens the prefix cache served since start.")):
+            c = CounterMetricFamily(f"jaxpaged:{name}", doc, labels=labels)
+            for i, r in enumerate(per):
+                c.add_metric([self.model_name, str(i), str(i)], float(r.get(name, 0)))
+            yield c
         c = CounterMetricFamily("jaxpaged:num_step_failures", "Steps that failed (their requests ended with "
                                 "a 500) since start.", labels=labels)
         for i, r in enumerate(per):

@@ -184,8 +184,42 @@ def openapi_schema(version: str, *, limits: dict, model_name: str, api_key: bool
         },
         "components": {"schemas": schemas},
     }
+    _add_responses(doc, generate, errors, security, limits, model_name)
     if pooling:
         doc["paths"].update(openapi_embed.embedding_paths(schemas, model_name, facts, security, errors))
     if api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return doc
+
+
+def _add_responses(doc: dict, generate, errors: dict, security: dict, limits: dict, model_name: str) -> None:
+    """/v1/responses (a generation route, `generate` its operation) and GET / DELETE /v1/responses/{id}, with
+    their schemas (serve/responses_protocol.py)."""
+    from serve.request_rules import RESPONSES
+    from serve.responses_protocol import DeletedResponse, Response, ResponsesRequest
+
+    _, defs = models_json_schema([(m, "validation") for m in (ResponsesRequest, Response, DeletedResponse)],
+                                 ref_template="#/components/schemas/{model}")
+    schemas = defs["$defs"]
+    L = limits["max_model_len"]
+    _fill_limits(schemas, {"max_tokens": L - 1})
+    schemas["ResponsesRequest"]["properties"]["model"] = {"anyOf": [{"const": model_name}, {"type": "null"}],
+                                                          "default": None, "description": "the served model name"}
+    schemas["ResponseStreamEvent"] = {"type": "object", "required": ["type", "sequence_number"], "properties": {
+        "type": {"type": "string", "description": "response.created, response.output_text.delta, ..."},
+        "sequence_number": {"type": "integer", "minimum": 0}}}
+    doc["components"]["schemas"].update(schemas)
+    found = {"description": "the stored response", "content": {"application/json": {"schema": {
+        "$ref": "#/components/schemas/Response"}}}}
+    missing = {"description": "no stored response of that id", "content": errors["404"]["content"]}
+    param = [{"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+    doc["paths"]["/v1/responses"] = generate(
+        "OpenAI's Responses API: the input (a text, or messages, function calls and their outputs) after the "
+        "stored conversation of previous_response_id, answered as chat answers it; streamed as typed events",
+        "ResponsesRequest", "Response", "ResponseStreamEvent", (RESPONSES,))
+    doc["paths"]["/v1/responses/{response_id}"] = {
+        "get": {"summary": "a stored response", **security, "parameters": param,
+                "responses": {"200": found, "404": missing}},
+        "delete": {"summary": "forget a stored response", **security, "parameters": param, "responses": {
+            "200": {"description": "deleted", "content": {"application/json": {"schema": {
+                "$ref": "#/components/schemas/DeletedResponse"}}}}, "404": missing}}}

@@ -103,8 +103,8 @@ class _SamplingRequest(BaseModel):
                                                     "position, beside the sampled token's, in place of the top-N "
                                                     "(needs logprobs)")
     prompt_logprobs: int | None = Field(None, ge=-1, description="top-N logprobs of each prompt token (the "
-                                        "response's prompt_logprobs); -1: capped by --max-logprobs; not "
-                                        "streamed", **limit("logprobs"))
+                                        "response's prompt_logprobs); -1: the whole vocabulary (a 400 unless "
+                                        "--max-logprobs covers it); not streamed", **limit("logprobs"))
 
 
 PromptText = Annotated[list[NonEmptyText], Field(min_length=1)]

@@ -24,6 +24,8 @@ class TokenizeChatRequest(BaseModel):
     model: str | None = None
     messages: list[Message] = Field(min_length=1, description="rendered with the model's chat template")
     add_generation_prompt: bool = Field(True, description="end with the template's assistant prefix")
+    continue_final_message: bool = Field(False, description="the last message left open (no end-of-turn), as "
+                                         "a chat answer continuing it sees it; not with add_generation_prompt")
     add_special_tokens: bool = Field(False, description="the tokenizer's special tokens too (the template "
                                      "usually writes them)")
     return_token_strs: bool = False

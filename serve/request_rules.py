@@ -19,7 +19,9 @@ from serve.errors import APIError
 
 # the kinds of request a rule applies to; /invocations takes both COMPLETION's and CHAT's
 COMPLETION, CHAT, BATCH_CHAT, TOKENIZE = "completion", "chat", "batch_chat", "tokenize"
+RESPONSES = "responses"  # /v1/responses: its request is planned as a chat request (serve/responses.py)
 GENERATION = (COMPLETION, CHAT, BATCH_CHAT)
+_ALL = GENERATION + (RESPONSES,)  # the body's and the output constraints' rules hold for /v1/responses too
 EMBED, SCORE, RERANK = "embed", "score", "rerank"  # with --runner pooling (serve/embeddings.py, scoring_routes.py)
 POOLING = (EMBED, SCORE, RERANK)
 
@@ -97,13 +99,13 @@ RULES: list[Rule] = [
          schema=lambda f: [if_then({"top_logprobs": {"type": "integer"}}, {"logprobs": {"const": True}},
                                    ["top_logprobs"], ["logprobs"])],
          example={"top_logprobs": 2}),
-    Rule("continue_final_message", "invalid_combination", (CHAT, BATCH_CHAT), "continue_final_message needs "
+    Rule("continue_final_message", "invalid_combination", (CHAT, BATCH_CHAT, TOKENIZE), "continue_final_message needs "
          "add_generation_prompt false (an if/then here would be one too many for schemathesis' generator)",
          broken=lambda r: r.continue_final_message and r.add_generation_prompt,
          message="continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
                  "false to continue the last message)",
          example={"continue_final_message": True}),
-    Rule(None, "nested_too_deeply", GENERATION + (TOKENIZE,), f"the JSON body nests arrays and objects at most "
+    Rule(None, "nested_too_deeply", _ALL + (TOKENIZE,), f"the JSON body nests arrays and objects at most "
          f"{MAX_JSON_DEPTH} levels deep (the body itself is level 1)", where="serve/body.py"),
     Rule("stop", "stop_too_long", GENERATION, f"the stop strings together have at most {MAX_STOP_CHARS} characters",
          where="jaxpaged/core/sampling_params.py"),
@@ -120,12 +122,12 @@ RULES: list[Rule] = [
          "true; an if/then here would be one too many for schemathesis' generator)",
          broken=lambda r: bool(r.logprob_token_ids) and _no_logprobs(r),
          message="logprob_token_ids need logprobs (chat: logprobs true)", example={"logprob_token_ids": [1]}),
-    Rule(None, "invalid_grammar", GENERATION, "a JSON schema, regex or grammar (structured_outputs, response_format, "
+    Rule(None, "invalid_grammar", _ALL, "a JSON schema, regex or grammar (structured_outputs, response_format, "
          "tool parameters when tool_choice is required or named) must be one llguidance compiles (its message says "
          "why: syntax, unsupported schema features)", where="jaxpaged/core/structured.py"),
     Rule("logit_bias", "invalid_token_id", GENERATION, "logit_bias keys must be token ids below the vocabulary size",
          where="jaxpaged/core/validation.py"),
-    Rule(None, "structured_outputs_unsupported", GENERATION, "constrained output (structured_outputs, a non-text "
+    Rule(None, "structured_outputs_unsupported", _ALL, "constrained output (structured_outputs, a non-text "
          "response_format, tool_choice required or named) needs a tokenizer llguidance can read",
          where="jaxpaged/core/structured.py"),
     Rule("return_routed_experts", "routed_experts_unsupported", _CC, "return_routed_experts needs a "
@@ -133,7 +135,7 @@ RULES: list[Rule] = [
     Rule(None, "invalid_combination", _CC, "use_beam_search true: n (the beam width) at most max_logprobs / 2; no "
          "logprobs / top_logprobs, prompt_logprobs, prompt_embeds, return_routed_experts, structured_outputs, non-text "
          "response_format or tools; max_tokens at least 1", where="serve/beam.py"),
-    Rule(None, "grammar_too_large", GENERATION, lambda f: f"an output constraint's text is at most "
+    Rule(None, "grammar_too_large", _ALL, lambda f: f"an output constraint's text is at most "
          f"{f['max_grammar_bytes']} bytes (--max-grammar-bytes), measured before it is compiled: a JSON schema "
          "(structured_outputs.json, response_format.json_schema.schema, a named tool's parameters) serialized, a "
          "regex or grammar as given, the choices as a JSON list; for tool_choice required, the one schema of all "
@@ -162,6 +164,17 @@ RULES: list[Rule] = [
     Rule("truncate_prompt_tokens", "empty_prompt", (CHAT, BATCH_CHAT), "truncate_prompt_tokens must leave at least "
          "one token of the rendered conversation (0, or -1 with max_tokens filling max_model_len, leave none)",
          where="jaxpaged/core/validation.py"),
+    Rule("previous_response_id", "previous_response_not_found", (RESPONSES,), "previous_response_id must name a "
+         "stored response: one made with store true, not deleted, among the newest --max-stored-responses",
+         where="serve/responses.py"),
+    Rule("max_output_tokens", "context_length_exceeded", (RESPONSES,), "the rendered conversation's tokens + "
+         "max_output_tokens (default: the rest of max_model_len) must not exceed max_model_len",
+         where="jaxpaged/core/validation.py"),
+    Rule(None, "invalid_combination", (RESPONSES,), "at most one of a non-text text.format and tool_choice required "
+         "or a function; tool_choice other than none needs tools; a function tool_choice must name one of the "
+         "tools", where="serve/tools.py"),
+    Rule("input", "chat_template_error", (RESPONSES,), "the model's chat template may refuse the conversation (its "
+         "message says why)", where="serve/chat.py"),
 ]
 
 RULES += [

@@ -74,7 +74,14 @@ def check_auth(request: Request) -> None:
 
 def num_logprobs(st, field: str, k: int | None) -> int | None:
     """The logprobs per token a request asks (`field`: logprobs / top_logprobs): -1 is the whole vocabulary,
-    capped by --max-logprobs (as vLLM's); more than that cap is a 400 naming the field and the cap."""
+    capped by --max-logprobs; more than that cap is a 400 naming the field and the cap. prompt_logprobs -1 is
+    the whole vocabulary uncapped, as vLLM's: a 400 unless --max-logprobs covers it."""
+    if k == -1 and field == "prompt_logprobs":
+        vocab = st.engine.request_limits()["vocab_size"]
+        if vocab > st.max_logprobs:
+            raise APIError(400, f"prompt_logprobs -1 asks every token of the vocabulary ({vocab}), more than "
+                                f"max_logprobs ({st.max_logprobs}): the server's --max-logprobs", param=field)
+        return vocab
     if k == -1:
         return st.max_logprobs
     if k is not None and k > st.max_logprobs:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from serve import lora as serve_lora
-from serve import prompt_size
+from serve import prompt_size, request_rules
 from serve.chat import chat_prompt
 from serve.errors import APIError
 from serve.protocol_tokenize import (
@@ -38,8 +38,9 @@ async def tokenize(request: Request) -> Response:
                                 else TokenizeCompletionRequest)
     L = st.engine.max_model_len
     if isinstance(req, TokenizeChatRequest):
+        request_rules.check(req, request_rules.TOKENIZE)  # a chat's rules (continue_final_message)
         ids = await asyncio.to_thread(chat_prompt, st.engine, req.messages, None, req.add_generation_prompt,
-                                      req.add_special_tokens)
+                                      req.add_special_tokens, req.continue_final_message)
     else:
         await prompt_size.check_prompts(tok, [req.prompt], L)  # a prompt too large refused before tokenizing
         ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
@@ -70,4 +71,5 @@ async def tokenizer_info(request: Request) -> Response:
     if tok is None:
         raise APIError(404, "this model has no tokenizer files", code="not_found")
     return JSONResponse({**{k: v for k, v in tok.special.items() if v}, "chat_template": tok.chat_template,
-                         "vocab_size": len(tok), "model_max_length": st.engine.max_model_len})
+                         "vocab_size": len(tok), "model_max_length": st.engine.max_model_len,
+                         "tokenizer_class": tok.tokenizer_class})

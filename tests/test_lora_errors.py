@@ -90,6 +90,15 @@ def test_bad_files(good, tmp_path):
         load_peft(path, cfg, 16, "float32")
 
 
+@pytest.mark.parametrize("content,msg", [(b"", "is empty"), (b"{\"r\": 4,", "is not valid JSON .* line 1 column"),
+                                         (b"\xff\xfe", "is not UTF-8"), (b"[1]", "must hold a JSON object, got list")])
+def test_unreadable_config_names_the_file(good, tmp_path, content, msg):
+    path = _variant(good, tmp_path)
+    (tmp_path / "bad" / "adapter_config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=f"adapter_config.json: {msg}"):
+        load_peft(path, ModelConfig.from_dir(good[0]), 16, "float32")
+
+
 def test_mlp_targets_refused_on_experts(good, tmp_path):
     moe = ModelConfig.from_dir(make_tiny_model(str(tmp_path / "moe"), "mixtral", seed=1))
     path = _variant(good, tmp_path, config={"target_modules": ["q_proj", "gate_proj"]})

@@ -13,7 +13,8 @@ from serve.errors import APIError
 from serve.openapi import openapi_schema
 from serve.protocol import ChatCompletionRequest, CompletionRequest
 from serve.protocol_embed import EmbeddingRequest, RerankRequest, ScoreRequest
-from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, EMBED, RERANK, RULES, SCORE, TOKENIZE
+from serve.request_rules import BATCH_CHAT, CHAT, COMPLETION, EMBED, RERANK, RESPONSES, RULES, SCORE, TOKENIZE
+from serve.responses_protocol import ResponsesRequest
 
 LIMITS = dict(vocab_size=256, max_model_len=64, max_logprobs=20, max_banned_ids=16, num_eos_ids=1)
 FACTS = {"limits": LIMITS, "max_grammar_bytes": 1000}
@@ -25,6 +26,7 @@ KINDS = {  # kind -> (request model, a valid body, the operation, the request sc
     BATCH_CHAT: (BatchChatCompletionRequest, {"messages": [_MESSAGES["messages"]]}, "/v1/chat/completions/batch",
                  "BatchChatCompletionRequest"),
     TOKENIZE: (None, None, "/tokenize", None),
+    RESPONSES: (ResponsesRequest, {"input": "hi"}, "/v1/responses", "ResponsesRequest"),
     EMBED: (EmbeddingRequest, {"input": "hi"}, "/v1/embeddings", None),
     SCORE: (ScoreRequest, {"text_1": "hi", "text_2": ["a", "b"]}, "/score", None),
     RERANK: (RerankRequest, {"query": "hi", "documents": ["a"]}, "/rerank", None),

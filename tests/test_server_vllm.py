@@ -11,6 +11,7 @@ import time
 from types import SimpleNamespace
 
 import httpx
+import numpy as np
 import openai
 import pytest
 from test_server import Server
@@ -693,3 +694,45 @@ def test_logprob_token_ids(server, flagged):
         assert refused(server, "/v1/completions", prompt="ab", **body)["param"] == "logprob_token_ids", body
     assert refused(server, "/v1/chat/completions", messages=USER, logprob_token_ids=ids)["param"] == \
         "logprob_token_ids"
+
+
+def test_prompt_logprobs_minus_one_is_the_whole_vocabulary(server, flagged):
+    """As vLLM's: -1 asks every token of the vocabulary (320), refused under --max-logprobs 20, served under 400."""
+    for path, body in (("/v1/completions", {"prompt": "ab"}), ("/v1/chat/completions", {"messages": USER})):
+        err = refused(server, path, max_tokens=1, prompt_logprobs=-1, **body)
+        assert err["param"] == "prompt_logprobs" and "(320)" in err["message"] and "max_logprobs (20)" in \
+            err["message"], err
+    r = post(flagged, "/v1/completions", prompt="ab", max_tokens=1, prompt_logprobs=-1)
+    assert [len(p) for p in r["choices"][0]["prompt_logprobs"][1:]] == [320]
+
+
+def test_tokenize_chat_as_vllm(server, flagged):
+    """/tokenize of a chat equals the template's text tokenized, continue_final_message included (no end-of-turn
+    after the last message); /tokenizer_info names the tokenizer's class as transformers loads it."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    convo = USER + [{"role": "assistant", "content": "Sure,"}]
+    for gen, cont in ((True, False), (False, False), (False, True)):
+        text = tok.apply_chat_template(convo, tokenize=False, add_generation_prompt=gen, continue_final_message=cont)
+        r = post(server, "/tokenize", messages=convo, add_generation_prompt=gen, continue_final_message=cont)
+        assert r["tokens"] == tok.encode(text, add_special_tokens=False) and r["count"] == len(r["tokens"]), (gen, cont)
+    err = refused(server, "/tokenize", messages=convo, continue_final_message=True)  # with add_generation_prompt
+    assert err["param"] == "continue_final_message", err
+    info = httpx.get(flagged.url + "/tokenizer_info").json()
+    assert info["tokenizer_class"] == type(tok).__name__, info
+
+
+def test_prefix_cache_counters(server):
+    """vLLM's prefix_cache_queries / prefix_cache_hits counters (prompt tokens looked up, served by the cache)."""
+    def scrape():
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in
+                httpx.get(server.url + "/metrics").text.splitlines() if line.startswith("jaxpaged:prefix_cache_")}
+    prompt = [int(x) for x in (np.random.default_rng(46).integers(3, 250, 40))]
+    before = scrape()
+    post(server, "/v1/completions", prompt=prompt, max_tokens=1)
+    middle = scrape()
+    post(server, "/v1/completions", prompt=prompt, max_tokens=1)
+    after = scrape()
+    q, h = "jaxpaged:prefix_cache_queries_total", "jaxpaged:prefix_cache_hits_total"
+    assert middle[q] - before[q] == 40 and middle[h] == before[h]
+    assert after[q] - middle[q] == 40 and after[h] - middle[h] >= 32  # the full blocks of the same prompt

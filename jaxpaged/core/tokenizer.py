@@ -29,6 +29,8 @@ class Tokenizer:
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default")
         self.cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+        # the class tokenizer_config.json names (the one transformers' AutoTokenizer loads), as vLLM's /tokenizer_info
+        self.tokenizer_class = config.get("tokenizer_class") or "PreTrainedTokenizerFast"
         self._template = None
         self._short: dict[tuple, str] = {}  # decodes of 1-2 token windows: the detokenizer's usual case
         self._steps: dict[tuple, str | None] = {}  # (skip, a, b) -> text b adds after a (see `step_text`)

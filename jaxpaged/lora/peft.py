@@ -64,13 +64,35 @@ def module_map(cfg: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
+def _json_object(file: str) -> dict:
+    """The JSON object in `file`; a ValueError naming the file and what is wrong with it (unreadable, empty,
+    not UTF-8, not JSON: where, not an object)."""
+    try:
+        with open(file, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except OSError as e:
+        raise ValueError(f"LoRA adapter {file}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"LoRA adapter {file}: is not UTF-8 text (byte {e.start})") from None
+    if not text.strip():
+        raise ValueError(f"LoRA adapter {file}: is empty (it must hold a JSON object)")
+    try:
+        c = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"LoRA adapter {file}: is not valid JSON ({e.msg} at line {e.lineno} column "
+                         f"{e.colno})") from None
+    if not isinstance(c, dict):
+        raise ValueError(f"LoRA adapter {file}: must hold a JSON object, got {type(c).__name__}")
+    return c
+
+
 def read_config(path: str, cfg: ModelConfig, max_lora_rank: int) -> tuple[int, float]:
     """Check `adapter_config.json` in PEFT directory `path`; return (r, scaling)."""
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
         raise ValueError(f"LoRA adapter {path!r}: no adapter_config.json (not a PEFT adapter directory)")
-    with open(file) as f:
-        c = json.load(f)
+    c = _json_object(file)
     bad = lambda what: ValueError(f"LoRA adapter {file}: {what} is not supported")  # noqa: E731
     if c.get("peft_type", "LORA") != "LORA":
         raise bad(f"peft_type {c['peft_type']!r} (only LORA)")
