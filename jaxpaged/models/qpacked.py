@@ -131,7 +131,9 @@ def pack_quantized(params: dict, owned: bool = False) -> dict:
     the head: `transposed`; shapes only for abstract leaves). owned: the QArrays are the caller's alone
     and are freed as they are packed."""
     def one(a, transposed=False):
-        if not packable(_transposed(a) if transposed and isinstance(a, QArray) and a.q.ndim == 2 else a):
+        fits = (isinstance(a, QArray) and a.format in ("int8", "int4") and a.axis == -1 and a.q.ndim == 2
+                if transposed else packable(a))
+        if not fits:
             return a
         if isinstance(a.q, jax.ShapeDtypeStruct):
             return pack_abstract(a, transposed)
