@@ -171,7 +171,9 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     import jaxpaged.models.quant as quant
     monkeypatch.setattr(quant, "COLUMN_CHUNK", 64)  # the tiny vocabulary (256) takes the wide-head path
     path = make_tiny_model(str(tmp_path / "m"), "llama", tie=True, num_layers=3, seed=2)
-    llm = LLM(model=path, quantization=quantization, warmup=False, **engine_kwargs)
+    # XLA's products (the reference path; on one CPU the int8 matrices are otherwise packed for the
+    # quantized kernel, tests/test_quant_int4.py)
+    llm = LLM(model=path, quantization=quantization, warmup=False, matmul_backend="xla", **engine_kwargs)
     r = llm.engine.runner
     cfg = r.model_cfg
     # a bucket T unlike the matrices' sizes: the prompt-logprobs logits f32[T, V] must not pass for the head
