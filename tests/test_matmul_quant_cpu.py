@@ -140,3 +140,26 @@ def test_bad_operands_are_named():
                           (dict(zero=np.int64(16)), "zero")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), **{**attrs, **change}))
+
+
+def test_avx2_build_equals_reference():
+    """The kernel built for AVX2 + FMA (no AVX-512: its activation quantization and its AVX2 and scalar paths
+    as a CPU without AVX-512 runs them) against the same reference, in a subprocess (its own build)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import test_matmul_quant_cpu as t
+        assert t.cq.isa() == "avx2" and t.PATHS == ["scalar", "avx2"], (t.cq.isa(), t.PATHS)
+        for case in t.CASES[:6]:
+            for path in t.PATHS:
+                t.test_kernel_equals_reference(*case, path)
+        t.test_nonfinite_activations_give_nan_rows()
+        print("ok")
+    """)
+    env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

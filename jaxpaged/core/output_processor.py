@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput
-from jaxpaged.core.request import ListPrefix, Request
+from jaxpaged.core.request import ListPrefix, Request, RequestStatus
 from jaxpaged.core.step_result import Finish
 from jaxpaged.core.tokenizer import IncrementalDetokenizer
 
@@ -171,12 +171,12 @@ class OutputProcessor:
         """The group's cumulative output (the text of one detokenized only now caught up first), as it is
         once `stops` (request -> its Finish, not applied yet) are."""
         samples, detoks = group.samples, group.detoks
-        ends = [_end(r, stops) for r in samples]
+        ending = [stops.get(r) for r in samples] if stops else [None] * len(samples)
         if not group.text_each_step:
-            for r, d, (length, _, _) in zip(samples, detoks, ends):
-                d.catch_up(r.token_ids, length)
+            for r, d, f in zip(samples, detoks, ending):
+                d.catch_up(r.token_ids, f.num_tokens if f is not None else None)
         final = finished and error is None
-        outs = [_completion(r, d, final, end) for r, d, end in zip(samples, detoks, ends)]
+        outs = [_completion(r, d, final, f) for r, d, f in zip(samples, detoks, ending)]
         r = samples[0]
         if len(samples) == 1:
             first = group.first_token_times[0]
@@ -200,18 +200,14 @@ def _finishing(group: Group, reason: str) -> dict[Request, Finish]:
     return {r: Finish(r, reason, len(r.token_ids)) for r in group.samples if not r.is_finished}
 
 
-def _end(r: Request, stops: dict | None) -> tuple[int, str | None, bool]:
-    """(its tokens, its finish reason, whether it finished) of a sample, its stop (if any) applied."""
-    stop = stops.get(r) if stops else None
-    if stop is not None:
-        return stop.num_tokens, stop.reason, True
-    return len(r.token_ids), r.finish_reason, r.is_finished
-
-
-def _completion(r: Request, detok: IncrementalDetokenizer, final: bool, end: tuple) -> CompletionOutput:
-    """One sample's part of its group's output (`end`: `_end`'s); its token ids and logprobs are copied only
-    when read. final (finished without error): with its hidden states and routed experts, when asked."""
-    length, reason, finished = end
+def _completion(r: Request, detok: IncrementalDetokenizer, final: bool, finish: Finish | None) -> CompletionOutput:
+    """One sample's part of its group's output, with its `finish` (if any) applied; its token ids and logprobs
+    are copied only when read. final (finished without error): with its hidden states and routed experts,
+    when asked."""
+    if finish is None:
+        length, reason, finished = len(r.token_ids), r.finish_reason, r.status is RequestStatus.FINISHED
+    else:
+        length, reason, finished = finish.num_tokens, finish.reason, True
     lps = r.logprobs
     return CompletionOutput(r.index, detok.visible_text(finished),
                             ListPrefix(r.token_ids, len(r.prompt_token_ids), length),

@@ -206,12 +206,12 @@ class Scheduler:
         """
         got = []
         block_size, caching = self.bm.block_size, self.bm.enable_prefix_caching
-        verdicts = accepted.by_slot if accepted is not None else {}
+        verdicts = accepted.by_slot if accepted is not None else None
         for req, n in out.scheduled:
             if req.status is not RequestStatus.RUNNING:
                 continue
-            verdict = verdicts.get(req.slot)
-            if verdict is not None:  # its accepted proposals are its tokens now; the rejected ones never were
+            if verdicts and (verdict := verdicts.get(req.slot)) is not None:
+                # its accepted proposals are its tokens now; the rejected ones never were
                 n -= verdict.num_rejected
                 req.token_ids.extend(verdict.token_ids)
                 if req.logprobs is not None:
