@@ -204,5 +204,6 @@ class LLMEngine(ControlsFront):
                     iteration_tokens=self.iteration_tokens.snapshot(),
                     num_step_failures=self.num_step_failures, load_seconds=self.load_seconds,
                     attention_backend=runner.backend, kv_cache_dtype=runner.kv_pool_dtype,
+                    matmul_backend=runner.matmul_backend,
                     tensor_parallel_size=runner.tp, **runner.memory_per_device(),
                     **self.lora.stats(), **self.spec.stats())

@@ -54,7 +54,8 @@ def load_weights(path: str, mc: ModelConfig, cfg: EngineConfig) -> tuple[dict, f
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     with tqdm(total=count_tensors(mc), desc="loading weights", unit="tensor", disable=not cfg.show_progress) as bar:
-        params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization)
+        params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization,
+                             group_size=cfg.quantization_group_size)
     return params, time.perf_counter() - t0
 
 
