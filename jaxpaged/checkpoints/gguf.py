@@ -23,6 +23,7 @@ from typing import Iterator
 import numpy as np
 
 from jaxpaged.checkpoints.gguf_config import GGUF_ARCHITECTURES, config_dict
+from jaxpaged.checkpoints.gguf_quant import GGUFCodes, gguf_codes, is_packable
 
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                    "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
@@ -104,26 +105,47 @@ class GGUFModel:
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
+    def hf_name(self, gguf_name: str) -> str:
+        """The HF name of a GGUF tensor (an expert stack's has `{}` for the expert); ValueError naming the
+        file when the model has no such tensor."""
+        hf = self._names.get(gguf_name)
+        if hf is None:
+            raise ValueError(f"{self.path}: tensor {gguf_name!r} has no counterpart in a "
+                             f"{self.config['architectures'][0]} model")
+        return hf
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array in HF [out, in] layout), dequantized one tensor at a time."""
+        return self.raw_tensors(keep_quantized=False)
+
+    def raw_tensors(self, keep_quantized: bool = True) -> Iterator[tuple[str, np.ndarray | GGUFCodes]]:
+        """(HF name, tensor) one at a time: with keep_quantized a matrix of a type with a quantized mapping
+        as its codes (`GGUFCodes`, W [in, out]: the HF matrix transposed), anything else as a float32
+        array in HF [out, in] layout."""
         from gguf.quants import dequantize
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         for t in self.reader.tensors:
-            hf = self._names.get(t.name)
-            if hf is None:
-                raise ValueError(f"{self.path}: tensor {t.name!r} has no counterpart in a "
-                                 f"{self.config['architectures'][0]} model")
-            w = dequantize(t.data, t.tensor_type)
-            if self.arch == "llama" and ".attn_q." in t.name:
-                w = _unpermute(w, heads)
-            elif self.arch == "llama" and ".attn_k." in t.name:
-                w = _unpermute(w, kv_heads)
-            elif self.arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
-                w = w - 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
-            if "{}" in hf:  # experts [E, out, in]
-                yield from ((hf.format(e), w[e]) for e in range(w.shape[0]))
+            hf = self.hf_name(t.name)
+            n_head = (heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name else 0) \
+                if self.arch == "llama" else 0
+            if keep_quantized and is_packable(t.tensor_type.name) and len(t.shape) >= 2:
+                shape = [int(d) for d in reversed(t.shape)]  # [(E,) out, in]
+                c = gguf_codes(t.data.reshape(-1, t.data.shape[-1]), t.tensor_type.name, shape[-1])
+                if n_head:
+                    c = c.columns(_unpermute(np.arange(shape[-2]), n_head))
+                parts = [c] if len(shape) == 2 else [c.columns(slice(e * shape[-2], (e + 1) * shape[-2]))
+                                                     for e in range(shape[0])]
             else:
-                yield hf, w
+                w = dequantize(t.data, t.tensor_type)
+                if n_head:
+                    w = _unpermute(w, n_head)
+                elif self.arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
+                    w = w - 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
+                parts = [w] if "{}" not in hf else list(w)
+            if "{}" in hf:  # experts [E, out, in]
+                yield from ((hf.format(e), p) for e, p in enumerate(parts))
+            else:
+                yield hf, parts[0]
 
     def tokenizer(self):
         """The HF fast tokenizer transformers builds from this file's metadata (chat template included)."""

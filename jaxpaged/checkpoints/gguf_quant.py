@@ -56,6 +56,14 @@ class GGUFCodes:
         return w if self.m is None else w + self.m[idx]
 
 
+    def columns(self, idx) -> "GGUFCodes":
+        """The codes of columns `idx` (an index array or a slice) of W."""
+        def take(a):
+            return np.ascontiguousarray(a[:, idx])
+        return GGUFCodes(take(self.u), take(self.s), None if self.m is None else take(self.m), self.zero,
+                         self.group, self.bits)
+
+
 def is_packable(type_name: str) -> bool:
     """Whether tensors of this GGUF type (its name, e.g. "Q4_K") map onto the quantized format."""
     return type_name in GGUF_QUANT_TYPES
