@@ -94,7 +94,7 @@ def default_cache_dir() -> str:
 # (they import jax, which this module must not; tests/test_flags.py checks that the two agree)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float8_e4m3fn", "int8")  # jaxpaged/step/kv_cache.py
-QUANTIZATIONS = (None, "int8", "fp8")  # jaxpaged/models/quant.py
+QUANTIZATIONS = (None, "int8", "int4", "fp8")  # jaxpaged/models/qarray.py
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")  # step/sampler.py
 
 # EngineConfig's fields by concern: each is one engine flag (jaxpaged/args.py), shown under its group's title
@@ -165,8 +165,14 @@ class EngineConfig:
     dtype: str = option("auto", MODEL, "weights and activations; auto: the checkpoint's torch_dtype where the "
                         "hardware computes in it (bfloat16 on CPUs with bfloat16 units: AVX512-BF16, AMX, Arm "
                         "BF16), else float32 on CPU, bfloat16 on GPU/TPU", choices=DTYPES)
-    quantization: str | None = option(None, MODEL, "weight-only quantization with per-output-channel scales "
-                                      "(default: none, the weights' dtype)", choices=QUANTIZATIONS[1:])
+    quantization: str | None = option(None, MODEL, "weight-only quantization of the layer matrices, from any "
+                                      "float checkpoint at load (default: none, the weights' dtype); int8 / int4: "
+                                      "symmetric integer codes with scales per group (quantization_group_size), "
+                                      "the embedding and lm_head int8 per vocabulary entry; fp8: per output "
+                                      "channel", choices=QUANTIZATIONS[1:])
+    quantization_group_size: int | None = option(None, MODEL, "entries of the input axis each int8 / int4 scale "
+                                                 "covers: 16, 32, 64, 128, or 0 / -1 for one per output channel "
+                                                 "(default: int8 per channel, int4 32)")
     keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
                                   "activations and the float tensors); --no-keep-quantized dequantizes them")
@@ -277,8 +283,13 @@ class EngineConfig:
             raise ValueError(f"keep_quantized must be a bool, got {self.keep_quantized!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
-        from jaxpaged.models.quant import check_quantization
+        from jaxpaged.models.qarray import check_quantization, group_of
         check_quantization(self.quantization)
+        if self.quantization is not None:
+            group_of(self.quantization, self.quantization_group_size)  # ValueError naming the field
+        elif self.quantization_group_size is not None:
+            raise ValueError(f"quantization_group_size={self.quantization_group_size} needs quantization "
+                             "'int8' or 'int4'")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self._check_scale_out(positive)

@@ -116,6 +116,6 @@ def test_exclude_leaves_a_flag_to_the_entry_point():
 
 def test_choices_are_the_validating_modules():
     """The flags offer what the modules that use the values accept (jaxpaged/config.py's choices)."""
-    from jaxpaged.models import quant
+    from jaxpaged.models import qarray
     from jaxpaged.step import kv_cache
-    assert (KV_CACHE_DTYPES, QUANTIZATIONS) == (kv_cache.KV_CACHE_DTYPES, quant.QUANTIZATIONS)
+    assert (KV_CACHE_DTYPES, QUANTIZATIONS) == (kv_cache.KV_CACHE_DTYPES, qarray.QUANTIZATIONS)

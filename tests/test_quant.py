@@ -63,9 +63,9 @@ def test_products_match_dequantized(monkeypatch):
 
 def test_bad_quantization_names_the_argument(tmp_path):
     from jaxpaged.checkpoints.convert import convert
-    for call in (lambda: EngineConfig(quantization="int4"), lambda: quantize(np.ones((2, 2)), "q4", -2),
+    for call in (lambda: EngineConfig(quantization="int3"), lambda: quantize(np.ones((2, 2)), "q4", -2),
                  lambda: convert(str(tmp_path), str(tmp_path / "o"), quantization="Q4_1")):
-        with pytest.raises(ValueError, match="quantization must be None, 'int8' or 'fp8'"):
+        with pytest.raises(ValueError, match="quantization must be None, 'int8', 'int4' or 'fp8'"):
             call()
 
 

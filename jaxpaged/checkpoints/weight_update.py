@@ -89,7 +89,7 @@ def _from_named(engine, pairs) -> dict:
         if in_layers:  # KV heads repeated as the runner holds them when tensor parallelism needs it
             values = replicate_kv_heads({"layers": {key: values}}, cfg, r)["layers"][key]
         if isinstance(current, QArray):  # a quantized engine: quantized as at load, values and scales
-            qa = quantize(values, current.format, -1 if key == "embed" else -2, current.dtype)
+            qa = quantize(values, current.format, -1 if key == "embed" else -2, current.dtype, current.group, key)
             for attr in ("q", "scale"):
                 leaf = getattr(current, attr)
                 new[path + (jax.tree_util.GetAttrKey(attr),)] = _new_leaf(leaf, getattr(qa, attr), index, in_layers)

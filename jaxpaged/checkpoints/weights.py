@@ -17,15 +17,8 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.quant import (
-    FORMATS,
-    QArray,
-    check_quantization,
-    convert_leaf,
-    is_quantized_tree,
-    leaf_axis,
-    quantize,
-)
+from jaxpaged.models.qarray import FORMATS, QArray, check_quantization, group_of, quantize, restored
+from jaxpaged.models.quant import convert_leaf, is_quantized_tree, leaf_axis, leaf_format
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -122,9 +115,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, alloc=np.empty) -> dict:
+def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, alloc=np.empty,
+                 group_size: int | None = None) -> dict:
     """The preallocated parameter pytree: numpy arrays of `dtype`, and for `quantization` its matrices
-    as QArrays (q in the format's storage type, scales float32 with size 1 on the reduced axis).
+    as QArrays (q in the format's storage type, scales float32 with one entry per group of `group_size` on
+    the reduced axis: `quant.leaf_format`).
     `alloc(shape, dtype)` makes each leaf (e.g. `jax.ShapeDtypeStruct` for an abstract model)."""
     np_dtype = NP_DTYPES[dtype]
     check_quantization(quantization)
@@ -133,9 +128,12 @@ def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, 
         axis = leaf_axis(path) if quantization else None
         if axis is None:
             return alloc(shape, np_dtype)
+        fmt, group = leaf_format(path, quantization, group_of(quantization, group_size))
         sshape = list(shape)
-        sshape[axis] = 1
-        return QArray(alloc(shape, FORMATS[quantization][0]), alloc(tuple(sshape), np.dtype(np.float32)), dtype)
+        sshape[axis] = -(-shape[axis] // group) if group else 1
+        store, _, bits = FORMATS[fmt]
+        return QArray(alloc(shape, store), alloc(tuple(sshape), np.dtype(np.float32)), dtype, None, group, bits,
+                      0 if fmt == "fp8" else 2 ** (bits - 1))
     shapes = param_shapes(cfg)
     out = {k: leaf((k,), s) for k, s in shapes.items() if k != "layers"}
     out["layers"] = {k: leaf(("layers", k), s) for k, s in shapes["layers"].items()}
@@ -190,11 +188,12 @@ def map_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]
 
 
 def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
-                              source: str = "checkpoint", progress=None, quantization: str | None = None) -> dict:
+                              source: str = "checkpoint", progress=None, quantization: str | None = None,
+                              group_size: int | None = None) -> dict:
     """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time;
     with `quantization` ("int8", "fp8") each matrix is quantized as it arrives (jaxpaged/models/quant.py)."""
     np_dtype = NP_DTYPES[dtype]
-    out = empty_params(cfg, dtype, quantization)
+    out = empty_params(cfg, dtype, quantization, group_size=group_size)
     seen = set()
     for name, parts in map_named_tensors(cfg, tensors, source):
         for in_layers, key, where, part in parts:
@@ -213,7 +212,7 @@ def _store(tree: dict, key: str, where: tuple, part: np.ndarray, np_dtype) -> No
     """Write one tensor (part) into tree[key] at index `where` (quantizing it for a QArray leaf)."""
     dst = tree[key]
     if isinstance(dst, QArray):
-        qa = quantize(part, dst.format, -1 if key == "embed" else -2)
+        qa = quantize(part, dst.format, -1 if key == "embed" else -2, group=dst.group, name=key)
         dst.q[where], dst.scale[where] = qa.q, qa.scale
     elif where:
         dst[where] = part.astype(np_dtype)
@@ -274,12 +273,12 @@ def count_tensors(cfg: ModelConfig) -> int:
 
 
 def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None,
-                   quantization: str | None = None) -> dict:
+                   quantization: str | None = None, group_size: int | None = None) -> dict:
     def tensors():
         for p in safetensors_files(model_dir):
             yield from read_safetensors(p)
     return params_from_named_tensors(cfg, tensors(), dtype, source=model_dir, progress=progress,
-                                     quantization=quantization)
+                                     quantization=quantization, group_size=group_size)
 
 
 ORBAX_SUBDIR = "params"
@@ -300,7 +299,8 @@ def save_orbax_params(params: dict, model_dir: str) -> None:
         ckpt.save(os.path.abspath(os.path.join(model_dir, ORBAX_SUBDIR)), args=ocp.args.PyTreeSave(params))
 
 
-def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization: str | None = None) -> dict:
+def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization: str | None = None,
+                      group_size: int | None = None) -> dict:
     """Restore the pytree one leaf at a time as numpy arrays of `dtype`, its matrices in the format
     `quantization` asks for (quantized, widened or re-quantized per leaf: whichever format the
     checkpoint holds, no float32 copy of the whole model is ever made)."""
@@ -326,26 +326,29 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
                                                                    partial_restore=True))
                 for k in keys:
                     r = r[k]
-                a = QArray(r["q"], r["scale"]) if is_quantized_tree(r) else r
                 axis = leaf_axis(keys)
+                a = restored(r["q"], r["scale"], axis) if is_quantized_tree(r) else r
                 if axis is None:
                     return np.asarray(a).astype(np_dtype, copy=False)
-                return convert_leaf(a, quantization, axis, dtype)
+                return convert_leaf(a, *leaf_format(keys, quantization, group_of(quantization, group_size)
+                                                    if quantization else 0), axis, dtype)
             return {k: {n: restore((k, n), mm) for n, mm in m.items()} if k == "layers" else restore((k,), m)
                     for k, m in meta.items()}
     except Exception as e:  # orbax raises many types; name the directory
         raise ValueError(f"{path}: cannot restore orbax checkpoint ({type(e).__name__}: {e})") from None
 
 
-def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, quantization: str | None = None) -> dict:
+def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, quantization: str | None = None,
+                group_size: int | None = None) -> dict:
     """Numpy parameter pytree from an orbax (converted) or Hugging Face directory; with `quantization`
     its matrices are QArrays (jaxpaged/models/quant.py)."""
     if is_orbax_dir(model_dir):
-        params = load_orbax_params(model_dir, cfg, dtype, quantization)
+        params = load_orbax_params(model_dir, cfg, dtype, quantization, group_size)
         if progress is not None:
             progress.update(count_tensors(cfg))
         return params
-    return load_hf_params(model_dir, cfg, dtype, progress=progress, quantization=quantization)
+    return load_hf_params(model_dir, cfg, dtype, progress=progress, quantization=quantization,
+                          group_size=group_size)
 
 
 def release_host_memory() -> None:

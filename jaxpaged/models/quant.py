@@ -1,16 +1,13 @@
-"""Weight-only quantization: a quantized matrix as a small pytree, and the products that read it.
+"""Weight-only quantization: the products that read quantized matrices (QArray, jaxpaged/models/qarray.py),
+the CPU kernels' packed leaves, and the parameter pytree's conversion.
 
-`QArray(q, scale, dtype)`: `q` int8 (or float8_e4m3fn) of the matrix's shape, `scale` float32 of the
-same rank with size 1 on the reduced axis, so `q * scale` is the matrix in any layout:
-    weights [..., in, out] (stored [in, out]): one scale per output column, scale [..., 1, out];
-    the embedding [V, D]: one scale per vocabulary row, scale [V, 1] — so the tied lm_head (the
-    embedding transposed, `dot(h, embed, transpose=True)`) has one scale per output column again.
-`dtype` (static) is the engine dtype the matrix stands for. Every operation on the whole pytree that
-maps leaves (stacking, slicing a layer, sharding, replicating KV heads) treats q and scale alike.
-
-`dot(x, w)` works for plain arrays and QArrays: x @ q (q widened to x's dtype inside the product) then
-one multiply by the column scales; no dequantized copy of the matrix is built outside the product.
-Quantizing (`quantize`) runs on the host (numpy), one tensor at a time, at load or conversion.
+`dot(x, w)` works for plain arrays, QArrays and packed leaves. A QArray with one scale per output column
+(no minimum): x @ q (q widened to x's dtype inside the product) then one multiply by the column scales;
+a grouped one (int4, grouped int8, GGUF blocks): the matrix dequantized in x's dtype, a chunk of columns
+at a time for wide ones, then XLA's dot — the reference, and the path on GPU / TPU. On one CPU device the
+runner keeps integer QArrays packed for the quantized CPU kernel (`QPacked`, jaxpaged/models/qpacked.py),
+which reads the packed bytes once a step. Quantizing (`quantize`) runs on the host (numpy), one tensor at
+a time, at load or conversion.
 """
 from __future__ import annotations
 
@@ -21,32 +18,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxpaged.models.qarray import QArray, check_quantization, dequantize, dequantize_parts, quantize
 from jaxpaged.step.batch_invariant import row_tiled
 from pallas_kernels.matmul import cpu as cpu_matmul
 
-# format -> (storage dtype, largest representable magnitude)
-FORMATS = {"int8": (np.dtype(np.int8), 127.0), "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0)}
-QUANTIZATIONS = (None,) + tuple(FORMATS)
 COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
 # layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
 # MoE router stay in the engine dtype
 QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QArray:
-    q: jax.Array       # int8 or float8_e4m3fn, the matrix's shape
-    scale: jax.Array   # float32, the matrix's rank, size 1 on the reduced axis
-    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # what it stands for
-
-    @property
-    def shape(self) -> tuple:
-        return tuple(self.q.shape)
-
-    @property
-    def format(self) -> str:
-        return "int8" if np.dtype(self.q.dtype) == np.int8 else "fp8"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,33 +116,6 @@ def unpack_layers(params: dict) -> dict:
     return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, Packed))
 
 
-def check_quantization(quantization) -> None:
-    """ValueError naming `quantization` unless it is None, "int8" or "fp8"."""
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be None, 'int8' or 'fp8', got {quantization!r}")
-
-
-def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32") -> QArray:
-    """Host array -> QArray of numpy arrays: symmetric, one scale per slice along `axis` reduced
-    (axis=-2: per output column of [..., in, out]; axis=-1: per row of the embedding [V, D])."""
-    check_quantization(fmt)
-    store, top = FORMATS[fmt]
-    a = np.asarray(a, np.float32)
-    amax = np.max(np.abs(a), axis=axis, keepdims=True)
-    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
-    x = a / scale
-    q = np.clip(np.rint(x), -top, top).astype(store) if fmt == "int8" else x.astype(store)
-    return QArray(q, scale, dtype)
-
-
-def dequantize(w) -> jax.Array | np.ndarray:
-    """The matrix a QArray stands for, in its dtype (a plain array is returned as it is)."""
-    if not isinstance(w, QArray):
-        return w
-    xp = np if isinstance(w.q, np.ndarray) else jnp
-    return (w.q.astype(xp.float32) * w.scale).astype(w.dtype)
-
-
 def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0, kernel: bool = False):
     """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
     plain array or a QArray, the scales of the output columns applied to the product.
@@ -198,17 +150,21 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
         return jax.lax.dot_general(x, w, (contract, ((), ())), preferred_element_type=_accumulator(x, out_dtype)
                                    ).astype(out_dtype)
 
-    def product(q, scale):  # q: w's columns (or rows when transposed) [.., C ..]; scale: theirs, [C]
+    def product(q, scale, m):  # q: w's columns (or rows when transposed) [.., C ..]; scale, m: their groups
+        if w.group or m is not None:  # grouped: the chunk dequantized in x's dtype, then a plain product
+            wq = dequantize_parts(q.astype(jnp.float32), scale, m, w.group, w.axis).astype(x.dtype)
+            y = jax.lax.dot_general(x, wq, (contract, ((), ())), preferred_element_type=jnp.float32)
+            return y.astype(out_dtype)
         y = jax.lax.dot_general(x, q.astype(x.dtype), (contract, ((), ())), preferred_element_type=jnp.float32)
-        return (y * scale).astype(out_dtype)
+        return (y * scale.reshape(-1)).astype(out_dtype)
     n = w.q.shape[out_axis]
     if n < 2 * COLUMN_CHUNK or n % COLUMN_CHUNK:
-        return product(w.q, w.scale.reshape(-1))
+        return product(w.q, w.scale, w.m)
 
     def chunk(i, y):
-        q, s = (jax.lax.dynamic_slice_in_dim(a, i * COLUMN_CHUNK, COLUMN_CHUNK, axis=out_axis)
-                for a in (w.q, w.scale))
-        return jax.lax.dynamic_update_slice_in_dim(y, product(q, s.reshape(-1)), i * COLUMN_CHUNK, axis=-1)
+        q, s, m = (None if a is None else jax.lax.dynamic_slice_in_dim(a, i * COLUMN_CHUNK, COLUMN_CHUNK,
+                                                                      axis=out_axis) for a in (w.q, w.scale, w.m))
+        return jax.lax.dynamic_update_slice_in_dim(y, product(q, s, m), i * COLUMN_CHUNK, axis=-1)
     return jax.lax.fori_loop(0, n // COLUMN_CHUNK, chunk, jnp.zeros(x.shape[:-1] + (n,), out_dtype))
 
 
@@ -227,39 +183,53 @@ def take_rows(w, ids, dtype=None):
     """Rows ids [T] of the embedding w [V, D] (plain or a per-row QArray) -> [T, D] in the engine dtype."""
     if not isinstance(w, QArray):
         return w[ids]
-    return (w.q[ids].astype(jnp.float32) * w.scale[ids]).astype(dtype or w.dtype)
+    m = None if w.m is None else w.m[ids]
+    return dequantize_parts(w.q[ids].astype(jnp.float32), w.scale[ids], m, w.group, -1).astype(dtype or w.dtype)
 
 
 def ragged_dot(x, w, group_sizes, group_ids):
     """Grouped product of moe.py: x [M, in] rows sorted by group, w [G, in, out]; group_ids i32[M] is each
-    row's group (its expert), which picks the column scales of a QArray."""
+    row's group (its expert), which picks the column scales of a QArray (a grouped QArray is dequantized
+    whole in x's dtype: the reference path, on every backend)."""
     if not isinstance(w, QArray):
         return jax.lax.ragged_dot(x, w, group_sizes)
+    if w.group or w.m is not None:
+        return jax.lax.ragged_dot(x, dequantize(w).astype(x.dtype), group_sizes)
     y = jax.lax.ragged_dot(x, w.q.astype(x.dtype), group_sizes, preferred_element_type=jnp.float32)
     return (y * w.scale[:, 0, :][group_ids]).astype(x.dtype)  # scale [G, 1, out] -> [M, out]
 
 
-def quantize_params(params: dict, fmt: str | None, dtype: str) -> dict:
+def quantize_params(params: dict, fmt: str | None, dtype: str, group: int = 0) -> dict:
     """The parameter pytree (numpy leaves or QArrays) with its matrices in format `fmt` (None: plain
-    arrays of `dtype`), converted one leaf at a time; other leaves are returned as they are."""
+    arrays of `dtype`; `leaf_format` picks each leaf's format and group), converted one leaf at a time;
+    other leaves are returned as they are."""
     check_quantization(fmt)
 
     def conv(path, a):
         axis = leaf_axis(path)
-        return a if axis is None else convert_leaf(a, fmt, axis, dtype)
+        return a if axis is None else convert_leaf(a, *leaf_format(path, fmt, group), axis, dtype)
     return {k: {n: conv((k, n), a) for n, a in v.items()} if k == "layers" else conv((k,), v)
             for k, v in params.items()}
 
 
-def convert_leaf(a, fmt: str | None, axis: int, dtype: str):
-    """One leaf (numpy array or QArray) -> the format asked for (None: a plain array of `dtype`)."""
+def leaf_format(path: tuple[str, ...], fmt: str | None, group: int) -> tuple[str | None, int]:
+    """(format, group) of one quantized leaf: the layer matrices take `fmt` and `group`; the embedding and
+    lm_head stay int8 with one scale per vocabulary entry under int8 and int4 (the logits are the products
+    most sensitive to rounding, and a per-entry scale keeps the embedding's row lookup one multiply)."""
+    if fmt in ("int8", "int4") and path in (("embed",), ("lm_head",)):
+        return "int8", 0
+    return fmt, group
+
+
+def convert_leaf(a, fmt: str | None, group: int, axis: int, dtype: str):
+    """One leaf (numpy array or QArray) -> the format and group asked for (None: a plain array of `dtype`)."""
     if isinstance(a, QArray):
-        if fmt == a.format:
-            return QArray(a.q, a.scale, dtype)
-        a = dequantize(QArray(a.q, a.scale, "float32"))
+        if fmt == a.format and group == a.group:
+            return dataclasses.replace(a, dtype=dtype)
+        a = dequantize(dataclasses.replace(a, dtype="float32"))
     if fmt is None:
         return np.asarray(a).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype, copy=False)
-    return quantize(a, fmt, axis, dtype)
+    return quantize(a, fmt, axis, dtype, group)
 
 
 def leaf_axis(path: tuple[str, ...]) -> int | None:

@@ -146,7 +146,8 @@ def leaf_specs(specs: dict, params: dict) -> dict:
         if not isinstance(a, QArray):
             return spec
         full = tuple(spec) + (None,) * (a.q.ndim - len(spec))
-        return QArray(spec, P(*(None if n == 1 else ax for n, ax in zip(a.scale.shape, full))), a.dtype)
+        scale = P(*(None if n == 1 else ax for n, ax in zip(a.scale.shape, full)))
+        return dataclasses.replace(a, q=spec, scale=scale, m=None if a.m is None else scale)
     return jax.tree.map(one, specs, params, is_leaf=lambda x: isinstance(x, P))
 
 

@@ -1,0 +1,186 @@
+"""A weight-only quantized matrix as a small pytree (`QArray`), made on the host by `quantize` or from codes.
+
+`QArray(q, scale, dtype, m=None, group=0, bits=8, zero=0)` stands for the matrix `s * q + m`, where
+    q      int8 signed codes (or float8_e4m3fn), the matrix's shape: `u - zero` for unsigned codes u;
+    scale  float32, the matrix's rank; on the reduced axis one entry per group of `group` entries
+           (group 0: the whole axis, one scale per output column or embedding row);
+    m      None, or a float32 per-group minimum shaped like `scale` (GGUF Q4_1 / Q4_K ..);
+    dtype  (static) the engine dtype the matrix stands for; group, bits (8 or 4: the codes' width), zero
+           (the unsigned zero code) are static too.
+The reduced axis is -2 for matrices [..., in, out] (scale [..., ceil(in / G), out]) and -1 for the
+embedding [V, D] (scale [V, ceil(D / G)]): the one where `scale` and `q` differ in size. Every operation on
+the whole pytree that maps leaves (stacking, slicing a layer, sharding) treats q, scale and m alike.
+
+The CPU kernel's format (pallas_kernels/matmul/cpu_quant.py) is W = s * (u - z) + m with unsigned codes u,
+so a QArray of integer codes maps onto it exactly (u = q + zero): `jaxpaged/models/qpacked.py` packs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+# format -> (storage dtype, largest representable magnitude, code bits)
+FORMATS = {"int8": (np.dtype(np.int8), 127.0, 8), "int4": (np.dtype(np.int8), 7.0, 4),
+           "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0, 8)}
+QUANTIZATIONS = (None,) + tuple(FORMATS)
+GROUPS = (16, 32, 64, 128)  # group sizes; 0 (or -1): one group over the whole reduced axis
+DEFAULT_GROUP = {"int8": 0, "int4": 32, "fp8": 0}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QArray:
+    q: jax.Array       # int8 (signed codes) or float8_e4m3fn, the matrix's shape
+    scale: jax.Array   # float32, groups on the reduced axis (see the module docstring)
+    dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # what it stands for
+    m: jax.Array | None = None  # float32 per-group minimum, shaped like scale
+    group: int = dataclasses.field(default=0, metadata=dict(static=True))  # 0: the whole reduced axis
+    bits: int = dataclasses.field(default=8, metadata=dict(static=True))   # the codes' width: 8 or 4
+    zero: int = dataclasses.field(default=0, metadata=dict(static=True))   # unsigned code = q + zero
+
+    @property
+    def shape(self) -> tuple:
+        return tuple(self.q.shape)
+
+    @property
+    def format(self) -> str:
+        if np.dtype(self.q.dtype) != np.int8:
+            return "fp8"
+        return "int4" if self.bits == 4 else "int8"
+
+    @property
+    def axis(self) -> int:
+        """The reduced axis: -1 (rows of the embedding) or -2 (columns of a matrix)."""
+        return -1 if self.scale.shape[-1] != self.q.shape[-1] else -2
+
+    @classmethod
+    def from_codes(cls, u, s, m=None, zero: int = 0, group: int = 32, bits: int = 4,
+                   dtype: str = "float32") -> QArray:
+        """The matrix W[..., K, N] = s[..., k // group, n] * (u[..., k, n] - zero) + m[..., k // group, n] from
+        unsigned codes u (uint8, each below 2**bits; 4-bit codes one per byte, unpacked), float32 scales s and
+        optional minimum m [..., ceil(K / group), N]; group in 16, 32, 64, 128, or 0 for one group over K.
+        Host (numpy) arrays; every operand is checked (ValueError naming it): s and m finite, codes in range.
+        int8 / int4 symmetric (zero 128 / 8) and GGUF Q8_0 (zero 128), Q4_0 (8), Q5_0 (16), Q6_K (group 16,
+        zero 32), Q4_1 / Q5_1 / Q4_K / Q5_K (zero 0, m the negated scaled minimum) are this form exactly."""
+        u = np.asarray(u)
+        if u.dtype != np.uint8 or u.ndim < 2:
+            raise ValueError(f"u must be uint8 codes [..., K, N], got {u.dtype}{list(u.shape)}")
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8, got {bits!r}")
+        if u.size and int(u.max()) >= 2 ** bits:
+            raise ValueError(f"u holds codes >= 2**{bits} (bits={bits})")
+        check_group(group, "group")
+        if not (0 <= zero < 2 ** bits) or (m is not None and zero):
+            raise ValueError(f"zero must be a {bits}-bit code, and 0 when m is given; got {zero!r}")
+        K = u.shape[-2]
+        want = (*u.shape[:-2], -(-K // group) if group else 1, u.shape[-1])
+        s = check_scales(s, want, "s")
+        m = None if m is None else check_scales(m, want, "m")
+        q = u.astype(np.int16) - zero
+        if q.size and (int(q.min()) < -128 or int(q.max()) > 127):
+            raise ValueError(f"zero={zero}: the signed codes u - zero must fit int8")
+        q = q.astype(np.int8)
+        return cls(q, s, dtype, m, int(group), int(bits), int(zero))
+
+
+def restored(q, scale, axis: int) -> QArray:
+    """A QArray saved as {q, scale} (jaxpaged convert): its group read back from the scale's size on the
+    reduced axis (the smallest group giving that many; int4 codes are restored as 8-bit ones: the same
+    matrix)."""
+    n, count = q.shape[axis], scale.shape[axis]
+    group = 0 if count == 1 else next((g for g in GROUPS if -(-n // g) == count), None)
+    if group is None:
+        raise ValueError(f"a saved quantized matrix [{n} on its reduced axis] has {count} scales: no group fits")
+    integer = np.dtype(q.dtype) == np.int8
+    return QArray(q, scale, "float32", None, group, 8, 128 if integer else 0)
+
+
+def check_group(group, name: str = "quantization_group_size") -> None:
+    """ValueError naming `name` unless group is one of GROUPS or 0 (one group over the reduced axis)."""
+    if isinstance(group, bool) or not isinstance(group, (int, np.integer)) or (group and group not in GROUPS):
+        raise ValueError(f"{name} must be one of {', '.join(map(str, GROUPS))}, or 0 / -1 for one scale per "
+                         f"output channel; got {group!r}")
+
+
+def check_scales(s, shape: tuple, name: str) -> np.ndarray:
+    """s as float32 of `shape`, finite; ValueError naming `name` otherwise."""
+    s = np.asarray(s)
+    if s.dtype != np.float32 or tuple(s.shape) != tuple(shape):
+        raise ValueError(f"{name} must be float32{list(shape)}, got {s.dtype}{list(s.shape)}")
+    bad = ~np.isfinite(s)
+    if bad.any():
+        raise ValueError(f"{name} holds {int(bad.sum())} NaN / inf value(s) (first at {np.argwhere(bad)[0].tolist()})")
+    return s
+
+
+def check_quantization(quantization) -> None:
+    """ValueError naming `quantization` unless it is None, "int8", "int4" or "fp8"."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None, 'int8', 'int4' or 'fp8', got {quantization!r}")
+
+
+def group_of(fmt: str, group_size: int | None) -> int:
+    """The group a format quantizes with: `group_size` (None: the format's default; -1 / 0: per channel)."""
+    if group_size is None:
+        return DEFAULT_GROUP[fmt]
+    g = 0 if group_size == -1 else group_size
+    check_group(g)
+    if g and fmt == "fp8":
+        raise ValueError(f"quantization_group_size={group_size}: fp8 takes one scale per output channel (0 / -1)")
+    return int(g)
+
+
+def _expand(a, group: int, n: int, axis: int):
+    """Per-group values -> one per entry of the reduced axis (length n)."""
+    if not group:
+        return a
+    xp = np if isinstance(a, np.ndarray) else jnp
+    return xp.take(a, xp.arange(n) // group, axis=axis)
+
+
+def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: int = 0,
+             name: str = "tensor") -> QArray:
+    """Host array -> QArray of numpy arrays: symmetric, one scale per group of `group` entries along `axis`
+    (0: the whole axis; axis=-2: the columns of [..., in, out]; axis=-1: the rows of the embedding [V, D]).
+    int8 / int4 codes are q = round(a / s) in [-127, 127] / [-7, 7] with s = max|a| / 127 (/ 7), zero code
+    128 / 8; a NaN or inf in `a` is refused by `name`."""
+    check_quantization(fmt)
+    check_group(group, "group")
+    store, top, bits = FORMATS[fmt]
+    a = np.asarray(a, np.float32)
+    n = a.shape[axis]
+    if group:  # [.., n, ..] -> [.., groups, group, ..] (zero padded), reduced over the group
+        pad = [(0, 0)] * a.ndim
+        pad[axis % a.ndim] = (0, -n % group)
+        ap = np.pad(a, pad)
+        sh = list(ap.shape)
+        ax = axis % a.ndim
+        sh[ax:ax + 1] = [sh[ax] // group, group]
+        amax = np.max(np.abs(ap.reshape(sh)), axis=ax + 1)
+    else:
+        amax = np.max(np.abs(a), axis=axis, keepdims=True)
+    if not np.all(np.isfinite(amax)):
+        raise ValueError(f"{name} holds NaN / inf values: it cannot be quantized ({fmt})")
+    scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
+    x = a / _expand(scale, group, n, axis)
+    q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)
+    return QArray(q, scale, dtype, None, group, bits, 0 if fmt == "fp8" else 2 ** (bits - 1))
+
+
+def dequantize(w) -> jax.Array | np.ndarray:
+    """The matrix a QArray stands for, in its dtype (a plain array is returned as it is)."""
+    if not isinstance(w, QArray):
+        return w
+    xp = np if isinstance(w.q, np.ndarray) else jnp
+    return dequantize_parts(w.q.astype(xp.float32), w.scale, w.m, w.group, w.axis).astype(w.dtype)
+
+
+def dequantize_parts(q, scale, m, group: int, axis: int):
+    """s * q + m of a QArray's (or a slice's) parts, float32, the scales expanded over their groups."""
+    n = q.shape[axis]
+    out = q * _expand(scale, group, n, axis)
+    return out if m is None else out + _expand(m, group, n, axis)
