@@ -61,3 +61,55 @@ def test_bad_inputs_named():
         gguf_codes(data, "Q4_0", 512)
     with pytest.raises(ValueError, match="not rows of 100 inputs"):
         gguf_codes(data, "Q4_0", 100)
+
+
+# -- the engine's leaf ----------------------------------------------------------------------------
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+@pytest.mark.parametrize("n,k", [(40, 768), (16, 512)])
+def test_engine_product_equals_float_product(type_name, n, k):
+    """x @ the QArray made from the codes equals x @ gguf.quants.dequantize's matrix within float32
+    rounding; the QArray stands for that matrix exactly."""
+    import jax.numpy as jnp
+
+    from jaxpaged.models.qarray import QArray
+    from jaxpaged.models.qarray import dequantize as engine_matrix
+    from jaxpaged.models.quant import dot
+    data = gguf_matrix(type_name, n, k, seed=7)
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(n, k)  # float32 [N, K]
+    c = gguf_codes(data, type_name, k)
+    qa = QArray.from_codes(c.u, c.s, c.m, zero=c.zero, group=c.group, bits=c.bits)
+    assert qa.bits == c.bits and qa.group == c.group
+    np.testing.assert_array_equal(np.asarray(engine_matrix(qa)), want.T)
+    x = np.random.default_rng(k).normal(0, 1, (5, k)).astype(np.float32)
+    y = np.asarray(dot(jnp.asarray(x), QArray(jnp.asarray(qa.q), jnp.asarray(qa.scale), "float32",
+                                               None if qa.m is None else jnp.asarray(qa.m), qa.group, qa.bits,
+                                               qa.zero)))
+    ref = x.astype(np.float64) @ want.T.astype(np.float64)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("types,form", [(("Q4_K", "Q6_K"), (16, 8, 0, True)),       # Q4_K_M's mix
+                                        (("Q8_0", "Q4_0", "Q5_0"), (32, 8, 128, False)),
+                                        (("Q4_0", "Q4_1"), (32, 4, 0, True)),
+                                        (("Q4_0",), (32, 4, 8, False)), (("Q5_K",), (32, 8, 0, True))])
+def test_mixed_types_share_one_exact_form(types, form):
+    """A stacked matrix whose layers have different GGUF types takes one form they all fit: each layer's
+    matrix is its codes' matrix (a zero folded into a minimum: within float rounding)."""
+    from jaxpaged.checkpoints.gguf_load import leaf_form, store_codes
+    from jaxpaged.models.qarray import QArray
+    from jaxpaged.models.qarray import dequantize as engine_matrix
+    assert leaf_form(set(types)) == form
+    group, bits, zero, has_m = form
+    n, k = 24, 512
+    codes = [gguf_codes(gguf_matrix(t, n, k, seed=i), t, k) for i, t in enumerate(types)]
+    dst = (np.empty((len(types), k, n), np.uint8), np.empty((len(types), k // group, n), np.float32),
+           np.empty((len(types), k // group, n), np.float32) if has_m else None)
+    for i, c in enumerate(codes):
+        store_codes(dst, form, (i,), c, None, f"layer {i}", "test")
+    w = np.asarray(engine_matrix(QArray.from_codes(*dst, zero=zero, group=group, bits=bits)))
+    for i, c in enumerate(codes):
+        want = c.dequantize()
+        if c.m is None and has_m:
+            np.testing.assert_allclose(w[i], want, rtol=0, atol=2e-7 * np.abs(want).max())
+        else:
+            np.testing.assert_array_equal(w[i], want)

@@ -5,12 +5,11 @@
 the config and tokenizer there as from any model directory, and `load_gguf_params` reads the weights from
 the GGUF itself, one tensor at a time.
 
-keep_quantized: the layer matrices (and an untied lm_head) whose GGUF type maps onto the engine's
-quantized format (jaxpaged/checkpoints/gguf_quant.py) stay quantized, as `QArray`s made from their codes,
-exactly; a matrix that mixes types over its layers (Q4_K_M's Q4_K and Q6_K) takes one form all its types fit
-(the finest group; 8-bit codes where zeros or widths differ; a minimum where any has one, the others' zero
-folded into it: -z * s). F32 / F16 / BF16 tensors, types without a mapping, the embedding (and so a tied
-lm_head), norms and routers are dequantized into the engine dtype.
+keep_quantized: the matrices (layers, MoE experts, the embedding and so a tied lm_head, an untied lm_head)
+whose GGUF type maps onto the engine's quantized format (jaxpaged/checkpoints/gguf_quant.py) stay quantized,
+as `QArray`s made from their codes, exactly; a matrix that mixes types over its layers (Q4_K_M's Q4_K and
+Q6_K) takes one form all its types fit (`leaf_form`). F32 / F16 / BF16 tensors, types without a mapping,
+norms and routers are dequantized into the engine dtype.
 """
 from __future__ import annotations
 
@@ -25,9 +24,11 @@ import numpy as np
 from jaxpaged.checkpoints.gguf_quant import GGUF_QUANT_TYPES, GGUFCodes
 from jaxpaged.checkpoints.weights import NP_DTYPES, empty_params, expected_hf_names, map_named_tensors
 from jaxpaged.config import ModelConfig, default_cache_dir
+from jaxpaged.models.qarray import QArray
 
 SOURCE_FILE = "gguf_source.json"
-_PACKED_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+_PACKED_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "embed")
+_TOP = {"model.embed_tokens.weight": "embed", "lm_head.weight": "lm_head"}
 
 
 def is_gguf_file(path: str) -> bool:
@@ -89,7 +90,7 @@ def load_gguf_params(path: str, cfg: ModelConfig, dtype: str, keep_quantized: bo
     codes = {}  # leaf -> (u uint8 [.., K, N], s, m) being filled, made QArrays at the end
     for key, (group, bits, zero, has_m) in plans.items():
         tree, name = _leaf_home(out, key)
-        shape = tree[name].shape
+        shape = tree[name].shape[::-1] if key == "embed" else tree[name].shape  # codes: W [in, out]
         gshape = (*shape[:-2], -(-shape[-2] // group), shape[-1])
         codes[key] = (np.empty(shape, np.uint8), np.empty(gshape, np.float32),
                       np.empty(gshape, np.float32) if has_m else None)
@@ -101,7 +102,7 @@ def load_gguf_params(path: str, cfg: ModelConfig, dtype: str, keep_quantized: bo
             dests = _destinations(cfg, hf)
             if isinstance(t, GGUFCodes) and dests[0][0] in plans:
                 for key, where, cols in dests:
-                    _store_codes(codes[key], plans[key], where, t, cols, hf, path)
+                    store_codes(codes[key], plans[key], where, t, cols, hf, path)
                 seen.add(hf)
                 if progress is not None:
                     progress.update(1)
@@ -121,22 +122,24 @@ def load_gguf_params(path: str, cfg: ModelConfig, dtype: str, keep_quantized: bo
     if missing:
         raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     for key, (group, bits, zero, _) in plans.items():
-        from jaxpaged.models.qarray import QArray
         u, s, m = codes.pop(key)
         tree, name = _leaf_home(out, key)
-        tree[name] = QArray.from_codes(u, s, m, zero=zero, group=group, bits=bits, dtype=dtype)
+        a = QArray.from_codes(u, s, m, zero=zero, group=group, bits=bits, dtype=dtype)
+        if key == "embed":  # [V, D], groups along D: the codes of W [D, V] transposed
+            a = QArray(a.q.T.copy(), a.scale.T.copy(), dtype, None if a.m is None else a.m.T.copy(), group, bits, zero)
+        tree[name] = a
     return out
 
 
 def _leaf_home(params: dict, key: str) -> tuple[dict, str]:
-    return (params, key) if key == "lm_head" else (params["layers"], key)
+    return (params, key) if key in ("lm_head", "embed") else (params["layers"], key)
 
 
 def _destinations(cfg: ModelConfig, hf: str) -> list[tuple[str, tuple, tuple[int, int] | None]]:
     """HF name -> [(leaf, index, columns of the codes or None)] (Phi-3's fused rows are columns of W)."""
     from jaxpaged.checkpoints.weights import _EXPERT_NAMES, layer_name_map
-    if hf == "lm_head.weight":
-        return [("lm_head", (), None)]
+    if hf in _TOP:
+        return [(_TOP[hf], (), None)]
     if not hf.startswith("model.layers."):
         return [(None, (), None)]
     i, rest = hf[len("model.layers."):].split(".", 1)
@@ -154,22 +157,25 @@ def _plans(g, cfg: ModelConfig) -> dict[str, tuple[int, int, int, bool]]:
         for key, _, _ in _destinations(cfg, g.hf_name(t.name).format(0)):
             if key in _PACKED_LEAVES:
                 types.setdefault(key, set()).add(t.tensor_type.name)
-    plans = {}
-    for key, ts in types.items():
-        if not ts <= set(GGUF_QUANT_TYPES) or (key == "lm_head" and cfg.tie_word_embeddings):
-            continue
-        forms = [(_GROUP[t], _BITS[t], _ZERO[t], t in _WITH_MIN) for t in ts]
-        has_m = any(f[3] for f in forms)
-        zeros = {f[2] for f in forms}
-        bits = max(f[1] for f in forms)
-        if has_m:
-            zero = 0
-        elif len(zeros) == 1:
-            zero = zeros.pop()
-        else:
-            zero, bits = 128, 8
-        plans[key] = (min(f[0] for f in forms), bits, zero, has_m)
-    return plans
+    return {key: leaf_form(ts) for key, ts in types.items()
+            if ts <= set(GGUF_QUANT_TYPES) and not (key == "lm_head" and cfg.tie_word_embeddings)}
+
+
+def leaf_form(types: set[str]) -> tuple[int, int, int, bool]:
+    """(group, bits, zero, has_m): the one quantized form every GGUF type in `types` fits exactly (a zero
+    folded into a minimum, -z * s, is within float rounding): the finest group; a minimum where any type
+    has one (zero 0); otherwise the types' zero, or 8-bit codes around 128 where the zeros differ."""
+    forms = [(_GROUP[t], _BITS[t], _ZERO.get(t, 0), t in _WITH_MIN) for t in types]
+    has_m = any(f[3] for f in forms)
+    zeros = {f[2] for f in forms}
+    bits = max(f[1] for f in forms)
+    if has_m:
+        zero = 0
+    elif len(zeros) == 1:
+        zero = zeros.pop()
+    else:
+        zero, bits = 128, 8
+    return min(f[0] for f in forms), bits, zero, has_m
 
 
 _GROUP = {t: v[2] for t, v in GGUF_QUANT_TYPES.items()}
@@ -178,7 +184,7 @@ _ZERO = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}
 _WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
 
 
-def _store_codes(dst, plan, where: tuple, c: GGUFCodes, cols, hf: str, path: str) -> None:
+def store_codes(dst, plan, where: tuple, c: GGUFCodes, cols, hf: str, path: str) -> None:
     """One tensor's codes into the leaf's arrays at `where`, in the leaf's form `plan`."""
     u_all, s_all, m_all = dst
     group, _, zero, has_m = plan
