@@ -56,10 +56,43 @@ def _greedy(path, engine_kwargs, prompts, **over):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("family,qtype", CASES)
-def test_greedy_from_gguf_equals_hf(gguf_models, engine_kwargs, family, qtype):
-    path, ref = gguf_models[family]
+def _prompts():
     rng = np.random.default_rng(3)
-    prompts = [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in (5, 14)]
+    return [[int(t) for t in rng.integers(3, VOCAB, size=n)] for n in (5, 14)]
+
+
+@pytest.mark.parametrize("family,qtype", CASES)
+def test_greedy_from_packed_gguf_equals_hf(gguf_models, engine_kwargs, family, qtype):
+    """keep_quantized (the default): the matrices run as QArrays made from the file's codes."""
+    path, ref = gguf_models[family]
+    prompts = _prompts()
+    assert _greedy(path, engine_kwargs, prompts) == [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_packed_and_dequantized_load(gguf_models):
+    """The pytree: kept quantized, the matrices are QArrays of the file's form (Q4_1: 4-bit codes, groups of
+    32, a minimum) standing for the dequantized matrices exactly; --no-keep-quantized, plain arrays."""
+    from jaxpaged import ModelConfig
+    from jaxpaged.checkpoints.gguf_load import gguf_model_dir, gguf_source, load_gguf_params
+    from jaxpaged.models.qarray import QArray, dequantize
+    path, _ = gguf_models["olmoe"]
+    d = gguf_model_dir(path)
+    assert gguf_source(d) == os.path.abspath(path) and gguf_model_dir(path) == d
+    cfg = ModelConfig.from_dir(d)
+    packed = load_gguf_params(path, cfg, "float32")
+    plain = load_gguf_params(path, cfg, "float32", keep_quantized=False)
+    for key in ("wq", "w_down", "w_gate"):
+        a = packed["layers"][key]
+        assert isinstance(a, QArray) and (a.bits, a.group, a.m is not None) == (4, 32, True), key
+        np.testing.assert_array_equal(np.asarray(dequantize(a)), plain["layers"][key], err_msg=key)
+    assert isinstance(packed["embed"], QArray) and not isinstance(plain["embed"], QArray)
+    np.testing.assert_array_equal(np.asarray(dequantize(packed["embed"])), plain["embed"])
+    assert not isinstance(packed["layers"]["router"], QArray) and not isinstance(packed["final_norm"], QArray)
+
+
+def test_dequantized_engine_equals_hf(gguf_models, engine_kwargs):
+    """--no-keep-quantized: the GGUF dequantized into float32 as before."""
+    path, ref = gguf_models["mistral_sw"]
+    prompts = _prompts()
     assert _greedy(path, engine_kwargs, prompts, keep_quantized=False) == \
         [hf_greedy(ref, p, GREEDY.max_tokens) for p in prompts]
