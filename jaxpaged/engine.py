@@ -202,5 +202,6 @@ class LLMEngine(ControlsFront):
                     num_waiting_deferred=sch.num_deferred(),
                     iteration_tokens=self.iteration_tokens.snapshot(),
                     num_step_failures=self.num_step_failures, load_seconds=self.load_seconds,
-                    attention_backend=runner.backend, tensor_parallel_size=runner.tp, **runner.memory_per_device(),
+                    attention_backend=runner.backend, matmul_backend=runner.matmul_backend,
+                    tensor_parallel_size=runner.tp, **runner.memory_per_device(),
                     **self.lora.stats(), **self.spec.stats())

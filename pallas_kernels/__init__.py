@@ -6,7 +6,7 @@
   sm_90a); ``mosaic_tpu_ragged_paged_attention``: the same contract on TPU (Pallas Mosaic TPU), one kernel
   for decode and mixed steps; the C++ CPU kernel (attention/cpu.py); ``*_reference``: plain ``jax.numpy``
   versions, the oracle of the kernel tests; attention/backends.py: what each implementation supports.
-- ``matmul/``: bfloat16 products on the CPU's AMX tiles (C++).
+- ``matmul/``: bfloat16 products on the CPU's AMX tiles, and int8 / int4 weight products (C++).
 - ``argmax/``: each row's largest value's index on the CPU (C++).
 - ``ffi/``: the C++ kernels' loader (build, cache, load, register) and their shared header.
 """

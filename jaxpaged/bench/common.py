@@ -33,10 +33,18 @@ PRESETS = {
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                      num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
                      max_position_embeddings=8192, rope_theta=500000.0),
+    # Llama-3.2-1B's body with the default model's 49k vocabulary, bfloat16 weights and its tokenizer
+    # (WITH_TOKENIZER): the 1B-class model of the quantization benches, remade the same on any machine
+    "llama-1b-smol": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                          num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True,
+                          max_position_embeddings=8192, rope_theta=500000.0),
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
                  max_position_embeddings=2048, rope_theta=10000.0),
 }
+
+WITH_TOKENIZER = ("llama-1b-smol",)  # bfloat16 weights and the default model's tokenizer files
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be has "
           "had one first new after also who their two its time year people city world school music film "
@@ -55,7 +63,8 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
                     num_kv_blocks=None, exclude=()):
     """The engine flags (jaxpaged/args.py), with the benches' defaults (float32, no progress bars and
     the script's sizes), and --json. `exclude`: engine flags the script declares its own way."""
-    helps = dict(model="model directory, or random:smollm2-135m / random:tiny (random weights, real shapes); "
+    helps = dict(model="model directory, or random:smollm2-135m / random:llama-1b-smol / random:tiny (random "
+                       "weights, real shapes); "
                        "default: the embedded default model, SmolLM2-135M-Instruct")
     if max_model_len is None:
         helps["max_model_len"] = "longest prompt + output (default: the longest request the workload can draw)"
@@ -90,7 +99,8 @@ def resolve_model(spec: str | None) -> str:
 
 
 def make_random_model(preset: str, root: str | None = None) -> str:
-    """Save (once) a random Llama model of a preset's shapes, without tokenizer; return its directory."""
+    """Save (once) a random Llama model of a preset's shapes, without tokenizer (bfloat16, with the default
+    model's tokenizer for WITH_TOKENIZER presets); return its directory."""
     if preset not in PRESETS:
         raise SystemExit(f"unknown random preset {preset!r}; choose from {', '.join(PRESETS)}")
     from jaxpaged.config import default_cache_dir
@@ -107,6 +117,14 @@ def make_random_model(preset: str, root: str | None = None) -> str:
     model = tf.LlamaForCausalLM(cfg)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(path))
+    if preset in WITH_TOKENIZER:
+        import shutil
+
+        from jaxpaged.checkpoints.default_model import default_model_dir
+        model = model.to(torch.bfloat16)
+        source = default_model_dir(verbose=True)
+        for name in _TOKENIZER_FILES:
+            shutil.copy(os.path.join(source, name), os.path.join(tmp, name))
     model.save_pretrained(tmp, safe_serialization=True)
     try:
         os.rename(tmp, path)

@@ -2,12 +2,15 @@
 time it takes this machine to read the weights once, with the peers side by side in one run.
 
     jaxpaged bench latency --json docs/results/latency.json
+    jaxpaged bench latency --model random:llama-1b-smol --backend jaxpaged-int4 --concurrency 1
 
-Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 with int8 weights
-(each its own engine in this process, `max_num_seqs` 64 as `LLM()`; a KV pool just large enough
-for the largest N at `--max-model-len`, so three engines fit beside each other), vLLM's CPU build (`--vllm-python`,
-jaxpaged/bench/vllm_peer.py) and llama-cpp-python (`--gguf`, default: the GGUF the default model is made
-from) when they are installed; a missing peer is reported with the reason.
+Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 activations with int8
+(per output channel) or int4 (groups of 32) layer weights (each its own engine in this process,
+`max_num_seqs` 64 as `LLM()`; a KV pool just large enough for the largest N at `--max-model-len`, so the
+engines fit beside each other), vLLM's CPU build (`--vllm-python`, jaxpaged/bench/vllm_peer.py) and
+llama-cpp-python (`--gguf`, default: the GGUF the default model is made from) when they are installed; a
+missing peer is reported with the reason. `--model` takes any model directory or random preset
+(`random:llama-1b-smol`: the 1B-class model with a real tokenizer, jaxpaged/bench/common.py).
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
 greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
@@ -38,7 +41,7 @@ from jaxpaged.bench import roofline, timing
 
 CONCURRENCY = (1, 2, 4, 8)
 JAXPAGED = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-            "int8": dict(dtype="bfloat16", quantization="int8")}
+            "int8": dict(dtype="bfloat16", quantization="int8"), "int4": dict(dtype="bfloat16", quantization="int4")}
 
 
 def memcpy_bytes_per_s(mib: int = 256, reps: int = 5) -> float:

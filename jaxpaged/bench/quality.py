@@ -1,6 +1,7 @@
 """Quality of quantized weights (and KV caches) against the model's own float32 run, on the golden prompts.
 
     jaxpaged bench quality --weights float32 int8 fp8 --json docs/results/quality.json
+    jaxpaged bench quality --weights float32 int8 int4 --max-tokens 64   # integer weights (issue 44's goals)
     jaxpaged bench quality --weights float32 --kv auto bfloat16 int8 float8_e4m3fn   # KV caches alone
 
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
@@ -14,9 +15,12 @@ the top --top-logprobs logprobs; the prefix cache makes them cheap), and reports
     the same teacher-forced way). A float32 token outside the configuration's top logprobs counts with
     the smallest logprob listed (an underestimate of |delta|; counted as `outside_top`).
 Each configuration row: weights (--weights: float32, bfloat16 (the engine dtype: weights and activations),
-int8, fp8 (weight-only, float32 activations), bfloat16-int8 (int8 weights, bfloat16 activations and KV))
+int8, int4 (groups of 32), fp8 (weight-only, float32 activations; int8 / int4 products on the quantized CPU
+kernel where it runs, which rounds activations to int8 per 32 entries), bfloat16-int8 / bfloat16-int4
+(bfloat16 activations and KV))
 x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
-`auto` is the engine dtype). The goals: GOAL_INT8_WEIGHTS for int8 weights, GOAL_KV per KV cache dtype
+`auto` is the engine dtype). The goals: GOAL_INT8_WEIGHTS for int8 weights (GOAL_INT4_WEIGHTS: int4, and
+GOAL_GREEDY_INT8 the greedy agreement issue 44 asks of int8), GOAL_KV per KV cache dtype
 (float32 weights), both asserted by tests (test_quality.py, test_kv_quality.py).
 """
 from __future__ import annotations
@@ -29,6 +33,8 @@ from jaxpaged.bench import common as bc
 from jaxpaged.testing.prompts import golden_prompts
 
 GOAL_INT8_WEIGHTS = 0.05  # mean |delta logprob| of int8 weights (issue 14)
+GOAL_INT4_WEIGHTS = 0.1  # mean |delta logprob| of int4 weights, groups of 32 (issue 44)
+GOAL_GREEDY_INT8 = 0.95  # greedy agreement of int8 weights over 64 tokens (issue 44)
 GOAL_KV = {"bfloat16": 0.005, "int8": 0.02}  # mean |delta logprob| of the KV cache dtype, float32 weights
 
 
@@ -89,6 +95,7 @@ def run(model_dir: str, args) -> dict:
             rows.append(dict(weights=w, kv_cache_dtype=kv, **compare(got, ref)))
     return dict(prompts=len(prompts), max_tokens=args.max_tokens, model=model_dir, rows=rows,
                 goal_int8_weights_mean_abs_dlogprob=GOAL_INT8_WEIGHTS,
+                goal_int4_weights_mean_abs_dlogprob=GOAL_INT4_WEIGHTS, goal_int8_greedy_agreement=GOAL_GREEDY_INT8,
                 goal_kv_mean_abs_dlogprob=GOAL_KV)
 
 
@@ -102,7 +109,7 @@ def report(out: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"],
-                    choices=["float32", "bfloat16", "int8", "fp8", "bfloat16-int8"])
+                    choices=["float32", "bfloat16", "int8", "int4", "fp8", "bfloat16-int8", "bfloat16-int4"])
     ap.add_argument("--kv", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
                     help="KV cache dtypes, one row each (the engine's kv_cache_dtype)")
     ap.add_argument("--max-tokens", type=int, default=48, help="float32 tokens per golden prompt")

@@ -23,7 +23,9 @@ import numpy as np
 
 from jaxpaged.checkpoints.weights import NP_DTYPES, map_named_tensors
 from jaxpaged.controls.kv import invalidate_kv
-from jaxpaged.models.quant import Packed, QArray, quantize
+from jaxpaged.models.qarray import QArray, dequantize, quantize
+from jaxpaged.models.qpacked import QPacked
+from jaxpaged.models.quant import Packed
 from jaxpaged.step.mesh import kv_head_replication, replicate_kv_heads
 
 
@@ -59,6 +61,9 @@ def _from_pytree(engine, weights: dict) -> dict:
             raise ValueError(f"update_weights: unknown parameter {name!r}; the engine's are "
                              f"{', '.join(sorted(_path_name(p) for p in current))}")
         _check_leaf(name, value, current[path])
+        if isinstance(current[path], (QArray, QPacked)):  # plain values, quantized as at load
+            new[path] = _quantized_leaf(current[path], np.asarray(value), name)
+            continue
         sharding = current[path].sharding
         if isinstance(value, jax.Array):  # on the right devices with the right sharding: adopted as is
             new[path] = value if value.sharding.is_equivalent_to(sharding, value.ndim) \
@@ -88,18 +93,37 @@ def _from_named(engine, pairs) -> dict:
         values = np.stack([by_index[i] for i in index]) if in_layers else by_index[()]
         if in_layers:  # KV heads repeated as the runner holds them when tensor parallelism needs it
             values = replicate_kv_heads({"layers": {key: values}}, cfg, r)["layers"][key]
-        if isinstance(current, QArray):  # a quantized engine: quantized as at load, values and scales
-            qa = quantize(values, current.format, -1 if key == "embed" else -2, current.dtype, current.group, key)
-            for attr in ("q", "scale"):
-                leaf = getattr(current, attr)
-                new[path + (jax.tree_util.GetAttrKey(attr),)] = _new_leaf(leaf, getattr(qa, attr), index, in_layers)
+        if isinstance(current, (QArray, QPacked)):  # a quantized engine: quantized as at load
+            if in_layers and len(index) != int(np.prod(current.shape[:len(index[0])])):  # some layers
+                full = np.array(dequantize(_reference(current)), np.float32)
+                full[tuple(np.array(c) for c in zip(*index))] = values
+                values = full
+            new[path] = _quantized_leaf(current, values.reshape(current.shape), key)
         else:
             new[path] = _new_leaf(current, values, index, in_layers)
     return new
 
 
-def _packed(a) -> bool:  # a matrix the runner keeps packed for the CPU matmul kernel: one parameter here
-    return isinstance(a, Packed)
+def _packed(a) -> bool:  # a matrix the runner keeps packed or quantized: one parameter here
+    return isinstance(a, (Packed, QArray, QPacked))
+
+
+def _reference(current):
+    """A quantized parameter as its QArray (a packed one unpacked); ValueError when its arrays are dropped."""
+    ref = current.unpack() if isinstance(current, QPacked) else current
+    if not isinstance(ref.q, jax.Array):
+        raise ValueError("update_weights: the engine slept at level 2 (its weights are dropped): give every "
+                         "layer of each stacked tensor, not some of them")
+    return ref
+
+
+def _quantized_leaf(current, values, name: str) -> QArray:
+    """The QArray replacing a quantized parameter (the runner packs it again where it keeps it packed):
+    plain values quantized as at load (format, group), on the devices and shardings of the current one."""
+    shardings = current.unpack() if isinstance(current, QPacked) and isinstance(current.blob, jax.Array) \
+        else current
+    qa = quantize(np.asarray(values, np.float32), current.format, current.axis, current.dtype, current.group, name)
+    return jax.tree.map(lambda a, old: _put(np.ascontiguousarray(a), old.sharding), qa, shardings)
 
 
 def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bool) -> jax.Array:

@@ -4,7 +4,10 @@ jaxpaged/contract.py, where each member is documented), joined from the parts th
 LoRA administration (jaxpaged/lora/manager.py)."""
 from __future__ import annotations
 
+import jax
+
 from jaxpaged.checkpoints.weight_update import update_weights
+from jaxpaged.models.qarray import QArray, dequantize
 from jaxpaged.models.quant import unpack_layers
 
 
@@ -39,9 +42,10 @@ class Controls:
 
     # -- weights ----------------------------------------------------------------------------
     def get_weights(self) -> dict:
-        """Every matrix as the model lays it out (a copy of those the runner keeps packed for the CPU
-        matmul kernel)."""
-        return unpack_layers(self.engine.runner.params)
+        """Every matrix as the model lays it out, plain (a copy of those the runner keeps packed for the CPU
+        matmul kernels; quantized ones dequantized to the engine dtype)."""
+        return jax.tree.map(lambda a: dequantize(a) if isinstance(a, QArray) and isinstance(a.q, jax.Array) else a,
+                            unpack_layers(self.engine.runner.params), is_leaf=lambda a: isinstance(a, QArray))
 
     def update_weights(self, weights) -> None:
         update_weights(self.engine, weights)

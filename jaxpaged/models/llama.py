@@ -22,8 +22,8 @@ Hq/Hkv = heads, hd = head_dim, V = vocab, E = experts, Fe = moe_intermediate):
                              MoE: router [L, D, E]; w_gate, w_up [L, E, D, Fe]; w_down [L, E, Fe, D]
     lora (optional, LoRA on; jaxpaged/lora/slots.py): a {leaf: [L, NS, in, R]}, b {leaf: [L, NS, R, out]},
             read per token through batch["lora_index"] i32[T] (jaxpaged/lora/product.py)
-Matrices (and the embedding) may be `jaxpaged.models.quant.QArray`s (weight-only int8 / fp8); every product
-goes through `quant.dot`.
+Matrices (and the embedding) may be `jaxpaged.models.qarray.QArray`s (weight-only int8 / int4 / fp8), or
+packed for the quantized CPU kernel (`jaxpaged.models.qpacked.QPacked`); every product goes through `quant.dot`.
 Matrices are stored [in, out], so tensor parallelism splits the head / F axes, and expert parallelism
 the E axis (see partition specs in `jaxpaged/step/mesh.py`) without the layers knowing.
 
@@ -44,7 +44,7 @@ from jaxpaged.config import SLIDING, ModelConfig
 from jaxpaged.lora.product import lora_linear, step_mask
 from jaxpaged.models.layers import activation, apply_rope, gated_mlp, rms_norm, rope_tables, softcap
 from jaxpaged.models.moe import moe_mlp
-from jaxpaged.models.quant import QUANTIZED_LAYER_LEAVES, LayerOf, QArray, dot, take_rows
+from jaxpaged.models.quant import QUANTIZED_LAYER_LEAVES, LayerOf, QArray, QPacked, dot, take_rows
 from jaxpaged.step import kv_cache
 from jaxpaged.step.batch_invariant import row_tiled
 
@@ -144,9 +144,10 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
         return x, k_pool, v_pool, ids  # ids i32[T, k]: the router's choice (MoE), else None
 
     G = L // P
-    # the CPU matmul kernel reads a layer's plain matrices out of the stacks in place (quant.LayerOf)
-    in_place = {name for name in QUANTIZED_LAYER_LEAVES if cfg.cpu_matmul and P == 1 and name in layers
-                and not isinstance(layers[name], QArray) and layers[name].ndim == 3}
+    # the CPU matmul kernels read a layer's plain (or packed quantized) matrices out of the stacks in place
+    in_place = {name for name in QUANTIZED_LAYER_LEAVES if P == 1 and name in layers and (
+                isinstance(layers[name], QPacked) or cfg.cpu_matmul and not isinstance(layers[name], QArray))
+                and layers[name].ndim == 3}
     # P == 1 scans the stacked leaves as they are: a reshape of an entry parameter makes XLA copy every
     # weight into the loop once per step
     grouped = layers if P == 1 else jax.tree.map(lambda a: a[:G * P].reshape(G, P, *a.shape[1:]), layers)

@@ -164,7 +164,7 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
     else:
         amax = np.max(np.abs(a), axis=axis, keepdims=True)
     if not np.all(np.isfinite(amax)):
-        raise ValueError(f"{name} holds NaN / inf values: it cannot be quantized ({fmt})")
+        raise ValueError(f"{name!r} holds NaN / inf values: it cannot be quantized ({fmt})")
     scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
     x = a / _expand(scale, group, n, axis)
     q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)

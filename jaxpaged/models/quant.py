@@ -18,7 +18,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jaxpaged.models import qpacked
 from jaxpaged.models.qarray import QArray, check_quantization, dequantize, dequantize_parts, quantize
+from jaxpaged.models.qpacked import QPacked
 from jaxpaged.step.batch_invariant import row_tiled
 from pallas_kernels.matmul import cpu as cpu_matmul
 
@@ -46,7 +48,7 @@ class LayerOf:
 
     def get(self) -> jax.Array:
         layer = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False), self.stack)
-        return layer.unpack() if isinstance(layer, Packed) else layer
+        return layer.unpack() if isinstance(layer, (Packed, QPacked)) else layer
 
 
 @jax.tree_util.register_dataclass
@@ -106,14 +108,17 @@ def pack_layers(params: dict, owned: bool = False) -> dict:
 
 
 def unpack_layers(params: dict) -> dict:
-    """The inverse of `pack_layers`: every `Packed` leaf as the plain matrix it stands for (a new array)."""
+    """The inverse of `pack_layers` and `qpacked.pack_quantized`: every `Packed` leaf as the plain matrix it
+    stands for (a new array), every `QPacked` one as its QArray."""
     def one(a):
+        if isinstance(a, QPacked):
+            return a.unpack() if isinstance(a.blob, jax.Array) else a
         if not isinstance(a, Packed):
             return a
         if isinstance(a.tiles, jax.ShapeDtypeStruct):  # an offloaded runner's: shapes only
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
         return _unpack(a.tiles)
-    return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, Packed))
+    return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, (Packed, QPacked)))
 
 
 def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0, kernel: bool = False):
@@ -127,11 +132,19 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     row_tile rows at a time, so every row rounds alike whatever M is.
     kernel (`ModelConfig.cpu_matmul`, resolved by jaxpaged/step/matmul.py): a plain bfloat16 matrix of a
     shape it takes is multiplied by the CPU matmul kernel (pallas_kernels/matmul/cpu.py), float32
-    accumulation as XLA's; anything else by XLA's dot."""
+    accumulation as XLA's; anything else by XLA's dot. A `QPacked` w (the runner packs them only where the
+    quantized kernel runs: jaxpaged/step/matmul.py) is multiplied by the quantized CPU kernel."""
     if row_tile:
         return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,
                          row_tile)
     out_dtype = preferred_element_type or x.dtype
+    if isinstance(w, LayerOf) and isinstance(w.stack, QPacked):  # packed only where the kernel runs
+        return qpacked.matmul(x, w.stack, layer=w.index).astype(out_dtype)
+    if isinstance(w, QPacked):
+        if transpose != w.transposed:
+            raise ValueError(f"dot: a packed {'embedding' if w.transposed else 'matrix'} multiplies with "
+                             f"transpose={w.transposed}, got transpose={transpose}")
+        return qpacked.matmul(x, w).astype(out_dtype)
     if isinstance(w, LayerOf):
         if kernel and isinstance(w.stack, Packed) and x.dtype == jnp.bfloat16:
             return cpu_matmul.cpu_matmul(x, w.stack.tiles, layer=w.index, packed=True).astype(out_dtype)
@@ -180,7 +193,10 @@ def _accumulator(x, out_dtype):
 
 
 def take_rows(w, ids, dtype=None):
-    """Rows ids [T] of the embedding w [V, D] (plain or a per-row QArray) -> [T, D] in the engine dtype."""
+    """Rows ids [T] of the embedding w [V, D] (plain, a per-row QArray, or packed as the tied head) -> [T, D]
+    in the engine dtype."""
+    if isinstance(w, QPacked):
+        return qpacked.take_rows(w, ids, dtype)
     if not isinstance(w, QArray):
         return w[ids]
     m = None if w.m is None else w.m[ids]

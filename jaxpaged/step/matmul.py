@@ -1,22 +1,33 @@
-"""Which implementation runs the step's weight products: XLA's dot, or the C++ AMX kernel on CPUs that have it.
+"""Which implementation runs the step's weight products: XLA's dot, the C++ AMX kernel on CPUs that have it,
+and for int8 / int4 weights the quantized C++ kernel.
 
 XLA:CPU's bfloat16 dot does not reach AMX's rate at decode batch sizes (on a 2-core Xeon with amx_bf16:
 ~80 GFLOP/s at 64 rows, below its float32 dot), so on such CPUs the plain bfloat16 matrices (attention,
 MLP, the lm_head; not quantized ones, not MoE experts) go through `pallas_kernels/matmul/cpu.py`, which
 reads the weights as stored and multiplies on the tile units with float32 accumulation. The choice is
 static for a runner (`ModelConfig.cpu_matmul` of its step config); `quant.dot` follows it.
+
+Integer-quantized matrices (`quantization` int8 / int4) run on `pallas_kernels/matmul/cpu_quant.py` on one
+CPU device where it builds (`resolve_quant_matmul`): the runner packs them at placement
+(jaxpaged/models/qpacked.py) and the kernel reads the packed bytes once a step, with int8-quantized
+activations. Elsewhere (GPU / TPU, several devices, `matmul_backend="xla"`) XLA dequantizes and multiplies
+(the reference). `matmul_name` says which for `stats()`.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from pallas_kernels.matmul import cpu as cpu_matmul
+from pallas_kernels.matmul import cpu_quant
+
+INTEGER_FORMATS = ("int8", "int4")
 
 
-def resolve_matmul(name: str, dtype, platform: str, num_devices: int) -> bool:
+def resolve_matmul(name: str, dtype, platform: str, num_devices: int, quantization: str | None = None) -> bool:
     """Whether the step's products use the CPU matmul kernel for `matmul_backend=name` with engine `dtype`
-    on `num_devices` devices of `platform`; ValueError naming the reason when 'cpu' cannot run there."""
-    if name == "xla":
+    on `num_devices` devices of `platform`; ValueError naming the reason when 'cpu' cannot run there (a
+    non-bfloat16 engine with int8 / int4 weights: those take the quantized kernel, the rest XLA's dot)."""
+    if name == "xla" or (name == "cpu" and quantization in INTEGER_FORMATS and jnp.dtype(dtype) != jnp.bfloat16):
         return False
     one_cpu_bf16 = platform == "cpu" and num_devices == 1 and jnp.dtype(dtype) == jnp.bfloat16
     if name == "auto":
@@ -34,3 +45,24 @@ def resolve_matmul(name: str, dtype, platform: str, num_devices: int) -> bool:
     if not cpu_matmul.available():
         raise ValueError("matmul_backend='cpu': the C++ kernel could not be built here (see the log); use 'xla'")
     return True
+
+
+def resolve_quant_matmul(name: str, quantization: str | None, platform: str, num_devices: int) -> bool:
+    """Whether int8 / int4 matrices run on the quantized CPU kernel for `matmul_backend=name`: 'auto' where
+    it can (one CPU device, the kernel built), 'cpu' there or a ValueError naming why not, 'xla' never."""
+    if name == "xla" or quantization not in INTEGER_FORMATS:
+        return False
+    if platform != "cpu" or num_devices != 1 or not cpu_quant.available():
+        if name == "auto":
+            return False
+        why = (f"runs on CPU targets, not {platform}" if platform != "cpu" else
+               f"runs on one device, not {num_devices}" if num_devices != 1 else "could not be built here")
+        raise ValueError(f"matmul_backend='cpu': the quantized kernel {why}; use 'xla'")
+    return True
+
+
+def matmul_name(amx_kernel: bool, quant_kernel: bool) -> str:
+    """What runs the weight products, for `stats()`: "cpu_quant (<isa>)" for int8 / int4 matrices, "cpu"
+    for bfloat16 ones on the AMX kernel, "xla" for the rest (joined by " + ")."""
+    parts = ([f"cpu_quant ({cpu_quant.isa()})"] if quant_kernel else []) + (["cpu"] if amx_kernel else [])
+    return " + ".join(parts + ["xla"] if not amx_kernel else parts)

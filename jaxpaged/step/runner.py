@@ -33,13 +33,14 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.step_result import StepResult
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.models.qpacked import pack_quantized
 from jaxpaged.models.quant import pack_layers
 from jaxpaged.spec_decode.step import Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
-from jaxpaged.step.matmul import resolve_matmul
+from jaxpaged.step.matmul import matmul_name, resolve_matmul, resolve_quant_matmul
 from jaxpaged.step.mesh import (
     MODEL_AXIS,
     POOL_SPEC,
@@ -144,8 +145,11 @@ class ModelRunner:
                                  "products run over the step's tokens sorted by expert)")
             self.step_cfg = dataclasses.replace(self.step_cfg, row_tile=ROW_TILE)
         self.dtype = jnp.dtype(cfg.dtype)
-        if resolve_matmul(cfg.matmul_backend, self.dtype, self.platform, self.mesh.devices.size):
+        n_dev = self.mesh.devices.size
+        if resolve_matmul(cfg.matmul_backend, self.dtype, self.platform, n_dev, cfg.quantization):
             self.step_cfg = dataclasses.replace(self.step_cfg, cpu_matmul=True)  # jaxpaged/step/matmul.py
+        self.quant_matmul = resolve_quant_matmul(cfg.matmul_backend, cfg.quantization, self.platform, n_dev)
+        self.matmul_backend = matmul_name(self.step_cfg.cpu_matmul, self.quant_matmul)
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // cfg.block_size)
@@ -155,8 +159,7 @@ class ModelRunner:
             jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
-        if self.step_cfg.cpu_matmul:  # the layer matrices in the kernel's tile order, packed once (quant.Packed)
-            self.params = pack_layers(self.params, owned=not abstract)  # placed just now: the runner's own
+        self.params = self._packed(self.params, owned=not abstract)  # placed just now: the runner's own
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
@@ -395,8 +398,15 @@ class ModelRunner:
     # -- device state: the engine's controls change it only through these ---------------------
     def replace_params(self, params) -> None:
         """Swap in a parameter pytree of the same structure, shapes and shardings (no recompilation); plain
-        layer matrices are packed as the runner keeps them (quant.Packed) when its products need it."""
-        self.params = pack_layers(params) if self.step_cfg.cpu_matmul else params
+        layer matrices are packed as the runner keeps them (`_packed`) when its products need it."""
+        self.params = self._packed(params)
+
+    def _packed(self, params, owned: bool = False):
+        """The layer matrices as the step's kernels read them, packed once: bfloat16 ones in the AMX kernel's
+        tile order (quant.Packed), int8 / int4 ones in the quantized kernel's (qpacked.QPacked)."""
+        if self.step_cfg.cpu_matmul:
+            params = pack_layers(params, owned=owned)
+        return pack_quantized(params, owned=owned) if self.quant_matmul else params
 
     def device_arrays(self) -> list:
         """The device arrays the runner holds: parameters and KV pools (abstract leaves left out)."""

@@ -1,0 +1,156 @@
+"""An integer QArray kept in the quantized CPU kernel's packed layout (`QPacked`), made once at placement.
+
+On one CPU device the runner packs its integer matrices (int8 / int4, any group, with or without a minimum:
+`packable`) into pallas_kernels/matmul/cpu_quant.py's layout: column tiles of 16, each a run of groups of
+codes then their scales (and minima), so a product reads the packed bytes once, in order, and multiplies
+them with int8-quantized activations (`quant.dot`). A stack [L, K, N] is packed whole and the kernel reads
+layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from), which
+`get_weights`, weight updates and the XLA reference use.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxpaged.models.qarray import QArray, dequantize_parts
+from pallas_kernels.matmul import cpu_quant
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QPacked:
+    """blob uint8 [..., T, ng, group_bytes]: the packed matrix [..., K, N] of `cpu_quant.Layout` (K, N,
+    group or K, bits, zero, has_min); `dtype` (static) is the engine dtype it stands for, `group` the
+    QArray's (0: one group over K). `transposed`: a tied embedding [V = N, D = K] packed as the lm_head it
+    also is (its rows, the vocabulary, are the kernel's columns; `take_rows` reads the lookup from it)."""
+    blob: jax.Array
+    K: int = dataclasses.field(metadata=dict(static=True))
+    N: int = dataclasses.field(metadata=dict(static=True))
+    group: int = dataclasses.field(metadata=dict(static=True))
+    bits: int = dataclasses.field(metadata=dict(static=True))
+    zero: int = dataclasses.field(metadata=dict(static=True))
+    has_min: bool = dataclasses.field(metadata=dict(static=True))
+    dtype: str = dataclasses.field(metadata=dict(static=True))
+    transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a tied embedding [N, K]
+
+    @property
+    def layout(self) -> cpu_quant.Layout:
+        return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, self.zero, self.has_min)
+
+    @property
+    def shape(self) -> tuple:
+        return (*self.blob.shape[:-3], *((self.N, self.K) if self.transposed else (self.K, self.N)))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def format(self) -> str:
+        return "int4" if self.bits == 4 else "int8"
+
+    @property
+    def axis(self) -> int:
+        return -1 if self.transposed else -2
+
+    @property
+    def sharding(self):
+        return self.blob.sharding
+
+    def unpack(self) -> QArray:
+        """The QArray this was packed from (jnp arrays), exactly."""
+        a = _unpack(self.blob, self.layout, self.group, self.dtype)
+        return _transposed(a) if self.transposed else a
+
+
+def _transposed(a: QArray) -> QArray:
+    """A 2-D QArray transposed, scales (and minimum) with it: the embedding [V, D] <-> the head [D, V]."""
+    return dataclasses.replace(a, q=a.q.T, scale=a.scale.T, m=None if a.m is None else a.m.T)
+
+
+def packable(a) -> bool:
+    """An integer QArray matrix [..., K, N] (scales over its columns' groups) the kernel takes packed."""
+    return (isinstance(a, QArray) and a.format in ("int8", "int4") and a.axis == -2 and a.q.ndim in (2, 3)
+            and isinstance(a.q, (jax.Array, np.ndarray, jax.ShapeDtypeStruct)))
+
+
+def _codes(a: QArray):
+    """The unsigned codes u = q + zero (uint8) of an integer QArray."""
+    return (a.q.astype(jnp.int16) + a.zero).astype(jnp.uint8)
+
+
+def pack(a: QArray, donate: bool = False, transposed: bool = False) -> QPacked:
+    """An integer QArray (`packable`; with `transposed` an embedding [V, D] with row scales, packed as the
+    head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed."""
+    if transposed:
+        a = _transposed(a)
+    K, N = a.q.shape[-2:]
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    blob = (_pack_owned if donate else _pack)(a, spec.layout)
+    return dataclasses.replace(spec, blob=blob)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _pack(a: QArray, layout):
+    return cpu_quant.pack(_codes(a), a.scale, a.m, layout)
+
+
+_pack_owned = jax.jit(_pack.__wrapped__, static_argnums=1, donate_argnums=0)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _unpack(blob, layout, group: int, dtype: str) -> QArray:
+    u, s, m = cpu_quant.unpack(blob, layout)
+    q = (u.astype(jnp.int16) - layout.zero).astype(jnp.int8)
+    return QArray(q, s, dtype, m, group, layout.bits, layout.zero)
+
+
+def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
+    """Shapes only (an abstract runner's leaves): the QPacked that `pack` would make, its sharding kept."""
+    K, N = a.q.shape[-2:][::-1] if transposed else a.q.shape[-2:]
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    shape = (*a.q.shape[:-2], *spec.layout.blob_shape)
+    return dataclasses.replace(spec, blob=jax.ShapeDtypeStruct(shape, jnp.uint8,
+                                                                sharding=getattr(a.q, "sharding", None)))
+
+
+def matmul(x, w: QPacked, layer=None):
+    """x [..., K] @ the packed w (a stack read at `layer` when given) -> f32[..., N] on the kernel (x in
+    float32 or bfloat16; other float types are widened to float32)."""
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+        x = x.astype(jnp.float32)
+    return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer)
+
+
+def pack_quantized(params: dict, owned: bool = False) -> dict:
+    """The parameters with their integer layer matrices and lm_head `QPacked` (a tied embedding packed as
+    the head: `transposed`; shapes only for abstract leaves). owned: the QArrays are the caller's alone
+    and are freed as they are packed."""
+    def one(a, transposed=False):
+        if not packable(_transposed(a) if transposed and isinstance(a, QArray) and a.q.ndim == 2 else a):
+            return a
+        if isinstance(a.q, jax.ShapeDtypeStruct):
+            return pack_abstract(a, transposed)
+        return pack(a, donate=owned, transposed=transposed)
+    out = {**params, "layers": {k: one(a) for k, a in params["layers"].items()}}
+    if "lm_head" in params:
+        out["lm_head"] = one(params["lm_head"])
+    else:  # tied: the embedding is the head too
+        out["embed"] = one(params["embed"], transposed=True)
+    return out
+
+
+def take_rows(w: QPacked, ids, dtype=None):
+    """Rows ids [T] of a packed tied embedding (`transposed`) -> [T, D] in the engine dtype: the 16-column
+    tiles holding them gathered from the packed head and unpacked (16 vocabulary entries read a token)."""
+    n = ids.shape[0]
+    tiles = w.blob[ids // 16]  # [T, ng, group_bytes]
+    u, s, m = cpu_quant.unpack(tiles, dataclasses.replace(w.layout, N=16 * n))  # [K, 16T], [ng, 16T]
+    cols = jnp.arange(n) * 16 + ids % 16
+    q = u[:, cols].astype(jnp.float32) - w.zero  # [K, T]
+    rows = dequantize_parts(q, s[:, cols], None if m is None else m[:, cols], w.group, -2)
+    return rows.T.astype(dtype or w.dtype)

@@ -1,0 +1,466 @@
+// Weight-only quantized products on the CPU (an XLA FFI handler): out f32[M, N] = x[M, K] @ W, x float32 or
+// bfloat16, W read once per call from its packed bytes.
+//
+// The format: W[K, N] = s[k / G, n] * (u[k, n] - z) + m[k / G, n]
+//   u: unsigned codes, 8-bit (0..255) or 4-bit (0..15); s and the optional minimum m: float32 [ceil(K / G), N];
+//   z: an integer zero code (0 when m is given); G: 16, 32, 64, 128, or K (one scale per output column).
+// int8 / int4 symmetric quantization is z = 128 / 8; GGUF Q8_0 (z = 128), Q4_0 (8), Q5_0 (16), Q6_K (G = 16,
+// z = 32), Q4_1 / Q5_1 / Q4_K / Q5_K (m = -dmin * min) are this form exactly (Q5_* and Q6_K as 8-bit codes).
+//
+// The packed layout (matmul/cpu_quant.py `pack`): K padded with zero codes to Kp (a multiple of the group Gp: G, or
+// K rounded up to 128 for one scale per column), N to tiles of 16 columns; w [T, ng, group_bytes] uint8:
+// tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16] (float32), then m[16] if any.
+//   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
+//   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
+// so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
+// A stack [L, T, ng, group_bytes] with a layer index is read at that layer, in place.
+//
+// The product (int8 activations): each row of x is quantized per block of A k (32, 64 or 128: `act_block`;
+// dx = max|x| / 127, round to nearest even); per column the integer dot sum(xq * (u - z)) over F = min(Gp, A)
+// k, then y += s * dx * dot; with m, y += m * sum(dx * xq) per group. So y is exactly (up to float32
+// summation) the product of the dequantized activations with W; a block of x holding a NaN or an infinity
+// makes its row's outputs NaN. Paths, compiled where -march allows, the best one run unless `isa` caps it:
+//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
+//   1 AVX2 + FMA: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
+//   0 scalar loops. The integer dots are exact on every path.
+// Activation rows, then work units (4 column tiles x all rows), are shared by the XLA FFI's intra-op thread
+// pool (ffi_common.h: jp::parallel_for); the calling thread works too.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "ffi_common.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define JP_VNNI 1
+#else
+#define JP_VNNI 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define JP_AVX2 1
+#else
+#define JP_AVX2 0
+#endif
+#if JP_VNNI || JP_AVX2
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using jp::bf16_to_f32;
+
+constexpr int ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 3;
+constexpr int BEST_ISA = JP_VNNI ? ISA_VNNI : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
+constexpr int UNIT_TILES = 4;  // column tiles a work unit
+
+struct Meta {
+  int64_t M, K, N, Kp, G, bits, has_min, zero, A;  // G: the layout's group (Gp)
+  int64_t ng() const { return Kp / G; }
+  int64_t code_bytes() const { return G * 16 * bits / 8; }
+  int64_t group_bytes() const { return code_bytes() + 64 * (1 + has_min); }
+  int64_t tile_bytes() const { return ng() * group_bytes(); }
+  int64_t tiles() const { return (N + 15) / 16; }
+  int64_t F() const { return std::min(G, A); }           // k per integer accumulation
+  int64_t Ka() const { return (Kp + A - 1) / A * A; }     // a quantized row's length
+  int64_t nf() const { return Ka() / F(); }
+};
+
+// The quantized activations: xq [M, Ka], dx [M, Ka / A], qsum [M, nf] (sum of xq per F block),
+// xsum [M, ng] (sum of dx * xq per group: the minimum's term).
+struct Acts {
+  std::vector<int8_t> xq;
+  std::vector<float> dx, xsum;
+  std::vector<int32_t> qsum;
+};
+
+struct Call {
+  Meta P;
+  const void* x;
+  bool bf16;
+  const uint8_t* w;
+  Acts A;
+  float* out;
+};
+
+// Row m of x quantized (r: scratch of Ka floats).
+void quantize_row(const Call& C, int64_t m, float* r, int8_t* q, float* dx, int32_t* qsum, float* xsum) {
+  const Meta& P = C.P;
+  if (C.bf16) {
+    const uint16_t* xr = static_cast<const uint16_t*>(C.x) + m * P.K;
+    for (int64_t k = 0; k < P.K; ++k) r[k] = bf16_to_f32(xr[k]);
+  } else {
+    std::memcpy(r, static_cast<const float*>(C.x) + m * P.K, 4 * P.K);
+  }
+  std::fill(r + P.K, r + P.Ka(), 0.f);
+  for (int64_t b = 0; b < P.Ka() / P.A; ++b) {
+    const float* rb = r + b * P.A;
+    int8_t* qb = q + b * P.A;
+    float amax = 0.f;
+    bool bad = false;
+#if JP_VNNI
+    __m512 mx = _mm512_setzero_ps();
+    __mmask16 nonfinite = 0;
+    for (int64_t k = 0; k < P.A; k += 16) {
+      const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(rb + k));
+      nonfinite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
+      mx = _mm512_max_ps(mx, a);
+    }
+    amax = _mm512_reduce_max_ps(mx), bad = nonfinite != 0;
+#else
+    for (int64_t k = 0; k < P.A; ++k) {
+      const float a = std::fabs(rb[k]);
+      bad |= !(a < INFINITY);
+      amax = std::max(amax, a);
+    }
+#endif
+    const float inv = amax > 0.f && !bad ? 127.f / amax : 0.f;
+    dx[b] = bad ? NAN : amax / 127.f;
+#if JP_VNNI
+    for (int64_t k = 0; k < P.A; k += 16)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k),
+                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rb + k), _mm512_set1_ps(inv)))));
+#else
+    for (int64_t k = 0; k < P.A; ++k) qb[k] = static_cast<int8_t>(std::nearbyint(rb[k] * inv));
+#endif
+  }
+  const int64_t F = P.F();
+  for (int64_t f = 0; f < P.nf(); ++f) {
+    int32_t s = 0;
+    for (int64_t k = f * F; k < (f + 1) * F; ++k) s += q[k];
+    qsum[f] = s;
+  }
+  for (int64_t g = 0; g < P.ng(); ++g) {
+    float s = 0.f;
+    for (int64_t f = g * P.G / F; f < (g + 1) * P.G / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
+    xsum[g] = s;
+  }
+}
+
+// Pointers to the activations of rows r0 .. r0 + R.
+template <int R>
+struct Rows {
+  const int8_t* xq[R];
+  const float* dx[R];
+  const float* xs[R];
+  const int32_t* qs[R];
+  Rows(const Call& C, int64_t r0) {
+    const Meta& P = C.P;
+    for (int r = 0; r < R; ++r) {
+      xq[r] = C.A.xq.data() + (r0 + r) * P.Ka();
+      dx[r] = C.A.dx.data() + (r0 + r) * (P.Ka() / P.A);
+      xs[r] = C.A.xsum.data() + (r0 + r) * P.ng();
+      qs[r] = C.A.qsum.data() + (r0 + r) * P.nf();
+    }
+  }
+};
+
+inline void store16(const Call& C, int64_t m, int64_t t, const float* y) {
+  const int64_t n0 = t * 16;
+  std::memcpy(C.out + m * C.P.N + n0, y, 4 * std::min<int64_t>(16, C.P.N - n0));
+}
+
+// ---- scalar: one row x one tile
+void scalar_tile(const Call& C, int64_t m, int64_t t) {
+  const Meta& P = C.P;
+  const Rows<1> X(C, m);
+  const int64_t F = P.F();
+  const uint8_t* base = C.w + t * P.tile_bytes();
+  float y[16] = {};
+  for (int64_t g = 0; g < P.ng(); ++g) {
+    const uint8_t* gb = base + g * P.group_bytes();
+    const float* s = reinterpret_cast<const float*>(gb + P.code_bytes());
+    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
+      int32_t acc[16] = {};
+      for (int64_t kk = f0; kk < f0 + F; ++kk) {
+        const int32_t xv = X.xq[0][g * P.G + kk];
+        for (int c = 0; c < 16; ++c) {
+          const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
+          const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
+          acc[c] += u * xv;
+        }
+      }
+      const int64_t k0 = g * P.G + f0;
+      const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
+      const float d = X.dx[0][k0 / P.A];
+      for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
+    }
+    if (P.has_min)
+      for (int c = 0; c < 16; ++c) y[c] += s[16 + c] * X.xs[0][g];
+  }
+  store16(C, m, t, y);
+}
+
+#if JP_AVX2
+// ---- AVX2: R rows x one tile (two halves of 8 columns)
+template <int R, int BITS>
+inline void avx2_step(const __m256i* w, const Rows<R>& X, int64_t k, __m256i (*acc)[2], bool sign_trick) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) {
+    int32_t xv;
+    std::memcpy(&xv, X.xq[r] + k, 4);
+    const __m256i xb = _mm256_set1_epi32(xv);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i p = sign_trick ? _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), _mm256_sign_epi8(xb, w[h]))
+                                   : _mm256_maddubs_epi16(w[h], xb);
+      acc[r][h] = _mm256_add_epi32(acc[r][h], _mm256_madd_epi16(p, ones));
+    }
+  }
+}
+
+template <int R, int BITS>
+void avx2_tile(const Call& C, int64_t r0, int64_t t) {
+  const Meta& P = C.P;
+  const Rows<R> X(C, r0);
+  const int64_t F = P.F(), cb = P.code_bytes();
+  const __m256i lo4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
+  const uint8_t* base = C.w + t * P.tile_bytes();
+  __m256 y[R][2];
+  for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < P.ng(); ++g) {
+    const uint8_t* gb = base + g * P.group_bytes();
+    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      const int64_t k0 = g * P.G + f0;
+      int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
+      if (BITS == 8) {
+        for (int64_t q = 0; q < F / 4; ++q) {
+          const uint8_t* p = gb + (f0 / 4 + q) * 64;
+          const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
+                                _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
+          avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+        }
+        offset += 128;
+      } else {
+        for (int64_t o = 0; o < F / 8; ++o) {
+          const uint8_t* p = gb + (f0 / 8 + o) * 64;
+          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+          const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
+          const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
+                                 _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
+          avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
+          avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
+        acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256 s = _mm256_loadu_ps(reinterpret_cast<const float*>(gb + cb) + 8 * h);
+        for (int r = 0; r < R; ++r)
+          y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
+                                    y[r][h]);
+      }
+    }
+    if (P.has_min)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(gb + cb) + 16 + 8 * h);
+        for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g]), y[r][h]);
+      }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float yy[16];
+    _mm256_store_ps(yy, y[r][0]);
+    _mm256_store_ps(yy + 8, y[r][1]);
+    store16(C, r0 + r, t, yy);
+  }
+}
+#endif
+
+#if JP_VNNI
+// acc += the 4-byte dot products of u8 w and s8 x in each int32 lane (asm: GCC 12 copies the accumulator
+// around every call of the intrinsic).
+inline void dpbusd(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+
+// ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
+template <int R, int NT, int BITS>
+void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
+  const Meta& P = C.P;
+  const Rows<R> X(C, r0);
+  const int64_t F = P.F(), cb = P.code_bytes(), tb = P.tile_bytes(), gbytes = P.group_bytes();
+  const __m512i lo4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* base = C.w + t0 * tb;
+  __m512 y[R][NT];
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) y[r][t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < P.ng(); ++g) {
+    const uint8_t* gb = base + g * gbytes;
+    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
+      __m512i acc[R][NT];
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+      const int64_t k0 = g * P.G + f0;
+      if (BITS == 8) {
+        for (int64_t q = 0; q < F / 4; ++q) {
+          __m512i w[NT];
+          for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
+          for (int r = 0; r < R; ++r) {
+            int32_t xv;
+            std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
+            const __m512i xb = _mm512_set1_epi32(xv);
+            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+          }
+        }
+      } else {
+        for (int64_t o = 0; o < F / 8; ++o) {
+          __m512i lo[NT], hi[NT];
+          for (int t = 0; t < NT; ++t) {
+            const __m512i v = _mm512_loadu_si512(gb + t * tb + (f0 / 8 + o) * 64);
+            lo[t] = _mm512_and_si512(v, lo4);
+            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+          }
+          for (int r = 0; r < R; ++r) {
+            int32_t xa, xb;
+            std::memcpy(&xa, X.xq[r] + k0 + 8 * o, 4);
+            std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
+            const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
+          }
+        }
+      }
+      if (P.zero)
+        for (int r = 0; r < R; ++r) {
+          const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
+          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
+        }
+      for (int t = 0; t < NT; ++t) {
+        const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(gb + t * tb + cb));
+        for (int r = 0; r < R; ++r)
+          y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
+                                    y[r][t]);
+      }
+    }
+    if (P.has_min)
+      for (int t = 0; t < NT; ++t) {
+        const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(gb + t * tb + cb) + 16);
+        for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g]), y[r][t]);
+      }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int t = 0; t < NT; ++t) {
+      const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
+      _mm512_mask_storeu_ps(C.out + (r0 + r) * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[r][t]);
+    }
+}
+#endif
+
+// One work unit: columns tiles t0 .. t0 + nt, every row, on path `isa`.
+void unit(const Call& C, int isa, int64_t t0, int nt) {
+  const int64_t M = C.P.M;
+#if JP_VNNI
+  if (isa == ISA_VNNI) {
+    using Fn = void (*)(const Call&, int64_t, int64_t);
+    const int b = C.P.bits == 8 ? 0 : 1;
+    const int64_t R = C.P.bits == 8 ? 8 : 6;
+    static const Fn big[2][2] = {{vnni_tiles<8, 1, 8>, vnni_tiles<8, 2, 8>}, {vnni_tiles<6, 1, 4>, vnni_tiles<6, 2, 4>}};
+    static const Fn four[2][2] = {{vnni_tiles<4, 1, 8>, vnni_tiles<4, 2, 8>}, {vnni_tiles<4, 1, 4>, vnni_tiles<4, 2, 4>}};
+    static const Fn one[2][2] = {{vnni_tiles<1, 1, 8>, vnni_tiles<1, UNIT_TILES, 8>},
+                                 {vnni_tiles<1, 1, 4>, vnni_tiles<1, UNIT_TILES, 4>}};
+    int64_t r = 0;
+    for (; r + R <= M; r += R)
+      for (int t = 0; t < nt; t += 2) big[b][t + 1 < nt](C, r, t0 + t);
+    for (; r + 4 <= M; r += 4)
+      for (int t = 0; t < nt; t += 2) four[b][t + 1 < nt](C, r, t0 + t);
+    for (; r < M; ++r) {
+      if (nt == UNIT_TILES) {
+        one[b][1](C, r, t0);
+        continue;
+      }
+      for (int t = 0; t < nt; ++t) one[b][0](C, r, t0 + t);
+    }
+    return;
+  }
+#endif
+#if JP_AVX2
+  if (isa == ISA_AVX2) {
+    const bool b8 = C.P.bits == 8;
+    for (int t = 0; t < nt; ++t) {
+      int64_t r = 0;
+      for (; r + 4 <= M; r += 4) b8 ? avx2_tile<4, 8>(C, r, t0 + t) : avx2_tile<4, 4>(C, r, t0 + t);
+      for (; r < M; ++r) b8 ? avx2_tile<1, 8>(C, r, t0 + t) : avx2_tile<1, 4>(C, r, t0 + t);
+    }
+    return;
+  }
+#endif
+  for (int t = 0; t < nt; ++t)
+    for (int64_t r = 0; r < M; ++r) scalar_tile(C, r, t0 + t);
+}
+
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
+                int64_t has_min, int64_t act_block, int64_t isa) {
+  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be float32 or bfloat16");
+  if (xd.size() != 2 || xd[1] != K)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be [M, K] with K the weights' K");
+  if ((bits != 8 && bits != 4) || K <= 0 || N <= 0 || (group != K && group != 16 && group != 32 && group != 64 &&
+                                                       group != 128))
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: bits must be 4 or 8, group 16, 32, 64, 128 or K");
+  if (zero < 0 || zero >= (int64_t{1} << bits) || (has_min && zero))
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: zero must be a code (0 when the weights have a min)");
+  if (act_block != 32 && act_block != 64 && act_block != 128)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
+  Meta P;
+  P.M = xd[0], P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
+  P.G = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
+  P.Kp = (K + P.G - 1) / P.G * P.G;
+  const bool stacked = wd.size() == 4;
+  if ((wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() || wd[stacked + 1] != P.ng() ||
+      wd[stacked + 2] != P.group_bytes())
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: w must be the packed [tiles, groups, group bytes] "
+                                       "(or [L, ..]) of the format's K, N, group, bits and min");
+  if (layer.element_count() != 1 || (stacked && (layer.typed_data()[0] < 0 || layer.typed_data()[0] >= wd[0])))
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index is out of range");
+  if (od.size() != 2 || od[0] != P.M || od[1] != N)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: out must be f32[M, N]");
+  if (P.M == 0) return ffi::Error::Success();
+  auto C = std::make_shared<Call>();
+  C->P = P, C->x = x.untyped_data(), C->bf16 = x.element_type() == ffi::DataType::BF16;
+  C->w = w.typed_data() + (stacked ? layer.typed_data()[0] : 0) * P.tiles() * P.tile_bytes();
+  C->out = out->typed_data();
+  Acts& A = C->A;
+  A.xq.resize(P.M * P.Ka()), A.dx.resize(P.M * (P.Ka() / P.A)), A.qsum.resize(P.M * P.nf());
+  A.xsum.resize(P.M * P.ng());
+  jp::parallel_for(pool, P.M, P.M, [C](int64_t m) {
+    thread_local std::vector<float> row;
+    row.resize(C->P.Ka());
+    const Meta& Q = C->P;
+    quantize_row(*C, m, row.data(), C->A.xq.data() + m * Q.Ka(), C->A.dx.data() + m * (Q.Ka() / Q.A),
+                 C->A.qsum.data() + m * Q.nf(), C->A.xsum.data() + m * Q.ng());
+  });
+  const int path = std::min<int>(static_cast<int>(isa), BEST_ISA);
+  const int64_t T = P.tiles();
+  const int64_t units = (T + UNIT_TILES - 1) / UNIT_TILES;
+  jp::parallel_for(pool, units, units, [C, path, T](int64_t u) {
+    const int64_t t0 = u * UNIT_TILES;
+    unit(*C, path, t0, static_cast<int>(std::min<int64_t>(UNIT_TILES, T - t0)));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("K")
+                                  .Attr<int64_t>("N")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("zero")
+                                  .Attr<int64_t>("has_min")
+                                  .Attr<int64_t>("act_block")
+                                  .Attr<int64_t>("isa"));
+
+// The best path this build runs: 3 AVX-512 VNNI, 1 AVX2 + FMA, 0 scalar loops.
+extern "C" int JaxpagedCpuQuantIsa() { return BEST_ISA; }

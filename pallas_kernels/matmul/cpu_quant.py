@@ -1,0 +1,192 @@
+"""Weight-only quantized products on the CPU (cpu_quant.cc beside this file): built at first use by
+pallas_kernels/ffi, called through the XLA FFI.
+
+A quantized matrix W[K, N] = s[k / G, n] * (u[k, n] - zero) + m[k / G, n]: codes u (8-bit, or 4-bit), float32
+scales s and an optional per-group minimum m, both [ceil(K / G), N], G in 16, 32, 64, 128 or K (one scale
+per output column), an integer `zero` code (0 when m is given). int8 / int4 symmetric quantization and the
+GGUF types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K are this form exactly.
+
+`pack(u, s, m, layout)` lays it out once in the kernel's order (`Layout.blob_shape`: [T, ng, group_bytes]
+uint8, column tiles of 16, each a run of groups of codes then scales), `unpack` inverts it exactly and
+`dequantize` gives the float matrix. `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for
+float32 or bfloat16 x, with x quantized to int8 per row and block of `act_block` k inside the kernel (the
+product equals the float product of those dequantized activations with W, up to float32 summation).
+`isa()` names the best path this build runs ("avx512_vnni", "avx2", "scalar"); `isa=` caps it (tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.ffi import load_kernel
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_quant.cc")
+TARGET = "jaxpaged_cpu_quant_matmul"
+GROUPS = (16, 32, 64, 128)
+ACT_BLOCKS = (32, 64, 128)
+ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 3}
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What a packed matrix is: K x N, `group` (16, 32, 64, 128, or K: per column), `bits` (8 or 4), `zero`
+    (the zero code) and `has_min` (a per-group minimum is stored). Checked when made."""
+    K: int
+    N: int
+    group: int
+    bits: int
+    zero: int = 0
+    has_min: bool = False
+
+    def __post_init__(self):
+        if self.K <= 0 or self.N <= 0:
+            raise ValueError(f"layout: K and N must be positive, got K={self.K}, N={self.N}")
+        if self.bits not in (4, 8):
+            raise ValueError(f"layout: bits must be 4 or 8, got {self.bits}")
+        if self.group not in GROUPS and self.group != self.K:
+            raise ValueError(f"layout: group must be one of {GROUPS} or K={self.K}, got {self.group}")
+        if not 0 <= self.zero < 2 ** self.bits or (self.has_min and self.zero):
+            raise ValueError(f"layout: zero must be a {self.bits}-bit code, and 0 with a minimum; got {self.zero}")
+
+    @property
+    def group_k(self) -> int:
+        """The k a stored group spans: `group`, or K rounded up to 128 for one scale per column."""
+        return self.group if self.group in GROUPS else -(-self.K // 128) * 128
+
+    @property
+    def groups(self) -> int:
+        return -(-self.K // self.group_k)
+
+    @property
+    def tiles(self) -> int:
+        return -(-self.N // 16)
+
+    @property
+    def group_bytes(self) -> int:
+        return self.group_k * 16 * self.bits // 8 + 64 * (1 + self.has_min)
+
+    @property
+    def blob_shape(self) -> tuple[int, int, int]:
+        return (self.tiles, self.groups, self.group_bytes)
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        return (self.groups, self.N)
+
+
+@functools.cache
+def _library():
+    """The kernel's library, built and registered once; None when it cannot be here."""
+    return load_kernel(SOURCE, "JaxpagedCpuQuantMatmul", TARGET, "no quantized CPU product")
+
+
+def available() -> bool:
+    """The kernel is built, loaded and registered here."""
+    return _library() is not None
+
+
+def isa() -> str | None:
+    """The best path of this build: "avx512_vnni", "avx2" or "scalar"; None when the kernel is not available."""
+    lib = _library()
+    return None if lib is None else {v: k for k, v in ISAS.items()}[int(lib.JaxpagedCpuQuantIsa())]
+
+
+def _check(name, a, shape, dtypes):
+    if tuple(a.shape) != tuple(shape) or jnp.dtype(a.dtype) not in [jnp.dtype(d) for d in dtypes]:
+        want = " or ".join(jnp.dtype(d).name for d in dtypes)
+        raise ValueError(f"{name} must be {want}{list(shape)}, got {jnp.dtype(a.dtype).name}{list(a.shape)}")
+
+
+def pack(u, s, m, layout: Layout):
+    """Codes u [..., K, N] (uint8, values below 2**bits), scales s and minimum m (None unless
+    `layout.has_min`) [..., groups, N] float32 -> the packed w [..., T, ng, group_bytes] uint8."""
+    *lead, K, N = u.shape
+    if (K, N) != (layout.K, layout.N):
+        raise ValueError(f"u must be [..., {layout.K}, {layout.N}] for the layout, got {list(u.shape)}")
+    _check("u", u, u.shape, (jnp.uint8,))
+    _check("s", s, (*lead, *layout.scale_shape), (jnp.float32,))
+    if (m is not None) != layout.has_min:
+        raise ValueError(f"m must be given exactly when the layout has a minimum (has_min={layout.has_min})")
+    if m is not None:
+        _check("m", m, (*lead, *layout.scale_shape), (jnp.float32,))
+    if isinstance(u, np.ndarray) and u.size and int(u.max()) >= 2 ** layout.bits:
+        raise ValueError(f"u holds codes >= 2**{layout.bits}")
+    G, ng, T, d = layout.group_k, layout.groups, layout.tiles, len(lead)
+    lead_axes = tuple(range(d))
+    up = jnp.pad(jnp.asarray(u), [(0, 0)] * d + [(0, ng * G - K), (0, T * 16 - N)])  # [..., Kp, Np]
+    if layout.bits == 8:  # [.., g, q, j, t, c] -> [.., t, g, q, c, j]
+        codes = up.reshape(*lead, ng, G // 4, 4, T, 16).transpose(*lead_axes, *(d + i for i in (3, 0, 1, 4, 2)))
+    else:  # [.., g, o, half, j, t, c] -> [.., t, g, o, half, c, j]; low nibble: half 0
+        h = up.reshape(*lead, ng, G // 8, 2, 4, T, 16).transpose(*lead_axes, *(d + i for i in (4, 0, 1, 2, 5, 3)))
+        codes = h[..., 0, :, :] | (h[..., 1, :, :] << 4)
+    parts = [codes.reshape(*lead, T, ng, -1)]
+    for a in (s,) if m is None else (s, m):
+        a = jnp.pad(jnp.asarray(a, jnp.float32), [(0, 0)] * (d + 1) + [(0, T * 16 - N)])
+        a = a.reshape(*lead, ng, T, 16).swapaxes(-3, -2)  # [.., t, g, 16]
+        parts.append(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*lead, T, ng, 64))
+    return jnp.concatenate(parts, axis=-1)
+
+
+def unpack(w, layout: Layout):
+    """The exact inverse of `pack`: w [..., T, ng, group_bytes] -> (u [..., K, N], s, m or None)."""
+    *lead, T, ng, gb = w.shape
+    _check("w", w, (*lead, *layout.blob_shape), (jnp.uint8,))
+    G, d, K, N = layout.group_k, len(lead), layout.K, layout.N
+    lead_axes = tuple(range(d))
+    cb = G * 16 * layout.bits // 8
+    codes = w[..., :cb]
+    if layout.bits == 8:  # [.., t, g, q, c, j] -> [.., g, q, j, t, c]
+        up = codes.reshape(*lead, T, ng, G // 4, 16, 4).transpose(*lead_axes, *(d + i for i in (1, 2, 4, 0, 3)))
+    else:  # [.., t, g, o, half, c, j] -> [.., g, o, half, j, t, c]
+        c = codes.reshape(*lead, T, ng, G // 8, 1, 16, 4)
+        h = jnp.concatenate([c & 15, c >> 4], axis=-3)
+        up = h.transpose(*lead_axes, *(d + i for i in (1, 2, 3, 5, 0, 4)))
+    u = up.reshape(*lead, ng * G, T * 16)[..., :K, :N]
+    f = jax.lax.bitcast_convert_type(w[..., cb:].reshape(*lead, T, ng, -1, 16, 4), jnp.float32)  # [.., t, g, i, 16]
+    f = f.transpose(*lead_axes, d + 2, d + 1, d, d + 3).reshape(*lead, -1, ng, T * 16)[..., :N]  # [.., i, g, N]
+    return u, f[..., 0, :, :], (f[..., 1, :, :] if layout.has_min else None)
+
+
+def dequantize(w, layout: Layout):
+    """The float32 matrix [..., K, N] a packed w stands for: s * (u - zero) + m."""
+    u, s, m = unpack(w, layout)
+    idx = jnp.arange(layout.K) // layout.group_k
+    out = s[..., idx, :] * (u.astype(jnp.float32) - layout.zero)
+    return out if m is None else out + m[..., idx, :]
+
+
+def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, act_block: int = 32, isa: str | None = None):
+    """x [..., K] (float32 or bfloat16) @ the packed w ([T, ng, group_bytes], or a stack [L, ...] read at
+    `layer`, an int32 scalar, traced or not) -> f32[..., N]. act_block: the k each activation scale covers
+    (32, 64 or 128); isa: the most capable path to run (default: the build's best)."""
+    stacked = layer is not None
+    if not isinstance(layout, Layout):
+        raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or x.shape[-1:] != (layout.K,):
+        raise ValueError(f"x must be float32 or bfloat16 [..., {layout.K}], got "
+                         f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
+    if (tuple(w.shape[stacked:]) != layout.blob_shape or len(w.shape) != 3 + stacked
+            or jnp.dtype(w.dtype) != jnp.uint8):
+        want = ("L, " if stacked else "") + ", ".join(map(str, layout.blob_shape))
+        raise ValueError(f"w must be the packed uint8[{want}] of {layout}, got "
+                         f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+    if act_block not in ACT_BLOCKS:
+        raise ValueError(f"act_block must be one of {ACT_BLOCKS}, got {act_block}")
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
+    if not available():
+        raise RuntimeError("the quantized CPU matmul kernel is not available here (see the log for why)")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, layout.K)
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], layout.N), jnp.float32),
+                            vmap_method="sequential")
+    y = call(x2, w, index, K=np.int64(layout.K), N=np.int64(layout.N), group=np.int64(layout.group),
+             bits=np.int64(layout.bits), zero=np.int64(layout.zero), has_min=np.int64(layout.has_min),
+             act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
+    return y.reshape(lead + (layout.N,))

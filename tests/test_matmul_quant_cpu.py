@@ -1,0 +1,142 @@
+"""The quantized CPU product (pallas_kernels/matmul/cpu_quant.cc) against numpy, on every path this build has.
+
+The reference dequantizes W = s * (u - zero) + m and quantizes x to int8 the way the kernel does (per row
+and block of act_block k, scale max|x| / 127, round half to even), so the kernel must match it to float32
+summation; a second check bounds the int8 activations' own error against the float product."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.matmul import cpu_quant as cq
+
+pytestmark = pytest.mark.skipif(not cq.available(), reason="the CPU kernel cannot be built here")
+PATHS = [p for p in ("scalar", "avx2", "avx512_vnni") if cq.ISAS[p] <= cq.ISAS.get(cq.isa() or "scalar", 0)]
+
+
+def weights(rng, layout, lead=()):
+    u = rng.integers(0, 2 ** layout.bits, (*lead, layout.K, layout.N), dtype=np.uint8)
+    s = rng.uniform(1e-3, 2e-2, (*lead, *layout.scale_shape)).astype(np.float32)
+    m = rng.normal(0, 0.05, s.shape).astype(np.float32) if layout.has_min else None
+    return u, s, m
+
+
+def dense(u, s, m, layout):  # W [K, N] float64
+    idx = np.arange(layout.K) // layout.group_k
+    w = s.astype(np.float64)[idx] * (u.astype(np.float64) - layout.zero)
+    return w if m is None else w + m.astype(np.float64)[idx]
+
+
+def int8_activations(x, layout, act_block):  # what the kernel multiplies: x quantized then dequantized
+    K = layout.K
+    Ka = -(-layout.groups * layout.group_k // act_block) * act_block
+    xp = np.zeros((x.shape[0], Ka), np.float32)
+    xp[:, :K] = x
+    b = xp.reshape(x.shape[0], -1, act_block)
+    amax = np.abs(b).max(-1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * (amax / np.float32(127))).astype(np.float64).reshape(x.shape[0], Ka)[:, :K]
+
+
+CASES = [  # M, K, N, group, bits, zero, has_min
+    (1, 64, 16, 16, 8, 128, False), (3, 100, 40, 32, 4, 8, False), (5, 256, 48, 64, 8, 0, True),
+    (7, 130, 33, 130, 4, 0, True), (64, 512, 64, 128, 4, 8, False), (2, 300, 80, 300, 8, 128, False),
+    (17, 96, 16, 16, 4, 0, True), (9, 200, 100, 32, 8, 16, False), (13, 64, 24, 64, 4, 0, False),
+]
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("M,K,N,group,bits,zero,has_min", CASES)
+def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path):
+    """K not a multiple of the group (and of 16), N tails, row tails of every row block, G 16..128 and per
+    column, 8- and 4-bit codes, with and without a minimum, float32 or bfloat16 x, activation blocks of 32
+    (and 128 on the best path)."""
+    rng = np.random.default_rng(M * K + N + bits)
+    layout = cq.Layout(K, N, group, bits, zero, has_min)
+    u, s, m = weights(rng, layout)
+    w = cq.pack(u, s, m, layout)
+    wd = dense(u, s, m, layout)
+    x = jnp.asarray(rng.standard_normal((M, K)), (jnp.float32, jnp.bfloat16)[(M + N) % 2])
+    xf = np.asarray(x, np.float32)
+    for act_block in (32, 128) if path == PATHS[-1] else (32,):
+        got = np.asarray(cq.cpu_quant_matmul(x, w, layout, act_block=act_block, isa=path))
+        want = int8_activations(xf, layout, act_block) @ wd
+        assert got.dtype == np.float32 and got.shape == (M, N)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+        float_product = xf.astype(np.float64) @ wd
+        assert np.linalg.norm(got - float_product) <= 0.02 * np.linalg.norm(float_product)
+
+
+@pytest.mark.parametrize("lead,group,bits,has_min", [((), 32, 4, True), ((3,), 16, 8, False), ((2,), 100, 4, False)])
+def test_pack_round_trip(lead, group, bits, has_min):
+    """`unpack` is `pack`'s exact inverse (one matrix or a stack); `dequantize` is s * (u - zero) + m."""
+    rng = np.random.default_rng(len(lead) + group)
+    layout = cq.Layout(100, 40, group, bits, 0 if has_min else 2 ** (bits - 1), has_min)
+    u, s, m = weights(rng, layout, lead)
+    w = cq.pack(u, s, m, layout)
+    assert w.shape == lead + layout.blob_shape and w.dtype == jnp.uint8
+    u2, s2, m2 = cq.unpack(w, layout)
+    np.testing.assert_array_equal(np.asarray(u2), u)
+    np.testing.assert_array_equal(np.asarray(s2), s)
+    assert (m2 is None) == (m is None) and (m is None or np.array_equal(np.asarray(m2), m))
+    want = np.stack([dense(*a, layout) for a in zip(u.reshape(-1, 100, 40), s.reshape(-1, *s.shape[-2:]),
+                                                    [None] * u.size if m is None else m.reshape(-1, *m.shape[-2:]))])
+    np.testing.assert_allclose(np.asarray(cq.dequantize(w, layout)).reshape(want.shape), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
+
+
+def test_stacked_layer_and_leading_axes():
+    """A stack [L, ...] read at a (traced) layer index, x with leading axes."""
+    import jax
+    rng = np.random.default_rng(1)
+    layout = cq.Layout(96, 48, 32, 4, 8)
+    u, s, _ = weights(rng, layout, (3,))
+    w = cq.pack(u, s, None, layout)
+    x = jnp.asarray(rng.standard_normal((2, 5, 96)), jnp.float32)
+    got = jax.jit(lambda x, w, i: cq.cpu_quant_matmul(x, w, layout, layer=i))(x, w, jnp.int32(2))
+    want = int8_activations(np.asarray(x).reshape(10, 96), layout, 32) @ dense(u[2], s[2], None, layout)
+    assert got.shape == (2, 5, 48)
+    np.testing.assert_allclose(np.asarray(got).reshape(10, 48), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_nonfinite_activations_give_nan_rows():
+    """A NaN or an infinity in a row of x makes that row's outputs NaN on every path; the others stay exact."""
+    rng = np.random.default_rng(2)
+    layout = cq.Layout(100, 40, 32, 8, 128)
+    w = cq.pack(*weights(rng, layout), layout)
+    x = rng.standard_normal((3, 100)).astype(np.float32)
+    x[1, 7], x[2, 99] = np.nan, np.inf
+    for path in PATHS:
+        y = np.asarray(cq.cpu_quant_matmul(jnp.asarray(x), w, layout, isa=path))
+        assert np.isfinite(y[0]).all() and np.isnan(y[1:]).all(), path
+
+
+def test_bad_operands_are_named():
+    """The wrapper refuses bad operands with errors naming them; so does the handler when called directly."""
+    import jax
+    layout = cq.Layout(64, 32, 32, 4, 8)
+    rng = np.random.default_rng(3)
+    u, s, _ = weights(rng, layout)
+    w = cq.pack(u, s, None, layout)
+    x = jnp.zeros((2, 64), jnp.float32)
+    bad = [(lambda: cq.Layout(64, 32, 48, 4), "group"), (lambda: cq.Layout(64, 32, 32, 3), "bits"),
+           (lambda: cq.Layout(64, 32, 32, 4, 16), "zero"), (lambda: cq.Layout(64, 32, 32, 4, 8, True), "zero"),
+           (lambda: cq.pack(u[:32], s, None, layout), "u must"), (lambda: cq.pack(u, s[:1], None, layout), "s must"),
+           (lambda: cq.pack(u, s, s, layout), "m must"), (lambda: cq.pack(u | 16, s, None, layout), "codes"),
+           (lambda: cq.cpu_quant_matmul(x.astype(jnp.int32), w, layout), "x must"),
+           (lambda: cq.cpu_quant_matmul(x[:, :32], w, layout), "x must"),
+           (lambda: cq.cpu_quant_matmul(x, w[:1], layout), "w must"),
+           (lambda: cq.cpu_quant_matmul(x, w.astype(jnp.int8), layout), "w must"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, layer=0), "w must"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, act_block=16), "act_block"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, isa="sse"), "isa")]
+    for call, match in bad:
+        with pytest.raises(ValueError, match=match):
+            call()
+    call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
+    attrs = dict(K=np.int64(64), N=np.int64(32), group=np.int64(32), bits=np.int64(4), zero=np.int64(8),
+                 has_min=np.int64(0), act_block=np.int64(32), isa=np.int64(3))
+    for change, match in ((dict(bits=np.int64(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
+                          (dict(group=np.int64(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
+                          (dict(zero=np.int64(16)), "zero")):
+        with pytest.raises(Exception, match=match):
+            np.asarray(call(x, w, jnp.int32(0), **{**attrs, **change}))
