@@ -160,8 +160,8 @@ class EngineConfig:
     max_num_seqs; jaxpaged/args.py), documented by the help in its metadata."""
 
     # -- model and loading
-    model: str | None = option(None, MODEL, "a Hugging Face or converted model directory (default: the embedded "
-                               "default model, SmolLM2-135M-Instruct)")
+    model: str | None = option(None, MODEL, "a Hugging Face or converted model directory, or a GGUF file "
+                               "(default: the embedded default model, SmolLM2-135M-Instruct)")
     dtype: str = option("auto", MODEL, "weights and activations; auto: the checkpoint's torch_dtype where the "
                         "hardware computes in it (bfloat16 on CPUs with bfloat16 units: AVX512-BF16, AMX, Arm "
                         "BF16), else float32 on CPU, bfloat16 on GPU/TPU", choices=DTYPES)
@@ -173,6 +173,9 @@ class EngineConfig:
     quantization_group_size: int | None = option(None, MODEL, "entries of the input axis each int8 / int4 scale "
                                                  "covers: 16, 32, 64, 128, or 0 / -1 for one per output channel "
                                                  "(default: int8 per channel, int4 32)")
+    keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                  "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
+                                  "activations and the float tensors); --no-keep-quantized dequantizes them")
     max_model_len: int | None = option(None, MODEL, "longest prompt + output (default: the model's "
                                        "max_position_embeddings, capped at 4096)")
     max_logprobs: int = option(20, MODEL, "most logprobs a request may ask for, per token")
@@ -284,6 +287,8 @@ class EngineConfig:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {self.logprobs_mode!r}")
         if not isinstance(self.enable_prompt_embeds, bool):
             raise ValueError(f"enable_prompt_embeds must be a bool, got {self.enable_prompt_embeds!r}")
+        if not isinstance(self.keep_quantized, bool):
+            raise ValueError(f"keep_quantized must be a bool, got {self.keep_quantized!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
         from jaxpaged.models.qarray import check_quantization, group_of

@@ -14,11 +14,15 @@ from jaxpaged.step.runner import kv_bytes_per_block
 
 
 def model_dir(cfg: EngineConfig) -> str:
-    """The model directory: the configured one, or the embedded default model (fetched when missing)."""
+    """The model directory: the configured one, the directory of a GGUF file (checkpoints/gguf_load.py), or
+    the embedded default model (fetched when missing)."""
     path = cfg.model
     if path is None:
         from jaxpaged.checkpoints.default_model import default_model_dir
         path = default_model_dir()
+    from jaxpaged.checkpoints.gguf_load import gguf_model_dir, is_gguf_file
+    if is_gguf_file(path):
+        return gguf_model_dir(path)
     if not os.path.isdir(path):
         raise ValueError(f"model directory {path!r} does not exist")
     return path
@@ -54,9 +58,27 @@ def load_weights(path: str, mc: ModelConfig, cfg: EngineConfig) -> tuple[dict, f
     from tqdm.auto import tqdm
     t0 = time.perf_counter()
     with tqdm(total=count_tensors(mc), desc="loading weights", unit="tensor", disable=not cfg.show_progress) as bar:
-        params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization,
-                             group_size=cfg.quantization_group_size)
+        params = _load_gguf(path, mc, cfg, bar)
+        if params is None:
+            params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization,
+                                 group_size=cfg.quantization_group_size)
     return params, time.perf_counter() - t0
+
+
+def _load_gguf(path: str, mc: ModelConfig, cfg: EngineConfig, bar) -> dict | None:
+    """The weights of a GGUF model directory from its file (None for any other directory): its quantized
+    matrices kept (cfg.keep_quantized, no cfg.quantization), or dequantized (and quantized to
+    cfg.quantization when set)."""
+    from jaxpaged.checkpoints.gguf_load import gguf_source, load_gguf_params
+    src = gguf_source(path)
+    if src is None:
+        return None
+    if cfg.quantization:
+        from jaxpaged.checkpoints.gguf import GGUFModel
+        from jaxpaged.checkpoints.weights import params_from_named_tensors
+        return params_from_named_tensors(mc, GGUFModel(src).tensors(), cfg.dtype, source=src, progress=bar,
+                                         quantization=cfg.quantization, group_size=cfg.quantization_group_size)
+    return load_gguf_params(src, mc, cfg.dtype, keep_quantized=cfg.keep_quantized, progress=bar)
 
 
 def num_kv_blocks(cfg: EngineConfig, mc: ModelConfig, model_len: int) -> int:

@@ -12,6 +12,7 @@ import pytest
 from jaxpaged import ModelConfig
 from jaxpaged.checkpoints.convert import TOKENIZER_FILES, convert
 from jaxpaged.checkpoints.weights import load_params
+from jaxpaged.testing.gguf_files import write_gguf
 from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 VOCAB = 300  # the tiny tokenizer's size
@@ -42,83 +43,6 @@ def _params(d, dtype="float32"):
 
 def _leftovers(parent, name):
     return [f for f in os.listdir(parent) if f.startswith(f".{name}.")]
-
-
-def write_gguf(hf_dir, path, qtype="F32", arch=None, zeros_as=None):
-    """A GGUF of the HF model as llama.cpp writes one: its names, Q/K rows permuted for llama,
-    2-D tensors in `qtype`, 1-D ones in F32, the tokenizer and chat template as metadata.
-    zeros_as: {gguf name: type name}, tensors written as zero bytes of that type instead."""
-    import gguf
-    from safetensors.numpy import load_file
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        c = json.load(f)
-    arch = arch or c["model_type"]
-    n_layers, heads, kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
-    head_dim = c.get("head_dim") or c["hidden_size"] // heads
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(n_layers)
-    w.add_context_length(c["max_position_embeddings"])
-    w.add_embedding_length(c["hidden_size"])
-    w.add_feed_forward_length(c["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(c.get("rope_theta") or c["rope_parameters"]["rope_theta"])
-    if arch == "gemma2":
-        w.add_sliding_window(c["sliding_window"])
-        w.add_float32("gemma2.attn_logit_softcapping", c["attn_logit_softcapping"])
-        w.add_float32("gemma2.final_logit_softcapping", c["final_logit_softcapping"])
-    w.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    with open(os.path.join(hf_dir, "tokenizer.json")) as f:
-        tj = json.load(f)
-    vocab = tj["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    special = {t["content"] for t in tj["added_tokens"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in special else 1 for t in tokens])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
-    w.add_bos_token_id(vocab["<s>"])
-    w.add_eos_token_id(vocab["</s>"])
-    w.add_pad_token_id(vocab["<pad>"])
-    w.add_add_bos_token(False)
-    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
-        template = json.load(f).get("chat_template")
-    if template is None:
-        with open(os.path.join(hf_dir, "chat_template.jinja")) as f:
-            template = f.read()
-    w.add_chat_template(template)
-    arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[c["model_type"]]
-    name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
-    qt = gguf.GGMLQuantizationType[qtype]
-    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
-    for name, a in sd.items():
-        base, suffix = name.rsplit(".", 1)
-        a = a.astype(np.float32)
-        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
-            n = heads if ".q_proj." in name else kv
-            a = a.reshape(n, 2, a.shape[0] // n // 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
-        if name == "lm_head.weight" and c.get("tie_word_embeddings"):
-            continue  # llama.cpp writes no output matrix for tied embeddings
-        if arch == "gemma2" and name.endswith("norm.weight"):
-            a = a + 1  # llama.cpp stores Gemma's norm scales as 1 + w
-        gname = f"{name_map.get_name(base)}.{suffix}"
-        if gname in (zeros_as or {}):
-            t = gguf.GGMLQuantizationType[zeros_as[gname]]
-            block, size = gguf.GGML_QUANT_SIZES[t]
-            w.add_tensor(gname, np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), raw_dtype=t)
-        elif a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32:
-            w.add_tensor(gname, a)
-        else:
-            w.add_tensor(gname, gguf.quants.quantize(a, qt), raw_dtype=qt)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -2,11 +2,14 @@
 
 Everything here follows what transformers' own GGUF loader produces, using its tables and its
 tokenizer conversion, but without torch:
-- the config comes from transformers' `GGUF_CONFIG_MAPPING` (llama.cpp key -> HF key), completed by
-  the HF config class, with `architectures` set;
-- tensors are dequantized by the `gguf` package (`gguf.quants.dequantize`), renamed through gguf's
-  own `TensorNameMap`, and for the llama architecture the row permutation llama.cpp applies to the
-  Q and K projections (for its interleaved RoPE) is undone, as transformers' `LlamaTensorProcessor` does;
+- the config comes from the metadata (jaxpaged/checkpoints/gguf_config.py);
+- tensors are renamed through gguf's own `TensorNameMap`; an MoE layer's experts, stacked in one GGUF
+  tensor [E, out, in] per matrix, become one HF tensor per expert; for the llama architecture (Mistral and
+  Mixtral included) the row permutation llama.cpp applies to the Q and K projections (for its interleaved
+  RoPE) is undone, as transformers' `LlamaTensorProcessor` does; Gemma's norm scales, stored as 1 + w, lose
+  the 1;
+- tensors are dequantized by the `gguf` package (`gguf.quants.dequantize`), or kept as their codes
+  (jaxpaged/checkpoints/gguf_quant.py) where the type maps onto the engine's quantized format;
 - the tokenizer is built by transformers' `convert_gguf_tokenizer` from the GGUF metadata.
 
 Errors are ValueErrors that name the file.
@@ -14,18 +17,17 @@ Errors are ValueErrors that name the file.
 from __future__ import annotations
 
 import os
+import re
 from typing import Iterator
 
 import numpy as np
 
-# GGUF `general.architecture` -> HF architecture the engine runs (llama.cpp writes Mistral as llama).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "phi3": "Phi3ForCausalLM"}
-# metadata transformers' GGUF_CONFIG_MAPPING leaves out, which llama.cpp writes for these architectures
-_EXTRA_KEYS = {"attention.sliding_window": "sliding_window", "attn_logit_softcapping": "attn_logit_softcapping",
-               "final_logit_softcapping": "final_logit_softcapping"}
+from jaxpaged.checkpoints.gguf_config import GGUF_ARCHITECTURES, config_dict
+from jaxpaged.checkpoints.gguf_quant import GGUFCodes, gguf_codes, is_packable
+
 _SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
                    "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+_EXPERT = re.compile(r"^(model\.layers\.\d+\..+\.experts)\.\d+\.(.+)\.weight$")
 
 
 class GGUFModel:
@@ -57,7 +59,7 @@ class GGUFModel:
                 raise ValueError(f"{path}: truncated: tensor {t.name!r} ends at byte "
                                  f"{t.data_offset + t.n_bytes}, file has {size}")
         self._check_types()
-        self.config = self._config_dict()
+        self.config = config_dict(path, self.arch, self.metadata, {t.name for t in reader.tensors})
         self._names = self._hf_names()
 
     def _check_types(self) -> None:
@@ -75,74 +77,75 @@ class GGUFModel:
                 raise ValueError(f"{self.path}: tensor {t.name!r} has GGUF type {t.tensor_type.name}, "
                                  f"which is not supported (the gguf package cannot dequantize it)") from None
 
-    def _config_dict(self) -> dict:
-        """The HF config dict, as transformers' GGUF loader builds it, plus `architectures`."""
-        from transformers import AutoConfig
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-        meta, arch = self.metadata, self.arch
-        tensor_names = {t.name for t in self.reader.tensors}
-        d = {"model_type": arch, "architectures": [GGUF_ARCHITECTURES[arch]],
-             # llama.cpp writes the output projection only when it is not the embedding matrix
-             "tie_word_embeddings": "output.weight" not in tensor_names}
-        for prefix in (arch, "tokenizer"):
-            for key, hf_key in GGUF_CONFIG_MAPPING[prefix].items():
-                if hf_key is not None and f"{prefix}.{key}" in meta:
-                    d[hf_key] = meta[f"{prefix}.{key}"]
-        if f"{arch}.attention.key_length" in meta:  # Qwen3: head_dim is not hidden / heads
-            d["head_dim"] = meta[f"{arch}.attention.key_length"]
-        for key, hf_key in _EXTRA_KEYS.items():
-            if f"{arch}.{key}" in meta:
-                d[hf_key] = meta[f"{arch}.{key}"]
-        if arch == "gemma2":  # not in the file: llama.cpp's rule (head_dim; hidden / heads for the 46-layer 27B)
-            d["query_pre_attn_scalar"] = (d["hidden_size"] // d["num_attention_heads"]
-                                          if d["num_hidden_layers"] == 46 else d.get("head_dim", 256))
-        if "vocab_size" not in d and "tokenizer.ggml.tokens" in meta:
-            d["vocab_size"] = len(meta["tokenizer.ggml.tokens"])
-        try:
-            return AutoConfig.for_model(**d).to_dict()
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{self.path}: cannot build a config from the GGUF metadata ({e})") from None
-
     def _hf_names(self) -> dict[str, str]:
         """GGUF tensor name -> HF name, through gguf's TensorNameMap (what transformers uses too)."""
         import gguf
 
-        from jaxpaged.checkpoints.weights import HF_TOP_NAMES, layer_name_map
+        from jaxpaged.checkpoints.weights import HF_TOP_NAMES, expected_hf_names, layer_name_map
         from jaxpaged.config import ModelConfig
         arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[self.arch]
         n_layers = self.config["num_hidden_layers"]
         name_map = gguf.get_tensor_name_map(arch_enum, n_layers)
-        layer_names = layer_name_map(ModelConfig.from_hf_dict(self.config, source=self.path))
-        hf_names = list(HF_TOP_NAMES) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in layer_names]
+        cfg = ModelConfig.from_hf_dict(self.config, source=self.path)
+        hf_names = list(HF_TOP_NAMES) + [f"model.layers.{i}.{k}" for i in range(n_layers) for k in layer_name_map(cfg)]
         out = {}
         for hf in hf_names:
             base, suffix = hf.rsplit(".", 1)
             g = name_map.get_name(base)
             if g is not None:
                 out[f"{g}.{suffix}"] = hf
+        for hf in expected_hf_names(cfg):  # experts: one GGUF tensor per layer and matrix, all experts
+            m = _EXPERT.match(hf)
+            g = m and name_map.get_name(f"{m.group(1)}.{m.group(2)}")
+            if g is not None:
+                out[f"{g}.weight"] = f"{m.group(1)}.{{}}.{m.group(2)}.weight"
         return out
 
     @property
     def num_tensors(self) -> int:
         return len(self.reader.tensors)
 
+    def hf_name(self, gguf_name: str) -> str:
+        """The HF name of a GGUF tensor (an expert stack's has `{}` for the expert); ValueError naming the
+        file when the model has no such tensor."""
+        hf = self._names.get(gguf_name)
+        if hf is None:
+            raise ValueError(f"{self.path}: tensor {gguf_name!r} has no counterpart in a "
+                             f"{self.config['architectures'][0]} model")
+        return hf
+
     def tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """(HF name, float32 array in HF [out, in] layout), dequantized one tensor at a time."""
+        return self.raw_tensors(keep_quantized=False)
+
+    def raw_tensors(self, keep_quantized: bool = True) -> Iterator[tuple[str, np.ndarray | GGUFCodes]]:
+        """(HF name, tensor) one at a time: with keep_quantized a matrix of a type with a quantized mapping
+        as its codes (`GGUFCodes`, W [in, out]: the HF matrix transposed), anything else as a float32
+        array in HF [out, in] layout."""
         from gguf.quants import dequantize
         heads, kv_heads = self.config["num_attention_heads"], self.config["num_key_value_heads"]
         for t in self.reader.tensors:
-            hf = self._names.get(t.name)
-            if hf is None:
-                raise ValueError(f"{self.path}: tensor {t.name!r} has no counterpart in a "
-                                 f"{GGUF_ARCHITECTURES[self.arch]} model")
-            w = dequantize(t.data, t.tensor_type)
-            if self.arch == "llama" and ".attn_q." in t.name:
-                w = _unpermute(w, heads)
-            elif self.arch == "llama" and ".attn_k." in t.name:
-                w = _unpermute(w, kv_heads)
-            elif self.arch == "gemma2" and t.name.endswith("norm.weight"):
-                w = w - 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
-            yield hf, w
+            hf = self.hf_name(t.name)
+            n_head = (heads if ".attn_q." in t.name else kv_heads if ".attn_k." in t.name else 0) \
+                if self.arch == "llama" else 0
+            if keep_quantized and is_packable(t.tensor_type.name) and len(t.shape) >= 2:
+                shape = [int(d) for d in reversed(t.shape)]  # [(E,) out, in]
+                c = gguf_codes(t.data.reshape(-1, t.data.shape[-1]), t.tensor_type.name, shape[-1])
+                if n_head:
+                    c = c.columns(_unpermute(np.arange(shape[-2]), n_head))
+                parts = [c] if len(shape) == 2 else [c.columns(slice(e * shape[-2], (e + 1) * shape[-2]))
+                                                     for e in range(shape[0])]
+            else:
+                w = dequantize(t.data, t.tensor_type)
+                if n_head:
+                    w = _unpermute(w, n_head)
+                elif self.arch in ("gemma2", "gemma3") and t.name.endswith("norm.weight"):
+                    w = w - 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
+                parts = [w] if "{}" not in hf else list(w)
+            if "{}" in hf:  # experts [E, out, in]
+                yield from ((hf.format(e), p) for e, p in enumerate(parts))
+            else:
+                yield hf, parts[0]
 
     def tokenizer(self):
         """The HF fast tokenizer transformers builds from this file's metadata (chat template included)."""
