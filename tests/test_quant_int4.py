@@ -6,14 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_quant import _all_position_logits
 
 from jaxpaged import LLM, EngineConfig, SamplingParams
 from jaxpaged.config import ModelConfig
 from jaxpaged.models import qpacked
-from jaxpaged.models.llama import forward
 from jaxpaged.models.qarray import QArray, dequantize, quantize
 from jaxpaged.models.quant import ragged_dot
-from jaxpaged.step.attention import make_attention
 from jaxpaged.testing.tiny_models import make_tiny_model
 from pallas_kernels.matmul import cpu_quant
 
@@ -34,19 +33,6 @@ def setup(tmp_path_factory, compile_cache):
               max_model_len=128, compilation_cache_dir=compile_cache, show_progress=False)
     yield path, llm
     del llm
-
-
-def _all_position_logits(params, cfg, ids):
-    """Logits f32[len(ids), V] of one sequence at every position (the pure step, reference attention)."""
-    bs, T = 4, len(ids)
-    nb = -(-T // bs)
-    pool = jnp.zeros((cfg.num_layers * (nb + 1), bs, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
-    batch = dict(input_ids=jnp.array(ids, jnp.int32), positions=jnp.arange(T, dtype=jnp.int32),
-                 slot_mapping=jnp.arange(T, dtype=jnp.int32) + bs, block_tables=jnp.arange(1, nb + 1)[None],
-                 seq_lens=jnp.array([T], jnp.int32), query_start_loc=jnp.array([0, T], jnp.int32),
-                 logits_indices=jnp.arange(T, dtype=jnp.int32))
-    logits, _, _ = jax.jit(lambda p: forward(p, cfg, pool, pool, batch, make_attention("reference", False)))(params)
-    return np.asarray(logits)
 
 
 def _check_against_float(llm, path):
