@@ -14,11 +14,12 @@ each measured on its own (ms per step, medians):
   xla_own     XLA's other thunks: norms, RoPE, the KV writes, gathers, the sampler, copies
   between     no thunk running inside the compiled call: its dispatch, waits, thread-pool wake-ups
   host        the engine step less its compiled call: scheduling, the inputs, reading back, the outputs
-The first four split the traced replay's wall time (step_profile.share); host comes from the engine's
-steps. sum_ms is their sum, gap_ms = step_ms - sum_ms (gap_pct of the step): what the parts miss (the
-tracer's own cost, the replay differing from the step in the engine). Page faults are printed beside
-them: per step, and their estimated ms (count x the cost of one fault on fresh memory, measured here);
-that time is already inside the parts (a fault is taken by the kernel that touches the page).
+The first four split the wall time of the traced replay of median length (step_profile.share); host
+comes from the engine's steps. sum_ms is their sum, gap_ms = step_ms - sum_ms (gap_pct of the step): what
+the parts miss or add (the tracer's own cost, the replay differing from the compiled call in the engine).
+Page faults are printed beside them: per step, and their estimated ms (count x the cost of one fault on
+fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
+the page).
 read_all_weights_ms: a pass that only reads every parameter once, the bound a step's weight reads set.
 """
 from __future__ import annotations
@@ -147,6 +148,8 @@ def measure(eng, n: int, args) -> dict:
     for _ in range(2):
         eng.step()
     row = dict(running=n, **engine_steps(eng, args.steps), **replayed(eng, args.repeats))
+    if len(eng.scheduler.running) != n:
+        raise SystemExit(f"running={n}: requests finished during the timed steps; raise --max-model-len")
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
@@ -191,7 +194,7 @@ def main(argv=None) -> dict:
         raise SystemExit("--running, --steps, --repeats and --context must be >= 1")
     top = max(args.running)
     budget = max(args.max_num_batched_tokens, 2 * top)
-    args.max_tokens = top * args.context // max(budget - top, 1) + args.steps + 8  # the fill, 2 + steps + capture
+    args.max_tokens = top * args.context // max(budget - top, 1) + args.steps + 16  # the fill, 2 + steps + capture
     max_len = args.max_model_len or args.context + args.max_tokens + args.block_size
     blocks = args.num_kv_blocks or top * -(-max_len // args.block_size) + 1
     args.fault_cost_us = fault_cost_us()

@@ -9,14 +9,13 @@ instruction of the compiled program to a kind by its HLO text:
 - `xla_own`: every other thunk (norms, RoPE, the KV writes, gathers, the sampler, copies);
 - while / conditional / call thunks hold others: they are not counted themselves.
 `profile_step` traces `reps` replays, each inside its own annotation (the replay's window), and shares each
-instant of a window among the thunks running then (two at once: half each), so the kinds and `between`
-(no thunk running: dispatch, waits, thread-pool wake-ups) add up to the window's wall time.
+instant of the window of median wall time among the thunks running then (two at once: half each), so the
+kinds and `between` (no thunk running: dispatch, waits, thread-pool wake-ups) add up to that window.
 """
 from __future__ import annotations
 
 import glob
 import re
-import statistics
 import tempfile
 from collections import defaultdict
 
@@ -104,15 +103,18 @@ def share(spans: list[tuple[int, int, str]], start: int, end: int) -> dict[str, 
 
 
 def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
-    """Trace `reps` calls of step() (each waits for its result) and return the median ms per kind over
-    the calls (KINDS and 'between'), the median window ('window_ms'), thunks per call, and the ten
+    """Trace `reps` calls of step() (each waits for its result); return the ms per kind (KINDS and 'between')
+    of the call of median wall time ('window_ms', which they add up to), thunks per call, and the ten
     instructions with the most time per call outside the products and attention ('top_xla_own')."""
     import jax
     from jax.profiler import ProfileData
     kind_of = kinds(hlo_text)
     step()  # not traced: compiled and warm
     d = tempfile.mkdtemp(prefix="jaxpaged-step-profile-")
-    jax.profiler.start_trace(d)
+    options = jax.profiler.ProfileOptions()
+    options.python_tracer_level = 0  # Python functions untraced: they would slow the dispatch in the window
+    options.enable_hlo_proto = False
+    jax.profiler.start_trace(d, profiler_options=options)
     try:
         for _ in range(reps):
             with jax.profiler.TraceAnnotation(WINDOW):
@@ -138,9 +140,11 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
                     per_op[op] += e.duration_ns
     if len(windows) != reps:
         raise RuntimeError(f"the trace holds {len(windows)} step windows, not {reps}")
-    shares = [share(spans, t0, t1) for t0, t1 in sorted(windows)]
-    out = {f"{k}_ms": statistics.median(s.get(k, 0.0) for s in shares) / 1e6 for k in (*KINDS, "between")}
+    # the call of median wall time, whole: its parts add up to its window (medians of each part would not)
+    t0, t1 = sorted(windows, key=lambda w: w[1] - w[0])[(reps - 1) // 2]
+    parts = share(spans, t0, t1)
+    out = {f"{k}_ms": parts.get(k, 0.0) / 1e6 for k in (*KINDS, "between")}
     top = sorted(per_op.items(), key=lambda kv: -kv[1])[:10]
-    out.update(window_ms=statistics.median(t1 - t0 for t0, t1 in windows) / 1e6, thunks_per_step=len(spans) / reps,
+    out.update(window_ms=(t1 - t0) / 1e6, thunks_per_step=len(spans) / reps,
                top_xla_own=[dict(op=op, ms=ns / reps / 1e6) for op, ns in top])
     return out
