@@ -110,22 +110,23 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
     from jax.profiler import ProfileData
     kind_of = kinds(hlo_text)
     step()  # not traced: compiled and warm
-    d = tempfile.mkdtemp(prefix="jaxpaged-step-profile-")
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python functions untraced: they would slow the dispatch in the window
     options.enable_hlo_proto = False
-    jax.profiler.start_trace(d, profiler_options=options)
-    try:
-        for _ in range(reps):
-            with jax.profiler.TraceAnnotation(WINDOW):
-                step()
-    finally:
-        jax.profiler.stop_trace()
-    files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-    if not files:
-        raise RuntimeError(f"the profiler wrote no trace under {d}")
+    with tempfile.TemporaryDirectory(prefix="jaxpaged-step-profile-") as d:
+        jax.profiler.start_trace(d, profiler_options=options)
+        try:
+            for _ in range(reps):
+                with jax.profiler.TraceAnnotation(WINDOW):
+                    step()
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        if not files:
+            raise RuntimeError(f"the profiler wrote no trace under {d}")
+        trace = ProfileData.from_file(files[0])
     windows, spans, per_op = [], [], defaultdict(float)
-    for plane in ProfileData.from_file(files[0]).planes:
+    for plane in trace.planes:
         for line in plane.lines:
             for e in line.events:
                 if e.name == WINDOW:
