@@ -20,7 +20,7 @@ MODELS = {"llama_8q4kv": ("llama", 8, 4, False), "qwen3_8q2kv": ("qwen3", 8, 2, 
 
 
 def workload():
-    """Mixed prompts: short, chunked (> 8 tokens), and three sharing a 24-token prefix (3 full blocks)."""
+    """Mixed prompts: short, chunked (> 16 tokens), and three sharing a 24-token prefix (3 full blocks)."""
     rng = np.random.default_rng(5)
     ids = lambda n: [int(t) for t in rng.integers(3, 256, size=n)]  # noqa: E731
     shared = ids(24)
@@ -29,9 +29,7 @@ def workload():
 
 
 def engine_kwargs(**over):
-    """One token bucket (8): each engine compiles one step (and its decode / verify variants), the prompts
-    still chunked, preempted (14 blocks) and prefix-cached."""
-    kw = dict(dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
+    kw = dict(dtype="float32", block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
               num_kv_blocks=14, compilation_cache_dir=None, show_progress=False, attention_backend="reference")
     return {**kw, **over}
 
