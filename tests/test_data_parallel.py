@@ -14,11 +14,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 CONFIGS = [(1, 1), (2, 1), (2, 2)]  # (data_parallel_size, tensor_parallel_size)
-BLOCK, BUDGET = 16, 16
+BLOCK, BUDGET = 16, 32
 
 
 def prompts() -> list[list[int]]:
-    """Mixed lengths (1 to 61 tokens: chunked at a 16-token budget), two sharing 2 full blocks."""
+    """Mixed lengths (1 to 61 tokens: chunked at a 32-token budget), two sharing 2 full blocks."""
     ps = [[(i * 7 + j * 13) % 250 + 3 for j in range(1 + 12 * i)] for i in range(6)]
     return ps + [ps[4][:40] + [9, 8, 7], ps[4][:33]]
 
