@@ -130,7 +130,10 @@ def measure_llama_cpp(args, path: str | None, prompts: list[list[int]]) -> tuple
     why = llama_cpp_peer.unavailable(args)
     if why:
         return {}, why
-    got = llama_cpp_peer.run_llama_cpp(args, path, prompts[0], args.output_len, args.repeats)
+    try:
+        got = llama_cpp_peer.run_llama_cpp(args, path, prompts[0], args.output_len, args.repeats)
+    except RuntimeError as e:  # the worker failed on this file: the other rows still count
+        return {}, str(e)
     info = gguf_info(path)
     row = dict(ms_per_token=statistics.median(got["ms_per_token_runs"]), ms_per_token_runs=got["ms_per_token_runs"],
                ttft_ms=statistics.median(got["ttft_ms_runs"]), load=[os.getloadavg()[0]],

@@ -59,7 +59,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
         if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             a = a + 1  # llama.cpp stores Gemma's norm scales as 1 + w
         base, suffix = name.rsplit(".", 1)
-        held = _add(w, f"{name_map.get_name(base)}.{suffix}", a, qt, zeros_as)
+        held = _add(w, f"{name_map.get_name(base)}.{suffix}", a, qt, zeros_as, values is not None)
         if values is not None:
             if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
                 n = heads if ".q_proj." in name else kv
@@ -70,7 +70,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
     for name, per_expert in experts.items():
         base, suffix = name.rsplit(".", 1)
         held = _add(w, f"{name_map.get_name(base)}.{suffix}", np.stack([per_expert[e] for e in sorted(per_expert)]),
-                    qt, zeros_as)
+                    qt, zeros_as, values is not None)
         if values is not None:
             head, matrix = name.split(".experts.")
             values.update({f"{head}.experts.{e}.{matrix}": held[e] for e in sorted(per_expert)})
@@ -81,8 +81,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
     return path
 
 
-def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None) -> np.ndarray:
-    """Write one tensor; return the float32 values the file holds for it (what gguf dequantizes)."""
+def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None, held: bool) -> np.ndarray | None:
+    """Write one tensor; return the float32 values the file holds for it (what gguf dequantizes) where `held`."""
     import gguf
     block = gguf.GGML_QUANT_SIZES[qt][0]
     if gname in (zeros_as or {}):
@@ -95,7 +95,7 @@ def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None) -> np.ndarray:
         return a
     data = quantize_q4_k(a) if qt == gguf.GGMLQuantizationType.Q4_K else gguf.quants.quantize(a, qt)
     w.add_tensor(gname, data, raw_dtype=qt)
-    return gguf.quants.dequantize(data, qt).reshape(a.shape).astype(np.float32)
+    return gguf.quants.dequantize(data, qt).reshape(a.shape).astype(np.float32) if held else None
 
 
 def _metadata(w, c: dict, arch: str) -> tuple[int, int]:
