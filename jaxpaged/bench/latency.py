@@ -157,8 +157,9 @@ def _default_gguf(model_dir: str) -> str | None:
     """llama.cpp's file: the model's own where it is a GGUF, else the default model's GGUF."""
     from jaxpaged.checkpoints.default_model import default_gguf_path
     from jaxpaged.checkpoints.gguf_load import gguf_source
-    if gguf_source(model_dir):
-        return gguf_source(model_dir)
+    own = gguf_source(model_dir)
+    if own:
+        return own
     try:
         return default_gguf_path(verbose=False)
     except (OSError, RuntimeError):
