@@ -65,7 +65,7 @@ def q4k(tmp_path_factory):
     from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
     root = tmp_path_factory.mktemp("q4k")
     hf = make_tiny_model(str(root / "hf"), "llama", vocab_size=VOCAB, hidden_size=256, num_layers=2, tie=True,
-                         seed=4)
+                         seed=4, initializer_range=0.05)
     add_tiny_tokenizer(hf, VOCAB)
     values = {}
     path = write_gguf(hf, str(root / "m.Q4_K.gguf"), "Q4_K", values=values)
@@ -84,18 +84,53 @@ def _greedy(model, engine_kwargs, **over):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-@pytest.fixture(scope="module")
-def gguf_tokens(q4k, engine_kwargs):
-    tokens, llm = _greedy(q4k[0], engine_kwargs)
-    return tokens
-
-
-def test_q4_k_file_packed_greedy_equals_hf(q4k, gguf_tokens):
-    """Every matrix of the file is Q4_K (the norms F32); run packed, the greedy tokens are HF's on the values."""
+def test_q4_k_file_greedy_equals_hf(q4k, engine_kwargs):
+    """Every matrix of the file is Q4_K (the norms F32); kept quantized on XLA's product (the exact reference:
+    the quantized kernel rounds activations), the greedy tokens are HF's on the values the file holds."""
     import gguf
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(q4k[0]).tensors}
     assert {n for n, t in types.items() if t == "Q4_K"} == {n for n in types if not n.endswith("norm.weight")}
-    assert gguf_tokens == [hf_greedy(q4k[1], p, GREEDY.max_tokens) for p in _prompts()]
+    tokens, llm = _greedy(q4k[0], engine_kwargs, matmul_backend="xla")
+    assert llm.stats()["matmul_backend"] == "xla"
+    assert isinstance(llm.engine.runner.params["layers"]["w_up"], QArray)
+    assert tokens == [hf_greedy(q4k[1], p, GREEDY.max_tokens) for p in _prompts()]
+
+
+@pytest.fixture(scope="module")
+def kernel_run(q4k, engine_kwargs):
+    """(greedy tokens, the engine) on the file with no quantization asked: the file's codes decide, and on one
+    CPU they run packed on the quantized kernel."""
+    return _greedy(q4k[0], engine_kwargs)
+
+
+def test_kept_codes_run_packed_on_the_quantized_kernel(q4k, kernel_run):
+    """The runner packs the file's codes (4-bit, groups of 32, minimums; the tied embedding as the head) for
+    the quantized CPU kernel where it builds, and the tokens stay within the kernel's activation rounding of
+    the float model on the same weights (tests/test_quant_int4.py's check)."""
+    import jax.numpy as jnp
+    from test_quant_int4 import _check_against_float
+
+    from jaxpaged.checkpoints.gguf_load import gguf_model_dir
+    from jaxpaged.models.qarray import dequantize
+    from jaxpaged.models.qpacked import QPacked
+    from jaxpaged.models.qpacked import matmul as qpacked_matmul
+    from pallas_kernels.matmul import cpu_quant
+    _, llm = kernel_run
+    if not cpu_quant.available():
+        pytest.skip("the quantized CPU kernel does not build here")
+    assert llm.stats()["matmul_backend"].startswith("cpu_quant")
+    up, embed = llm.engine.runner.params["layers"]["w_up"], llm.engine.runner.params["embed"]
+    assert isinstance(up, QPacked) and (up.bits, up.group, up.has_min) == (4, 32, True)
+    assert isinstance(embed, QPacked) and embed.transposed and embed.has_min
+    # the product of layer 1's packed w_up: the float product of the int8-rounded activations (per 32 entries)
+    # with the file's dequantized matrix (its codes, scales and minimums read back by unpack)
+    x = np.random.default_rng(6).standard_normal((5, up.K)).astype(np.float32)
+    xp = x.reshape(5, -1, 32)
+    dx = np.abs(xp).max(-1, keepdims=True) / 127
+    want = (np.rint(xp / dx) * dx).reshape(5, -1) @ np.asarray(dequantize(up.unpack()))[1]
+    got = np.asarray(qpacked_matmul(jnp.asarray(x), up, layer=jnp.int32(1)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    _check_against_float(llm, gguf_model_dir(q4k[0]))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +143,7 @@ def converted(q4k, tmp_path_factory):
     return packed, plain
 
 
-def test_convert_keeps_the_gguf_packed(q4k, converted, gguf_tokens, engine_kwargs):
+def test_convert_keeps_the_gguf_packed(q4k, converted, kernel_run, engine_kwargs):
     """`jaxpaged convert x.gguf` saves the file's quantized matrices as they load from it (codes, scales,
     minimums, group, bits, zero); the engine loads the directory packed and its greedy tokens equal those of
     the GGUF loaded directly. --no-keep-quantized writes float matrices: the dequantized ones."""
@@ -140,7 +175,7 @@ def test_convert_keeps_the_gguf_packed(q4k, converted, gguf_tokens, engine_kwarg
     np.testing.assert_array_equal(widened["layers"]["w_down"], dequantize(direct["layers"]["w_down"]))
     np.testing.assert_array_equal(load_params(packed, cfg, "float32")["embed"], dequantize(direct["embed"]))
     tokens, llm = _greedy(packed, engine_kwargs)
-    assert tokens == gguf_tokens
+    assert tokens == kernel_run[0] and llm.stats()["matmul_backend"] == kernel_run[1].stats()["matmul_backend"]
 
 
 def test_saved_form_checked_at_load(converted, tmp_path):
