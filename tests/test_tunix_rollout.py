@@ -333,3 +333,63 @@ def test_grpo_run_syncs_lora(tokenizer, compile_cache):
         np.testing.assert_array_equal(np.asarray(w[0]), np.asarray(merged[leaf][0]))
         np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(plain[leaf][1]))
         assert not np.array_equal(np.asarray(w[0]), np.asarray(plain[leaf][0]))
+
+
+# -- sampled distributions: RolloutConfig read as the vanilla sampler reads it ---------------------------------
+def vanilla_distribution(logits: np.ndarray, temperature: float, top_p: float, top_k: int | None) -> np.ndarray:
+    """The next-token distribution of Tunix's `sample_top_p` (f64[V]): logits / temperature, the top k (None:
+    all), then the tokens whose preceding cumulative probability is at most top_p, renormalised."""
+    z = logits.astype(np.float64) / temperature
+    order = np.argsort(-z, kind="stable")[:top_k or len(z)]
+    probs = np.exp(z[order] - z[order].max())
+    probs /= probs.sum()
+    kept = order[np.cumsum(probs) - probs <= top_p]
+    p = np.zeros(len(z))
+    p[kept] = np.exp(z[kept] - z[kept].max())
+    return p / p.sum()
+
+
+def tv_bound(p: np.ndarray, n: int, delta: float = 1e-6) -> float:
+    """A bound the total variation between p and the empirical distribution of n draws from it exceeds with
+    probability < delta: E[TV] <= sum sqrt(p (1 - p) / n) / 2, and TV moves by at most 1/n per draw
+    (McDiarmid: P(TV - E[TV] >= t) <= exp(-2 n t^2))."""
+    return float(np.sqrt(p * (1 - p) / n).sum() / 2 + np.sqrt(np.log(1 / delta) / (2 * n)))
+
+
+def tv(samples: np.ndarray, p: np.ndarray) -> float:
+    return float(np.abs(np.bincount(samples, minlength=len(p)) / len(samples) - p).sum() / 2)
+
+
+@pytest.mark.parametrize("pair", ["llama3"], indirect=True)
+def test_sampled_distribution_is_vanillas(pair, tokenizer):
+    """At temperature 1, with top-p and with top-k: the first token JaxpagedRollout samples (N requests, one seed
+    each) and the tokens of Tunix's own `sample_top_p` over the model's logits follow the exact distribution
+    (total variation under the bound of N draws); with top_p None both are the argmax, at temperature 1."""
+    from tunix.generate import sampler as tunix_sampler
+    model, ours, _ = pair
+    n = 1200
+    ids = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
+    seqs = np.zeros((len(ids), 32), np.int32)
+    for i, a in enumerate(ids):
+        seqs[i, :len(a)] = a
+    last = np.asarray(_logits(model, seqs))[np.arange(len(ids)), [len(a) - 1 for a in ids]]  # [prompts, V]
+    flat = int(np.argmin(jax.nn.softmax(last, -1).max(-1)))  # the prompt whose next token is least certain
+    logits = last[flat]
+    for top_p, top_k in ((0.6, None), (1.0, 3)):
+        p = vanilla_distribution(logits, 1.0, top_p, top_k)
+        bound = tv_bound(p, n)
+        full = vanilla_distribution(logits, 1.0, 1.0, None)
+        # the check has power: greedy decoding, or sampling unfiltered, would be further than the bound
+        assert 1 - p.max() > 2 * bound and np.abs(full - p).sum() / 2 > 2 * bound, (p.max(), bound)
+        theirs = tunix_sampler.sample_top_p(jnp.broadcast_to(jnp.asarray(logits), (n, 1, len(logits))),
+                                            jax.random.PRNGKey(top_k or 0), 1.0, top_p, top_k)[0]
+        assert tv(np.asarray(theirs), p) < bound, "the reference is not the vanilla sampler's distribution"
+        rc = rollout_config(temperature=1.0, top_p=top_p, top_k=top_k, max_tokens_to_generate=1,
+                            seed=jax.random.PRNGKey(11))
+        out = ours.generate([PROMPTS[flat]] * n, rc)
+        got = np.array([t[0] if len(t) else ours.eos_id() for t in out.tokens])
+        assert tv(got, p) < bound, (top_p, top_k, tv(got, p), bound)
+        assert set(got.tolist()) <= set(np.flatnonzero(p).tolist())  # nothing outside the kept tokens
+    rc = rollout_config(temperature=1.0, top_p=None, top_k=50, seed=jax.random.PRNGKey(3))
+    a = ours.generate(PROMPTS, rc)
+    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
