@@ -26,6 +26,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
 
 from jaxpaged.rl.tunix_rollout import JaxpagedRollout, to_engine_params  # noqa: E402
+from jaxpaged.testing.sampled import filtered_softmax, tv, tv_bound  # noqa: E402
 from jaxpaged.testing.tiny_models import add_tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
@@ -176,6 +177,9 @@ def test_seeded_sampling_reproducible(pair):
 
 
 def test_update_params_follows_new_weights(pair, tokenizer):
+    """The rollouts take another model's weights, then `model`'s back: the pair is shared by the module's later
+    tests, which compare the rollouts with `model` (Tunix's vanilla sampler keeps its own copy of the
+    weights, so `model` itself never changes)."""
     tok = tokenizer
     model, ours, vanilla = pair
     rc = rollout_config()
@@ -183,13 +187,18 @@ def test_update_params_follows_new_weights(pair, tokenizer):
     compiles = ours.engine.stats()["num_compilations"]
     new = tiny_tunix_model(type(model).__name__.lower(), seed=3)
     params = nnx.state(new, nnx.Param)
-    ours.update_params(params)
-    vanilla.update_params(params)
-    a = ours.generate(PROMPTS, rc)
-    assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
-    assert [t.tolist() for t in a.tokens] != before
-    assert ours.engine.stats()["num_compilations"] == compiles
-    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    try:
+        ours.update_params(params)
+        vanilla.update_params(params)
+        a = ours.generate(PROMPTS, rc)
+        assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
+        assert [t.tolist() for t in a.tokens] != before
+        assert ours.engine.stats()["num_compilations"] == compiles
+        assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    finally:
+        ours.update_params(nnx.state(model, nnx.Param))
+        vanilla.update_params(nnx.state(model, nnx.Param))
+    assert [t.tolist() for t in ours.generate(PROMPTS, rc).tokens] == before
 
 
 def test_unsupported_model_is_a_value_error(tokenizer):
@@ -336,30 +345,6 @@ def test_grpo_run_syncs_lora(tokenizer, compile_cache):
 
 
 # -- sampled distributions: RolloutConfig read as the vanilla sampler reads it ---------------------------------
-def vanilla_distribution(logits: np.ndarray, temperature: float, top_p: float, top_k: int | None) -> np.ndarray:
-    """The next-token distribution of Tunix's `sample_top_p` (f64[V]): logits / temperature, the top k (None:
-    all), then the tokens whose preceding cumulative probability is at most top_p, renormalised."""
-    z = logits.astype(np.float64) / temperature
-    order = np.argsort(-z, kind="stable")[:top_k or len(z)]
-    probs = np.exp(z[order] - z[order].max())
-    probs /= probs.sum()
-    kept = order[np.cumsum(probs) - probs <= top_p]
-    p = np.zeros(len(z))
-    p[kept] = np.exp(z[kept] - z[kept].max())
-    return p / p.sum()
-
-
-def tv_bound(p: np.ndarray, n: int, delta: float = 1e-6) -> float:
-    """A bound the total variation between p and the empirical distribution of n draws from it exceeds with
-    probability < delta: E[TV] <= sum sqrt(p (1 - p) / n) / 2, and TV moves by at most 1/n per draw
-    (McDiarmid: P(TV - E[TV] >= t) <= exp(-2 n t^2))."""
-    return float(np.sqrt(p * (1 - p) / n).sum() / 2 + np.sqrt(np.log(1 / delta) / (2 * n)))
-
-
-def tv(samples: np.ndarray, p: np.ndarray) -> float:
-    return float(np.abs(np.bincount(samples, minlength=len(p)) / len(samples) - p).sum() / 2)
-
-
 @pytest.mark.parametrize("pair", ["llama3"], indirect=True)
 def test_sampled_distribution_is_vanillas(pair, tokenizer):
     """At temperature 1, with top-p and with top-k: the first token JaxpagedRollout samples (N requests, one seed
@@ -367,6 +352,11 @@ def test_sampled_distribution_is_vanillas(pair, tokenizer):
     (total variation under the bound of N draws); with top_p None both are the argmax, at temperature 1."""
     from tunix.generate import sampler as tunix_sampler
     model, ours, _ = pair
+    # greedy at temperature 1 when top_p is None, and the model's argmax: the engine holds `model`'s weights, so
+    # its logits below are the rollout's
+    rc = rollout_config(temperature=1.0, top_p=None, top_k=50, seed=jax.random.PRNGKey(3))
+    a = ours.generate(PROMPTS, rc)
+    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
     n = 1200
     ids = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
     seqs = np.zeros((len(ids), 32), np.int32)
@@ -376,9 +366,9 @@ def test_sampled_distribution_is_vanillas(pair, tokenizer):
     flat = int(np.argmin(jax.nn.softmax(last, -1).max(-1)))  # the prompt whose next token is least certain
     logits = last[flat]
     for top_p, top_k in ((0.6, None), (1.0, 3)):
-        p = vanilla_distribution(logits, 1.0, top_p, top_k)
+        p = filtered_softmax(logits, 1.0, top_p, top_k)
         bound = tv_bound(p, n)
-        full = vanilla_distribution(logits, 1.0, 1.0, None)
+        full = filtered_softmax(logits, 1.0, 1.0, None)
         # the check has power: greedy decoding, or sampling unfiltered, would be further than the bound
         assert 1 - p.max() > 2 * bound and np.abs(full - p).sum() / 2 > 2 * bound, (p.max(), bound)
         theirs = tunix_sampler.sample_top_p(jnp.broadcast_to(jnp.asarray(logits), (n, 1, len(logits))),
@@ -390,6 +380,3 @@ def test_sampled_distribution_is_vanillas(pair, tokenizer):
         got = np.array([t[0] if len(t) else ours.eos_id() for t in out.tokens])
         assert tv(got, p) < bound, (top_p, top_k, tv(got, p), bound)
         assert set(got.tolist()) <= set(np.flatnonzero(p).tolist())  # nothing outside the kept tokens
-    rc = rollout_config(temperature=1.0, top_p=None, top_k=50, seed=jax.random.PRNGKey(3))
-    a = ours.generate(PROMPTS, rc)
-    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
