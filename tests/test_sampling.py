@@ -122,6 +122,16 @@ def test_top_k_top_p_min_p_filter():
     assert kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
 
 
+def test_top_p_over_what_top_k_and_min_p_keep():
+    """top_p counts the mass of the tokens top_k and min_p keep, renormalised (vLLM's and Tunix's order): over
+    the whole vocabulary 0.4 comes before the second token (< 0.5 and < 0.55: kept); over the top 2, or over the
+    tokens with p >= 0.6 * 0.4, 0.57 does (dropped)."""
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    sp = dict(top_k=jnp.array([0, 2, 0]), top_p=jnp.array([0.5, 0.5, 0.55]), min_p=jnp.array([0.0, 0.0, 0.6]))
+    kept = np.isfinite(np.asarray(_filter(logits, sp)))
+    assert kept.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
+
+
 def test_sampled_first_tokens_follow_the_filtered_softmax(llm):
     """Temperature, top-k and top-p through LLM.generate: the first tokens of N seeded requests (one generate call)
     follow the exact filtered softmax of the prompt's next-token log-probabilities, read from a greedy
