@@ -7,9 +7,9 @@ What the logprobs describe is the engine's `logprobs_mode` (vLLM's names): "raw_
 log_softmax of the model's logits, before logit controls, penalties, temperature and filtering),
 "raw_logits" (those logits themselves), "processed_logprobs" (log_softmax of the distribution the token
 was drawn from: logit bias, bad words, penalties, `min_tokens` bans, grammar / allowed-token masks, then
-temperature and top-k / top-p / min-p; a greedy row has no temperature and no filter, its distribution
-being the argmax of the controlled logits) and "processed_logits" (those processed logits). Masked tokens
-are -inf in the processed modes.
+temperature, min-p and top-k, then top-p over the tokens those keep; a greedy row has no temperature and no
+filter, its distribution being the argmax of the controlled logits) and "processed_logits" (those processed
+logits). Masked tokens are -inf in the processed modes.
 """
 from __future__ import annotations
 
