@@ -261,5 +261,5 @@ def leaf_axis(path: tuple[str, ...]) -> int | None:
 
 
 def is_quantized_tree(d) -> bool:
-    """Whether a restored (orbax) leaf is a saved QArray: a dict holding exactly q and scale."""
-    return isinstance(d, dict) and set(d) == {"q", "scale"}
+    """Whether a restored (orbax) leaf is a saved QArray: a dict of q and scale, with m and form where saved."""
+    return isinstance(d, dict) and {"q", "scale"} <= set(d) <= {"q", "scale", "m", "form"}
