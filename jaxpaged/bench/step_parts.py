@@ -30,8 +30,6 @@ import os
 import re
 import resource
 import statistics
-import subprocess
-import sys
 import time
 
 import numpy as np
@@ -174,14 +172,6 @@ def report(rows: list[dict]) -> str:
     return bc.table(lines, ["ms per step", *[h for r in rows for h in (f"{r['running']} running", "share")]])
 
 
-def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", type=int, nargs="+", default=[1, 64], help="running requests of each row")
@@ -203,8 +193,7 @@ def main(argv=None) -> dict:
     eng = llm.engine
     rows = [measure(eng, n, args) for n in args.running]
     import jax
-    out = dict(command=" ".join(["jaxpaged bench step_parts", *(sys.argv[1:] if argv is None else argv)]),
-               git_commit=git_commit(), results=rows, model=args.model or "default", dtype=args.dtype,
+    out = dict(**bc.run_info("step_parts", argv), results=rows, model=args.model or "default", dtype=args.dtype,
                quantization=args.quantization, matmul_backend=eng.runner.matmul_backend,
                attention_backend=eng.runner.backend, context=args.context, fault_cost_us=args.fault_cost_us,
                read_all_weights_ms=read_all_weights_ms(eng.runner.params, args.repeats),
