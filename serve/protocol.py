@@ -314,8 +314,10 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None  # --reasoning-parser: the reasoning's new text (and as `reasoning`)
-    reasoning: str | None = None
+    # --reasoning-parser: the reasoning's new text (and as `reasoning`); absent when there is none, as vLLM's
+    # (clients add up `delta.reasoning` wherever it is present)
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
     tool_calls: list[DeltaToolCall] | None = None
 
 

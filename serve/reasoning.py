@@ -13,6 +13,10 @@ the do-nothing default (no reasoning: all content).
   there; anything else is all content. Streamed, the text after an opening `<think>` is sent as reasoning
   until `</think>` comes; a stream cut before `</think>` has sent reasoning that the whole text, split at
   the end, would count as content (vLLM's parser does the same).
+
+Each parser names where its reasoning is (`span`, a `ReasoningSpan`): a constrained output of the request
+(`tool_choice` named or required, `response_format`, `structured_outputs`) applies after it, as vLLM's
+(jaxpaged/core/reasoned.py: the reasoning and the constraint are one grammar).
 """
 from __future__ import annotations
 
