@@ -191,7 +191,7 @@ class LLMEngine(ControlsFront):
         total = self.num_blocks - 1
         return dict(num_preemptions=sch.num_preemptions, num_compilations=runner.num_compilations,
                     num_buckets=len(runner.variants()), compile_seconds=runner.compile_seconds,
-                    kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
+                    kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     prefix_cache_queries=bm.queried_tokens, prefix_cache_hits=bm.hit_tokens,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),

@@ -194,7 +194,8 @@ class OutputProcessor:
         last = max([t for t in group.last_token_times if t is not None], default=None)
         metrics = dict(arrival_time=group.arrival, scheduled_time=scheduled, first_token_time=first,
                        last_token_time=last, finished_time=group.finished_time,
-                       inter_token_latencies=group.inter_token_latencies)
+                       inter_token_latencies=group.inter_token_latencies,
+                       num_preemptions=sum(s.num_preemptions for s in samples))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              r.num_cached_tokens, metrics,
                              error, r.prompt_hidden_states if finished else None,

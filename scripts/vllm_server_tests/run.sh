@@ -1,7 +1,7 @@
 #!/bin/bash
 # vLLM's own server tests against `jaxpaged serve` (README.md beside this file).
 # usage: scripts/vllm_server_tests/run.sh VLLM_TREE [WORK_DIR] [TEST_FILE ...]
-#   VLLM_TREE: a vLLM work tree (its tests/ are copied; nothing else of it is used)
+#   VLLM_TREE: a vLLM work tree (its tests/ are copied; some tests read its examples/)
 #   VLLM_PY: a Python with vllm, pytest and pytest-asyncio (VLLM_PYTHONPATH is put on its path)
 #   JAXPAGED_PYTHON: a Python with jaxpaged's dependencies (default: this checkout's .venv)
 set -euo pipefail
@@ -29,7 +29,7 @@ for f in "${FILES[@]}"; do
   done
 done
 cp "$HERE/shim/tests/utils.py" "$HERE/shim/tests/conftest.py" "$WORK/tests/" && touch "$WORK/tests/__init__.py"
-export JAXPAGED_ROOT=$ROOT
+export JAXPAGED_ROOT=$ROOT VLLM_TREE=$VLLM
 export JAXPAGED_MODEL_DIR=${JAXPAGED_MODEL_DIR:-$(PYTHONPATH=$ROOT "$JAXPAGED_PYTHON" -c \
   "from jaxpaged.checkpoints.default_model import default_model_dir; print(default_model_dir())")}
 cd "$WORK"

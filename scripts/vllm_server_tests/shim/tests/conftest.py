@@ -45,8 +45,22 @@ def _patch_tokenizers() -> None:
             mod.get_tokenizer = get_tokenizer
 
 
+def _patch_metrics() -> None:
+    """jaxpaged's metrics carry vLLM's names under its own prefix: a scrape reads `jaxpaged:` as `vllm:`."""
+    import requests
+    real = requests.get
+
+    def get(url, *args, **kwargs):
+        r = real(url, *args, **kwargs)
+        if str(url).rstrip("/").endswith("/metrics"):
+            r._content = r.content.replace(b"jaxpaged:", b"vllm:")
+        return r
+    requests.get = get
+
+
 if MODEL_DIR:
     _patch_tokenizers()
+_patch_metrics()
 
 
 class LocalAssetServer:

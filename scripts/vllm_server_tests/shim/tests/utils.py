@@ -15,13 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import requests
 
 ROCM_ENV_OVERRIDES: dict = {}
 ROCM_EXTRA_ARGS: list = []
-VLLM_PATH = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VLLM_PATH = Path(os.environ.get("VLLM_TREE", Path(__file__).resolve().parent.parent))  # vLLM's work tree
 
 PYTHON = os.environ.get("JAXPAGED_PYTHON", "python")  # the interpreter that has jaxpaged's dependencies
 ROOT = os.environ.get("JAXPAGED_ROOT", "")  # the jaxpaged checkout (put first on its PYTHONPATH)
