@@ -512,19 +512,25 @@ def test_phase_and_iteration_histograms_as_vllm(server):
 def test_iteration_tokens_sum_as_vllm(server):
     """vLLM's count (its test_metrics_counts): one observation per step that gave tokens, of the step's new
     tokens plus the computed prompt tokens of the requests it gave their first: requests x max_tokens steps,
-    requests x (prompt + max_tokens) tokens, for requests one after another."""
-    eng = '{engine="0",model_name="tiny",replica="0"}'
+    requests x (prompt + max_tokens) tokens, for requests one after another. vLLM's request_num_preemptions
+    (one per finished request) and cache_config_info (its labels) beside it."""
+    eng, tiny = '{engine="0",model_name="tiny",replica="0"}', '{model_name="tiny"}'
+    names = (f"jaxpaged:iteration_tokens_total_count{eng}", f"jaxpaged:iteration_tokens_total_sum{eng}",
+             f"jaxpaged:request_num_preemptions_count{tiny}", f"jaxpaged:request_num_preemptions_sum{tiny}")
 
     def scrape():
-        text = httpx.get(server.url + "/metrics").text
-        return {k: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                for k in (f"count{eng}", f"sum{eng}") if line.startswith("jaxpaged:iteration_tokens_total_" + k)}
-    before = scrape()
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        return {n: float(line.rsplit(" ", 1)[1]) for line in lines for n in names if line.startswith(n + " ")}, lines
+    before, _ = scrape()
     for i in range(3):
         post(server, "/v1/completions", prompt=[60 + i, 61, 62, 63, 64, 65, 66, 67, 68], max_tokens=5, ignore_eos=True)
-    after = scrape()
-    assert after[f"count{eng}"] - before[f"count{eng}"] == 3 * 5
-    assert after[f"sum{eng}"] - before[f"sum{eng}"] == 3 * (9 + 5)
+    after, lines = scrape()
+    grew = [after[n] - before.get(n, 0) for n in names]
+    assert grew == [3 * 5, 3 * (9 + 5), 3, 0], grew
+    info = [line for line in lines if line.startswith("jaxpaged:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and info[0].endswith(" 1.0"), info
+    size = int(info[0].split('kv_cache_size_tokens="')[1].split('"')[0])
+    assert size > 0 and f'kv_cache_max_concurrency="{size / 512}"' in info[0], info
 
 
 # -- reasoning parsers (serve/reasoning.py) ------------------------------------------------------------------
