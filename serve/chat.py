@@ -162,6 +162,7 @@ class Chat:
                          for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
         splits = [st.reasoning.stream() for _ in range(req.n)]  # each choice's reasoning / content split
+        answers = [""] * req.n  # tools "required" / "auto": each choice's answer so far, sent when whole
         opened = set()  # choices whose tool call has started (named tool_choice)
         async for _, out in job.outputs():
             for c in out.outputs:
@@ -180,13 +181,19 @@ class Chat:
                                              function=DeltaFunction(name=named, arguments=args))
                     delta = ChatDelta(tool_calls=[call] if call else None, reasoning_content=thought or None,
                                       reasoning=thought or None)
-                elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
+                elif mode is not None:  # "required" / "auto": the reasoning streams as it comes; the calls
+                    # and the rest of the answer (with the tokens and logprobs) once the text is whole
+                    thought, more = self._split(splits[c.index], piece, reason)
+                    answers[c.index] += more
                     if reason is None:
+                        if thought:
+                            delta = ChatDelta(reasoning_content=thought, reasoning=thought)
+                            yield chunk([ChatChunkChoice(index=c.index, delta=delta, token_ids=no_ids)])
                         continue
-                    thought, answer = st.reasoning.split(c.text)
+                    answer = answers[c.index] or None
                     content, calls = tools.parse(mode, answer, None) if reason != "length" and answer is not None \
                         else (answer, [])
-                    delta = ChatDelta(content=content, reasoning_content=thought, reasoning=thought,
+                    delta = ChatDelta(content=content, reasoning_content=thought or None, reasoning=thought or None,
                                       tool_calls=[DeltaToolCall(
                         index=j, id=t.id, type="function", function=DeltaFunction(
                             name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
