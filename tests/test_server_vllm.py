@@ -637,6 +637,7 @@ def test_constraint_applies_after_the_reasoning(reasoning_server):
         deltas = [ch["choices"][0]["delta"] for ch in stream(reasoning_server, "/v1/chat/completions", **body,
                                                                **extra) if ch["choices"]]
         assert "".join(d.get("reasoning") or "" for d in deltas) == c["message"]["reasoning"], extra
+        assert sum(1 for d in deltas if d.get("reasoning")) > 1, (extra, deltas)  # as it comes, not at the end
         assert not any(d.get("tool_calls") or d.get("content") for d in deltas), (extra, deltas)
 
 
