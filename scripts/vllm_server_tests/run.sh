@@ -32,8 +32,14 @@ cp "$HERE/shim/tests/utils.py" "$HERE/shim/tests/conftest.py" "$WORK/tests/" && 
 export JAXPAGED_ROOT=$ROOT VLLM_TREE=$VLLM
 export JAXPAGED_MODEL_DIR=${JAXPAGED_MODEL_DIR:-$(PYTHONPATH=$ROOT "$JAXPAGED_PYTHON" -c \
   "from jaxpaged.checkpoints.default_model import default_model_dir; print(default_model_dir())")}
+export JAXPAGED_LOG_DIR=$WORK/logs  # each server's log, serve-PORT.log
+mkdir -p "$JAXPAGED_LOG_DIR"
 cd "$WORK"
-PYTHONPATH="$WORK:${VLLM_PYTHONPATH:-}" "$VLLM_PY" -m pytest -p no:cacheprovider -q -rfEs \
-  --junitxml="$WORK/junit.xml" "${FILES[@]}" > "$WORK/pytest.log" 2>&1 || true
-tail -5 "$WORK/pytest.log"
-"$VLLM_PY" "$HERE/summarize.py" "$WORK/junit.xml"
+for f in "${FILES[@]}"; do  # one pytest per file: each file's report is kept whatever happens to the next
+  name=$(basename "$f" .py)
+  PYTHONPATH="$WORK:${VLLM_PYTHONPATH:-}" "$VLLM_PY" -m pytest -p no:cacheprovider -v -rfEs \
+    -o asyncio_default_fixture_loop_scope=function --junitxml="$WORK/junit-$name.xml" "$f" \
+    > "$WORK/pytest-$name.log" 2>&1 || true
+  tail -1 "$WORK/pytest-$name.log"
+done
+"$VLLM_PY" "$HERE/summarize.py" "$WORK"/junit-*.xml

@@ -1,4 +1,4 @@
-"""A pytest JUnit XML report -> passed / failed / skipped per test file, as a Markdown table, then each
+"""pytest JUnit XML reports -> passed / failed / skipped per test file, as a Markdown table, then each
 failure's first line and each skip's reason (scripts/vllm_server_tests/run.sh)."""
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
 
 
-def summarize(path: str) -> str:
+def summarize(paths: list[str]) -> str:
     counts: dict[str, Counter] = defaultdict(Counter)
     notes = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    cases = [case for path in paths for case in ET.parse(path).getroot().iter("testcase")]
+    for case in cases:
         parts = (case.get("classname") or "?").split(".")
         group = next((p for p in parts if p.startswith("test_")), parts[-1])  # the test file's name
         kind = "passed"
@@ -33,4 +34,4 @@ def summarize(path: str) -> str:
 
 
 if __name__ == "__main__":
-    print(summarize(sys.argv[1]))
+    print(summarize(sys.argv[1:]))

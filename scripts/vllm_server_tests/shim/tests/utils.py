@@ -13,7 +13,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -97,14 +96,17 @@ class RemoteOpenAIServer:
         self.host = "127.0.0.1"
         if "--served-model-name" not in ours:
             ours += ["--served-model-name", model]
+        if "--max-model-len" not in ours:  # vLLM's default is the model's (8192 here): a budget for this CPU
+            ours += ["--max-model-len", os.environ.get("JAXPAGED_MAX_MODEL_LEN", "1024")]
         model_dir = model if os.path.isdir(model) else MODEL_DIR
         if model_dir and "--model" not in ours:
             ours = ["--model", model_dir] + ours
         env = _jaxpaged_env()
         env.update(env_dict or {})
-        print(f"jaxpaged serve {' '.join(ours)}  (dropped: {json.dumps(self.dropped)})", file=sys.stderr)
-        self.proc = subprocess.Popen([PYTHON, "-c", _CLI, "serve", *ours], env=env, stdout=sys.stdout,
-                                     stderr=sys.stderr, start_new_session=True)
+        self.log = open(os.path.join(os.environ.get("JAXPAGED_LOG_DIR", "."), f"serve-{self.port}.log"), "w")
+        print(f"jaxpaged serve {' '.join(ours)}\n(dropped: {json.dumps(self.dropped)})", file=self.log, flush=True)
+        self.proc = subprocess.Popen([PYTHON, "-c", _CLI, "serve", *ours], env=env, stdout=self.log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(max_wait_seconds or 900)
 
     def _wait(self, timeout: float) -> None:
@@ -132,6 +134,7 @@ class RemoteOpenAIServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.log.close()
 
     @property
     def url_root(self) -> str:
