@@ -18,7 +18,6 @@ _EXPORTS = {
     "RequestOutput": "jaxpaged.core.outputs",
     "CompletionOutput": "jaxpaged.core.outputs",
     "StructuredOutputsParams": "jaxpaged.core.structured",
-    "ReasoningSpan": "jaxpaged.core.reasoned",
     "LoRARequest": "jaxpaged.lora.request",
     "BeamSearchParams": "jaxpaged.core.beam_search",
     "BeamSearchOutput": "jaxpaged.core.beam_search",

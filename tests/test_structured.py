@@ -313,7 +313,8 @@ def test_constraint_after_reasoning(tiny_llm):
     answer only): while it reasons any text may come (not a special token); after the end marker only the
     constraint's (blanks first allowed); with an opening marker the reasoning block is optional. Sampled on
     the tiny model, the text past the first end marker is the constraint's and ends the request."""
-    from jaxpaged import ReasoningSpan, SamplingParams
+    from jaxpaged import SamplingParams
+    from jaxpaged.core.reasoned import ReasoningSpan
     from jaxpaged.core.request import Request
     from jaxpaged.core.structured import StructuredOutputs
     tok = tiny_llm.tokenizer
