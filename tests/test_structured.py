@@ -317,6 +317,8 @@ def test_constraint_after_reasoning(tiny_llm):
     from jaxpaged.core.reasoned import ReasoningSpan
     from jaxpaged.core.request import Request
     from jaxpaged.core.structured import StructuredOutputs
+    with pytest.raises(ValueError, match="structured_outputs.reasoning"):
+        StructuredOutputsParams(regex="a", reasoning="</t>")
     tok = tiny_llm.tokenizer
     host = StructuredOutputs(tiny_llm.engine.structured.tokenizer_json, 320, 1, [2])
     texts = {t: tok.decode([t], skip_special_tokens=False) for t in range(3, 300)}  # 0-2: <pad>, <s>, </s>
