@@ -42,6 +42,12 @@ int best_isa() {
   return JP_BF16 ? ISA_BF16 : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 }
 
+// The path a call with the cap `isa` runs for K x N: the best one of the build up to the cap; the scalar
+// loops for shapes the tiles do not fit.
+int path_for(int64_t isa, int64_t K, int64_t N) {
+  return K % 32 == 0 && N % 16 == 0 ? std::min<int>(static_cast<int>(isa), best_isa()) : ISA_SCALAR;
+}
+
 // The scalar path: columns n0 .. n1 of every row, float32 accumulation.
 void plain(const Problem& P, int64_t n0, int64_t n1) {
   for (int64_t m = 0; m < P.M; ++m) {
@@ -113,8 +119,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
   if (ffi::Error e = check(x, w, layer, *out, transpose != 0, packed != 0, P); e.failure()) return e;
   P.out = out->typed_data<float>();
   if (P.M == 0 || P.N == 0) return ffi::Error::Success();
-  const bool tiled = P.K % 32 == 0 && P.N % 16 == 0;
-  [[maybe_unused]] const int path = tiled ? std::min<int>(static_cast<int>(isa), best_isa()) : ISA_SCALAR;
+  [[maybe_unused]] const int path = path_for(isa, P.K, P.N);
   [[maybe_unused]] const int64_t units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;  // row pairs or panels
 #if JP_AMX
   if (path == ISA_AMX) {
@@ -175,3 +180,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
 // The best path this build runs here: 3 AMX (compiled for it and granted by the kernel), 2 AVX-512 BF16,
 // 1 AVX2 + FMA, 0 scalar loops.
 extern "C" int JaxpagedCpuMatmulIsa() { return best_isa(); }
+
+// The path a call capped at `isa` runs for K x N (as above).
+extern "C" int JaxpagedCpuMatmulPath(int64_t isa, int64_t K, int64_t N) { return path_for(isa, K, N); }

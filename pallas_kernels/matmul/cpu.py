@@ -12,6 +12,7 @@ cache keyed by the source, its headers, jaxlib, the compiler, the flags and the 
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
@@ -43,6 +44,18 @@ def isa() -> str | None:
     available."""
     lib = _library()
     return None if lib is None else {v: k for k, v in ISAS.items()}[int(lib.JaxpagedCpuMatmulIsa())]
+
+
+def path(K: int, N: int, isa: str | None = None) -> str:
+    """The path a call capped at `isa` (default: none) runs for w of K x N here: the build's best up to the
+    cap, the scalar loops for shapes the tiles do not fit (K % 32, N % 16)."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
+    got = lib.JaxpagedCpuMatmulPath(ctypes.c_int64(ISAS[isa or "amx"]), ctypes.c_int64(K), ctypes.c_int64(N))
+    return {v: k for k, v in ISAS.items()}[int(got)]
 
 
 def amx() -> bool:
