@@ -96,7 +96,7 @@ def test_each_kernel_without_a_compiler_warns_once_and_falls_back(monkeypatch, t
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     for module in (cpu_attention, cpu_matmul, cpu_argmax):  # a fresh cache: the next use builds again
         monkeypatch.setattr(module, "_library", functools.cache(module._library.__wrapped__))
-    monkeypatch.setattr(cpu_matmul, "amx", functools.cache(cpu_matmul.amx.__wrapped__))
+    monkeypatch.setattr(cpu_matmul, "isa", functools.cache(cpu_matmul.isa.__wrapped__))
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal((8, 4, 2, 16)), jnp.float32) for _ in range(2))
     args = (jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32), k, v, jnp.array([[1, 2], [3, 4]], jnp.int32),

@@ -9,7 +9,7 @@
 //   read at the memory's rate).
 // transpose 1 (w [N, K] read in place): a unit is 32 rows of w; each result is the dot of a w row and an x
 //   row, accumulated in 16 (8) float32 lanes of 32 (16) k per instruction pair and summed at the end, for
-//   blocks of RN w rows x RM x rows.
+//   blocks of RN w rows x RM x rows (AVX-512: 4 x 4, 8 x 1; AVX2: 4 x 2, 8 x 1).
 // Float32 accumulation throughout; the sums differ from a sequential sum only in their order.
 #pragma once
 
@@ -50,22 +50,20 @@ inline __m512bh pairs(int32_t v) { return (__m512bh)_mm512_set1_epi32(v); }
 // out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows @ the NT tiles at b (tile t at b + t * stride).
 template <int R, int NT>
 void bf16_block(const Problem& P, const uint16_t* b, int64_t stride, int64_t m0, int64_t n0) {
-  const int64_t KB = P.K / 32;
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
   const uint16_t* x = P.x + m0 * P.K;
-  for (int64_t kb = 0; kb < KB; ++kb)
-    for (int row = 0; row < 16; ++row) {
-      __m512bh w[NT];
-      for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + t * stride + kb * TILE + row * 32);
-      for (int r = 0; r < R; ++r) {
-        int32_t v;
-        std::memcpy(&v, x + r * P.K + kb * 32 + 2 * row, 4);
-        const __m512bh xb = pairs(v);
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, w[t]);
-      }
+  for (int64_t p = 0; p < P.K / 2; ++p) {  // k pair p: row p % 16 of K tile p / 16, 32 elements each
+    __m512bh w[NT];
+    for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + t * stride + p * 32);
+    for (int r = 0; r < R; ++r) {
+      int32_t v;
+      std::memcpy(&v, x + r * P.K + 2 * p, 4);
+      const __m512bh xb = pairs(v);
+      for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], xb, w[t]);
     }
+  }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) _mm512_storeu_ps(P.out + (m0 + r) * P.N + n0 + t * 16, acc[r][t]);
 }
@@ -105,25 +103,21 @@ inline int64_t xf_index(int64_t k) { return (k & ~int64_t{15}) + (k & 1) * 8 + (
 // out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows (xf: widened) @ the NT tiles at b (tile t at b + t * stride).
 template <int R, int NT>
 void avx2_block(const Problem& P, const float* xf, const uint16_t* b, int64_t stride, int64_t m0, int64_t n0) {
-  const int64_t KB = P.K / 32;
   __m256 acc[R][NT * 2];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < NT * 2; ++h) acc[r][h] = _mm256_setzero_ps();
   const float* x = xf + m0 * P.K;
-  for (int64_t kb = 0; kb < KB; ++kb)
-    for (int row = 0; row < 16; ++row) {
-      __m256 lo[NT * 2], hi[NT * 2];
-      for (int h = 0; h < NT * 2; ++h)
-        widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (h / 2) * stride + kb * TILE + row * 32 +
-                                                                    (h % 2) * 16)),
-              lo[h], hi[h]);
-      const int64_t k = kb * 32 + 2 * row;
-      for (int r = 0; r < R; ++r) {
-        const __m256 x0 = _mm256_broadcast_ss(x + r * P.K + xf_index(k));
-        const __m256 x1 = _mm256_broadcast_ss(x + r * P.K + xf_index(k + 1));
-        for (int h = 0; h < NT * 2; ++h) acc[r][h] = _mm256_fmadd_ps(hi[h], x1, _mm256_fmadd_ps(lo[h], x0, acc[r][h]));
-      }
+  for (int64_t p = 0; p < P.K / 2; ++p) {  // k pair p (as in bf16_block)
+    __m256 lo[NT * 2], hi[NT * 2];
+    for (int h = 0; h < NT * 2; ++h)
+      widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + (h / 2) * stride + p * 32 + (h % 2) * 16)),
+            lo[h], hi[h]);
+    const int64_t e = xf_index(2 * p), o = xf_index(2 * p + 1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 x0 = _mm256_broadcast_ss(x + r * P.K + e), x1 = _mm256_broadcast_ss(x + r * P.K + o);
+      for (int h = 0; h < NT * 2; ++h) acc[r][h] = _mm256_fmadd_ps(hi[h], x1, _mm256_fmadd_ps(lo[h], x0, acc[r][h]));
     }
+  }
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < NT * 2; ++h) _mm256_storeu_ps(P.out + (m0 + r) * P.N + n0 + h * 8, acc[r][h]);
 }
@@ -165,7 +159,7 @@ inline void widen_x(const Problem& P, float* xf) {
 template <bool AVX512>
 void unit(const Problem& P, const float* xf, int64_t u) {
   const int64_t M = P.M, KB = P.K / 32, stride = KB * TILE;
-  if (P.transpose) {  // 32 rows of w (16 at the end of an odd number of tiles), in blocks of 8 / 4 rows
+  if (P.transpose) {  // 32 rows of w (16 at the end of an odd number of tiles)
     const int64_t n0 = u * ROWS_T, rows = std::min<int64_t>(ROWS_T, P.N - n0);
     int64_t m = 0;
     if constexpr (AVX512) {
