@@ -164,9 +164,10 @@ void unit(const Problem& P, const float* xf, int64_t u) {
     int64_t m = 0;
     if constexpr (AVX512) {
 #if JP_BF16
-      for (; m + 4 <= M; m += 4)
-        for (int64_t n = n0; n < n0 + rows; n += 4) bf16_dots<4, 4>(P, n, m);
-      for (; m < M; ++m)
+      const int64_t m4 = M / 4 * 4;  // w's 4 rows stay in L1 while every block of 4 x rows takes them
+      for (int64_t n = n0; n < n0 + rows && m4; n += 4)
+        for (m = 0; m < m4; m += 4) bf16_dots<4, 4>(P, n, m);
+      for (m = m4; m < M; ++m)
         for (int64_t n = n0; n < n0 + rows; n += 8) bf16_dots<8, 1>(P, n, m);
 #endif
     } else {
