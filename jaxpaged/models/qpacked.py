@@ -90,16 +90,17 @@ def pack(a: QArray, donate: bool = False, transposed: bool = False) -> QPacked:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
-    blob = (_pack_owned if donate else _pack)(a, spec.layout)
+    blob = _pack(a, spec.layout)
+    if donate:  # freed once packed (not donated to the jit: no output has the codes' shape to reuse them)
+        for x in (a.q, a.scale, a.m):
+            if isinstance(x, jax.Array):
+                x.delete()
     return dataclasses.replace(spec, blob=blob)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(a: QArray, layout):
     return cpu_quant.pack(_codes(a), a.scale, a.m, layout)
-
-
-_pack_owned = jax.jit(_pack.__wrapped__, static_argnums=1, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
