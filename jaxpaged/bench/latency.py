@@ -94,7 +94,8 @@ def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[
                 ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token,
                 ttft_ms=statistics.median([statistics.median(g["ttft_ms"]) for g in rs]),
                 load=[g["load"] for g in rs], weight_bytes=weight_bytes(eng, n),
-                compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets))
+                compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets),
+                matmul_backend=llms[name].stats().get("matmul_backend"))
     return out
 
 
