@@ -135,10 +135,10 @@ def test_paths_follow_the_cpu_and_the_cap():
 
 def test_amx_path_runs_here():
     """Where the CPU has AMX (amx_bf16, and Linux grants the tiles) the native build multiplies on the tiles,
-    and every product test of this module runs that path; elsewhere they run the plain loops, and this says so."""
+    and every product test of this module runs that path; elsewhere it is skipped, saying the path that ran."""
     flags = set(loader.cpu_flags().split())
     if "amx_bf16" not in flags or "amx_tile" not in flags:
-        pytest.skip("AMX untested: this CPU has no amx_bf16 / amx_tile (the products ran the plain loops)")
+        pytest.skip(f"AMX untested: this CPU has no amx_bf16 / amx_tile (the products ran the {cpu_matmul.isa()} path)")
     assert cpu_matmul.amx(), "the CPU has AMX but the kernel does not use it (no tile permission from Linux?)"
 
 
