@@ -3,7 +3,7 @@ int4 weights the quantized C++ kernel.
 
 XLA:CPU's bfloat16 dot is far from the CPU's rate at decode batch sizes (on a 2-core Xeon with amx_bf16:
 ~80 GFLOP/s at 64 rows, below its float32 dot; on a 2-core AVX-512 BF16 EPYC a decode step's products take
-12-19x the kernel's time at 1 and 8 rows, docs/results/matmul_bf16_cpu.json), so where
+7-22x the kernel's time at 1 and 8 rows, docs/results/matmul_bf16_cpu.json), so where
 `pallas_kernels/matmul/cpu.py` runs a path measured faster (`AUTO_ISAS`: AMX tiles, AVX-512 BF16, AVX2 + FMA,
 the last measured through the `isa` cap on the AVX-512 machine; docs/benchmarks.md) the plain
 bfloat16 matrices (attention, MLP, the lm_head; not quantized ones, not MoE experts) go through it: the
