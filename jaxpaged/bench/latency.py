@@ -11,6 +11,8 @@ engines fit beside each other), vLLM's CPU build (`--vllm-python`, jaxpaged/benc
 llama-cpp-python (`--gguf`, default: the GGUF the default model is made from) when they are installed; a
 missing peer is reported with the reason. `--model` takes any model directory or random preset
 (`random:llama-1b-smol`: the 1B-class model with a real tokenizer, jaxpaged/bench/common.py).
+`--matmul-compare xla cpu` builds each jaxpaged engine once per weight-product backend (`matmul_backend`),
+timed in the same rounds: an A/B of the products; each row records `stats()["matmul_backend"]`.
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
 greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
@@ -69,10 +71,11 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     return dict(ms_per_token=per_token, ttft_ms=ttft)
 
 
-def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[int]]) -> dict:
+def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list[list[int]]) -> dict:
+    """names: row name -> the engine's keyword arguments over the flags'."""
     llms = {}
-    for name in names:
-        llm = bc.build_llm(model_dir, args, **JAXPAGED[name])
+    for name, over in names.items():
+        llm = bc.build_llm(model_dir, args, **over)
         run_once(llm, prompts[:1], 8)  # warm-up
         llms[name] = llm
     runs = {(name, n): [] for name in names for n in args.concurrency}
@@ -184,6 +187,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--startup", nargs="*", default=[], choices=["float32", "bfloat16"],
                     help="also time cold and warm start to the first token in fresh processes, per dtype")
+    ap.add_argument("--matmul-compare", nargs="+", default=None, choices=["auto", "xla", "cpu"],
+                    help="each jaxpaged engine once per matmul_backend, interleaved (A/B in one run)")
     ap.add_argument("--gguf", default=None, help="llama-cpp-python's model (default: the default model's GGUF)")
     from jaxpaged.bench import vllm_peer
     vllm_peer.add_args(ap)
@@ -209,7 +214,9 @@ def main(argv=None) -> dict:
         rows.update(got)
         if why:
             missing["llama-cpp"] = why
-    names = [b.split("-", 1)[1] for b in backends if b.startswith("jaxpaged-")]
+    names = {b.split("-", 1)[1]: JAXPAGED[b.split("-", 1)[1]] for b in backends if b.startswith("jaxpaged-")}
+    if args.matmul_compare:  # each engine once per products' backend, in the same rounds
+        names = {f"{n} matmul={m}": {**kw, "matmul_backend": m} for n, kw in names.items() for m in args.matmul_compare}
     if names:
         rows.update(measure_jaxpaged(model_dir, args, names, prompts))
     startup = measure_startup(model_dir, args) if args.startup else {}
