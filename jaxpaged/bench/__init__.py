@@ -37,6 +37,7 @@ COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "roofline": "this machine's matmul rate and memory bandwidth",
     "kernels": "the Pallas paged-attention kernels on the GPU at hand",
     "cpu_attention": "one layer's decode attention: the C++ CPU kernel against the plain-JAX reference",
+    "cpu_matmul": "a model size's bfloat16 weight products: the C++ CPU kernel per ISA path against XLA's dot",
     "tpu_kernel": "the Mosaic TPU ragged kernel on the TPU at hand",
     "gpu_compile_table": "compile-only for sm_90a: kernels and whole steps, memory and predicted step time",
     "tpu_compile_table": "compile-only for TPU v5e / v6e: whole steps, memory and predicted step time",
