@@ -71,10 +71,11 @@ def test_attention_ffi_checks_the_output_and_accepts_valid_operands():
         jax.block_until_ready(call(*a.values(), scale=np.float32(1), window=np.int64(0), softcap=np.float32(0)))
 
 
-def _matmul_ffi(x, w, layer, n, transpose=0, packed=0, m=None):
+def _matmul_ffi(x, w, layer, n, transpose=0, packed=0, m=None, rows=None):
     m = x.shape[0] if m is None else m
     call = jax.ffi.ffi_call(cpu_matmul.TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x, w, layer, transpose=np.int64(transpose), packed=np.int64(packed), isa=np.int64(3))
+    rows = jnp.int32(x.shape[0] if rows is None else rows)
+    return call(x, w, layer, rows, transpose=np.int64(transpose), packed=np.int64(packed), isa=np.int64(3))
 
 
 def test_matmul_names_the_operand():
@@ -94,6 +95,8 @@ def test_matmul_names_the_operand():
         (None, (x, w, jnp.zeros((2,), jnp.int32), 48), "layer"),         # not one index
         (None, (x, w, one, 64), "out"),                                   # an output of another width
         (None, (x, w, one, 48, 0, 0, 6), "out"),                          # ... of more rows than x
+        (None, (x, w, one, 48, 0, 0, None, 6), "rows"),                   # more live rows than x has
+        (None, (x, w, one, 48, 0, 0, None, -1), "rows"),
     ]:
         if wrapper_args is not None and name != "layer":
             with pytest.raises(ValueError, match="got x .*, w "):

@@ -94,6 +94,24 @@ def test_every_path_equals_numpy(isa):
 
 
 @pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_live_rows_only(isa):
+    """`rows` (traced): the live rows equal the full product's, every row past them is zero (NaN padding is
+    never read), as stored, transposed and packed."""
+    _run_path_or_skip(isa)
+    rng = np.random.default_rng(11)
+    x = np.asarray(_bf16(rng, (17, 64)), np.float32)
+    xs = jnp.asarray(np.where(np.arange(17)[:, None] < 9, x, np.nan), jnp.bfloat16)  # rows 9.. are NaN padding
+    for w, kw in ((_bf16(rng, (64, 48)), {}), (_bf16(rng, (48, 64)), dict(transpose=True)),
+                  (cpu_matmul.pack(_bf16(rng, (64, 48))), dict(packed=True))):
+        full = np.asarray(cpu_matmul.cpu_matmul(jnp.asarray(x, jnp.bfloat16), w, isa=isa, **kw))
+        f = jax.jit(lambda x, r: cpu_matmul.cpu_matmul(x, w, isa=isa, rows=r, **kw))
+        for rows in (0, 1, 8, 9):
+            got = np.asarray(f(xs, jnp.int32(rows)))
+            np.testing.assert_array_equal(got[:rows], full[:rows], err_msg=f"{kw} rows={rows}")
+            assert not got[rows:].any(), (kw, rows)
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
 def test_every_path_propagates_nan(isa):
     """A NaN in a row of x makes that row's outputs NaN, a NaN in w (or an infinity times 0) the outputs of
     its column (its row when transposed) in every row; the rest equal numpy's."""

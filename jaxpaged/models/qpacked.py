@@ -126,7 +126,7 @@ def matmul(x, w: QPacked, layer=None):
     x [M, K]'s padding rows are skipped (zeros)."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
-    rows = live_rows.current() if x.ndim == 2 else None
+    rows = live_rows.current() if x.ndim == 2 else None  # the step's live rows of x [M, K]
     return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer, rows=rows)
 
 

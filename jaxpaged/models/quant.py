@@ -18,8 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxpaged.models import qpacked
-from jaxpaged.models.live_rows import live_rows
+from jaxpaged.models import live_rows, qpacked
 from jaxpaged.models.qarray import QArray, check_quantization, dequantize, dequantize_parts, quantize
 from jaxpaged.models.qpacked import QPacked
 from jaxpaged.step.batch_invariant import row_tiled
@@ -122,6 +121,11 @@ def unpack_layers(params: dict) -> dict:
     return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, (Packed, QPacked)))
 
 
+def _live(x):
+    """The step's live-row count for a product over x [M, in] (models/live_rows.py), None otherwise."""
+    return live_rows.current() if x.ndim == 2 else None
+
+
 def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile: int = 0, kernel: bool = False):
     """x [..., in] @ w [in, out] (w [out, in] when `transpose`: the tied embedding as the lm_head) for a
     plain array or a QArray, the scales of the output columns applied to the product.
@@ -136,7 +140,7 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     accumulation as XLA's; anything else by XLA's dot. A `QPacked` w (the runner packs them only where the
     quantized kernel runs: jaxpaged/step/matmul.py) is multiplied by the quantized CPU kernel."""
     if row_tile:  # each tile is its own [row_tile, in]: the step's live-row count does not apply to it
-        with live_rows(None):
+        with live_rows.live_rows(None):
             return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,
                              row_tile)
     out_dtype = preferred_element_type or x.dtype
@@ -149,16 +153,17 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
         return qpacked.matmul(x, w).astype(out_dtype)
     if isinstance(w, LayerOf):
         if kernel and isinstance(w.stack, Packed) and x.dtype == jnp.bfloat16:
-            return cpu_matmul.cpu_matmul(x, w.stack.tiles, layer=w.index, packed=True).astype(out_dtype)
+            return cpu_matmul.cpu_matmul(x, w.stack.tiles, layer=w.index, packed=True,
+                                         rows=_live(x)).astype(out_dtype)
         if kernel and cpu_matmul.supported(x, w.stack, transpose, stacked=True):
-            return cpu_matmul.cpu_matmul(x, w.stack, transpose, layer=w.index).astype(out_dtype)
+            return cpu_matmul.cpu_matmul(x, w.stack, transpose, layer=w.index, rows=_live(x)).astype(out_dtype)
         w = w.get()
     if isinstance(w, Packed):
         if kernel and x.dtype == jnp.bfloat16:
-            return cpu_matmul.cpu_matmul(x, w.tiles, packed=True).astype(out_dtype)
+            return cpu_matmul.cpu_matmul(x, w.tiles, packed=True, rows=_live(x)).astype(out_dtype)
         w = w.unpack()
     if kernel and not isinstance(w, QArray) and cpu_matmul.supported(x, w, transpose):
-        return cpu_matmul.cpu_matmul(x, w, transpose).astype(out_dtype)
+        return cpu_matmul.cpu_matmul(x, w, transpose, rows=_live(x)).astype(out_dtype)
     out_axis = 0 if transpose else 1  # w is one 2-D matrix (a layer's slice inside the layer loop)
     contract = ((x.ndim - 1,), (1 - out_axis,))  # w.T is never built: it made XLA CPU copy the matrix
     if not isinstance(w, QArray):

@@ -113,11 +113,17 @@ ffi::Error check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::An
   return ffi::Error::Success();
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer, ffi::AnyBuffer rows,
                 ffi::Result<ffi::AnyBuffer> out, int64_t transpose, int64_t packed, int64_t isa) {
   Problem P{};
   if (ffi::Error e = check(x, w, layer, *out, transpose != 0, packed != 0, P); e.failure()) return e;
+  if (rows.element_type() != ffi::DataType::S32 || rows.element_count() != 1 ||
+      rows.typed_data<int32_t>()[0] < 0 || rows.typed_data<int32_t>()[0] > P.M)
+    return jp::bad_operand("cpu_matmul", "rows", "one int32 in [0, M = " + std::to_string(P.M) + "]", rows);
   P.out = out->typed_data<float>();
+  // Rows past `rows` pad the step's token bucket: zeros, nothing of them read or computed.
+  std::fill(P.out + rows.typed_data<int32_t>()[0] * P.N, P.out + P.M * P.N, 0.0f);
+  P.M = rows.typed_data<int32_t>()[0];
   if (P.M == 0 || P.N == 0) return ffi::Error::Success();
   [[maybe_unused]] const int path = path_for(isa, P.K, P.N);
   [[maybe_unused]] const int64_t units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;  // row pairs or panels
@@ -172,6 +178,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
                                   .Arg<ffi::AnyBuffer>()  // x
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // layer
+                                  .Arg<ffi::AnyBuffer>()  // rows: x's live rows (the rest pad a token bucket)
                                   .Ret<ffi::AnyBuffer>()  // out
                                   .Attr<int64_t>("transpose")
                                   .Attr<int64_t>("packed")

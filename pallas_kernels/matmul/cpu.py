@@ -91,11 +91,14 @@ def unpack(tiles):
     return t.transpose(*range(d), d + 1, d + 2, d + 4, d, d + 3).reshape(*lead, kb * 32, nt * 16)
 
 
-def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, isa: str | None = None):
+def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, isa: str | None = None,
+               rows=None):
     """x [..., K] @ w [K, N] (w [N, K] when `transpose`; w `pack`ed [N / 16, K / 32, 16, 32] when `packed`)
     -> f32[..., N], bfloat16 operands (see `supported`). With `layer` (an int32 scalar, traced or not), w is
-    the stack [L, ...] of such matrices and w[layer] is read in place. isa: the most capable path to run
-    (one of `ISAS`; default: the build's best)."""
+    the stack [L, ...] of such matrices and w[layer] is read in place. rows (an int32 scalar, traced or
+    not; default all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token
+    bucket and give zeros, not computed. isa: the most capable path to run (one of `ISAS`; default: the
+    build's best)."""
     stacked = layer is not None
     if packed:
         ok = (not transpose and len(w.shape) == 4 + stacked and tuple(w.shape[-2:]) == (16, 32)
@@ -116,6 +119,8 @@ def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    live = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
-    y = call(x2, w, index, transpose=np.int64(transpose), packed=np.int64(packed), isa=np.int64(ISAS[isa or "amx"]))
+    y = call(x2, w, index, live, transpose=np.int64(transpose), packed=np.int64(packed),
+             isa=np.int64(ISAS[isa or "amx"]))
     return y.reshape(lead + (n,))
