@@ -34,9 +34,10 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
             quantization: str | None = None, torch_dtype: str | None = None) -> str:
     """Convert SRC (HF model directory or .gguf file) into DST in the engine's format; return DST.
 
-    quantization: None, or "int8" / "fp8": the matrices are quantized one tensor at a time (per output
-    channel; the embedding per row) and DST holds the quantized pytree (jaxpaged/models/quant.py), which loads
-    without a float copy of the model. GGUF tensors (Q8_0, Q4_0, Q4_1, ...) are widened one at a time.
+    quantization: None, or "int8" / "int4" / "fp8": the matrices are quantized one tensor at a time,
+    symmetric (per output channel, int4 in groups of 32; the embedding per row) and DST holds the quantized
+    pytree (jaxpaged/models/quant.py), which loads without a float copy of the model. GGUF tensors (Q8_0,
+    Q4_0, Q4_1, ...) are widened one at a time.
 
     Raises ValueError, naming the file, for a missing or unreadable SRC, an unsupported architecture
     or GGUF tensor type, a non-empty DST without `force`, or a full disk.
@@ -123,7 +124,7 @@ def _write(out, cfg, tensors, dtype, source, progress, quantization=None) -> Non
                    file=sys.stderr)
     try:
         params = params_from_named_tensors(cfg, tensors, dtype, source=source, progress=bar,
-                                           quantization=quantization)
+                                           quantization=quantization, symmetric=True)  # saved: codes, scales
     finally:
         if bar is not None:
             bar.close()

@@ -119,10 +119,12 @@ def _reference(current):
 
 def _quantized_leaf(current, values, name: str) -> QArray:
     """The QArray replacing a quantized parameter (the runner packs it again where it keeps it packed):
-    plain values quantized as at load (format, group), on the devices and shardings of the current one."""
+    plain values quantized as at load (format, group, minimum or not), on the devices and shardings of the
+    current one."""
     shardings = current.unpack() if isinstance(current, QPacked) and isinstance(current.blob, jax.Array) \
         else current
-    qa = quantize(np.asarray(values, np.float32), current.format, current.axis, current.dtype, current.group, name)
+    qa = quantize(np.asarray(values, np.float32), current.format, current.axis, current.dtype, current.group, name,
+                  symmetric=current.m is None)
     return jax.tree.map(lambda a, old: _put(np.ascontiguousarray(a), old.sharding), qa, shardings)
 
 
