@@ -30,6 +30,9 @@ GOAL_GREEDY_INT8 the greedy agreement issue 44 asks of int8), GOAL_KV per KV cac
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -160,6 +163,16 @@ def run(model_dir: str, args) -> dict:
                 goal_kv_mean_abs_dlogprob=GOAL_KV)
 
 
+def provenance(argv: list[str]) -> dict:
+    """The command and the git commit of the code that ran (None outside a git checkout)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(command="jaxpaged bench quality " + " ".join(argv), git_commit=commit)
+
+
 def report(out: dict) -> str:
     rows = [[r["weights"], r["kv_cache_dtype"], r.get("matmul_backend") or "", r.get("layer_bytes_per_weight") or "",
              r["positions"], 100 * r["greedy_agreement"], r["mean_abs_dlogprob"], r["max_abs_dlogprob"],
@@ -180,7 +193,9 @@ def main(argv=None) -> dict:
     bc.add_engine_args(ap, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=256)
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
-    out = dict(**run(model_dir, args), machine=bc.machine_info())
+    load_before = os.getloadavg()
+    out = dict(**run(model_dir, args), **provenance(sys.argv[1:] if argv is None else argv),
+               load_average=dict(before=load_before, after=os.getloadavg()), machine=bc.machine_info())
     print(report(out))
     bc.write_json(args.json, out)
     return out
