@@ -229,9 +229,10 @@ def test_bad_symmetry_is_named():
             weights_config(name)
 
 
-def test_convert_int4_stays_symmetric(tmp_path):
-    """`jaxpaged convert --quantization int4` writes codes and scales alone, so it quantizes symmetrically:
-    the converted matrices load back as the same int4 values as a symmetric int4 load of the source."""
+def test_convert_int4_keeps_the_matrices(tmp_path):
+    """`jaxpaged convert --quantization int4` writes int4 matrices that load back (widened to float) within
+    half a symmetric int4 step of the source's: the saved form carries whatever the values need (a
+    minimum dropped on the way would shift whole groups)."""
     from test_convert import _hf_dir
 
     from jaxpaged.checkpoints.convert import convert
@@ -239,6 +240,9 @@ def test_convert_int4_stays_symmetric(tmp_path):
     src = _hf_dir(tmp_path / "hf", initializer_range=0.2)
     dst = convert(src, str(tmp_path / "i4"), dtype="float32", progress=False, quantization="int4")
     cfg = ModelConfig.from_dir(dst)
-    direct = load_params(src, cfg, "float32", quantization="int4", symmetric=True)["layers"]["w_up"]
-    back = load_params(dst, cfg, "float32")["layers"]["w_up"]  # widened to float
-    np.testing.assert_allclose(back, dequantize(direct), rtol=1e-6, atol=1e-7)
+    want, back = load_params(src, cfg, "float32"), load_params(dst, cfg, "float32")  # back: widened
+    for name in ("wq", "w_up", "w_down"):
+        w = want["layers"][name]  # [L, K, N]: groups of 32 along K
+        amax = np.abs(np.pad(w, [(0, 0), (0, -w.shape[1] % 32), (0, 0)])).reshape(
+            w.shape[0], -1, 32, w.shape[2]).max(2).repeat(32, 1)[:, :w.shape[1]]
+        assert np.all(np.abs(back["layers"][name] - w) <= amax / 14 * (1 + 1e-5) + 1e-7), name
