@@ -169,7 +169,7 @@ class EngineConfig:
                                       "float checkpoint at load (default: none, the weights' dtype); int8 / int4: "
                                       "integer codes with scales per group (quantization_group_size), int8 "
                                       "symmetric, int4 with a per-group minimum (quantization_symmetric), the "
-                                      "embedding and lm_head int8 per vocabulary entry; fp8: per output "
+                                      "embedding and lm_head int8 in groups of 32; fp8: per output "
                                       "channel", choices=QUANTIZATIONS[1:])
     quantization_group_size: int | None = option(None, MODEL, "entries of the input axis each int8 / int4 scale "
                                                  "covers: 16, 32, 64, 128, or 0 / -1 for one per output channel "

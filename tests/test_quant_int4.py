@@ -66,7 +66,8 @@ def test_engine_packs_and_says_which_product(setup):
     if KERNEL:
         assert layers["w_up"].bits == 4 and layers["w_up"].group == 32
         assert layers["w_up"].has_min and layers["w_up"].zero == 0  # int4's default: a per-group minimum
-        assert embed.transposed and embed.bits == 8 and embed.shape == (256, 64)  # int8, one scale per entry
+        assert embed.transposed and embed.bits == 8 and embed.shape == (256, 64)  # int8
+        assert embed.group == 32 and not embed.has_min  # symmetric, in groups of 32 along the hidden axis
 
 
 def test_tokens_match_the_dequantized_float_model(setup):

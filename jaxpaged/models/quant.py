@@ -28,7 +28,7 @@ COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see
 # layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
 # MoE router stay in the engine dtype
 QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-EMBED_GROUP = 0  # the int8 embedding / lm_head's group (0: one scale per vocabulary entry; see leaf_format)
+EMBED_GROUP = 32  # the int8 embedding / lm_head's group along the hidden axis (as GGUF's Q8_0; see leaf_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,8 +232,10 @@ def quantize_params(params: dict, fmt: str | None, dtype: str, group: int = 0, s
 def leaf_format(path: tuple[str, ...], fmt: str | None, group: int,
                 symmetric: bool = True) -> tuple[str | None, int, bool]:
     """(format, group, symmetric) of one quantized leaf: the layer matrices take `fmt`, `group` and
-    `symmetric`; the embedding and lm_head stay int8, symmetric, in groups of EMBED_GROUP, under int8 and
-    int4 (the logits are the products most sensitive to rounding)."""
+    `symmetric`; the embedding and lm_head stay int8, symmetric, in groups of EMBED_GROUP along the hidden
+    axis, under int8 and int4: the logits are the products most sensitive to rounding, and groups of 32
+    cost an eighth of a byte a weight more than one scale per vocabulary entry for a quarter to a third
+    less error (docs/benchmarks.md, *Quantization and KV cache dtype: quality*)."""
     if fmt in ("int8", "int4") and path in (("embed",), ("lm_head",)):
         return "int8", EMBED_GROUP, True
     return fmt, group, symmetric
