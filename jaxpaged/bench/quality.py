@@ -133,8 +133,9 @@ def compare(rows: list, ref: list) -> dict:
                 outside_top=int(sum(g[2] for g in got)))
 
 
-def run(model_dir: str, args) -> dict:
-    """The float32 run, then every (weights, KV cache dtype) configuration teacher-forced on its tokens."""
+def run(model_dir: str, args, on_row=None) -> dict:
+    """The float32 run, then every (weights, KV cache dtype) configuration teacher-forced on its tokens;
+    on_row(rows) after each one (the rows so far)."""
     from jaxpaged import SamplingParams
     llm = engine(model_dir, args, "float32", "auto")
     prompts = golden_prompts(llm.tokenizer)
@@ -157,6 +158,8 @@ def run(model_dir: str, args) -> dict:
                 got = teacher_forced(llm, prompts, tokens, args.top_logprobs)
                 del llm
             rows.append(dict(weights=w, kv_cache_dtype=kv, **info, **compare(got, ref)))
+            if on_row is not None:
+                on_row(rows)
     return dict(prompts=len(prompts), max_tokens=args.max_tokens, model=model_dir, rows=rows,
                 goal_int8_weights_mean_abs_dlogprob=GOAL_INT8_WEIGHTS,
                 goal_int4_weights_mean_abs_dlogprob=GOAL_INT4_WEIGHTS, goal_int8_greedy_agreement=GOAL_GREEDY_INT8,
@@ -194,7 +197,11 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
     load_before = os.getloadavg()
-    out = dict(**run(model_dir, args), **provenance(sys.argv[1:] if argv is None else argv),
+    command = provenance(sys.argv[1:] if argv is None else argv)
+
+    def partial(rows):  # a long run (a 1B model) leaves the rows so far
+        bc.write_json(args.json, dict(partial=True, model=model_dir, rows=rows, **command))
+    out = dict(**run(model_dir, args, partial), **command,
                load_average=dict(before=load_before, after=os.getloadavg()), machine=bc.machine_info())
     print(report(out))
     bc.write_json(args.json, out)
