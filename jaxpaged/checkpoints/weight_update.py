@@ -123,8 +123,9 @@ def _quantized_leaf(current, values, name: str) -> QArray:
     current one."""
     shardings = current.unpack() if isinstance(current, QPacked) and isinstance(current.blob, jax.Array) \
         else current
+    has_min = current.has_min if isinstance(current, QPacked) else current.m is not None
     qa = quantize(np.asarray(values, np.float32), current.format, current.axis, current.dtype, current.group, name,
-                  symmetric=current.m is None)
+                  symmetric=not has_min)
     return jax.tree.map(lambda a, old: _put(np.ascontiguousarray(a), old.sharding), qa, shardings)
 
 
