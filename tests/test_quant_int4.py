@@ -230,10 +230,10 @@ def test_bad_symmetry_is_named():
             weights_config(name)
 
 
-def test_convert_int4_keeps_the_matrices(tmp_path):
-    """`jaxpaged convert --quantization int4` writes int4 matrices that load back (widened to float) within
-    half a symmetric int4 step of the source's: the saved form carries whatever the values need (a
-    minimum dropped on the way would shift whole groups)."""
+def test_int4_load_and_convert_keep_the_matrices(tmp_path):
+    """A float checkpoint loaded as int4 (a minimum: its codes, scales and minima all stored) and
+    `jaxpaged convert --quantization int4` (written as codes and scales) give matrices within half a step of
+    the source's (a minimum lost on the way would shift whole groups)."""
     from test_convert import _hf_dir
 
     from jaxpaged.checkpoints.convert import convert
@@ -242,8 +242,11 @@ def test_convert_int4_keeps_the_matrices(tmp_path):
     dst = convert(src, str(tmp_path / "i4"), dtype="float32", progress=False, quantization="int4")
     cfg = ModelConfig.from_dir(dst)
     want, back = load_params(src, cfg, "float32"), load_params(dst, cfg, "float32")  # back: widened
+    loaded = load_params(src, cfg, "float32", quantization="int4")
     for name in ("wq", "w_up", "w_down"):
-        w = want["layers"][name]  # [L, K, N]: groups of 32 along K
+        w, qa = want["layers"][name], loaded["layers"][name]  # [L, K, N]: groups of 32 along K
+        step = np.take(qa.scale, np.arange(w.shape[1]) // 32, axis=1)
+        assert qa.m is not None and np.all(np.abs(dequantize(qa) - w) <= step / 2 * (1 + 1e-5) + 1e-7), name
         amax = np.abs(np.pad(w, [(0, 0), (0, -w.shape[1] % 32), (0, 0)])).reshape(
             w.shape[0], -1, 32, w.shape[2]).max(2).repeat(32, 1)[:, :w.shape[1]]
         assert np.all(np.abs(back["layers"][name] - w) <= amax / 14 * (1 + 1e-5) + 1e-7), name
