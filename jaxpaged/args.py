@@ -87,8 +87,9 @@ def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
     return EngineConfig(**engine_kwargs(args, **overrides))
 
 
-def add_quantization_arg(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The --quantization engine flag alone (`jaxpaged convert` quantizes as it writes)."""
-    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == "quantization")
-    _add_flag(parser, f, typing.get_type_hints(EngineConfig)["quantization"], _default(f), f.metadata["help"])
+def add_engine_flag(parser: argparse.ArgumentParser, name: str, help: str | None = None) -> argparse.ArgumentParser:
+    """One engine flag alone, of EngineConfig field `name` (`jaxpaged convert` takes --quantization and
+    --keep-quantized); `help` replaces the field's help text."""
+    f = next(f for f in dataclasses.fields(EngineConfig) if f.name == name)
+    _add_flag(parser, f, typing.get_type_hints(EngineConfig)[name], _default(f), help or f.metadata["help"])
     return parser

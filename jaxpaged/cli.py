@@ -9,7 +9,7 @@ import os
 import sys
 import time
 
-from jaxpaged.args import add_engine_args, add_quantization_arg, engine_kwargs
+from jaxpaged.args import add_engine_args, add_engine_flag, engine_kwargs
 
 # `generate` runs a few prompts: a smaller batch and budget than the engine's defaults, so it compiles less;
 # its --seed is every prompt's sampling seed (none: unseeded)
@@ -71,7 +71,8 @@ def _generate(args) -> int:
 
 def _convert(args) -> int:
     from jaxpaged.checkpoints.convert import convert
-    print(convert(args.src, args.dst, dtype=args.dtype, force=args.force, quantization=args.quantization))
+    print(convert(args.src, args.dst, dtype=args.dtype, force=args.force, quantization=args.quantization,
+                  keep_quantized=args.keep_quantized))
     return 0
 
 
@@ -103,7 +104,10 @@ def _add_convert(sub) -> None:
     c.add_argument("dst")
     c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     c.add_argument("--force", action="store_true", help="replace a non-empty DST")
-    add_quantization_arg(c)
+    add_engine_flag(c, "quantization")
+    add_engine_flag(c, "keep_quantized", "a .gguf SRC: its quantized matrices (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, "
+                    "Q5_K, Q6_K) stay quantized, exactly, and load packed; --no-keep-quantized dequantizes them "
+                    "into --dtype")
     c.set_defaults(func=_convert)
 
 

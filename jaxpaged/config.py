@@ -181,7 +181,8 @@ class EngineConfig:
                                                  "symmetric (default: int4 with a minimum)")
     keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
-                                  "activations and the float tensors); --no-keep-quantized dequantizes them")
+                                  "activations and the float tensors), as do the quantized matrices of a "
+                                  "directory `jaxpaged convert` wrote; --no-keep-quantized dequantizes them")
     max_model_len: int | None = option(None, MODEL, "longest prompt + output (default: the model's "
                                        "max_position_embeddings, capped at 4096)")
     max_logprobs: int = option(20, MODEL, "most logprobs a request may ask for, per token")

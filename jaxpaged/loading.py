@@ -61,7 +61,8 @@ def load_weights(path: str, mc: ModelConfig, cfg: EngineConfig) -> tuple[dict, f
         params = _load_gguf(path, mc, cfg, bar)
         if params is None:
             params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization,
-                                 group_size=cfg.quantization_group_size, symmetric=cfg.quantization_symmetric)
+                                 group_size=cfg.quantization_group_size, symmetric=cfg.quantization_symmetric,
+                                 keep_quantized=cfg.keep_quantized)
     return params, time.perf_counter() - t0
 
 

@@ -20,9 +20,14 @@ from jaxpaged.testing.tiny_models import FAMILIES, make_tiny_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-    """One persistent XLA cache for the session: engines of equal shapes compile once."""
+    """One persistent XLA cache for the session: engines of equal shapes compile once. Under pytest-xdist
+    the workers share it (their base temp directories are siblings): a step one worker compiled, the other
+    reads."""
     import jax
-    d = str(tmp_path_factory.mktemp("xla_cache"))
+    base = tmp_path_factory.getbasetemp()
+    d = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "xla_cache"
+    d.mkdir(exist_ok=True)
+    d = str(d)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     return d
 

@@ -24,7 +24,7 @@ def main(base: str, *adapters: str) -> None:
     out = {"num_devices": len(jax.devices())}
     for tp in TPS:
         llm = LLM(base, enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32", tensor_parallel_size=tp,
-                  block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
+                  block_size=8, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=64,
                   compilation_cache_dir=None, show_progress=False, attention_backend="reference")
         sp = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=1)
         res = llm.generate([{"prompt_token_ids": p} for p in prompts], sp,

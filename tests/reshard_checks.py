@@ -22,7 +22,7 @@ def main(workdir: str) -> dict:
     from jaxpaged import LLM, SamplingParams
     from jaxpaged.testing.tiny_models import make_tiny_model
     path = make_tiny_model(os.path.join(workdir, "m"), "llama", num_heads=8, num_kv_heads=4, seed=3)
-    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
               compilation_cache_dir=None, show_progress=False)
     prompts = [{"prompt_token_ids": [3 + i, 17, 9, 40 + i, 5]} for i in range(4)]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -169,7 +169,7 @@ def int8_checks(workdir: str) -> dict:
 
 
 def kv_int8_checks(workdir: str) -> dict:
-    """int8 KV under tensor parallelism (`... WORKDIR kv_int8`): greedy tokens through the forced paths at
+    """int8 KV under tensor parallelism: greedy tokens through the forced paths at
     TP 1, 2, 4 (qwen3's 2 KV heads replicated at TP 4, their scales with them), the scale pools' local
     shards, and the Pallas kernels (interpret mode) under shard_map at TP 2 against the reference at TP 1."""
     import jax
@@ -296,7 +296,7 @@ def main() -> None:
         out["pallas"] = pallas_checks(workdir)
     if not only or "int8" in only:
         out["int8"] = int8_checks(workdir)
-    if "kv_int8" in only:  # its own run (tests/test_tensor_parallel.py::test_int8_kv_cache)
+    if not only or "kv_int8" in only:
         out["kv_int8"] = kv_int8_checks(workdir)
     if "spec" in only:  # its own run (tests/test_spec_compose.py::test_tensor_and_data_parallel)
         out["spec"] = spec_checks(workdir)

@@ -24,7 +24,7 @@ out = {}
 for family in ("mixtral", "gemma3"):
     path = make_tiny_model(f"{sys.argv[1]}/{family}", family, seed=14)
     for tp in (1, 2, 4):
-        llm = LLM(model=path, dtype="float32", block_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+        llm = LLM(model=path, dtype="float32", block_size=4, max_num_seqs=4, max_num_batched_tokens=8,
                   max_model_len=128, tensor_parallel_size=tp, compilation_cache_dir=None, show_progress=False)
         outs = llm.generate(prompts, routes if family == "mixtral" else sp, use_tqdm=False)
         r = llm.engine.runner

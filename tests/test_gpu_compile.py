@@ -54,13 +54,15 @@ def test_oversized_tuning_fails_like_a_real_h100():
 
 
 @needs_toolchain
-@pytest.mark.parametrize("tp, variant", [(1, [8, True]), (8, [16, False])])
-def test_whole_step_compiles_for_h100(tp, variant):
+@pytest.mark.parametrize("tp, variant, quantization", [(1, [8, True], None), (8, [16, False], "int4")])
+def test_whole_step_compiles_for_h100(tp, variant, quantization):
     """The engine's whole jitted step (jaxpaged/step/aot.py), Llama-3-8B-shaped (2 of its 32 layers: the
-    layer scan compiles one body whatever the depth), for one H100 and for an 8-device H100 topology
-    (tensor parallelism, with its collectives): the Mosaic GPU kernel inside, the pools updated in place.
-    Every bucket at full depth is jaxpaged/bench/gpu_compile_table.py's."""
-    cfg = dict(config="test", size="8B", num_layers=2, tp=tp, kv_cache_dtype="auto", max_num_seqs=16,
+    layer scan compiles one body whatever the depth), for one H100 with bfloat16 weights and for an 8-device
+    H100 topology (tensor parallelism, with its collectives) with int4 group-32 weights (XLA's
+    dequantize-then-dot): the Mosaic GPU kernel inside, the pools updated in place. Every bucket at full
+    depth is jaxpaged/bench/gpu_compile_table.py's."""
+    cfg = dict(config="test", size="8B", num_layers=2, tp=tp, kv_cache_dtype="auto", quantization=quantization,
+               max_num_seqs=16,
                max_num_batched_tokens=32, max_model_len=1024, num_blocks=256, variants=[variant])
     (rec,) = gpu_compile.run("steps", dict(configs=[cfg]))
     assert rec["backend"] == "mosaic_gpu" and rec["kernel_calls"]["mosaic_gpu_v2"] >= 1
@@ -68,6 +70,8 @@ def test_whole_step_compiles_for_h100(tp, variant):
     assert rec["alias_bytes"] >= pool  # both pools donated: updated in place
     assert rec["argument_bytes"] > pool and rec["temp_bytes"] > 0
     assert bool(rec["collectives"]) == (tp > 1)  # the sharded step reduces across devices
+    # int4 layer matrices; the embedding / lm_head stay int8 (models/quant.py)
+    assert rec["weight_formats"] == (["int4", "int8"] if quantization else []), rec["weight_formats"]
 
 
 def test_triton_deprecation_is_quiet_for_users():

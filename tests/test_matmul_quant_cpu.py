@@ -66,6 +66,25 @@ def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path):
         assert np.linalg.norm(got - float_product) <= 0.02 * np.linalg.norm(float_product)
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_live_rows_only(path):
+    """`rows` (traced): the live rows equal the full product's, every row past them is zero (a NaN there is
+    never read), on every path and at each row block's edge."""
+    import jax
+    rng = np.random.default_rng(5)
+    layout = cq.Layout(96, 40, 32, 8, 128)
+    u, s, _ = weights(rng, layout)
+    w = cq.pack(u, s, None, layout)
+    x = np.asarray(rng.standard_normal((17, 96)), np.float32)
+    full = np.asarray(cq.cpu_quant_matmul(jnp.asarray(x), w, layout, isa=path))
+    x[9:] = np.nan  # padding a live-rows product must not touch
+    f = jax.jit(lambda x, r: cq.cpu_quant_matmul(x, w, layout, rows=r, isa=path))
+    for rows in (0, 1, 4, 7, 9):
+        got = np.asarray(f(jnp.asarray(x), jnp.int32(rows)))
+        np.testing.assert_array_equal(got[:rows], full[:rows])
+        assert not got[rows:].any(), rows
+
+
 @pytest.mark.parametrize("lead,group,bits,has_min", [((), 32, 4, True), ((3,), 16, 8, False), ((2,), 100, 4, False)])
 def test_pack_round_trip(lead, group, bits, has_min):
     """`unpack` is `pack`'s exact inverse (one matrix or a stack); `dequantize` is s * (u - zero) + m."""
@@ -139,7 +158,10 @@ def test_bad_operands_are_named():
                           (dict(group=np.int64(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
                           (dict(zero=np.int64(16)), "zero")):
         with pytest.raises(Exception, match=match):
-            np.asarray(call(x, w, jnp.int32(0), **{**attrs, **change}))
+            np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))
+    for rows in (-1, 3):  # live rows outside [0, M]
+        with pytest.raises(Exception, match="rows must be one int32 in"):
+            np.asarray(call(x, w, jnp.int32(0), jnp.int32(rows), **attrs))
 
 
 def test_avx2_build_equals_reference():

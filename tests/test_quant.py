@@ -121,7 +121,7 @@ def test_gguf_to_int8(tmp_path, qtype):
 
     from jaxpaged.checkpoints.convert import convert
     gguf = write_gguf(_hf_dir(tmp_path / "hf"), str(tmp_path / "m.gguf"), qtype)
-    f32 = convert(gguf, str(tmp_path / "f32"), dtype="float32", progress=False)
+    f32 = convert(gguf, str(tmp_path / "f32"), dtype="float32", progress=False, keep_quantized=False)
     i8 = convert(gguf, str(tmp_path / "i8"), dtype="float32", progress=False, quantization="int8")
     cfg = ModelConfig.from_dir(i8)
     ref, got = load_params(f32, cfg, "float32"), load_params(i8, cfg, "float32", quantization="int8")

@@ -232,7 +232,7 @@ def test_bad_symmetry_is_named():
 
 def test_int4_load_and_convert_keep_the_matrices(tmp_path):
     """A float checkpoint loaded as int4 (a minimum: its codes, scales and minima all stored) and
-    `jaxpaged convert --quantization int4` (written as codes and scales) give matrices within half a step of
+    `jaxpaged convert --quantization int4` (written as codes, scales and minima) give matrices within half a step of
     the source's (a minimum lost on the way would shift whole groups)."""
     from test_convert import _hf_dir
 

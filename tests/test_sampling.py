@@ -6,6 +6,7 @@ import pytest
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.core.tokenizer import IncrementalDetokenizer, Tokenizer
 from jaxpaged.step.sampler import _filter, _penalize
+from jaxpaged.testing.sampled import filtered_softmax, tv, tv_bound
 from jaxpaged.testing.tiny_models import add_tiny_tokenizer, make_tiny_model
 
 
@@ -119,6 +120,41 @@ def test_top_k_top_p_min_p_filter():
     sp = dict(top_k=jnp.array([2, 0, 0]), top_p=jnp.array([1.0, 0.7, 1.0]), min_p=jnp.array([0.0, 0.0, 0.4]))
     kept = np.isfinite(np.asarray(_filter(logits, sp)))
     assert kept.tolist() == [[1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+
+
+def test_top_p_over_what_top_k_and_min_p_keep():
+    """top_p counts the mass of the tokens top_k and min_p keep, renormalised (vLLM's and Tunix's order): over
+    the whole vocabulary 0.4 comes before the second token (< 0.5 and < 0.55: kept); over the top 2, or over the
+    tokens with p >= 0.6 * 0.4, 0.57 does (dropped)."""
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1]]))
+    sp = dict(top_k=jnp.array([0, 2, 0]), top_p=jnp.array([0.5, 0.5, 0.55]), min_p=jnp.array([0.0, 0.0, 0.6]))
+    kept = np.isfinite(np.asarray(_filter(logits, sp)))
+    assert kept.tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
+
+
+def test_sampled_first_tokens_follow_the_filtered_softmax(llm):
+    """Temperature, top-k and top-p through LLM.generate: the first tokens of N seeded requests (one generate call)
+    follow the exact filtered softmax of the prompt's next-token log-probabilities, read from a greedy
+    request's raw logprobs (the top 20: each setting keeps at most those); total variation under the bound of
+    N draws (a false alarm with probability < 1e-6)."""
+    prompt = {"prompt_token_ids": [5, 6, 7, 8, 9]}
+    lp = _gen(llm, [prompt], max_tokens=1, temperature=0, logprobs=20)[0].outputs[0].logprobs[0]
+    logits = np.full(320, -np.inf)  # [V] log p of the top 20, -inf elsewhere
+    logits[list(lp)] = list(lp.values())
+    n, settings = 600, ((1.0, 0.6, 20), (1.0, 1.0, 3), (0.3, 1.0, 20))  # (temperature, top_p, top_k)
+    params = [SamplingParams(max_tokens=1, temperature=t, top_p=p, top_k=k, seed=1000 * j + i, ignore_eos=True)
+              for j, (t, p, k) in enumerate(settings) for i in range(n)]
+    outs = llm.generate([prompt] * len(params), params, use_tqdm=False)
+    for j, (t, p, k) in enumerate(settings):
+        want = filtered_softmax(logits, t, p, k)
+        bound = tv_bound(want, n)
+        # the check has power: greedy decoding, no top-p / top-k, or temperature 1, would be further than the bound
+        others = [filtered_softmax(logits, t, 1.0, 20), filtered_softmax(logits, 1.0, p, k)]
+        assert 1 - want.max() > 2 * bound, (want.max(), bound)
+        assert all(np.abs(o - want).sum() / 2 > 2 * bound for o in others if not np.array_equal(o, want))
+        got = np.array([o.outputs[0].token_ids[0] for o in outs[j * n:(j + 1) * n]])
+        assert set(got.tolist()) <= set(np.flatnonzero(want).tolist()), (t, p, k)  # only kept tokens
+        assert tv(got, want) < bound, (t, p, k, tv(got, want), bound)
 
 
 def test_incremental_detokenizer_multibyte(tok_model):

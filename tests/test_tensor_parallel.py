@@ -41,10 +41,10 @@ def facts(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_int8_kv_cache(tmp_path):
+def test_int8_kv_cache(facts):
     """int8 KV pools split by KV head with their scales: the same tokens at TP 1, 2, 4 through preemption,
     chunked prefill and prefix hits, and the Pallas kernels under shard_map agree with the reference."""
-    f = _checks(tmp_path, "kv_int8")["kv_int8"]
+    f = facts["kv_int8"]
     for name, hkv in (("llama_8q4kv", 4), ("qwen3_8q2kv", 2)):
         one = f[f"{name}_tp1"]
         assert one["num_preemptions"] > 0 and one["prefix_cache_hit_rate"] > 0

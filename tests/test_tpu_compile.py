@@ -57,17 +57,21 @@ def test_kernel_compiles_for_v5e_and_v6e():
     assert len(out) == 6 and all(vmem > 0 for *_, vmem in out)
 
 
-@pytest.mark.parametrize("chip,tp,kv,bucket", [("v5e", 4, "bfloat16", 64), ("v6e", 8, "int8", 8)])
-def test_llama_8b_step_compiles(chip, tp, kv, bucket):
+@pytest.mark.parametrize("chip,tp,kv,bucket,quant", [("v5e", 4, "bfloat16", 64, None), ("v6e", 8, "int8", 8, "int4")])
+def test_llama_8b_step_compiles(chip, tp, kv, bucket, quant):
     """The whole step of the 8B-shaped model, compiled for a TPU slice with the Mosaic kernel inside
-    (chosen from the topology's devices), its pool donated and read in place, fitting the chip's HBM."""
+    (chosen from the topology's devices), its pool donated and read in place, fitting the chip's HBM; on
+    v6e with int4 weights (XLA's dequantize-then-dot), whose bytes are what the step's arguments hold."""
     rows = _run(f"import json; from jaxpaged.bench import tpu_compile_table as t; "
-                f"print('OUT' + json.dumps(t.measure({chip!r}, 'llama-3-8b', {tp}, {kv!r}, [{bucket}])))")
+                f"print('OUT' + json.dumps(t.measure({chip!r}, 'llama-3-8b', {tp}, {kv!r}, [{bucket}], {quant!r})))")
     assert len(rows) == 1 and "error" not in rows[0], rows
     r = rows[0]
     assert r["T"] == bucket and r["mosaic_kernels"] >= 1 and r["pool_copies"] == 0
     assert r["fits"] and r["pool_bytes"] > 0 and r["total_bytes"] >= r["pool_bytes"] + r["weight_bytes"] * 0.9
     assert r["predicted"] and r["predicted"][0]["ms"] > 0
+    if quant:  # the step's weights: int4 codes (one byte each on this path) and scales, ~half of bfloat16's
+        from jaxpaged.bench import tpu_compile_table as t
+        assert r["argument_bytes"] - r["pool_bytes"] < 0.6 * t.weight_bytes(t.model_config("llama-3-8b"), tp)
 
 
 def test_this_process_stays_on_the_cpu():

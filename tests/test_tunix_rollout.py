@@ -26,6 +26,7 @@ from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout.vanilla_rollout import VanillaRollout  # noqa: E402
 
 from jaxpaged.rl.tunix_rollout import JaxpagedRollout, to_engine_params  # noqa: E402
+from jaxpaged.testing.sampled import filtered_softmax, tv, tv_bound  # noqa: E402
 from jaxpaged.testing.tiny_models import add_tiny_tokenizer  # noqa: E402
 
 PROMPTS = ["The quick brown fox", "Hello world!", "Paged attention stores keys", "café"]
@@ -176,6 +177,9 @@ def test_seeded_sampling_reproducible(pair):
 
 
 def test_update_params_follows_new_weights(pair, tokenizer):
+    """The rollouts take another model's weights, then `model`'s back: the pair is shared by the module's later
+    tests, which compare the rollouts with `model` (Tunix's vanilla sampler keeps its own copy of the
+    weights, so `model` itself never changes)."""
     tok = tokenizer
     model, ours, vanilla = pair
     rc = rollout_config()
@@ -183,13 +187,18 @@ def test_update_params_follows_new_weights(pair, tokenizer):
     compiles = ours.engine.stats()["num_compilations"]
     new = tiny_tunix_model(type(model).__name__.lower(), seed=3)
     params = nnx.state(new, nnx.Param)
-    ours.update_params(params)
-    vanilla.update_params(params)
-    a = ours.generate(PROMPTS, rc)
-    assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
-    assert [t.tolist() for t in a.tokens] != before
-    assert ours.engine.stats()["num_compilations"] == compiles
-    assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    try:
+        ours.update_params(params)
+        vanilla.update_params(params)
+        a = ours.generate(PROMPTS, rc)
+        assert_tunix_greedy(new, tok, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
+        assert [t.tolist() for t in a.tokens] != before
+        assert ours.engine.stats()["num_compilations"] == compiles
+        assert ours.engine.block_manager.num_free_blocks == ours.engine.num_blocks - 1
+    finally:
+        ours.update_params(nnx.state(model, nnx.Param))
+        vanilla.update_params(nnx.state(model, nnx.Param))
+    assert [t.tolist() for t in ours.generate(PROMPTS, rc).tokens] == before
 
 
 def test_unsupported_model_is_a_value_error(tokenizer):
@@ -333,3 +342,42 @@ def test_grpo_run_syncs_lora(tokenizer, compile_cache):
         np.testing.assert_array_equal(np.asarray(w[0]), np.asarray(merged[leaf][0]))
         np.testing.assert_array_equal(np.asarray(w[1]), np.asarray(plain[leaf][1]))
         assert not np.array_equal(np.asarray(w[0]), np.asarray(plain[leaf][0]))
+
+
+# -- sampled distributions: RolloutConfig read as the vanilla sampler reads it ---------------------------------
+@pytest.mark.parametrize("pair", ["llama3"], indirect=True)
+def test_sampled_distribution_is_vanillas(pair, tokenizer):
+    """At temperature 1, with top-p and with top-k: the first token JaxpagedRollout samples (N requests, one seed
+    each) and the tokens of Tunix's own `sample_top_p` over the model's logits follow the exact distribution
+    (total variation under the bound of N draws); with top_p None both are the argmax, at temperature 1."""
+    from tunix.generate import sampler as tunix_sampler
+    sample_top_p = jax.jit(tunix_sampler.sample_top_p, static_argnums=(2, 3, 4))  # one compile, not one per op
+    model, ours, _ = pair
+    # greedy at temperature 1 when top_p is None, and the model's argmax: the engine holds `model`'s weights, so
+    # its logits below are the rollout's
+    rc = rollout_config(temperature=1.0, top_p=None, top_k=50, seed=jax.random.PRNGKey(3))
+    a = ours.generate(PROMPTS, rc)
+    assert_tunix_greedy(model, tokenizer, PROMPTS, [x.tolist() for x in a.tokens], GEN, ours.eos_id())
+    n = 1200
+    ids = [[tokenizer.bos_token_id] + tokenizer.encode(p) for p in PROMPTS]
+    seqs = np.zeros((len(ids), 32), np.int32)
+    for i, a in enumerate(ids):
+        seqs[i, :len(a)] = a
+    last = np.asarray(_logits(model, seqs))[np.arange(len(ids)), [len(a) - 1 for a in ids]]  # [prompts, V]
+    flat = int(np.argmax(np.exp(last - last.max(-1, keepdims=True)).sum(-1)))  # its next token least certain
+    logits = last[flat]
+    for top_p, top_k in ((0.6, None), (1.0, 3)):
+        p = filtered_softmax(logits, 1.0, top_p, top_k)
+        bound = tv_bound(p, n)
+        full = filtered_softmax(logits, 1.0, 1.0, None)
+        # the check has power: greedy decoding, or sampling unfiltered, would be further than the bound
+        assert 1 - p.max() > 2 * bound and np.abs(full - p).sum() / 2 > 2 * bound, (p.max(), bound)
+        theirs = sample_top_p(jnp.broadcast_to(jnp.asarray(logits), (n, 1, len(logits))),
+                              jax.random.PRNGKey(top_k or 0), 1.0, top_p, top_k)[0]
+        assert tv(np.asarray(theirs), p) < bound, "the reference is not the vanilla sampler's distribution"
+        rc = rollout_config(temperature=1.0, top_p=top_p, top_k=top_k, max_tokens_to_generate=1,
+                            seed=jax.random.PRNGKey(11))
+        out = ours.generate([PROMPTS[flat]] * n, rc)
+        got = np.array([t[0] if len(t) else ours.eos_id() for t in out.tokens])
+        assert tv(got, p) < bound, (top_p, top_k, tv(got, p), bound)
+        assert set(got.tolist()) <= set(np.flatnonzero(p).tolist())  # nothing outside the kept tokens

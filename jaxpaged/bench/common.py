@@ -44,6 +44,7 @@ PRESETS = {
 }
 
 WITH_TOKENIZER = ("llama-1b-smol",)  # bfloat16 weights and the default model's tokenizer files
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")  # random:<WITH_TOKENIZER preset>-<type>: make_random_gguf
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _WORDS = ("the of and to in is was for on that with as by at from his her an were are which this be has "
@@ -63,8 +64,9 @@ def add_engine_args(ap, *, max_num_seqs=64, max_num_batched_tokens=512, max_mode
                     num_kv_blocks=None, exclude=()):
     """The engine flags (jaxpaged/args.py), with the benches' defaults (float32, no progress bars and
     the script's sizes), and --json. `exclude`: engine flags the script declares its own way."""
-    helps = dict(model="model directory, or random:smollm2-135m / random:llama-1b-smol / random:tiny (random "
-                       "weights, real shapes); "
+    helps = dict(model="model directory, GGUF file, or random:smollm2-135m / random:llama-1b-smol / random:tiny "
+                       "(random weights, real shapes; random:llama-1b-smol-q8_0 / -q4_0 / -q4_1 / -q4_k: that "
+                       "model as a GGUF of that type); "
                        "default: the embedded default model, SmolLM2-135M-Instruct")
     if max_model_len is None:
         helps["max_model_len"] = "longest prompt + output (default: the longest request the workload can draw)"
@@ -87,14 +89,22 @@ def add_workload_args(ap, *, num_prompts, prompt_len, output_len):
 
 # -- models ---------------------------------------------------------------------------------
 def resolve_model(spec: str | None) -> str:
-    """A model directory: the default model (fetched and converted once), a random preset, or a path."""
+    """A model directory: the default model (fetched and converted once), a random preset (a GGUF preset's and
+    a GGUF file's: the directory the engine loads the file from, `gguf_load.gguf_model_dir`), or a path."""
     if spec is None:
         from jaxpaged.checkpoints.default_model import default_model_dir
         return default_model_dir(verbose=True)
     if spec.startswith("random:"):
-        return make_random_model(spec.split(":", 1)[1])
+        name = spec.split(":", 1)[1]
+        preset, _, qtype = name.rpartition("-")
+        if name in PRESETS or preset not in PRESETS:
+            return make_random_model(name)
+        return make_random_gguf(preset, qtype.upper())
+    from jaxpaged.checkpoints.gguf_load import gguf_model_dir, is_gguf_file
+    if is_gguf_file(spec):
+        return gguf_model_dir(spec)  # loads from the file, kept quantized (jaxpaged/checkpoints/gguf_load.py)
     if not os.path.isdir(spec):
-        raise SystemExit(f"--model {spec}: no such directory")
+        raise SystemExit(f"--model {spec}: no such directory or GGUF file")
     return spec
 
 
@@ -131,6 +141,27 @@ def make_random_model(preset: str, root: str | None = None) -> str:
     except OSError:  # made concurrently by another run
         pass
     return path
+
+
+def make_random_gguf(preset: str, qtype: str, root: str | None = None) -> str:
+    """`random:<preset>-<type>` (e.g. random:llama-1b-smol-q4_k): the random model of a WITH_TOKENIZER
+    preset written once as a GGUF of `qtype` (GGUF_TYPES; every matrix, the embedding included, in that type,
+    norms F32) with the default model's GGUF tokenizer metadata, so llama.cpp runs the file and tokenizes as
+    the engine does; returns the directory the engine loads it from (the file: `gguf_load.gguf_source`)."""
+    if preset not in WITH_TOKENIZER or qtype not in GGUF_TYPES:
+        raise SystemExit(f"unknown GGUF preset {preset}-{qtype.lower()}; choose from "
+                         f"{', '.join(f'random:{p}-{t.lower()}' for p in WITH_TOKENIZER for t in GGUF_TYPES)}")
+    from jaxpaged.checkpoints.default_model import default_gguf_path
+    from jaxpaged.checkpoints.gguf_load import gguf_model_dir
+    from jaxpaged.testing.gguf_files import write_gguf
+    hf = make_random_model(preset, root)
+    path = f"{hf}.{qtype}.gguf"
+    if not os.path.isfile(path):
+        say(f"writing {path}")
+        tmp = f"{path}.tmp-{os.getpid()}"
+        write_gguf(hf, tmp, qtype, tokenizer_from=default_gguf_path(verbose=True))
+        os.replace(tmp, path)
+    return gguf_model_dir(path)
 
 
 def engine_kwargs(args, **over) -> dict:
@@ -387,3 +418,20 @@ def load_hf_model(model_dir: str, dtype: str):
         raise RuntimeError(f"{model_dir}: weights do not map onto transformers' model "
                            f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.to(tdtype).eval()
+
+
+def run_info(command: str, argv: list[str] | None) -> dict:
+    """What remakes a result: the command line (`jaxpaged bench <command> <flags>`) and the git commit of
+    the checkout the code ran from ("+dirty" with uncommitted changes to tracked files; None outside git)."""
+    import shlex
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+    def git(*a):
+        return subprocess.run(["git", "-C", root, *a], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        commit = git("rev-parse", "HEAD") + ("+dirty" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    flags = sys.argv[1:] if argv is None else list(argv)
+    return dict(command=shlex.join(["jaxpaged", "bench", command, *flags]), git_commit=commit)

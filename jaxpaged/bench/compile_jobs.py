@@ -123,17 +123,20 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
     """Compile the engine's whole step for H100 meshes (jaxpaged/step/aot.py) and report, per variant:
     memory_analysis(), and for the `cost_variants` the HLO costs of an unrolled compile (`_costs`).
 
-    A config: size (8B | 70B), num_layers (optional), tp, kv_cache_dtype, max_num_seqs,
+    A config: size (8B | 70B), num_layers (optional), tp, kv_cache_dtype, quantization (optional: int8 /
+    int4 weights, XLA's dequantize-then-dot on the GPU), max_num_seqs,
     max_num_batched_tokens, max_model_len, num_blocks (per layer), variants (list of [T, decode_only], or
     None for all), cost_variants (list of [T, decode_only]), plus labels."""
     del dumps
     from jaxpaged.bench.gpu_compile import KERNEL_TARGETS, memory
     from jaxpaged.config import EngineConfig
+    from jaxpaged.models.qarray import QArray
     from jaxpaged.step.aot import abstract_runner, compile_steps
     out = []
     for c in configs:
         mc = model_config(c["size"], c.get("num_layers"))
         cfg = EngineConfig(dtype="bfloat16", kv_cache_dtype=c["kv_cache_dtype"], block_size=16,
+                           quantization=c.get("quantization"),
                            max_num_seqs=c["max_num_seqs"], max_num_batched_tokens=c["max_num_batched_tokens"],
                            max_model_len=c["max_model_len"], tensor_parallel_size=c["tp"],
                            attention_backend=c.get("attention_backend", "auto"), compilation_cache_dir=None,
@@ -141,11 +144,14 @@ def steps(configs: list[dict], dumps: dict) -> list[dict]:
         mesh = cuda_mesh(c["tp"], ("data", "model"), (1, c["tp"]))
         runner = abstract_runner(mc, cfg, mesh, num_blocks=c["num_blocks"])
         variants = [tuple(v) for v in c["variants"]] if c.get("variants") else runner.variants()
+        formats = sorted({a.format for a in jax.tree.leaves(runner.params, is_leaf=lambda a: isinstance(a, QArray))
+                          if isinstance(a, QArray)})
         for v in variants:
             t0 = time.perf_counter()
             exe = compile_steps(runner, [v])[v]
             hlo = exe.runtime_executable().hlo_modules()[0].to_string()
             rec = dict(c, tokens=v[0], decode_only=v[1], backend=runner.backend, layers=mc.num_layers,
+                       weight_formats=formats,
                        compile_s=round(time.perf_counter() - t0, 2), **memory(exe),
                        kernel_calls={t: hlo.count(f'custom_call_target="{t}"') for t in KERNEL_TARGETS},
                        collectives=sorted({op for op in ("all-reduce", "all-gather", "reduce-scatter",

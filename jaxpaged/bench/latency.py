@@ -3,14 +3,20 @@ time it takes this machine to read the weights once, with the peers side by side
 
     jaxpaged bench latency --json docs/results/latency.json
     jaxpaged bench latency --model random:llama-1b-smol --backend jaxpaged-int4 --concurrency 1
+    jaxpaged bench latency --model random:llama-1b-smol-q4_k --backend jaxpaged-bfloat16 --backend llama-cpp \
+        --concurrency 1 --llama-python ~/llama-venv/bin/python
 
 Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 activations with int8
 (per output channel) or int4 (groups of 32) layer weights (each its own engine in this process,
 `max_num_seqs` 64 as `LLM()`; a KV pool just large enough for the largest N at `--max-model-len`, so the
 engines fit beside each other), vLLM's CPU build (`--vllm-python`, jaxpaged/bench/vllm_peer.py) and
-llama-cpp-python (`--gguf`, default: the GGUF the default model is made from) when they are installed; a
-missing peer is reported with the reason. `--model` takes any model directory or random preset
-(`random:llama-1b-smol`: the 1B-class model with a real tokenizer, jaxpaged/bench/common.py).
+llama.cpp (`--llama-python`, jaxpaged/bench/llama_cpp_peer.py) on `--gguf` (default: the model's own file
+where `--model` is a GGUF, else the GGUF the default model is made from) when they are installed; a
+missing peer is reported with the reason. `--model` takes any model directory, GGUF file or random preset
+(`random:llama-1b-smol`: the 1B-class model with a real tokenizer; `random:llama-1b-smol-q4_k` (-q8_0,
+-q4_0, -q4_1): that model written once as a GGUF of that type, jaxpaged/bench/common.py). On a GGUF
+jaxpaged keeps the file's matrices packed (`--keep-quantized`, the default), so jaxpaged and llama.cpp
+read the same file; the JSON names each GGUF's tensor types, and the command and commit that made it.
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
 greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
@@ -32,7 +38,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 
@@ -117,38 +122,44 @@ def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, 
     return out, None
 
 
-def measure_llama_cpp(args, prompts: list[list[int]]) -> tuple[dict, str | None]:
-    try:
-        import llama_cpp
-    except ImportError as e:
-        return {}, f"llama-cpp-python not installed ({e}); `pip install llama-cpp-python` to add it"
-    path = args.gguf or _default_gguf()
+def measure_llama_cpp(args, path: str | None, prompts: list[list[int]]) -> tuple[dict, str | None]:
+    """llama.cpp on GGUF file `path`, one sequence (jaxpaged/bench/llama_cpp_peer.py)."""
+    from jaxpaged.bench import llama_cpp_peer
     if path is None:
         return {}, "no GGUF file (pass --gguf)"
-    llm = llama_cpp.Llama(model_path=path, n_ctx=1024, n_threads=os.cpu_count(), verbose=False)
-    out = {}
-    per_token = []
-    for _ in range(args.repeats):  # one sequence at a time: llama-cpp-python serves one stream
-        llm.reset()
-        t0 = time.perf_counter()
-        first = None
-        n = 0
-        for _tok in llm.generate(prompts[0], temp=0.0, reset=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n == args.output_len:
-                break
-        per_token.append(1e3 * (time.perf_counter() - first) / (n - 1))
-        ttft = 1e3 * (first - t0)
-    out[f"llama.cpp ({os.path.basename(path)})", 1] = dict(
-        ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token, ttft_ms=ttft,
-        load=[os.getloadavg()[0]], weight_bytes=float(os.path.getsize(path)), note="one sequence")
-    return out, None
+    why = llama_cpp_peer.unavailable(args)
+    if why:
+        return {}, why
+    try:
+        got = llama_cpp_peer.run_llama_cpp(args, path, prompts[0], args.output_len, args.repeats)
+    except RuntimeError as e:  # the worker failed on this file: the other rows still count
+        return {}, str(e)
+    info = gguf_info(path)
+    row = dict(ms_per_token=statistics.median(got["ms_per_token_runs"]), ms_per_token_runs=got["ms_per_token_runs"],
+               ttft_ms=statistics.median(got["ttft_ms_runs"]), load=[os.getloadavg()[0]],
+               weight_bytes=float(info["tensor_bytes"]), note="one sequence", gguf_types=info["types"],
+               llama_cpp=dict(version=got["version"], n_threads=got["n_threads"], system_info=got["system_info"]))
+    return {(f"llama.cpp ({os.path.basename(path)})", 1): row}, None
 
 
-def _default_gguf() -> str | None:
+def gguf_info(path: str) -> dict:
+    """A GGUF file's path, size, tensor bytes and tensor count per type (e.g. {"Q4_K": 112, "F32": 33})."""
+    import collections
+
+    import gguf
+    tensors = gguf.GGUFReader(path).tensors
+    return dict(path=os.path.abspath(path), file_bytes=os.path.getsize(path),
+                tensor_bytes=int(sum(int(t.n_bytes) for t in tensors)),
+                types=dict(collections.Counter(t.tensor_type.name for t in tensors)))
+
+
+def _default_gguf(model_dir: str) -> str | None:
+    """llama.cpp's file: the model's own where it is a GGUF, else the default model's GGUF."""
     from jaxpaged.checkpoints.default_model import default_gguf_path
+    from jaxpaged.checkpoints.gguf_load import gguf_source
+    own = gguf_source(model_dir)
+    if own:
+        return own
     try:
         return default_gguf_path(verbose=False)
     except (OSError, RuntimeError):
@@ -183,9 +194,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--startup", nargs="*", default=[], choices=["float32", "bfloat16"],
                     help="also time cold and warm start to the first token in fresh processes, per dtype")
-    ap.add_argument("--gguf", default=None, help="llama-cpp-python's model (default: the default model's GGUF)")
-    from jaxpaged.bench import vllm_peer
+    ap.add_argument("--gguf", default=None, help="llama.cpp's model (default: --model where it is a GGUF file or "
+                    "preset, else the default model's GGUF)")
+    from jaxpaged.bench import llama_cpp_peer, vllm_peer
     vllm_peer.add_args(ap)
+    llama_cpp_peer.add_args(ap)
     bc.add_engine_args(ap, max_model_len=1024)
     ap.set_defaults(random_tokens=False)
     args = ap.parse_args(argv)
@@ -203,8 +216,9 @@ def main(argv=None) -> dict:
         rows.update(got)
         if why:
             missing["vllm"] = why
+    gguf = args.gguf or _default_gguf(model_dir)
     if "llama-cpp" in backends:
-        got, why = measure_llama_cpp(args, prompts)
+        got, why = measure_llama_cpp(args, gguf, prompts)
         rows.update(got)
         if why:
             missing["llama-cpp"] = why
@@ -220,7 +234,10 @@ def main(argv=None) -> dict:
             r["weight_read_ms_memcpy"] = 1e3 * r["weight_bytes"] / peaks["memcpy_bytes_per_s"]
             r["x_weight_read"] = r["ms_per_token"] / r["weight_read_ms"]
             r["x_weight_read_memcpy"] = r["ms_per_token"] / r["weight_read_ms_memcpy"]
+    from jaxpaged.checkpoints.gguf_load import gguf_source
+    files = {"model": gguf_source(model_dir), "llama.cpp": gguf if "llama-cpp" in backends else None}
     out = dict(rows=[dict(backend=b, running=n, **r) for (b, n), r in rows.items()], missing=missing,
+               gguf={k: gguf_info(v) for k, v in files.items() if v}, **bc.run_info("latency", argv),
                startup=startup, peaks=peaks, load_at_end=os.getloadavg(),
                workload=dict(prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
                              concurrency=args.concurrency, greedy=True, ignore_eos=True),

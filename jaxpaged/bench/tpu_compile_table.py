@@ -51,24 +51,27 @@ def kv_bytes_per_token(cfg, tp: int, kv_dtype: str) -> int:
     return kv_bytes_per_block(cfg, 1, ENGINE["dtype"], tp, kv_dtype)
 
 
-def weight_bytes(cfg, tp: int) -> int:
-    """Parameter bytes on each chip (bf16; KV heads replicated where tp exceeds them; vocab sharded)."""
+def weight_bytes(cfg, tp: int, quantization: str | None = None) -> int:
+    """Parameter bytes on each chip (bf16, or int8 / int4 codes with their scales under `quantization`;
+    KV heads replicated where tp exceeds them; vocab sharded)."""
+    import math
+
     import jax
 
-    from jaxpaged.checkpoints.weights import param_shapes
-    from jaxpaged.step.mesh import param_partition_specs, sharded_model_config
-    shapes = param_shapes(sharded_model_config(cfg, tp))
-    specs = param_partition_specs(cfg, tp)
-    is_shape = lambda x: isinstance(x, tuple) and all(isinstance(i, int) for i in x)
-    sizes = jax.tree.map(lambda s, p: 2 * int(__import__("math").prod(s)) // (tp if "model" in tuple(p) else 1),
-                         shapes, specs, is_leaf=is_shape)
+    from jaxpaged.checkpoints.weights import empty_params
+    from jaxpaged.step.mesh import leaf_specs, param_partition_specs, sharded_model_config
+    shapes = empty_params(sharded_model_config(cfg, tp), "bfloat16", quantization,
+                          alloc=lambda shape, dt: jax.ShapeDtypeStruct(tuple(shape), dt))
+    specs = leaf_specs(param_partition_specs(cfg, tp), shapes)
+    sizes = jax.tree.map(lambda a, p: math.prod(a.shape) * a.dtype.itemsize // (tp if "model" in tuple(p) else 1),
+                         shapes, specs)
     return sum(jax.tree.leaves(sizes))
 
 
-def pool_blocks(cfg, chip: str, tp: int, kv_dtype: str) -> int:
+def pool_blocks(cfg, chip: str, tp: int, kv_dtype: str, quantization: str | None = None) -> int:
     """Blocks of the pool: KV_TOKENS worth, or what is left of 90 % of the chip's HBM after the weights
     and 1 GiB of workspace (0 when nothing is left)."""
-    room = 0.9 * tpu_aot.CHIPS[chip]["hbm"] - weight_bytes(cfg, tp) - GiB
+    room = 0.9 * tpu_aot.CHIPS[chip]["hbm"] - weight_bytes(cfg, tp, quantization) - GiB
     tokens = min(KV_TOKENS, int(room // kv_bytes_per_token(cfg, tp, kv_dtype)))
     return max(tokens, 0) // ENGINE["block_size"]
 
@@ -89,7 +92,7 @@ def predict(row: dict, cfg, chip: str, tp: int, kv_dtype: str, running: int) -> 
                 tokens_per_s=running / max(t_mem, t_flop))
 
 
-def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
+def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets, quantization: str | None = None) -> dict:
     """{T: jax.stages.Compiled}: the engine's step for each bucket T (default: every bucket of the engine),
     over abstract parameters and pools on `mesh` (compile-only devices: nothing is allocated), attention
     from the mesh's devices (mosaic_tpu). The decode-only variants the engine also compiles are the same
@@ -98,7 +101,7 @@ def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
     from jaxpaged.step.aot import abstract_runner
     from jaxpaged.step.aot import compile_steps as compile_variants
     ecfg = EngineConfig(**ENGINE, kv_cache_dtype=kv_dtype, attention_backend="auto", compilation_cache_dir=None,
-                        tensor_parallel_size=mesh.shape["model"])
+                        tensor_parallel_size=mesh.shape["model"], quantization=quantization)
     runner = abstract_runner(cfg, ecfg, mesh, num_blocks)
     if runner.backend != "mosaic_tpu":
         raise RuntimeError(f"attention resolved to {runner.backend!r}, not mosaic_tpu, on {mesh.devices.flat[0]}")
@@ -106,19 +109,21 @@ def compile_steps(cfg, mesh, kv_dtype: str, num_blocks: int, buckets) -> dict:
     return {T: c for (T, _), c in steps.items()}
 
 
-def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None) -> list[dict]:
-    """Rows (one per bucket) for one configuration; a configuration that cannot hold the weights, or
-    whose step fails to compile (out of HBM, say), is one row that says so."""
+def measure(chip: str, model: str, tp: int, kv_dtype: str, buckets=None, quantization: str | None = None) -> list[dict]:
+    """Rows (one per bucket) for one configuration (`quantization`: int8 / int4 weights, XLA's
+    dequantize-then-dot); a configuration that cannot hold the weights, or whose step fails to compile (out
+    of HBM, say), is one row that says so."""
     cfg = model_config(model)
-    base = dict(chip=chip, model=model, tp=tp, kv_dtype=kv_dtype, weight_bytes=weight_bytes(cfg, tp))
-    nb = pool_blocks(cfg, chip, tp, kv_dtype)
+    base = dict(chip=chip, model=model, tp=tp, kv_dtype=kv_dtype, quantization=quantization,
+                weight_bytes=weight_bytes(cfg, tp, quantization))
+    nb = pool_blocks(cfg, chip, tp, kv_dtype, quantization)
     if nb == 0:
         return [dict(base, error="the weights leave no room for a KV pool")]
     mesh = tpu_aot.topology_mesh(chip, tp)
     t0, first_error = time.perf_counter(), None
     for blocks in (nb, nb // 8):  # out of HBM: the row says so, and the step is measured on a pool 1/8 the size
         try:
-            steps = compile_steps(cfg, mesh, kv_dtype, blocks, buckets)
+            steps = compile_steps(cfg, mesh, kv_dtype, blocks, buckets, quantization)
             break
         except Exception as e:  # noqa: BLE001 -- recorded: the configuration does not compile
             msg = str(e).strip().splitlines()[0][:300]

@@ -31,13 +31,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, progress: bool = True,
-            quantization: str | None = None, torch_dtype: str | None = None) -> str:
+            quantization: str | None = None, torch_dtype: str | None = None, keep_quantized: bool = True) -> str:
     """Convert SRC (HF model directory or .gguf file) into DST in the engine's format; return DST.
 
-    quantization: None, or "int8" / "int4" / "fp8": the matrices are quantized one tensor at a time,
-    symmetric (per output channel, int4 in groups of 32; the embedding per row) and DST holds the quantized
-    pytree (jaxpaged/models/quant.py), which loads without a float copy of the model. GGUF tensors (Q8_0,
-    Q4_0, Q4_1, ...) are widened one at a time.
+    quantization: None, or "int8" / "int4" / "fp8": the matrices are quantized one tensor at a time and DST
+    holds the quantized pytree (jaxpaged/models/quant.py), which loads without a float copy of the model.
+    keep_quantized (a GGUF SRC without quantization): its quantized matrices are kept as the engine's
+    quantized matrices, exactly (codes, scales, minimums: jaxpaged/checkpoints/gguf_load.py), and the engine
+    loads DST with them packed; otherwise GGUF tensors are dequantized one at a time (then quantized to
+    `quantization` where given). `dtype` sets the float tensors.
 
     Raises ValueError, naming the file, for a missing or unreadable SRC, an unsupported architecture
     or GGUF tensor type, a non-empty DST without `force`, or a full disk.
@@ -64,7 +66,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", force: bool = False, pr
         if os.path.isdir(src):
             _convert_hf(src, tmp, dtype, progress, quantization)
         elif src.endswith(".gguf") or _has_gguf_magic(src):
-            _convert_gguf(src, tmp, dtype, progress, quantization, torch_dtype)
+            _convert_gguf(src, tmp, dtype, progress, quantization, torch_dtype, keep_quantized)
         else:
             raise ValueError(f"{src}: not a model (expected a Hugging Face model directory or a .gguf file)")
         _replace_dir(tmp, dst)
@@ -104,12 +106,18 @@ def _convert_hf(src: str, out: str, dtype: str, progress: bool, quantization: st
 
 
 def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: str | None,
-                  torch_dtype: str | None = None) -> None:
+                  torch_dtype: str | None = None, keep_quantized: bool = True) -> None:
     from jaxpaged.checkpoints.gguf import GGUFModel
+    from jaxpaged.checkpoints.gguf_load import load_gguf_params
     g = GGUFModel(src)
     cfg = ModelConfig.from_hf_dict(g.config, source=src)
     tok = g.tokenizer()
-    _write(out, cfg, g.tensors(), dtype, src, progress, quantization)
+    if keep_quantized and quantization is None:
+        with _bar(cfg, progress, "converting (quantized matrices kept)") as bar:
+            params = load_gguf_params(src, cfg, dtype, keep_quantized=True, progress=bar)
+        save_orbax_params(params, out)
+    else:
+        _write(out, cfg, g.tensors(), dtype, src, progress, quantization)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump({**g.config, **({"torch_dtype": torch_dtype} if torch_dtype else {})}, f, indent=2)
     tok.save_pretrained(out, save_jinja_files=False)  # chat template inside tokenizer_config.json
@@ -117,18 +125,16 @@ def _convert_gguf(src: str, out: str, dtype: str, progress: bool, quantization: 
 
 def _write(out, cfg, tensors, dtype, source, progress, quantization=None) -> None:
     """Fill the parameter pytree from (HF name, array) pairs, one at a time, and save it under OUT."""
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-        bar = tqdm(total=count_tensors(cfg), desc=f"converting to {quantization or dtype}", unit="tensor",
-                   file=sys.stderr)
-    try:
+    with _bar(cfg, progress, f"converting to {quantization or dtype}") as bar:
         params = params_from_named_tensors(cfg, tensors, dtype, source=source, progress=bar,
-                                           quantization=quantization, symmetric=True)  # saved: codes, scales
-    finally:
-        if bar is not None:
-            bar.close()
+                                           quantization=quantization)
     save_orbax_params(params, out)
+
+
+def _bar(cfg, progress: bool, desc: str):
+    """A progress bar over the model's tensors on stderr (disabled without `progress`)."""
+    from tqdm.auto import tqdm
+    return tqdm(total=count_tensors(cfg), desc=desc, unit="tensor", file=sys.stderr, disable=not progress)
 
 
 def _umask() -> int:

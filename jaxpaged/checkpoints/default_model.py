@@ -53,7 +53,7 @@ def default_model_dir(*, cache_dir: str | None = None, wheel_dir: str | None = N
     try:
         # A leftover without params/ is not a model: replace it. The rename at the end is atomic.
         convert(gguf, out, dtype="float32", force=os.path.exists(out), progress=verbose is not False,
-                torch_dtype=TORCH_DTYPE)
+                torch_dtype=TORCH_DTYPE, keep_quantized=False)
     except ValueError:
         if not _is_converted(out):  # a concurrent fetch that finished first is fine
             raise

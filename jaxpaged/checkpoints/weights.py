@@ -7,6 +7,7 @@ size of the output. The pytree layout is documented in `jaxpaged/models/llama.py
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
@@ -304,10 +305,15 @@ def is_orbax_dir(model_dir: str) -> bool:
 
 
 def save_orbax_params(params: dict, model_dir: str) -> None:
-    """Save the pytree (a QArray as the dict {q, scale}) uncompressed under model_dir/params."""
+    """Save the pytree uncompressed under model_dir/params; a QArray as the dict {q, scale, form: int32
+    [group, bits, zero]}, with m where it has a minimum (a GGUF matrix kept packed)."""
     import jax
     import orbax.checkpoint as ocp
-    params = jax.tree.map(lambda a: {"q": a.q, "scale": a.scale} if isinstance(a, QArray) else a, params,
+
+    def saved(a: QArray) -> dict:
+        d = {"q": a.q, "scale": a.scale, "form": np.array([a.group, a.bits, a.zero], np.int32)}
+        return d if a.m is None else {**d, "m": a.m}
+    params = jax.tree.map(lambda a: saved(a) if isinstance(a, QArray) else a, params,
                           is_leaf=lambda a: isinstance(a, QArray))
     # uncompressed: restoring is then bound by the disk, and saving needs no second copy in memory
     with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ckpt:
@@ -315,10 +321,12 @@ def save_orbax_params(params: dict, model_dir: str) -> None:
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization: str | None = None,
-                      group_size: int | None = None, symmetric: bool | None = None) -> dict:
+                      group_size: int | None = None, symmetric: bool | None = None,
+                      keep_quantized: bool = False) -> dict:
     """Restore the pytree one leaf at a time as numpy arrays of `dtype`, its matrices in the format
     `quantization` asks for (quantized, widened or re-quantized per leaf: whichever format the
-    checkpoint holds, no float32 copy of the whole model is ever made)."""
+    checkpoint holds, no float32 copy of the whole model is ever made); without `quantization`, the
+    checkpoint's quantized matrices stay as saved with `keep_quantized`, else are widened."""
     import jax
     import orbax.checkpoint as ocp
     path = os.path.abspath(os.path.join(model_dir, ORBAX_SUBDIR))
@@ -342,7 +350,15 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
                 for k in keys:
                     r = r[k]
                 axis = leaf_axis(keys)
-                a = restored(r["q"], r["scale"], axis) if is_quantized_tree(r) else r
+                if is_quantized_tree(r):
+                    try:
+                        a = restored(r["q"], r["scale"], axis, r.get("m"), r.get("form"))
+                    except ValueError as e:
+                        raise ValueError(f"{'/'.join(keys)}: {e}") from None
+                    if keep_quantized and quantization is None:
+                        return dataclasses.replace(a, dtype=dtype)
+                else:
+                    a = r
                 if axis is None:
                     return np.asarray(a).astype(np_dtype, copy=False)
                 return convert_leaf(a, *_leaf_format(keys, quantization, group_size, symmetric), axis, dtype)
@@ -353,11 +369,12 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
 
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, quantization: str | None = None,
-                group_size: int | None = None, symmetric: bool | None = None) -> dict:
+                group_size: int | None = None, symmetric: bool | None = None, keep_quantized: bool = False) -> dict:
     """Numpy parameter pytree from an orbax (converted) or Hugging Face directory; with `quantization`
-    its matrices are QArrays (jaxpaged/models/quant.py) in groups of `group_size`, `symmetric` or not."""
+    its matrices are QArrays (jaxpaged/models/quant.py) in groups of `group_size`, `symmetric` or not; with
+    `keep_quantized` (and no `quantization`) a converted directory's quantized matrices stay QArrays as saved."""
     if is_orbax_dir(model_dir):
-        params = load_orbax_params(model_dir, cfg, dtype, quantization, group_size, symmetric)
+        params = load_orbax_params(model_dir, cfg, dtype, quantization, group_size, symmetric, keep_quantized)
         if progress is not None:
             progress.update(count_tensors(cfg))
         return params

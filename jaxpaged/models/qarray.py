@@ -92,16 +92,33 @@ class QArray:
         return cls(q, s, dtype, m, int(group), int(bits), int(zero))
 
 
-def restored(q, scale, axis: int) -> QArray:
-    """A QArray saved as {q, scale} (jaxpaged convert): its group read back from the scale's size on the
-    reduced axis (the smallest group giving that many; int4 codes are restored as 8-bit ones: the same
-    matrix)."""
-    n, count = q.shape[axis], scale.shape[axis]
-    group = 0 if count == 1 else next((g for g in GROUPS if -(-n // g) == count), None)
-    if group is None:
-        raise ValueError(f"a saved quantized matrix [{n} on its reduced axis] has {count} scales: no group fits")
-    integer = np.dtype(q.dtype) == np.int8
-    return QArray(q, scale, "float32", None, group, 8, 128 if integer else 0)
+def restored(q, scale, axis: int, m=None, form=None) -> QArray:
+    """A QArray saved by `jaxpaged convert` (jaxpaged/checkpoints/weights.py save_orbax_params): with its
+    `form` ([group, bits, zero]) and minimum `m`, the QArray saved, its operands checked (ValueError naming
+    the operand: a form that is not one, scales or minimum of the wrong shape or not finite, codes outside
+    the form's range); without (a checkpoint saved as {q, scale} alone) its group read back from the scale's
+    size on the reduced axis (the smallest group giving that many; codes restored as 8-bit ones)."""
+    if form is None:
+        n, count = q.shape[axis], scale.shape[axis]
+        group = 0 if count == 1 else next((g for g in GROUPS if -(-n // g) == count), None)
+        if group is None:
+            raise ValueError(f"a saved quantized matrix [{n} on its reduced axis] has {count} scales: no group fits")
+        integer = np.dtype(q.dtype) == np.int8
+        return QArray(q, scale, "float32", None, group, 8, 128 if integer else 0)
+    group, bits, zero = (int(v) for v in np.asarray(form).reshape(-1))
+    check_group(group, "group")
+    if bits not in (4, 8) or not 0 <= zero < 2 ** bits or (m is not None and zero):
+        raise ValueError(f"form [group, bits, zero] = {[group, bits, zero]} is not a quantized form (bits 4 or 8, "
+                         f"zero a code of that width, 0 with a minimum)")
+    want = list(q.shape)
+    want[axis] = -(-want[axis] // group) if group else 1
+    scale = check_scales(scale, tuple(want), "scale")
+    m = None if m is None else check_scales(m, tuple(want), "m")
+    if np.dtype(q.dtype) == np.int8 and q.size:
+        lo, hi = int(q.min()) + zero, int(q.max()) + zero
+        if lo < 0 or hi >= 2 ** bits:
+            raise ValueError(f"q holds codes outside 0..{2 ** bits - 1} (q + zero in {lo}..{hi}, bits={bits})")
+    return QArray(q, scale, "float32", m, group, bits, zero)
 
 
 def check_group(group, name: str = "quantization_group_size") -> None:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxpaged.models import live_rows
 from jaxpaged.models.qarray import QArray, dequantize_parts
 from pallas_kernels.matmul import cpu_quant
 
@@ -90,16 +91,17 @@ def pack(a: QArray, donate: bool = False, transposed: bool = False) -> QPacked:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
-    blob = (_pack_owned if donate else _pack)(a, spec.layout)
+    blob = _pack(a, spec.layout)
+    if donate:  # freed once packed (not donated to the jit: no output has the codes' shape to reuse them)
+        for x in (a.q, a.scale, a.m):
+            if isinstance(x, jax.Array):
+                x.delete()
     return dataclasses.replace(spec, blob=blob)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _pack(a: QArray, layout):
     return cpu_quant.pack(_codes(a), a.scale, a.m, layout)
-
-
-_pack_owned = jax.jit(_pack.__wrapped__, static_argnums=1, donate_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3))
@@ -120,10 +122,12 @@ def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
 
 def matmul(x, w: QPacked, layer=None):
     """x [..., K] @ the packed w (a stack read at `layer` when given) -> f32[..., N] on the kernel (x in
-    float32 or bfloat16; other float types are widened to float32)."""
+    float32 or bfloat16; other float types are widened to float32). Inside a `live_rows` block of the step,
+    x [M, K]'s padding rows are skipped (zeros)."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
-    return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer)
+    rows = live_rows.current() if x.ndim == 2 else None
+    return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer, rows=rows)
 
 
 def pack_quantized(params: dict, owned: bool = False) -> dict:

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.models import qpacked
+from jaxpaged.models.live_rows import live_rows
 from jaxpaged.models.qarray import QArray, check_quantization, dequantize, dequantize_parts, quantize
 from jaxpaged.models.qpacked import QPacked
 from jaxpaged.step.batch_invariant import row_tiled
@@ -135,9 +136,10 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     shape it takes is multiplied by the CPU matmul kernel (pallas_kernels/matmul/cpu.py), float32
     accumulation as XLA's; anything else by XLA's dot. A `QPacked` w (the runner packs them only where the
     quantized kernel runs: jaxpaged/step/matmul.py) is multiplied by the quantized CPU kernel."""
-    if row_tile:
-        return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,
-                         row_tile)
+    if row_tile:  # each tile is its own [row_tile, in]: the step's live-row count does not apply to it
+        with live_rows(None):
+            return row_tiled(lambda t: dot(t, w, preferred_element_type, transpose=transpose, kernel=kernel), x,
+                             row_tile)
     out_dtype = preferred_element_type or x.dtype
     if isinstance(w, LayerOf) and isinstance(w.stack, QPacked):  # packed only where the kernel runs
         return qpacked.matmul(x, w.stack, layer=w.index).astype(out_dtype)
@@ -264,5 +266,5 @@ def leaf_axis(path: tuple[str, ...]) -> int | None:
 
 
 def is_quantized_tree(d) -> bool:
-    """Whether a restored (orbax) leaf is a saved QArray: a dict holding exactly q and scale."""
-    return isinstance(d, dict) and set(d) == {"q", "scale"}
+    """Whether a restored (orbax) leaf is a saved QArray: a dict of q and scale, with m and form where saved."""
+    return isinstance(d, dict) and {"q", "scale"} <= set(d) <= {"q", "scale", "m", "form"}

@@ -18,6 +18,10 @@ host round trips, and the merge runs on the device while the slots are filled fr
 the merged engine's greedy tokens are the qwix model's (tests/test_tunix_rollout.py). The cost: in bfloat16
 a LoRA delta under half a unit in the last place of W rounds away in the merged weight, where the qwix model
 adds it to the product. alpha is not in the model (qwix keeps it in its provider): pass the provider's.
+
+Sampling reads `RolloutConfig` as Tunix's vanilla sampler (tunix/generate/sampler.py) does: greedy unless
+`top_p` is set (RolloutConfig's default is 1.0); with it, `temperature`, then `top_k` (None or 0: the whole
+vocabulary), then `top_p` over the top-k; so `RolloutConfig(temperature=1.0, top_p=None)` decodes greedily.
 """
 from __future__ import annotations
 
@@ -192,7 +196,9 @@ class JaxpagedRollout(base_rollout.BaseRollout):
                                                            if jnp.issubdtype(jnp.asarray(rc.seed).dtype,
                                                                              jax.dtypes.prng_key)
                                                            else rc.seed).ravel()[-1]) + i
-        greedy = not rc.temperature
+        # as Tunix's vanilla sampler reads the config: it samples only when top_p is set (top_k alone does not
+        # sample), at the temperature, top-k then top-p; otherwise it decodes greedily at any temperature
+        greedy = rc.top_p is None or not rc.temperature
         return SamplingParams(max_tokens=rc.max_tokens_to_generate, temperature=0.0 if greedy else rc.temperature,
                               top_p=1.0 if rc.top_p is None else rc.top_p,
                               top_k=0 if rc.top_k is None else rc.top_k, seed=seed,

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.core.step_result import Sampled
+from jaxpaged.models.live_rows import live_rows
 from jaxpaged.step.batch_invariant import row_tiled_sample
 from jaxpaged.step.sampler import jnp_argmax, sample, slot_rows
 
@@ -94,7 +95,8 @@ class Sampling(StepFeature):
         """(tokens i32[R], logprob f32[R], top f32[R, NL], top ids i32[R, NL]) of the R sample_slots rows."""
         S, rows = batch["logits_indices"].shape[0], batch["sample_slots"]
         at = jnp.minimum(rows, S - 1)
-        logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
+        with live_rows(jnp.sum(rows < S, dtype=jnp.int32)):  # the advanced slots' rows lead, then padding
+            logits = logits_of(h[batch["logits_indices"][at]])  # [R, V]
         draw = functools.partial(sample, num_logprobs=self.num_logprobs, logprobs_mode=self.logprobs_mode,
                                  argmax=self.argmax)
         if self.row_tile:  # batch invariance: the sampler's row reductions over tiles of fixed shape too

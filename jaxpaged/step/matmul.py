@@ -47,6 +47,20 @@ def resolve_matmul(name: str, dtype, platform: str, num_devices: int, quantizati
     return True
 
 
+def weights_quantization(params: dict, quantization: str | None) -> str | None:
+    """The integer format the weights hold for the kernel choice: `quantization`, or for a checkpoint kept
+    quantized without it (a GGUF file, a converted directory: `keep_quantized`) the widest integer format of
+    its QArray matrices ("int8" where any has 8-bit codes, else "int4"), None where none is one."""
+    if quantization is not None:
+        return quantization
+    import jax
+
+    from jaxpaged.models.qarray import QArray
+    formats = {a.format for a in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QArray))
+               if isinstance(a, QArray)} & set(INTEGER_FORMATS)
+    return "int8" if "int8" in formats else "int4" if formats else None
+
+
 def resolve_quant_matmul(name: str, quantization: str | None, platform: str, num_devices: int) -> bool:
     """Whether int8 / int4 matrices run on the quantized CPU kernel for `matmul_backend=name`: 'auto' where
     it can (one CPU device, the kernel built), 'cpu' there or a ValueError naming why not, 'xla' never."""

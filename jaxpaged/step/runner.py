@@ -40,7 +40,7 @@ from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
-from jaxpaged.step.matmul import matmul_name, resolve_matmul, resolve_quant_matmul
+from jaxpaged.step.matmul import matmul_name, resolve_matmul, resolve_quant_matmul, weights_quantization
 from jaxpaged.step.mesh import (
     MODEL_AXIS,
     POOL_SPEC,
@@ -147,9 +147,10 @@ class ModelRunner:
             self.step_cfg = dataclasses.replace(self.step_cfg, row_tile=ROW_TILE)
         self.dtype = jnp.dtype(cfg.dtype)
         n_dev = self.mesh.devices.size
-        if resolve_matmul(cfg.matmul_backend, self.dtype, self.platform, n_dev, cfg.quantization):
+        quantized = weights_quantization(params, cfg.quantization)  # a GGUF kept quantized: its codes' format
+        if resolve_matmul(cfg.matmul_backend, self.dtype, self.platform, n_dev, quantized):
             self.step_cfg = dataclasses.replace(self.step_cfg, cpu_matmul=True)  # jaxpaged/step/matmul.py
-        self.quant_matmul = resolve_quant_matmul(cfg.matmul_backend, cfg.quantization, self.platform, n_dev)
+        self.quant_matmul = resolve_quant_matmul(cfg.matmul_backend, quantized, self.platform, n_dev)
         self.matmul_backend = matmul_name(self.step_cfg.cpu_matmul, self.quant_matmul)
         self.num_blocks, self.block_size = num_blocks, cfg.block_size
         self.max_model_len = max_model_len

@@ -7,9 +7,9 @@ What the logprobs describe is the engine's `logprobs_mode` (vLLM's names): "raw_
 log_softmax of the model's logits, before logit controls, penalties, temperature and filtering),
 "raw_logits" (those logits themselves), "processed_logprobs" (log_softmax of the distribution the token
 was drawn from: logit bias, bad words, penalties, `min_tokens` bans, grammar / allowed-token masks, then
-temperature and top-k / top-p / min-p; a greedy row has no temperature and no filter, its distribution
-being the argmax of the controlled logits) and "processed_logits" (those processed logits). Masked tokens
-are -inf in the processed modes.
+temperature, min-p and top-k, then top-p over the tokens those keep; a greedy row has no temperature and no
+filter, its distribution being the argmax of the controlled logits) and "processed_logits" (those processed
+logits). Masked tokens are -inf in the processed modes.
 """
 from __future__ import annotations
 
@@ -51,19 +51,21 @@ def _apply_bias(logits, ids, values):
 
 
 def _filter(scaled, sp):
-    """Mask tokens outside top_k / top_p / min_p (per slot) to -inf. scaled: [S, V] logits/temperature."""
+    """Mask tokens outside top_k / top_p / min_p (per slot) to -inf, in vLLM's order (Tunix's `sample_top_p` too):
+    min_p (p >= min_p * p_max) and top_k first, then top_p over the softmax of the tokens those two keep,
+    renormalised. scaled: [S, V] logits/temperature."""
     V = scaled.shape[1]
     srt = -jnp.sort(-scaled, axis=-1)  # [S, V] descending
     k = jnp.where(sp["top_k"] > 0, jnp.minimum(sp["top_k"], V), V)
     kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)  # [S, 1]
-    probs = jax.nn.softmax(srt, axis=-1)
+    mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # [S, 1] p >= min_p * p_max
+    lower = jnp.maximum(kth, jnp.where(sp["min_p"][:, None] > 0, mth, -jnp.inf))  # [S, 1] top_k and min_p
+    probs = jax.nn.softmax(jnp.where(srt >= lower, srt, _NEG_INF), axis=-1)  # [S, V] over what they keep
     cum = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
     keep_sorted = (cum < sp["top_p"][:, None]) | (sp["top_p"][:, None] >= 1.0)  # 1: all (cum may round to 1)
     n_keep = jnp.maximum(keep_sorted.sum(-1), 1)
-    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
-    mth = srt[:, :1] + jnp.log(jnp.maximum(sp["min_p"][:, None], 1e-38))  # p >= min_p * p_max
-    thresh = jnp.maximum(jnp.maximum(kth, pth), jnp.where(sp["min_p"][:, None] > 0, mth, -jnp.inf))
-    return jnp.where(scaled >= thresh, scaled, _NEG_INF)
+    pth = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)  # [S, 1]
+    return jnp.where(scaled >= jnp.maximum(lower, pth), scaled, _NEG_INF)
 
 
 def slot_rows(sp: dict, at, num_slots: int) -> dict:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxpaged.config import ModelConfig
+from jaxpaged.models.live_rows import live_rows
 from jaxpaged.models.llama import decoder, lm_logits
 from jaxpaged.step.features import Sampling, Traced, decoded
 
@@ -50,7 +51,8 @@ def traced_step(params, k_pool, v_pool, packed, extra, *, variant: Variant):
     batch["input_ids"] = jnp.where(prev >= 0, extra.pop("prev_tokens")[jnp.maximum(prev, 0)], batch["input_ids"])
     sp.update(extra)
     args = {k: v for f in variant.features for k, v in f.decoder_args(batch, sp).items()}
-    h, k_pool, v_pool, *outs = decoder(params, variant.cfg, k_pool, v_pool, batch, variant.attn_fn, **args)
+    with live_rows(batch["query_start_loc"][-1]):  # rows [0, tokens) are the step's; the rest pad the bucket
+        h, k_pool, v_pool, *outs = decoder(params, variant.cfg, k_pool, v_pool, batch, variant.attn_fn, **args)
 
     def logits_of(hidden):  # [N, D] -> [N, V]
         logits = lm_logits(params, variant.cfg, hidden)

@@ -7,22 +7,28 @@ import os
 
 import numpy as np
 
+from jaxpaged.testing.gguf_kquant import quantize_q4_k
+
 # HF model_type -> GGUF general.architecture (llama.cpp writes Mistral and Mixtral as llama)
 GGUF_ARCH = {"mistral": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "gemma3_text": "gemma3"}
 
 
 def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = None, zeros_as: dict | None = None,
-               values: dict | None = None) -> str:
+               values: dict | None = None, tokenizer_from: str | None = None) -> str:
     """A GGUF of the HF model in `hf_dir` as llama.cpp writes one: its names, Q/K rows permuted for the llama
     architecture, Gemma's norm scales as 1 + w, the experts of a layer stacked [E, out, in] in one tensor,
     matrices in `qtype` (F32 where a row is not a whole number of its blocks), 1-D tensors in F32, the
     tokenizer and chat template as metadata; returns `path`.
+    qtype: F32, a type gguf-py quantizes (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1), or Q4_K (jaxpaged/testing/gguf_kquant.py).
     arch: the file's architecture (default: llama.cpp's name for the model's).
     zeros_as: {gguf name: type name}, tensors written as zero bytes of that type instead.
     values: filled with {HF name: float32 array}, what the file holds read back the HF way (the tensors
-    dequantized by gguf.quants.dequantize, the permutation and the 1 undone): the reference model's weights."""
+    dequantized by gguf.quants.dequantize, the permutation and the 1 undone): the reference model's weights.
+    tokenizer_from: a GGUF file whose tokenizer metadata (every `tokenizer.*` entry) the file takes as it is,
+    instead of the one built from `hf_dir`'s tiny tokenizer (tiny_models.add_tiny_tokenizer)."""
     import gguf
-    from safetensors.numpy import load_file
+
+    from jaxpaged.checkpoints.weights import read_safetensors, safetensors_files
     with open(os.path.join(hf_dir, "config.json")) as f:
         c = json.load(f)
     model_type = c["model_type"]
@@ -30,13 +36,15 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
     arch = arch or gguf_arch
     w = gguf.GGUFWriter(path, arch)
     heads, kv = _metadata(w, c, arch)
-    _tokenizer(w, hf_dir)
+    if tokenizer_from is None:
+        _tokenizer(w, hf_dir)
+    else:
+        _copy_tokenizer(w, tokenizer_from)
     arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[gguf_arch]
     name_map = gguf.get_tensor_name_map(arch_enum, c["num_hidden_layers"])
     qt = gguf.GGMLQuantizationType[qtype]
-    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
     experts: dict[str, dict[int, np.ndarray]] = {}
-    for name, a in sd.items():
+    for name, a in (t for f in safetensors_files(hf_dir) for t in read_safetensors(f)):  # memory-mapped
         a = a.astype(np.float32)
         if name == "lm_head.weight" and c.get("tie_word_embeddings"):
             continue  # llama.cpp writes no output matrix for tied embeddings
@@ -51,7 +59,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
         if gguf_arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             a = a + 1  # llama.cpp stores Gemma's norm scales as 1 + w
         base, suffix = name.rsplit(".", 1)
-        held = _add(w, f"{name_map.get_name(base)}.{suffix}", a, qt, zeros_as)
+        held = _add(w, f"{name_map.get_name(base)}.{suffix}", a, qt, zeros_as, values is not None)
         if values is not None:
             if gguf_arch == "llama" and (".q_proj." in name or ".k_proj." in name):
                 n = heads if ".q_proj." in name else kv
@@ -62,7 +70,7 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
     for name, per_expert in experts.items():
         base, suffix = name.rsplit(".", 1)
         held = _add(w, f"{name_map.get_name(base)}.{suffix}", np.stack([per_expert[e] for e in sorted(per_expert)]),
-                    qt, zeros_as)
+                    qt, zeros_as, values is not None)
         if values is not None:
             head, matrix = name.split(".experts.")
             values.update({f"{head}.experts.{e}.{matrix}": held[e] for e in sorted(per_expert)})
@@ -73,8 +81,8 @@ def write_gguf(hf_dir: str, path: str, qtype: str = "F32", arch: str | None = No
     return path
 
 
-def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None) -> np.ndarray:
-    """Write one tensor; return the float32 values the file holds for it (what gguf dequantizes)."""
+def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None, held: bool) -> np.ndarray | None:
+    """Write one tensor; return the float32 values the file holds for it (what gguf dequantizes) where `held`."""
     import gguf
     block = gguf.GGML_QUANT_SIZES[qt][0]
     if gname in (zeros_as or {}):
@@ -85,9 +93,9 @@ def _add(w, gname: str, a: np.ndarray, qt, zeros_as: dict | None) -> np.ndarray:
     if a.ndim == 1 or qt == gguf.GGMLQuantizationType.F32 or a.shape[-1] % block:
         w.add_tensor(gname, a)
         return a
-    data = gguf.quants.quantize(a, qt)
+    data = quantize_q4_k(a) if qt == gguf.GGMLQuantizationType.Q4_K else gguf.quants.quantize(a, qt)
     w.add_tensor(gname, data, raw_dtype=qt)
-    return gguf.quants.dequantize(data, qt).reshape(a.shape).astype(np.float32)
+    return gguf.quants.dequantize(data, qt).reshape(a.shape).astype(np.float32) if held else None
 
 
 def _metadata(w, c: dict, arch: str) -> tuple[int, int]:
@@ -147,3 +155,16 @@ def _tokenizer(w, hf_dir: str) -> None:
         with open(os.path.join(hf_dir, "chat_template.jinja")) as f:
             template = f.read()
     w.add_chat_template(template)
+
+
+def _copy_tokenizer(w, src: str) -> None:
+    """Every `tokenizer.*` metadata entry of GGUF file `src` (vocabulary, merges, special tokens, chat
+    template), with its GGUF value types."""
+    import gguf
+    fields = gguf.GGUFReader(src).fields
+    found = [k for k in fields if k.startswith("tokenizer.")]
+    if "tokenizer.ggml.tokens" not in found:
+        raise ValueError(f"{src}: no tokenizer in the GGUF metadata (tokenizer_from)")
+    for key in found:
+        f = fields[key]
+        w.add_key_value(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)

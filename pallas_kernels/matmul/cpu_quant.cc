@@ -13,7 +13,9 @@
 //   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
 //   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
 // so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
-// A stack [L, T, ng, group_bytes] with a layer index is read at that layer, in place.
+// A stack [L, T, ng, group_bytes] with a layer index is read at that layer, in place. `rows` (int32, in
+// [0, M]) says how many leading rows of x are live: the rest pad the step's token bucket, and their outputs are
+// zeros without being computed (a lone request's step is 1 row of a bucket of 8).
 //
 // The product (int8 activations): each row of x is quantized per block of A k (32, 64 or 128: `act_block`;
 // dx = max|x| / 127, round to nearest even); per column the integer dot sum(xq * (u - z)) over F = min(Gp, A)
@@ -392,7 +394,7 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
+                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
                 int64_t has_min, int64_t act_block, int64_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
@@ -419,6 +421,11 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, 
     return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index is out of range");
   if (od.size() != 2 || od[0] != P.M || od[1] != N)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: out must be f32[M, N]");
+  if (rows.element_count() != 1 || rows.typed_data()[0] < 0 || rows.typed_data()[0] > P.M)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: rows must be one int32 in [0, M] (x's live rows)");
+  // Rows past `rows` pad a token bucket: their outputs are zeros, and nothing of them is read or computed.
+  std::fill(out->typed_data() + rows.typed_data()[0] * N, out->typed_data() + P.M * N, 0.0f);
+  P.M = rows.typed_data()[0];
   if (P.M == 0) return ffi::Error::Success();
   auto C = std::make_shared<Call>();
   C->P = P, C->x = x.untyped_data(), C->bf16 = x.element_type() == ffi::DataType::BF16;
@@ -451,6 +458,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("K")

@@ -160,10 +160,12 @@ def dequantize(w, layout: Layout):
     return out if m is None else out + m[..., idx, :]
 
 
-def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, act_block: int = 32, isa: str | None = None):
+def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: int = 32, isa: str | None = None):
     """x [..., K] (float32 or bfloat16) @ the packed w ([T, ng, group_bytes], or a stack [L, ...] read at
-    `layer`, an int32 scalar, traced or not) -> f32[..., N]. act_block: the k each activation scale covers
-    (32, 64 or 128); isa: the most capable path to run (default: the build's best)."""
+    `layer`, an int32 scalar, traced or not) -> f32[..., N]. rows (an int32 scalar, traced or not; default
+    all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token bucket and give
+    zeros, not computed. act_block: the k each activation scale covers (32, 64 or 128); isa: the most
+    capable path to run (default: the build's best)."""
     stacked = layer is not None
     if not isinstance(layout, Layout):
         raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
@@ -184,9 +186,10 @@ def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, act_block: int = 32, i
     lead = x.shape[:-1]
     x2 = x.reshape(-1, layout.K)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
+    live = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], layout.N), jnp.float32),
                             vmap_method="sequential")
-    y = call(x2, w, index, K=np.int64(layout.K), N=np.int64(layout.N), group=np.int64(layout.group),
+    y = call(x2, w, index, live, K=np.int64(layout.K), N=np.int64(layout.N), group=np.int64(layout.group),
              bits=np.int64(layout.bits), zero=np.int64(layout.zero), has_min=np.int64(layout.has_min),
              act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
     return y.reshape(lead + (layout.N,))
