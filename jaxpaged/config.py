@@ -249,9 +249,10 @@ class EngineConfig:
                                     "compiled for (jaxpaged/step/attention.py; 'cpu': the C++ kernel that reads "
                                     "the paged pool in place, CPU targets only)", choices=ATTENTION_BACKENDS)
     matmul_backend: str = option("auto", COMPILATION, "the weight products (jaxpaged/step/matmul.py): 'auto' runs "
-                                 "bfloat16 steps on one CPU device with AMX on the C++ AMX kernel, XLA's dot "
-                                 "elsewhere; 'xla': XLA's dot always; 'cpu': the C++ kernel on any CPU (plain "
-                                 "loops without AMX: slow)", choices=MATMUL_BACKENDS)
+                                 "bfloat16 steps on one CPU device on the C++ kernel where it has a path measured "
+                                 "faster than XLA's dot (AMX, AVX-512 BF16, AVX2 + FMA), XLA's dot elsewhere; "
+                                 "'xla': XLA's dot always; 'cpu': the C++ kernel on any CPU (scalar loops "
+                                 "without AVX2: slow)", choices=MATMUL_BACKENDS)
     compilation_cache_dir: str | None = option(None, COMPILATION, "JAX's persistent compilation cache, so a second "
                                                "start is fast ('': none)", factory=_default_compilation_cache_dir)
     warmup: bool = option(True, COMPILATION, "compile every step shape at start-up (off: each on first use)")

@@ -23,7 +23,6 @@ from jaxpaged.controls.facet import Controls
 from jaxpaged.controls.pause import PauseControl
 from jaxpaged.controls.sleep import SleepControl
 from jaxpaged.core.block_manager import BlockManager
-from jaxpaged.core.iteration_stats import IterationTokens
 from jaxpaged.core.output_processor import OutputProcessor
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput  # noqa: F401 -- re-exported
 from jaxpaged.core.scheduler import Scheduler, SchedulerOutput
@@ -97,7 +96,6 @@ class LLMEngine(ControlsFront):
                      else NoSpeculation())
         # a multi-host leader hands each step's host inputs to its followers: it keeps the plain step
         self.async_scheduling = cfg.async_scheduling and not self.mesh.is_multi_process
-        self.iteration_tokens = IterationTokens()  # tokens per step, for the server's histogram
         self.executor = make_executor(self.async_scheduling, self.runner, self.scheduler, self.spec, self.outputs)
         me = weakref.proxy(self)  # the parts around the step hold the engine weakly: no reference cycle
         self.admission, self.pause_control, self.sleep_control = Admission(me), PauseControl(me), SleepControl(me)
@@ -165,10 +163,7 @@ class LLMEngine(ControlsFront):
         """The next step's schedule: proposals first (the scheduler schedules them after each request's last
         token), then the scheduler's choice, then a draft model's proposals into the scheduled placeholders."""
         self.spec.propose(self.scheduler.running)
-        out = self.spec.fill(self.scheduler.schedule())
-        if out.num_tokens:
-            self.iteration_tokens.observe(out.num_tokens)
-        return out
+        return self.spec.fill(self.scheduler.schedule())
 
     def update(self, got: list) -> list[RequestOutput]:
         """After a run: the output processor's stop checks of the requests that got tokens (`got`), the
@@ -196,12 +191,12 @@ class LLMEngine(ControlsFront):
         total = self.num_blocks - 1
         return dict(num_preemptions=sch.num_preemptions, num_compilations=runner.num_compilations,
                     num_buckets=len(runner.variants()), compile_seconds=runner.compile_seconds,
-                    kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks,
+                    kv_blocks_total=total, kv_blocks_free=bm.num_free_blocks, block_size=bm.block_size,
                     kv_cache_usage=bm.num_used_blocks / total, prefix_cache_hit_rate=bm.prefix_cache_hit_rate,
                     prefix_cache_queries=bm.queried_tokens, prefix_cache_hits=bm.hit_tokens,
                     num_running=len(sch.running), num_waiting=len(sch.waiting),
                     num_waiting_deferred=sch.num_deferred(),
-                    iteration_tokens=self.iteration_tokens.snapshot(),
+                    iteration_tokens=self.outputs.iteration_tokens.snapshot(),
                     num_step_failures=self.num_step_failures, load_seconds=self.load_seconds,
                     attention_backend=runner.backend, kv_cache_dtype=runner.kv_pool_dtype,
                     matmul_backend=runner.matmul_backend,

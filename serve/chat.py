@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jaxpaged.core.validation import InvalidParam, check_text
-from serve import beam, prompt_size, reasoning, request_rules, tools
+from serve import beam, prompt_size, request_rules, tools
 from serve import outputs as fmt
 from serve.errors import APIError
 from serve.generation import Plan, generate
@@ -74,8 +74,8 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     pl = num_logprobs(st, "prompt_logprobs", req.prompt_logprobs)
     rename = {"prompt": "messages", "logprobs": "top_logprobs",
               "max_tokens": "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"}
-    reasoning.check_no_constraint(req, st.reasoning)
-    structured, mode, rename_so = await tools.constraint(req, st.engine, st.config.max_grammar_bytes)
+    structured, mode, rename_so = await tools.constraint(req, st.engine, st.config.max_grammar_bytes,
+                                                         st.reasoning.span)
     rename.update(rename_so)
     params = sampling_params(req, max_tokens, k, rename, structured, pl)
     fmt.check_routes_request(req, num_prompts)
@@ -83,14 +83,17 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
 
 
 def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool) -> ChatChoice:
-    """A non-streamed choice from a finished output `c`: reasoning split, tool calls parsed, echo first."""
+    """A non-streamed choice from a finished output `c`: reasoning split, tool calls parsed, echo first. A
+    call that must come (tool_choice named or required) cut before it parses is no call (tool_calls
+    absent, as vLLM's)."""
     thought, answer = st.reasoning.split(c.text)
-    content, calls = tools.parse(mode, answer, named) if c.finish_reason != "length" and answer is not None \
-        else (answer, [])
+    cut = c.finish_reason == "length" or answer is None
+    content, calls = (answer, []) if cut else tools.parse(mode, answer, named)
     reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
     content = echo + content if content is not None else content
     return ChatChoice(index=index, message=AssistantMessage(
-        role=role, content=content, tool_calls=calls, reasoning_content=thought, reasoning=thought),
+        role=role, content=content, tool_calls=None if cut and mode in ("named", "required") else calls,
+        reasoning_content=thought, reasoning=thought),
                       logprobs=logprobs, finish_reason=reason, routed_experts=fmt.routes(c.routed_experts),
                       token_ids=list(c.token_ids) if ids_out else None)
 
@@ -151,12 +154,15 @@ class Chat:
             return sse(ChatCompletionChunk(id=job.id, created=job.created, model=st.model_name, choices=choices,
                                            usage=usage, **kw))
 
-        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role=plan.role, content=""))
+        no_ids = [] if ids_out else None  # return_token_ids: every chunk's choices carry a list, maybe empty
+        yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role=plan.role, content=""), token_ids=no_ids)
                      for i in range(req.n)], prompt_token_ids=list(prompt) if ids_out else None)
         if plan.echo:
-            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=plan.echo)) for i in range(req.n)])
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(content=plan.echo), token_ids=no_ids)
+                         for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
         splits = [st.reasoning.stream() for _ in range(req.n)]  # each choice's reasoning / content split
+        answers = [""] * req.n  # tools "required" / "auto": each choice's answer so far, sent when whole
         opened = set()  # choices whose tool call has started (named tool_choice)
         async for _, out in job.outputs():
             for c in out.outputs:
@@ -164,20 +170,30 @@ class Chat:
                 if got is None:
                     continue
                 piece, ids, lps, reason = got
-                if mode == "named":  # the output is the arguments: stream them as they come
-                    call = DeltaToolCall(index=0, function=DeltaFunction(arguments=piece))
-                    if c.index not in opened:  # the first piece opens the call
+                if mode == "named":  # the answer is the arguments: stream them as they come
+                    thought, args = self._split(splits[c.index], piece, reason)
+                    if not thought and not args and reason is None and not lps and not ids_out:
+                        continue  # all held back (maybe a tag)
+                    call = DeltaToolCall(index=0, function=DeltaFunction(arguments=args)) if args else None
+                    if call is not None and c.index not in opened:  # the first piece opens the call
                         opened.add(c.index)
                         call = DeltaToolCall(index=0, id=tools.new_call(named, "").id, type="function",
-                                             function=DeltaFunction(name=named, arguments=piece))
-                    delta = ChatDelta(tool_calls=[call])
-                elif mode is not None:  # "required" / "auto": the calls are known once the text is whole
+                                             function=DeltaFunction(name=named, arguments=args))
+                    delta = ChatDelta(tool_calls=[call] if call else None, reasoning_content=thought or None,
+                                      reasoning=thought or None)
+                elif mode is not None:  # "required" / "auto": the reasoning streams as it comes; the calls
+                    # and the rest of the answer (with the tokens and logprobs) once the text is whole
+                    thought, more = self._split(splits[c.index], piece, reason)
+                    answers[c.index] += more
                     if reason is None:
+                        if thought:
+                            delta = ChatDelta(reasoning_content=thought, reasoning=thought)
+                            yield chunk([ChatChunkChoice(index=c.index, delta=delta, token_ids=no_ids)])
                         continue
-                    thought, answer = st.reasoning.split(c.text)
+                    answer = answers[c.index] or None
                     content, calls = tools.parse(mode, answer, None) if reason != "length" and answer is not None \
                         else (answer, [])
-                    delta = ChatDelta(content=content, reasoning_content=thought, reasoning=thought,
+                    delta = ChatDelta(content=content, reasoning_content=thought or None, reasoning=thought or None,
                                       tool_calls=[DeltaToolCall(
                         index=j, id=t.id, type="function", function=DeltaFunction(
                             name=t.function.name, arguments=t.function.arguments)) for j, t in enumerate(calls)]
@@ -186,11 +202,8 @@ class Chat:
                     lps = c.logprobs
                     ids = c.token_ids
                 else:
-                    thought, piece = splits[c.index].feed(piece)
-                    if reason is not None:  # the end: what was held back as a possible tag goes too
-                        more_thought, more = splits[c.index].finish()
-                        thought, piece = thought + more_thought, piece + more
-                    elif not thought and not piece and not lps and not ids_out:
+                    thought, piece = self._split(splits[c.index], piece, reason)
+                    if not thought and not piece and reason is None and not lps and not ids_out:
                         continue  # all held back (maybe a tag): it goes with the next piece
                     delta = ChatDelta(content=piece or None, reasoning_content=thought or None,
                                       reasoning=thought or None)
@@ -198,6 +211,15 @@ class Chat:
                                              finish_reason=reason, token_ids=list(ids) if ids_out else None)])
         if last_usage:
             yield chunk([], job.usage())
+
+    @staticmethod
+    def _split(split, piece: str, reason) -> tuple[str, str]:
+        """(reasoning, content) of a streamed piece; at the end (`reason` set), with what was held back."""
+        thought, content = split.feed(piece)
+        if reason is not None:
+            more_thought, more = split.finish()
+            thought, content = thought + more_thought, content + more
+        return thought, content
 
     def beam_answers(self, st, req, plan: ChatPlan, found, head: dict):
         """The beams' texts, each split by the server's reasoning parser; streamed as one chunk per choice."""

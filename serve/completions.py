@@ -23,10 +23,11 @@ def check_embeds(req: CompletionRequest, embeds: list, prompt_logprobs: int | No
     if req.prompt is None and not embeds:
         raise APIError(400, "Either prompt or prompt_embeds must be provided and non-empty.", param="prompt",
                        code="empty_prompt")
-    if embeds and (req.echo or prompt_logprobs is not None):
-        raise APIError(400, f"prompt_embeds: {'echo' if req.echo else 'prompt_logprobs'} is not available for "
-                       "prompts given as embeddings (they have no token ids)", param="prompt_embeds",
-                       code="invalid_combination")
+    if embeds and (req.echo or prompt_logprobs is not None):  # vLLM's words, then why
+        said = "Echo is unsupported with prompt embeds" if req.echo else \
+            "prompt_logprobs is not compatible with prompt embeds"
+        raise APIError(400, f"{said}: prompts given as embeddings have no token ids (prompt_embeds)",
+                       param="prompt_embeds", code="invalid_combination")
 
 
 def _texts(req: CompletionRequest) -> list:

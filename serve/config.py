@@ -82,8 +82,8 @@ class ServerConfig:
                                          "served here")
     enable_tokenizer_info_endpoint: bool = flag(False, "serve GET /tokenizer_info (the tokenizer's special tokens "
                                                 "and chat template)")
-    enable_force_include_usage: bool = flag(False, "every stream ends with a usage chunk, even without "
-                                            "stream_options.include_usage")
+    enable_force_include_usage: bool = flag(False, "every stream carries usage, as vLLM's: the usage so far on "
+                                            "each chunk and a last usage chunk, even without stream_options")
     return_tokens_as_token_ids: bool = flag(False, "logprobs' tokens written as 'token_id:N' (a request's "
                                             "return_tokens_as_token_ids overrides it)")
     enable_server_load_tracking: bool = flag(False, "GET /load answers the generation requests in flight, "

@@ -37,9 +37,10 @@ def from_validation_error(e: ValidationError) -> APIError:
     # of a union's errors, the member of the input's own type speaks (stop: too many strings, not "not a string")
     first = next((x for x in mine if x["type"] == "string_unicode"), None) or next(
         (x for x in mine if not x["type"].endswith("_type")), mine[0])
-    # pydantic names union members in the location (e.g. "list[constrained-int]"): keep fields and indices
-    loc = ".".join(str(p) for p in first["loc"] if not (isinstance(p, str) and (
-        "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
+    # every place that fails the same way is named, as vLLM's (logit_bias {"bad1": .., "bad2": ..}), up to 32
+    same = list(dict.fromkeys(_loc(x) for x in mine if x["type"] == first["type"] and x["msg"] == first["msg"]
+                              and len(x["loc"]) == len(first["loc"])))
+    loc = ", ".join(same[:32]) + (f" and {len(same) - 32} more" if len(same) > 32 else "")
     msg = first["msg"]
     if first["type"] == "string_unicode":
         msg = "must be valid Unicode text (it holds a lone surrogate such as \\ud800)"
@@ -49,6 +50,13 @@ def from_validation_error(e: ValidationError) -> APIError:
         loc = "prompt"
     msg = f"{msg} [type={first['type']}]"
     return APIError(400, f"{loc}: {msg}" if loc else msg, param=field)
+
+
+def _loc(err: dict) -> str:
+    """An error's place: its fields and indices (pydantic also names union members, e.g. "list[constrained-int]",
+    and dict keys' checks, "[key]": those are left out)."""
+    return ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and (
+        "[" in p or "-" in p or p in ("str", "int", "float", "bool"))))
 
 
 def from_value_error(e: ValueError, rename: dict[str, str] | None = None) -> APIError:

@@ -32,8 +32,8 @@ def buckets_1_2_5(most: int) -> list[int]:
 class _EngineCollector:
     """Gauges (and the preemption counter) straight from `engine.stats()` at scrape time."""
 
-    def __init__(self, engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+    def __init__(self, engine, model_name: str, max_model_len: int):
+        self.engine, self.model_name, self.max_model_len = engine, model_name, max_model_len
 
     def collect(self):
         s = self.engine.stats()
@@ -78,6 +78,8 @@ class _EngineCollector:
         for i, r in enumerate(per):
             c.add_metric([self.model_name, str(i), str(i)], float(r["num_step_failures"]))
         yield c
+        if all("block_size" in r for r in per):
+            yield self._cache_config(per)
         if all("iteration_tokens" in r for r in per):  # an engine without step counts has no histogram
             yield self._iteration_tokens(per, labels)
         if "spec_decode_num_drafts" in per[0]:  # speculative decoding (vLLM's names)
@@ -98,10 +100,23 @@ class _EngineCollector:
                 c.add_metric([self.model_name, str(i), str(i), str(j)], float(n))
         yield c
 
+    def _cache_config(self, per):
+        """vLLM's cache_config_info: 1, its labels the KV cache's configuration (each replica's)."""
+        keys = ["block_size", "num_gpu_blocks", "cache_dtype", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+                "engine"]
+        g = GaugeMetricFamily("jaxpaged:cache_config_info", "Information of the KV cache's configuration.",
+                              labels=keys)
+        for i, r in enumerate(per):
+            size = r["kv_blocks_total"] * r["block_size"]
+            g.add_metric([str(r["block_size"]), str(r["kv_blocks_total"]), str(r.get("kv_cache_dtype")), str(size),
+                          str(size / self.max_model_len), str(i)], 1.0)
+        return g
+
     def _iteration_tokens(self, per, labels):
         """Tokens per engine step (vLLM's iteration_tokens_total), from each replica's step counts."""
-        h = HistogramMetricFamily("jaxpaged:iteration_tokens_total", "Tokens processed per engine step "
-                                  "(prefill chunks, decodes and proposals together).", labels=labels)
+        h = HistogramMetricFamily("jaxpaged:iteration_tokens_total", "Tokens of each engine step that gave "
+                                  "tokens: its new tokens and the computed prompts of the requests it gave their "
+                                  "first (as vLLM's).", labels=labels)
         for i, r in enumerate(per):
             it = r["iteration_tokens"]
             total, cum = 0, []
@@ -147,7 +162,9 @@ class Metrics:
                 ("req_max_tokens", "request_params_max_tokens", "The max_tokens request parameter (as run) of each "
                  "finished request.", tokens)):
             setattr(self, attr, Histogram(f"jaxpaged:{name}", doc, lbl, buckets=buckets, registry=r).labels(model_name))
-        r.register(_EngineCollector(engine, model_name))
+        self.preemptions = Histogram("jaxpaged:request_num_preemptions", "Times each finished request was "
+                                     "preempted.", lbl, buckets=(1, 2, 3, 4, 5, 10, 20), registry=r).labels(model_name)
+        r.register(_EngineCollector(engine, model_name, max_model_len))
 
     def observe(self, prompt_tokens: int, output_tokens: int, finish_reason: str, ttft: float | None,
                 tpot: float | None, e2e: float, n: int = 1, max_tokens: int | None = None) -> None:
@@ -184,6 +201,7 @@ class Metrics:
             self.inference.observe(max(last - scheduled, 0.0))
         for t in metrics.get("inter_token_latencies") or ():
             self.itl.observe(t)
+        self.preemptions.observe(metrics.get("num_preemptions", 0))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -60,7 +60,7 @@ class _SamplingRequest(BaseModel):
     n: int = Field(1, ge=1, le=128)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = Field(
         None, description=f"at most {MAX_STOP_STRINGS} strings, {MAX_STOP_CHARS} characters in all")
-    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END, description="an integer in [-2**63, 2**63) "
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_END - 1, description="an integer in [-2**63, 2**63) "
                              "(int64); the engine uses seed mod 2**32")
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -123,10 +123,10 @@ class CompletionRequest(_SamplingRequest):
                                  **limit("logprobs"))
     echo: bool = Field(False, description="the prompt before the completion (and its tokens' logprobs)")
     suffix: None = Field(None, description="not supported")
-    prompt_embeds: Base64 | Annotated[list[Base64], Field(min_length=1)] | None = Field(
+    prompt_embeds: Base64 | list[Base64] | None = Field(
         None, description="vLLM's prompt embeddings (with --enable-prompt-embeds): base64 of a torch.save'd "
         "floating-point tensor [prompt_len, hidden_size], or a list of them; each is a prompt of its own, before "
-        "those of prompt")
+        "those of prompt (an empty list: none, as vLLM's)")
     best_of: int | None = Field(None, ge=1, le=128, description="must equal n (null: n)")
 
 
@@ -287,7 +287,7 @@ class AssistantMessage(BaseModel):
     content: str | None
     reasoning_content: str | None = None  # --reasoning-parser: the text in <think>...</think> (vLLM's older name)
     reasoning: str | None = None  # the same text, vLLM's newer name
-    tool_calls: list[ToolCall] = []
+    tool_calls: list[ToolCall] | None = []  # None: a named / required call cut before it was whole
 
 
 class ChatChoice(BaseModel):
@@ -314,8 +314,10 @@ class ChatCompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: str | None = None
     content: str | None = None
-    reasoning_content: str | None = None  # --reasoning-parser: the reasoning's new text (and as `reasoning`)
-    reasoning: str | None = None
+    # --reasoning-parser: the reasoning's new text (and as `reasoning`); absent when there is none, as vLLM's
+    # (clients add up `delta.reasoning` wherever it is present)
+    reasoning_content: str | None = Field(None, exclude_if=lambda v: v is None)
+    reasoning: str | None = Field(None, exclude_if=lambda v: v is None)
     tool_calls: list[DeltaToolCall] | None = None
 
 
@@ -334,7 +336,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
-    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk
+    # return_token_ids: in the first chunk only; absent from the others (as vLLM's)
+    prompt_token_ids: list[int] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

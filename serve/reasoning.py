@@ -13,10 +13,14 @@ the do-nothing default (no reasoning: all content).
   there; anything else is all content. Streamed, the text after an opening `<think>` is sent as reasoning
   until `</think>` comes; a stream cut before `</think>` has sent reasoning that the whole text, split at
   the end, would count as content (vLLM's parser does the same).
+
+Each parser names where its reasoning is (`span`, a `ReasoningSpan`): a constrained output of the request
+(`tool_choice` named or required, `response_format`, `structured_outputs`) applies after it, as vLLM's
+(jaxpaged/core/reasoned.py: the reasoning and the constraint are one grammar).
 """
 from __future__ import annotations
 
-from serve.errors import APIError
+from jaxpaged.core.reasoned import ReasoningSpan
 
 START, END = "<think>", "</think>"
 
@@ -71,6 +75,7 @@ class ReasoningStream:
 class ReasoningParser:
     """The do-nothing default: no reasoning, the whole text is content."""
     name: str | None = None
+    span: ReasoningSpan | None = None  # where the reasoning is: a constrained output applies after it
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning or None, content or None) of a whole output."""
@@ -86,6 +91,7 @@ class ReasoningParser:
 
 class DeepSeekR1Parser(ReasoningParser):
     name = "deepseek_r1"
+    span = ReasoningSpan(end=END)  # the output begins inside the reasoning
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         if text.startswith(START):
@@ -99,6 +105,7 @@ class DeepSeekR1Parser(ReasoningParser):
 
 class Qwen3Parser(ReasoningParser):
     name = "qwen3"
+    span = ReasoningSpan(end=END, start=START)  # an optional <think>...</think> block first
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         if not text.startswith(START) or END not in text:
@@ -120,20 +127,3 @@ def make_parser(name: str | None) -> ReasoningParser:
     if name not in PARSERS:
         raise ValueError(f"--reasoning-parser {name!r} is not known; choose one of {', '.join(sorted(PARSERS))}")
     return PARSERS[name]()
-
-
-def check_no_constraint(req, parser: ReasoningParser) -> None:
-    """A reasoning parser with a constrained output (response_format, structured_outputs, tool_choice
-    required or named) is a 400: the constraint would have to allow a free reasoning prefix first (vLLM
-    applies it to the answer only), which the grammar here does not do."""
-    if not parser.active:
-        return
-    rf = getattr(req, "response_format", None)
-    choice = getattr(req, "tool_choice", None)
-    for field, on in (("response_format", rf is not None and rf.type != "text"),
-                      ("structured_outputs", getattr(req, "structured_outputs", None) is not None),
-                      ("tool_choice", choice == "required" or (choice is not None and not isinstance(choice, str)))):
-        if on:
-            raise APIError(400, f"{field} cannot be combined with --reasoning-parser {parser.name} on this "
-                                "server: the constraint would apply to the reasoning too (it applies to the "
-                                "answer only in vLLM); leave one out", param=field, code="invalid_combination")

@@ -106,7 +106,7 @@ class ResponsesRequest(BaseModel):
                                           **limit("max_tokens"))
     temperature: Annotated[float, Field(ge=0, le=FLOAT32_MAX)] | None = None
     top_p: float | None = Field(None, gt=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_END)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_END - 1)
     stream: bool = False
     tools: list[FunctionTool] | None = Field(None, max_length=128, description="function tools only")
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None

@@ -47,10 +47,12 @@ async def parse(request: Request, model_cls, kind: str):
 
 
 def stream_usage(st, req) -> tuple[bool, bool]:
-    """(usage in a last chunk, usage so far on every chunk) of a stream: stream_options.include_usage (or
-    --enable-force-include-usage) and, with it, stream_options.continuous_usage_stats, as vLLM's."""
+    """(usage in a last chunk, usage so far on every chunk) of a stream: stream_options.include_usage and,
+    with it, stream_options.continuous_usage_stats; --enable-force-include-usage turns both on, as vLLM's."""
+    if st.config.enable_force_include_usage:
+        return True, True
     so = req.stream_options
-    include = bool(so and so.include_usage) or st.config.enable_force_include_usage
+    include = bool(so and so.include_usage)
     return include, include and bool(so and so.continuous_usage_stats)
 
 

@@ -20,6 +20,7 @@ import json
 import re
 import uuid
 
+from jaxpaged.core.reasoned import ReasoningSpan
 from jaxpaged.core.structured import StructuredOutputsParams, source_text
 from jaxpaged.core.validation import InvalidParam
 from serve.body import loads
@@ -31,13 +32,14 @@ _ANY_OBJECT = {"type": "object"}
 DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10  # a request's constraint text (--max-grammar-bytes)
 
 
-async def constraint(req, engine, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
+async def constraint(req, engine, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES, reasoning: ReasoningSpan | None = None
                      ) -> tuple[StructuredOutputsParams | None, str | None, dict]:
     """(the output's constraint or None, tool mode: None | "named" | "required" | "auto", the rename of
     the engine's `structured_outputs` param to the request field it came from); APIError 400
     when two fields constrain the output, tool_choice names no tool, the constraint's text is over
     `max_bytes`, or the library refuses it. The constraint is sized, compiled and its matcher built (for
-    `engine`'s tokenizer) in a worker thread."""
+    `engine`'s tokenizer) in a worker thread. `reasoning` (the server's reasoning parser's span): the
+    constraint applies after the model's reasoning (core/reasoned.py), as vLLM's."""
     tools = getattr(req, "tools", None) or []
     choice = getattr(req, "tool_choice", None) or ("auto" if tools else "none")
     rf = getattr(req, "response_format", None)
@@ -62,7 +64,7 @@ async def constraint(req, engine, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
     label = f"tools.function.parameters (the {len(tools)} tools' together, as one schema for tool_choice " \
         "required)" if sources[0] == "tool_choice" and not named else None
     so = await asyncio.to_thread(lambda: _compile(*_constraint(req, sources[0], named, tools), label, engine,
-                                                  max_bytes))
+                                                  max_bytes, reasoning))
     return so, mode, {"structured_outputs": sources[0]}
 
 
@@ -132,7 +134,8 @@ def _name(choice) -> str:
     return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
-def _compile(kw: dict, param: str | None, label: str | None, engine, max_bytes: int) -> StructuredOutputsParams:
+def _compile(kw: dict, param: str | None, label: str | None, engine, max_bytes: int,
+             reasoning: ReasoningSpan | None) -> StructuredOutputsParams:
     """The constraint sized (no llguidance call before), compiled and its matcher built (in a worker thread)."""
     if len(kw) == 1:  # more than one: StructuredOutputsParams refuses it, naming them
         (kind, value), = kw.items()
@@ -142,7 +145,7 @@ def _compile(kw: dict, param: str | None, label: str | None, engine, max_bytes: 
             raise APIError(400, f"{label or field} is {size} bytes; the limit is {max_bytes} bytes "
                            "(--max-grammar-bytes)", param=field, code="grammar_too_large")
     try:
-        so = StructuredOutputsParams(**kw)
+        so = StructuredOutputsParams(**kw, reasoning=reasoning)
         engine.prepare_structured(so)
         return so
     except InvalidParam as e:

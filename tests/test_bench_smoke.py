@@ -226,13 +226,43 @@ def test_latency(common, out_dir):
 
 
 def test_bench_step_parts(common, out_dir):
-    """bench_step_parts: the lone step and each part timed, the rest what the parts leave of the step."""
+    """bench_step_parts: at 1 and 4 running, each part measured, their sum and the gap to the step."""
     from jaxpaged.bench import step_parts as bench_step_parts
-    out = bench_step_parts.main([*common, "--output-len", "6", "--repeats", "2", "--json", str(out_dir / "parts.json")])
-    parts = ("step_ms", "layer_products_ms", "lm_head_ms", "read_all_weights_ms")
-    assert all(out[k] > 0 for k in parts) and out["weight_bytes"] > 0 and out["tokens"] == 8
-    assert out["rest_ms"] == out["step_ms"] - out["layer_products_ms"] - out["lm_head_ms"]
-    assert json.load(open(out_dir / "parts.json"))["machine"]
+    path = out_dir / "parts.json"
+    out = bench_step_parts.main([*common, "--running", "1", "4", "--context", "8", "--steps", "3", "--repeats", "2",
+                                 "--json", str(path)])
+    assert [r["running"] for r in out["results"]] == [1, 4]
+    for r in out["results"]:
+        parts = [r[f"{p}_ms"] for p in bench_step_parts.PARTS]
+        assert r["step_ms"] > 0 and r["products_ms"] > 0 and r["attention_ms"] > 0 and r["host_ms"] > 0
+        assert min(parts) >= 0 and r["sum_ms"] == pytest.approx(sum(parts))
+        assert r["gap_ms"] == pytest.approx(r["step_ms"] - r["sum_ms"]) and r["thunks_per_step"] > 0
+        assert r["faults_per_step"] >= 0 and r["fault_ms"] >= 0 and r["top_xla_own"]
+    assert out["fault_cost_us"] > 0 and out["read_all_weights_ms"] > 0 and out["weight_bytes"] > 0
+    saved = json.load(open(path))
+    assert saved["machine"]["cpu_flags"] and saved["load_average"] and saved["command"].startswith("jaxpaged bench")
+
+
+def test_step_profile_kinds_and_shares():
+    """step_profile: a dot inside a scanned fusion is a product, the loop a container; an instant shared by
+    two running thunks counts half for each, an instant with none counts as between."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.bench.step_profile import kinds, parse_hlo, share
+
+    def f(w, x):  # w [L, D, D], x [R, D]
+        return jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), x, w)[0].sum()
+    text = jax.jit(f).lower(jnp.ones((2, 32, 32)), jnp.ones((8, 32))).compile().as_text()
+    got = kinds(text)
+    assert "products" in got.values() and "container" in got.values() and "xla_own" in got.values()
+    opcodes = {n: op for n, (op, _, _) in parse_hlo(text)[0].items()}
+    assert {got[n] for n in got if opcodes[n] == "while"} == {"container"}
+    runs = {n: op for n, op in opcodes.items() if op in ("dot", "fusion")}  # thunks: a dot alone or fused
+    by_op = lambda what: {got[n] for n in runs if f'/{what}" stack' in text.split(f"%{n} = ", 1)[1].split("\n")[0]}
+    assert by_op("dot_general") == {"products"} and by_op("tanh") == {"xla_own"}
+    assert share([(0, 10, "a"), (5, 20, "b"), (30, 40, "a")], 0, 50) == {"a": 17.5, "b": 12.5, "between": 20.0}
+    assert share([(0, 10, "a")], 2, 6) == {"a": 4.0, "between": 0.0}
 
 
 def test_hf_model_from_converted_dir(model, tmp_path):

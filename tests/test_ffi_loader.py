@@ -18,9 +18,12 @@ def _key(source):
 
 
 def test_every_kernel_includes_the_shared_header():
+    """Each kernel's local headers (its build key's) are the shared one and, for the matmul, its own beside it."""
     header = os.path.join(loader.INCLUDE_DIR, "ffi_common.h")
-    for kernel in (cpu_attention, cpu_matmul, cpu_argmax):
+    for kernel in (cpu_attention, cpu_argmax):
         assert loader.local_headers(kernel.SOURCE) == [header]
+    own = [os.path.join(os.path.dirname(cpu_matmul.SOURCE), h) for h in ("cpu_amx.h", "cpu_tiles.h", "cpu_vec.h")]
+    assert sorted(loader.local_headers(cpu_matmul.SOURCE)) == sorted(own + [header])
 
 
 def test_key_follows_the_compiler_version(monkeypatch):
@@ -96,7 +99,7 @@ def test_each_kernel_without_a_compiler_warns_once_and_falls_back(monkeypatch, t
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     for module in (cpu_attention, cpu_matmul, cpu_argmax):  # a fresh cache: the next use builds again
         monkeypatch.setattr(module, "_library", functools.cache(module._library.__wrapped__))
-    monkeypatch.setattr(cpu_matmul, "amx", functools.cache(cpu_matmul.amx.__wrapped__))
+    monkeypatch.setattr(cpu_matmul, "isa", functools.cache(cpu_matmul.isa.__wrapped__))
     rng = np.random.default_rng(0)
     k, v = (jnp.asarray(rng.standard_normal((8, 4, 2, 16)), jnp.float32) for _ in range(2))
     args = (jnp.asarray(rng.standard_normal((3, 4, 16)), jnp.float32), k, v, jnp.array([[1, 2], [3, 4]], jnp.int32),

@@ -74,7 +74,7 @@ def test_attention_ffi_checks_the_output_and_accepts_valid_operands():
 def _matmul_ffi(x, w, layer, n, transpose=0, packed=0, m=None):
     m = x.shape[0] if m is None else m
     call = jax.ffi.ffi_call(cpu_matmul.TARGET, jax.ShapeDtypeStruct((m, n), jnp.float32))
-    return call(x, w, layer, transpose=np.int64(transpose), packed=np.int64(packed))
+    return call(x, w, layer, transpose=np.int64(transpose), packed=np.int64(packed), isa=np.int64(3))
 
 
 def test_matmul_names_the_operand():

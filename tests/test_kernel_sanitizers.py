@@ -66,7 +66,7 @@ DRIVER = textwrap.dedent("""
         w = jnp.asarray(rng.standard_normal((64, 48)), jnp.bfloat16)
         def mm(x, w, layer, n, m=5):
             call = jax.ffi.ffi_call("asan_matmul", jax.ShapeDtypeStruct((m, n), jnp.float32))
-            return call(x, w, layer, transpose=np.int64(0), packed=np.int64(0))
+            return call(x, w, layer, transpose=np.int64(0), packed=np.int64(0), isa=np.int64(3))
         np.testing.assert_allclose(np.asarray(mm(x, w, jnp.int32(0), 48)),
                                    np.asarray(x, np.float32) @ np.asarray(w, np.float32), rtol=1e-5, atol=1e-3)
         for args in ((x, w[:32], jnp.int32(0), 48), (x, w[None], jnp.int32(1), 48), (x, w, jnp.int32(0), 64),

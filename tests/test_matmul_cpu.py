@@ -1,7 +1,7 @@
 """The CPU matmul kernel (pallas_kernels/matmul/cpu.cc) against numpy, and through the engine against XLA's dot.
 
-On CPUs with AMX the kernel runs on the tile units; elsewhere its plain-loop path runs the same contract, so
-these tests check the shapes, the transposed (tied lm_head) form and the engine's wiring on every machine."""
+Every path the machine can run (AMX, AVX-512 BF16, AVX2 + FMA, scalar) is forced by the `isa` cap and checked
+alone; a path this CPU cannot run is skipped with the reason. The default calls run the build's best path."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +9,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.models.quant import dot
-from jaxpaged.step.matmul import resolve_matmul
+from jaxpaged.step.matmul import AUTO_ISAS, matmul_name, resolve_matmul
 from pallas_kernels.ffi import loader
 from pallas_kernels.matmul import cpu as cpu_matmul
 
@@ -58,12 +58,87 @@ def test_packed_equals_numpy(L, M, K, N):
         np.testing.assert_allclose(np.asarray(got), want, rtol=1e-2, atol=1e-2 * np.sqrt(K))
 
 
+def _run_path_or_skip(isa):
+    """Skip (saying why) where this build cannot run path `isa`."""
+    best = cpu_matmul.isa()
+    if cpu_matmul.ISAS[isa] > cpu_matmul.ISAS[best]:
+        pytest.skip(f"the {isa} path untested: the best path here is {best} (this CPU's flags)")
+
+
+def _want(x, w, transpose):
+    wf = np.asarray(w, np.float32)
+    return np.asarray(x, np.float32) @ (wf.T if transpose else wf)
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_equals_numpy(isa):
+    """Path `isa` forced by the cap: every row count 1..17 (the row blocks of 8 / 4 / 1, AMX's 16-row tiles,
+    their tails), K over 3 and 18 K tiles, N over 17 and 10 column tiles (a partial 128-column panel; the
+    transposed form's last unit of 16 rows), w as stored, packed, transposed, and stacked at a layer."""
+    _run_path_or_skip(isa)
+    assert cpu_matmul.path(576, 160, isa) == isa
+    rng = np.random.default_rng(cpu_matmul.ISAS[isa])
+    for M in range(1, 18):
+        K, N = (96, 272) if M % 2 else (576, 160)
+        x = _bf16(rng, (M, K))
+        for transpose in (False, True):
+            w = _bf16(rng, (3, N, K) if transpose else (3, K, N))
+            tol = dict(rtol=1e-5, atol=1e-4 * np.sqrt(K), err_msg=f"M={M} K={K} N={N} transpose={transpose}")
+            np.testing.assert_allclose(np.asarray(cpu_matmul.cpu_matmul(x, w[0], transpose, isa=isa)),
+                                       _want(x, w[0], transpose), **tol)
+            got = cpu_matmul.cpu_matmul(x, w, transpose, layer=jnp.int32(2), isa=isa)
+            np.testing.assert_allclose(np.asarray(got), _want(x, w[2], transpose), **tol)
+            if not transpose:
+                got = cpu_matmul.cpu_matmul(x, cpu_matmul.pack(w), layer=jnp.int32(1), packed=True, isa=isa)
+                np.testing.assert_allclose(np.asarray(got), _want(x, w[1], False), **tol)
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_propagates_nan(isa):
+    """A NaN in a row of x makes that row's outputs NaN, a NaN in w (or an infinity times 0) the outputs of
+    its column (its row when transposed) in every row; the rest equal numpy's."""
+    _run_path_or_skip(isa)
+    rng = np.random.default_rng(7)
+    M, K, N = 11, 96, 80
+    x = np.asarray(_bf16(rng, (M, K)), np.float32)
+    w = np.asarray(_bf16(rng, (K, N)), np.float32)
+    x[3, 40], w[70, 17] = np.nan, np.nan
+    x[5, 2], w[2, :] = np.inf, 0.0  # inf * 0: row 5 is NaN
+    with np.errstate(invalid="ignore"):
+        want = x @ w
+    assert np.isnan(want[3]).all() and np.isnan(want[:, 17]).all() and np.isnan(want[5]).all()
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    for got in (cpu_matmul.cpu_matmul(xb, wb, isa=isa), cpu_matmul.cpu_matmul(xb, cpu_matmul.pack(wb), packed=True,
+                                                                             isa=isa),
+                cpu_matmul.cpu_matmul(xb, wb.T, transpose=True, isa=isa)):
+        np.testing.assert_array_equal(np.isnan(np.asarray(got)), np.isnan(want))
+        finite = ~np.isnan(want)
+        np.testing.assert_allclose(np.asarray(got)[finite], want[finite], rtol=1e-5, atol=1e-3)
+
+
+def test_paths_follow_the_cpu_and_the_cap():
+    """The native build runs the best path the CPU's flags allow; the cap lowers it, never raises it; shapes
+    the tiles do not fit run the scalar loops."""
+    flags = set(loader.cpu_flags().split())
+    best = ("amx" if {"amx_bf16", "amx_tile"} <= flags and cpu_matmul.amx() else
+            "avx512_bf16" if {"avx512_bf16", "avx512bw"} <= flags else
+            "avx2" if {"avx2", "fma"} <= flags else "scalar")
+    assert cpu_matmul.isa() == best
+    for isa in cpu_matmul.ISAS:
+        want = min(cpu_matmul.ISAS[isa], cpu_matmul.ISAS[best])
+        assert cpu_matmul.ISAS[cpu_matmul.path(64, 32, isa)] == want
+    assert cpu_matmul.path(64, 32) == best and cpu_matmul.path(40, 32) == cpu_matmul.path(64, 24) == "scalar"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_matmul.cpu_matmul(_bf16(np.random.default_rng(0), (1, 32)), _bf16(np.random.default_rng(1), (32, 16)),
+                              isa="sse")
+
+
 def test_amx_path_runs_here():
     """Where the CPU has AMX (amx_bf16, and Linux grants the tiles) the native build multiplies on the tiles,
-    and every product test of this module runs that path; elsewhere they run the plain loops, and this says so."""
+    and every product test of this module runs that path; elsewhere it is skipped, saying the path that ran."""
     flags = set(loader.cpu_flags().split())
     if "amx_bf16" not in flags or "amx_tile" not in flags:
-        pytest.skip("AMX untested: this CPU has no amx_bf16 / amx_tile (the products ran the plain loops)")
+        pytest.skip(f"AMX untested: this CPU has no amx_bf16 / amx_tile (the products ran the {cpu_matmul.isa()} path)")
     assert cpu_matmul.amx(), "the CPU has AMX but the kernel does not use it (no tile permission from Linux?)"
 
 
@@ -85,7 +160,9 @@ def test_leading_axes_and_dot():
 
 def test_resolve():
     assert resolve_matmul("xla", jnp.bfloat16, "cpu", 1) is False
-    assert resolve_matmul("auto", jnp.bfloat16, "cpu", 1) is cpu_matmul.amx()
+    assert resolve_matmul("auto", jnp.bfloat16, "cpu", 1) is (cpu_matmul.isa() in AUTO_ISAS)
+    assert "scalar" not in AUTO_ISAS  # the scalar loops are slower than XLA's dot
+    assert matmul_name(True, False) == f"cpu ({cpu_matmul.isa()})" and matmul_name(False, False) == "xla"
     assert resolve_matmul("auto", jnp.float32, "cpu", 1) is False
     assert resolve_matmul("auto", jnp.bfloat16, "cpu", 2) is False
     assert resolve_matmul("auto", jnp.bfloat16, "gpu", 1) is False
@@ -155,8 +232,9 @@ def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
 
 
 def test_plain_loop_path():
-    """The kernel built without AMX (-march=haswell: the path of every CPU without it) against numpy, in a
-    subprocess (its own build and registration)."""
+    """The kernel built for AVX2 (-march=haswell: no AMX, no AVX-512, so its best path is AVX2 + FMA and the
+    unpacked weights are interleaved without AVX-512 permutes) against numpy, in a subprocess (its own build
+    and registration)."""
     import os
     import subprocess
     import sys
@@ -164,7 +242,8 @@ def test_plain_loop_path():
     code = textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
         from pallas_kernels.matmul import cpu as cpu_matmul
-        assert cpu_matmul.available() and not cpu_matmul.amx()
+        assert cpu_matmul.available() and not cpu_matmul.amx() and cpu_matmul.isa() == "avx2"
+        assert cpu_matmul.path(64, 48, "avx512_bf16") == "avx2"
         rng = np.random.default_rng(0)
         for t, K in ((False, 64), (True, 64), (False, 576)):
             x = jnp.asarray(rng.standard_normal((7, K)), jnp.bfloat16)

@@ -98,6 +98,15 @@ def test_refused_combinations(server, table):
     assert_error(raw(server, {"max_tokens": 2}, key=None), 400, "prompt", "empty_prompt")
 
 
+def test_refused_combinations_in_vllm_words(server, table):
+    e = b64(torch.from_numpy(table[[5, 6, 7]]))
+    for extra, words in (({"echo": True}, "Echo is unsupported with prompt embeds"),
+                         ({"prompt_logprobs": 1}, "prompt_logprobs is not compatible with prompt embeds")):
+        err = assert_error(raw(server, {"prompt_embeds": e, "max_tokens": 2, **extra}, key=None), 400,
+                           "prompt_embeds", "invalid_combination")
+        assert err["message"].startswith(words), err
+
+
 class _Evil:
     def __reduce__(self):
         return (exec, ("raise SystemExit('unpickled')",))

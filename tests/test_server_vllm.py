@@ -76,7 +76,7 @@ def test_named_tool_call_content_is_empty_string():
 def test_no_partial_tool_calls_on_length(server, tool_choice):
     r = post(server, "/v1/chat/completions", messages=USER, tools=[TOOL], tool_choice=tool_choice, max_tokens=3)
     c = r["choices"][0]
-    assert c["finish_reason"] == "length" and not c["message"].get("tool_calls"), c
+    assert c["finish_reason"] == "length" and c["message"]["tool_calls"] is None, c  # absent, as vLLM's
     assert c["message"]["content"]  # the cut text stays content
     chunks = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=120,
@@ -92,6 +92,19 @@ def test_every_invalid_logit_bias_key_named(server):
     assert r.status_code == 400
     err = r.json()["error"]
     assert err["param"] == "logit_bias" and "token ids 400, 999 are out of vocabulary" in err["message"], err
+
+
+def test_vllm_messages(server):
+    """vLLM's words for: a seed past int64 (pydantic's less_than_equal / greater_than_equal), logit_bias keys
+    that are not token ids (every one named), an empty prompt_embeds list (none: a prompt is still needed)."""
+    assert "[type=less_than_equal]" in refused(server, "/v1/completions", prompt="ab", seed=2 ** 63)["message"]
+    assert "[type=greater_than_equal]" in refused(server, "/v1/completions", prompt="ab", seed=-2 ** 63 - 1)["message"]
+    post(server, "/v1/completions", prompt="ab", max_tokens=1, seed=2 ** 63 - 1)
+    err = refused(server, "/v1/chat/completions", messages=USER, logit_bias={"bad1": 50, "bad2": 20, "7": 1})
+    assert err["param"] == "logit_bias" and "bad1" in err["message"] and "bad2" in err["message"], err
+    err = refused(server, "/v1/completions", prompt=None, prompt_embeds=[], max_tokens=1)
+    assert err["message"] == "Either prompt or prompt_embeds must be provided and non-empty.", err
+    assert post(server, "/v1/completions", prompt="ab", prompt_embeds=[], max_tokens=1)["choices"][0]["index"] == 0
 
 
 def refused(server, path, **body) -> dict:
@@ -297,6 +310,15 @@ def test_return_token_ids(server):
     chunks = stream(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0, return_token_ids=True)
     assert chunks[0]["prompt_token_ids"] == r["prompt_token_ids"]
     assert sum((ch["choices"][0]["token_ids"] or [] for ch in chunks[1:]), []) == r["choices"][0]["token_ids"]
+    # as vLLM's: every choice of the stream carries a list (the role chunk's empty), no chunk but the first
+    # has prompt_token_ids, with tools too
+    for body in ({}, {"tools": [TOOL]}, {"tools": [TOOL], "tool_choice": "required"}):
+        chunks = stream(server, "/v1/chat/completions", messages=USER, max_tokens=3, temperature=0,
+                        return_token_ids=True, **body)
+        assert chunks[0]["choices"][0]["token_ids"] == [] and all("prompt_token_ids" not in ch for ch in chunks[1:])
+        assert all(isinstance(x["token_ids"], list) for ch in chunks for x in ch["choices"]), (body, chunks)
+        assert len(sum((x["token_ids"] for ch in chunks for x in ch["choices"]), [])) == 3, body
+    assert "prompt_token_ids" not in stream(server, "/v1/chat/completions", messages=USER, max_tokens=1)[0]
 
 
 def test_truncate_prompt_tokens(server):
@@ -370,9 +392,11 @@ def test_continuous_usage_stats_and_force_include_usage(server, flagged):
         chunks = stream(server, path, max_tokens=2, **body, stream_options={"include_usage": True})
         assert [ch["usage"] is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
         assert all(ch["usage"] is None for ch in stream(server, path, max_tokens=2, **body))
-        forced = stream(flagged, path, max_tokens=2, **body)  # --enable-force-include-usage
+        forced = stream(flagged, path, max_tokens=2, **body)  # --enable-force-include-usage: both, as vLLM's
         assert forced[-1]["choices"] == [] and forced[-1]["usage"]["completion_tokens"] <= 2
-        assert all(ch["usage"] is None for ch in forced[:-1])
+        done = [ch["usage"]["completion_tokens"] for ch in forced]
+        assert done == sorted(done) and all(ch["usage"]["total_tokens"] == ch["usage"]["prompt_tokens"] + n
+                                            for ch, n in zip(forced, done))
 
 
 def test_allowed_token_ids(server):
@@ -485,6 +509,30 @@ def test_phase_and_iteration_histograms_as_vllm(server):
     assert after[f"jaxpaged:iteration_tokens_total_bucket{big}"] == after[f"jaxpaged:iteration_tokens_total_count{eng}"]
 
 
+def test_iteration_tokens_sum_as_vllm(server):
+    """vLLM's count (its test_metrics_counts): one observation per step that gave tokens, of the step's new
+    tokens plus the computed prompt tokens of the requests it gave their first: requests x max_tokens steps,
+    requests x (prompt + max_tokens) tokens, for requests one after another. vLLM's request_num_preemptions
+    (one per finished request) and cache_config_info (its labels) beside it."""
+    eng, tiny = '{engine="0",model_name="tiny",replica="0"}', '{model_name="tiny"}'
+    names = (f"jaxpaged:iteration_tokens_total_count{eng}", f"jaxpaged:iteration_tokens_total_sum{eng}",
+             f"jaxpaged:request_num_preemptions_count{tiny}", f"jaxpaged:request_num_preemptions_sum{tiny}")
+
+    def scrape():
+        lines = httpx.get(server.url + "/metrics").text.splitlines()
+        return {n: float(line.rsplit(" ", 1)[1]) for line in lines for n in names if line.startswith(n + " ")}, lines
+    before, _ = scrape()
+    for i in range(3):
+        post(server, "/v1/completions", prompt=[60 + i, 61, 62, 63, 64, 65, 66, 67, 68], max_tokens=5, ignore_eos=True)
+    after, lines = scrape()
+    grew = [after[n] - before.get(n, 0) for n in names]
+    assert grew == [3 * 5, 3 * (9 + 5), 3, 0], grew
+    info = [line for line in lines if line.startswith("jaxpaged:cache_config_info{")]
+    assert len(info) == 1 and 'block_size="16"' in info[0] and info[0].endswith(" 1.0"), info
+    size = int(info[0].split('kv_cache_size_tokens="')[1].split('"')[0])
+    assert size > 0 and f'kv_cache_max_concurrency="{size / 512}"' in info[0], info
+
+
 # -- reasoning parsers (serve/reasoning.py) ------------------------------------------------------------------
 REASONING_TEXTS = ["", "plain answer", "<think>", "<think>why</think>", "<think>why</think>answer",
                    "<think>\nwhy < because </thin k></think>\n\nthe answer </think> stays", "why</think>answer",
@@ -554,7 +602,7 @@ def reasoning_server(compile_cache, server, tmp_path_factory):
 def test_reasoning_parser_splits_the_answer(server, reasoning_server):
     """deepseek_r1: the output before </think> (all of it when there is none: the template opened the
     thinking) is message.reasoning_content and message.reasoning, the rest content; streamed as deltas of
-    each; without the flag the fields are null; a constrained output with the flag is a 400."""
+    each; without the flag the fields are null."""
     from serve.reasoning import make_parser
     body = dict(messages=USER, max_tokens=12, temperature=0, ignore_eos=True)
     plain = post(server, "/v1/chat/completions", **body)["choices"][0]["message"]
@@ -567,12 +615,28 @@ def test_reasoning_parser_splits_the_answer(server, reasoning_server):
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == thought
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
     assert "".join(d.get("content") or "" for d in deltas) == (answer or "")
-    r = httpx.post(reasoning_server.url + "/v1/chat/completions", json={
-        "model": "tiny", **body, "response_format": {"type": "json_object"}}, timeout=60)
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["param"] == "response_format" and "--reasoning-parser" in err["message"], err
     r = httpx.post(reasoning_server.url + "/v1/completions", json={"model": "tiny", "prompt": "ab", "max_tokens": 2})
     assert r.status_code == 200 and "reasoning_content" not in r.json()["choices"][0]  # chat only, as vLLM
+
+
+def test_constraint_applies_after_the_reasoning(reasoning_server):
+    """As vLLM's: under a reasoning parser a constrained output (tool_choice named / required, response_format)
+    applies to the answer after the reasoning, so the request is served; here the reasoning (all the output:
+    deepseek_r1's template opened it) never ends within max_tokens, so the call is cut: no tool_calls at all,
+    the text is reasoning, plain and streamed (the mask lets the model reason freely, in UTF-8 text)."""
+    body = dict(messages=USER, max_tokens=12, temperature=0, ignore_eos=True)
+    named = {"type": "function", "function": {"name": "f"}}
+    for extra in ({"tools": [TOOL], "tool_choice": named}, {"tools": [TOOL], "tool_choice": "required"},
+                  {"response_format": {"type": "json_object"}}):
+        c = post(reasoning_server, "/v1/chat/completions", **body, **extra)["choices"][0]
+        assert c["finish_reason"] == "length" and c["message"]["content"] is None, (extra, c)
+        assert c["message"]["tool_calls"] == (None if "tools" in extra else []), (extra, c)
+        assert c["message"]["reasoning"] and "\ufffd" not in c["message"]["reasoning"], c  # free text (UTF-8)
+        deltas = [ch["choices"][0]["delta"] for ch in stream(reasoning_server, "/v1/chat/completions", **body,
+                                                               **extra) if ch["choices"]]
+        assert "".join(d.get("reasoning") or "" for d in deltas) == c["message"]["reasoning"], extra
+        assert sum(1 for d in deltas if d.get("reasoning")) > 1, (extra, deltas)  # as it comes, not at the end
+        assert not any(d.get("tool_calls") or d.get("content") for d in deltas), (extra, deltas)
 
 
 def test_iteration_tokens_counts_and_renders_per_engine():

@@ -306,3 +306,43 @@ def test_structured_params_compiled_once(monkeypatch):
     so.json["properties"] = {"a": {"type": "integer"}}  # changed in place
     so.validate()
     assert calls == ["json_schema"] * 2 and so.template is None
+
+
+def test_constraint_after_reasoning(tiny_llm):
+    """A ReasoningSpan puts the model's free text before the constraint (vLLM constrains a reasoning model's
+    answer only): while it reasons any text may come (not a special token); after the end marker only the
+    constraint's (blanks first allowed); with an opening marker the reasoning block is optional. Sampled on
+    the tiny model, the text past the first end marker is the constraint's and ends the request."""
+    from jaxpaged import SamplingParams
+    from jaxpaged.core.reasoned import ReasoningSpan
+    from jaxpaged.core.request import Request
+    from jaxpaged.core.structured import StructuredOutputs
+    with pytest.raises(ValueError, match="structured_outputs.reasoning"):
+        StructuredOutputsParams(regex="a", reasoning="</t>")
+    tok = tiny_llm.tokenizer
+    host = StructuredOutputs(tiny_llm.engine.structured.tokenizer_json, 320, 1, [2])
+    texts = {t: tok.decode([t], skip_special_tokens=False) for t in range(3, 300)}  # 0-2: <pad>, <s>, </s>
+
+    def allowed(span, text):
+        p = SamplingParams(structured_outputs=StructuredOutputsParams(choice=["hello"], reasoning=span))
+        req = Request("r", "r", 0, [5], p, 0)
+        req.slot, req.token_ids = 0, [5] + tok.encode(text, add_special_tokens=False)
+        req.num_computed_tokens = len(req.token_ids) - 1
+        row = host.bitmask_arrays([(req, 1)], 1)["bitmask"][0]
+        return {t for t in range(320) if row[t // 32] >> (t % 32) & 1}
+
+    text = {t for t in texts if "\ufffd" not in texts[t]}  # whole characters (a lone byte may not start text)
+    inside, optional = ReasoningSpan(end="</t>"), ReasoningSpan(end="</t>", start="<t>")
+    for span, before in ((inside, ""), (inside, "why <t"), (optional, "<t>why")):
+        assert text <= allowed(span, before) <= set(texts), (span, before)  # any text, never a special token
+    for span, before in ((inside, "why</t>"), (optional, "<t>why</t>")):
+        after = allowed(span, before)
+        assert after and all("hello".startswith(texts[t].lstrip()) for t in after), [texts[t] for t in after]
+    first = {texts[t][:1] for t in allowed(optional, "")}  # the opening marker or the answer, nothing else
+    assert "<" in first and "h" in first and first <= {"<", "h"}, first
+    b = tok.encode("b", add_special_tokens=False)
+    so = StructuredOutputsParams(choice=["hello", "world"], reasoning=ReasoningSpan(end="b"))
+    p = SamplingParams(max_tokens=80, temperature=1.0, seed=2, n=2, logit_bias={b[0]: 5.0}, structured_outputs=so)
+    for c in tiny_llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], p, use_tqdm=False)[0].outputs:
+        thought, end, answer = c.text.partition("b")
+        assert end and answer.strip() in ("hello", "world") and c.finish_reason == "stop", c.text

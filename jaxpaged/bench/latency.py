@@ -17,6 +17,8 @@ missing peer is reported with the reason. `--model` takes any model directory, G
 -q4_0, -q4_1): that model written once as a GGUF of that type, jaxpaged/bench/common.py). On a GGUF
 jaxpaged keeps the file's matrices packed (`--keep-quantized`, the default), so jaxpaged and llama.cpp
 read the same file; the JSON names each GGUF's tensor types, and the command and commit that made it.
+`--matmul-compare xla cpu` builds each jaxpaged engine once per weight-product backend (`matmul_backend`),
+timed in the same rounds: an A/B of the products; each row records `stats()["matmul_backend"]`.
 
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
 greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
@@ -74,10 +76,11 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     return dict(ms_per_token=per_token, ttft_ms=ttft)
 
 
-def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[int]]) -> dict:
+def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list[list[int]]) -> dict:
+    """names: row name -> the engine's keyword arguments over the flags'."""
     llms = {}
-    for name in names:
-        llm = bc.build_llm(model_dir, args, **JAXPAGED[name])
+    for name, over in names.items():
+        llm = bc.build_llm(model_dir, args, **over)
         run_once(llm, prompts[:1], 8)  # warm-up
         llms[name] = llm
     runs = {(name, n): [] for name in names for n in args.concurrency}
@@ -99,7 +102,8 @@ def measure_jaxpaged(model_dir: str, args, names: list[str], prompts: list[list[
                 ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token,
                 ttft_ms=statistics.median([statistics.median(g["ttft_ms"]) for g in rs]),
                 load=[g["load"] for g in rs], weight_bytes=weight_bytes(eng, n),
-                compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets))
+                compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets),
+                matmul_backend=llms[name].stats().get("matmul_backend"))
     return out
 
 
@@ -194,6 +198,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--startup", nargs="*", default=[], choices=["float32", "bfloat16"],
                     help="also time cold and warm start to the first token in fresh processes, per dtype")
+    ap.add_argument("--matmul-compare", nargs="+", default=None, choices=["auto", "xla", "cpu"],
+                    help="each jaxpaged engine once per matmul_backend, interleaved (A/B in one run)")
     ap.add_argument("--gguf", default=None, help="llama.cpp's model (default: --model where it is a GGUF file or "
                     "preset, else the default model's GGUF)")
     from jaxpaged.bench import llama_cpp_peer, vllm_peer
@@ -222,7 +228,9 @@ def main(argv=None) -> dict:
         rows.update(got)
         if why:
             missing["llama-cpp"] = why
-    names = [b.split("-", 1)[1] for b in backends if b.startswith("jaxpaged-")]
+    names = {b.split("-", 1)[1]: JAXPAGED[b.split("-", 1)[1]] for b in backends if b.startswith("jaxpaged-")}
+    if args.matmul_compare:  # each engine once per products' backend, in the same rounds
+        names = {f"{n} matmul={m}": {**kw, "matmul_backend": m} for n, kw in names.items() for m in args.matmul_compare}
     if names:
         rows.update(measure_jaxpaged(model_dir, args, names, prompts))
     startup = measure_startup(model_dir, args) if args.startup else {}

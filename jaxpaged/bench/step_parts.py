@@ -1,98 +1,207 @@
-"""Where a lone request's decode step goes: the engine's step against its parts run alone.
+"""Where a decode step's time goes, at 1 and at 64 running requests: the step split into its parts.
 
-    jaxpaged bench step_parts --dtype float32 --json docs/results/step_parts_float32.json
+    jaxpaged bench step_parts --dtype bfloat16 --running 1 64 --json docs/results/step_parts_bf16.json
 
-The whole step is the engine's (ms per step of one decoding request, `--tokens` rows: the smallest token
-bucket, 8 by default). Its parts are jitted functions on the same shapes, dtype and weights, timed alone
-(median of `--repeats`):
-- `layer_products_ms`: every layer's seven products (q, k, v, o, gate, up, down; the stacked weights
-  read by a `lax.scan` over layers, as the step reads them), `--tokens` rows;
-- `lm_head_ms`: the head (the tied embedding transposed, or lm_head), `--tokens` rows;
-- `read_all_weights_ms`: a pass that only reads every parameter once (a sum): the bandwidth bound;
-- `rest_ms`: the step less the products and the head: attention, norms, RoPE, the sampler, the host.
-Dense models with Llama's parameter names only (MoE layers are not split out). docs/benchmarks.md ("A
-lone request") gives the figures and what they say.
+One engine (max_num_seqs = the largest --running; any engine flag, e.g. --quantization int8). For each
+count N, N requests of --context random prompt tokens run until all of them decode; then --steps decode
+steps are timed one by one (`LLMEngine.step`), the compiled call's own time read through the timing seam
+(`ModelRunner.wrap_steps`; the call waits for its result), with the process's minor page faults per step
+(getrusage). The next step is captured and replayed on its inputs, already on the device, --repeats
+times untraced, then --repeats times under `jax.profiler` (jaxpaged/bench/step_profile.py). The parts,
+each measured on its own (ms per step, medians):
+  products    the weight products (XLA's dots, the AMX or the quantized C++ kernel), lm_head included
+  attention   the paged-attention kernel of every layer
+  xla_own     XLA's other thunks: norms, RoPE, the KV writes, gathers, the sampler, copies
+  between     no thunk running inside the compiled call: its dispatch, waits, thread-pool wake-ups
+  host        the engine step less its compiled call: scheduling, the inputs, reading back, the outputs
+The first four split the wall time of the traced replay of median length (step_profile.share); host
+comes from the engine's steps. sum_ms is their sum, gap_ms = step_ms - sum_ms (gap_pct of the step): what
+the parts miss or add (the tracer's own cost, the replay differing from the compiled call in the engine).
+Page faults are printed beside them: per step, and their estimated ms (count x the cost of one fault on
+fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
+the page).
+read_all_weights_ms: a pass that only reads every parameter once, the bound a step's weight reads set.
 """
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
+import re
+import resource
+import statistics
 import time
 
 import numpy as np
 
 from jaxpaged.bench import common as bc
 from jaxpaged.bench import timing
+from jaxpaged.bench.host import capture_next_step
+from jaxpaged.bench.step_profile import KINDS, profile_step
 
-PRODUCTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+PARTS = (*KINDS, "between", "host")
+PAGE = 4096
 
 
-def median_ms(fn, *args, repeats: int) -> float:
-    return 1e3 * float(np.median(timing.samples(fn, *args, reps=repeats)))
+def minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def part_functions(params: dict, cfg, rows: int, dtype) -> dict:
-    """name -> (jitted function, its arguments) for each part the step is split into."""
+def fault_cost_us(mib: int = 64, reps: int = 3) -> float:
+    """Microseconds per minor page fault on fresh anonymous memory (mapped, then one byte per page
+    written: the kernel maps and zeroes each page), the median of `reps` fresh mappings."""
+    costs = []
+    for _ in range(reps):
+        with mmap.mmap(-1, mib << 20) as m:
+            a = np.frombuffer(m, np.uint8)
+            f, t = minor_faults(), time.perf_counter()
+            a[::PAGE] = 1
+            t, f = time.perf_counter() - t, minor_faults() - f
+            del a
+        costs.append(1e6 * t / max(f, 1))
+    return statistics.median(costs)
+
+
+def read_all_weights_ms(params, repeats: int) -> float:
+    """ms of a jitted pass that reads every parameter once (a float32 sum of each)."""
     import jax
     import jax.numpy as jnp
-
-    from jaxpaged.models.quant import dot
-    missing = [k for k in PRODUCTS if k not in params["layers"]]
-    if missing:
-        raise SystemExit(f"--model: the layers have no {', '.join(missing)} (dense Llama-style models only)")
-    layers = {k: params["layers"][k] for k in PRODUCTS}
-    x = jnp.full((rows, cfg.hidden_size), 0.01, dtype)  # [rows, D]
-
-    def products(layers, x):
-        def body(acc, layer):  # the shapes of one layer's products; values chained so none is dropped
-            h = x + acc
-            q, k, v = dot(h, layer["wq"]), dot(h, layer["wk"]), dot(h, layer["wv"])
-            o = dot(q, layer["wo"])
-            d = dot(dot(h + o, layer["w_gate"]) * dot(h + o, layer["w_up"]), layer["w_down"])
-            return acc + d + k.sum() + v.sum(), None
-        return jax.lax.scan(body, jnp.zeros_like(x), layers)[0]
-
-    tied = cfg.tie_word_embeddings
-    head = params["embed"] if tied else params["lm_head"]
-    return dict(layer_products_ms=(jax.jit(products), (layers, x)),
-                lm_head_ms=(jax.jit(lambda w, x: dot(x, w, jnp.float32, transpose=tied)), (head, x)),
-                read_all_weights_ms=(jax.jit(lambda t: sum(jnp.sum(a.astype(jnp.float32))
-                                                           for a in jax.tree.leaves(t))), (params,)))
+    fn = jax.jit(lambda t: sum(jnp.sum(a.astype(jnp.float32)) for a in jax.tree.leaves(t)))
+    return 1e3 * statistics.median(timing.samples(fn, params, reps=repeats))
 
 
-def lone_step_ms(engine, output_len: int) -> float:
-    """ms per step of one request decoding `output_len` greedy tokens (its prefill and first step excluded)."""
+def fill(eng, n: int, context: int, max_tokens: int, seed: int) -> list[str]:
+    """Add n requests of `context` random prompt tokens and step until every one of them decodes."""
     from jaxpaged import SamplingParams
-    engine.add_request("parts", {"prompt_token_ids": list(range(10, 26))},
-                       SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
-    engine.step()
-    engine.step()
-    n, t = 0, time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        n += 1
-    return 1e3 * (time.perf_counter() - t) / max(n, 1)
+    rng = np.random.default_rng(seed)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"parts-{n}-{i}" for i in range(n)]
+    for rid in ids:
+        eng.add_request(rid, {"prompt_token_ids": [int(t) for t in rng.integers(3, eng.model_config.vocab_size,
+                                                                                  context)]}, sp)
+    sch = eng.scheduler
+    while sch.waiting or any(r.num_computed_tokens < len(r.token_ids) - 1 for r in sch.running):
+        eng.step()
+    return ids
+
+
+def engine_steps(eng, steps: int) -> dict:
+    """Median wall ms per step, ms of its compiled call, host ms (the difference) and minor faults per
+    step, over `steps` decode steps of the engine."""
+    calls: list[float] = []
+
+    def timed(key, compiled):
+        def step(*args):
+            import jax
+            t = time.perf_counter()
+            out = compiled()(*args)
+            jax.block_until_ready(out)
+            calls.append(time.perf_counter() - t)
+            return out
+        return step
+    eng.runner.wrap_steps(timed)
+    walls, faults = [], []
+    try:
+        for _ in range(steps):
+            f, t = minor_faults(), time.perf_counter()
+            eng.step()
+            walls.append(time.perf_counter() - t)
+            faults.append(minor_faults() - f)
+    finally:
+        eng.runner.wrap_steps(None)
+    if len(calls) != steps:
+        raise RuntimeError(f"{steps} engine steps ran {len(calls)} compiled calls")
+    return dict(step_ms=1e3 * statistics.median(walls), call_ms=1e3 * statistics.median(calls),
+                host_ms=1e3 * statistics.median(w - c for w, c in zip(walls, calls)),
+                faults_per_step=statistics.median(faults))
+
+
+def replayed(eng, repeats: int) -> dict:
+    """The next decode step captured, then replayed alone: untraced (device ms, faults per replay), then
+    traced (its parts: step_profile.profile_step)."""
+    import jax
+    runner = eng.runner
+    captured = capture_next_step(runner)
+    try:
+        eng.step()
+    finally:
+        runner.wrap_steps(None)
+    fn, inputs = captured["fn"], jax.device_put(captured["inputs"])
+
+    def step():  # the same K/V written again: the engine's state is unchanged
+        out, runner.k_pool, runner.v_pool = fn(runner.step_params, runner.k_pool, runner.v_pool, *inputs)
+        jax.block_until_ready(out)
+    f = minor_faults()
+    device = timing.samples(step, reps=repeats)
+    faults = (minor_faults() - f) / (repeats + 1)  # the warm-up call included
+    text = fn.as_text()
+    module = re.match(r"HloModule ([^\s,]+)", text).group(1)
+    return dict(replay_ms=1e3 * statistics.median(device), replay_faults=faults,
+                **profile_step(step, text, module, repeats))
+
+
+def measure(eng, n: int, args) -> dict:
+    """One row: the parts of a decode step at n running requests."""
+    ids = fill(eng, n, args.context, args.max_tokens, args.seed)
+    for _ in range(2):
+        eng.step()
+    row = dict(running=n, **engine_steps(eng, args.steps), **replayed(eng, args.repeats))
+    if len(eng.scheduler.running) != n:
+        raise SystemExit(f"running={n}: requests finished during the timed steps; raise --max-model-len")
+    for rid in ids:
+        eng.abort_request(rid)
+    while eng.has_unfinished_requests():
+        eng.step()
+    row["sum_ms"] = sum(row[f"{p}_ms"] for p in PARTS)
+    row["gap_ms"] = row["step_ms"] - row["sum_ms"]
+    row["gap_pct"] = 100 * row["gap_ms"] / row["step_ms"]
+    row["fault_ms"] = row["faults_per_step"] * args.fault_cost_us / 1e3
+    bc.say(f"running={n}: step {row['step_ms']:.2f} ms, parts {row['sum_ms']:.2f} ms, gap {row['gap_pct']:+.1f} %")
+    return row
+
+
+def report(rows: list[dict]) -> str:
+    """The parts as rows, one ms and % of the step column pair per running count."""
+    lines = [["step", *[c for r in rows for c in (r["step_ms"], "100%")]]]
+    for p in (*PARTS, "sum", "gap"):
+        lines.append([p, *[c for r in rows for c in (r[f"{p}_ms"], f"{100 * r[f'{p}_ms'] / r['step_ms']:.1f}%")]])
+    faults = [c for r in rows for c in (r["fault_ms"], f"{r['faults_per_step']:.0f}/step")]
+    lines.append(["page faults (inside)", *faults])
+    lines.append(["replay untraced", *[c for r in rows for c in (r["replay_ms"], "")]])
+    lines.append(["replay traced", *[c for r in rows for c in (r["window_ms"], "")]])
+    return bc.table(lines, ["ms per step", *[h for r in rows for h in (f"{r['running']} running", "share")]])
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=8, help="rows of the parts (the smallest token bucket)")
-    ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=15)
-    bc.add_engine_args(ap, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024, num_kv_blocks=200)
+    ap.add_argument("--running", type=int, nargs="+", default=[1, 64], help="running requests of each row")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=20, help="engine decode steps timed per row")
+    ap.add_argument("--repeats", type=int, default=10, help="replays of the captured step, untraced and traced")
+    bc.add_engine_args(ap, max_num_batched_tokens=512)
     args = ap.parse_args(argv)
-    llm = bc.build_llm(bc.resolve_model(args.model), args)
+    if min(args.running) < 1 or args.steps < 1 or args.repeats < 1 or args.context < 1:
+        raise SystemExit("--running, --steps, --repeats and --context must be >= 1")
+    top = max(args.running)
+    budget = max(args.max_num_batched_tokens, 2 * top)
+    args.max_tokens = top * args.context // max(budget - top, 1) + args.steps + 16  # the fill, 2 + steps + capture
+    max_len = args.max_model_len or args.context + args.max_tokens + args.block_size
+    blocks = args.num_kv_blocks or top * -(-max_len // args.block_size) + 1
+    args.fault_cost_us = fault_cost_us()
+    llm = bc.build_llm(bc.resolve_model(args.model), args, max_num_seqs=max(args.max_num_seqs, top),
+                       max_num_batched_tokens=budget, max_model_len=max_len, num_kv_blocks=blocks)
     eng = llm.engine
-    out = {name: median_ms(fn, *a, repeats=args.repeats)
-           for name, (fn, a) in part_functions(eng.runner.params, eng.model_config, args.tokens,
-                                                                     eng.runner.dtype).items()}
-    out["step_ms"] = lone_step_ms(eng, args.output_len)
-    out["rest_ms"] = out["step_ms"] - out["layer_products_ms"] - out["lm_head_ms"]
+    rows = [measure(eng, n, args) for n in args.running]
     import jax
-    out.update(weight_bytes=int(sum(a.nbytes for a in jax.tree.leaves(eng.runner.params))), dtype=args.dtype,
-               tokens=args.tokens, load_average=os.getloadavg(), machine=bc.machine_info())
-    print(bc.table([[k, out[k]] for k in ("step_ms", "layer_products_ms", "lm_head_ms", "rest_ms",
-                                          "read_all_weights_ms")], ["part", "ms"]))
+    out = dict(**bc.run_info("step_parts", argv), results=rows, model=args.model or "default", dtype=args.dtype,
+               quantization=args.quantization, matmul_backend=eng.runner.matmul_backend,
+               attention_backend=eng.runner.backend, context=args.context, fault_cost_us=args.fault_cost_us,
+               read_all_weights_ms=read_all_weights_ms(eng.runner.params, args.repeats),
+               weight_bytes=int(sum(a.nbytes for a in jax.tree.leaves(eng.runner.params))),
+               load_average=os.getloadavg(), machine=bc.machine_info(),
+               note="parts measured apart: the traced replay split by kernel kind, the host from the engine's steps")
+    print(report(rows))
+    print(f"read all weights once: {out['read_all_weights_ms']:.2f} ms; one page fault: {args.fault_cost_us:.2f} us")
     bc.write_json(args.json, out)
     return out
 

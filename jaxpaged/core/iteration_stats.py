@@ -1,7 +1,10 @@
 """Per-step counts the server publishes as histograms (host code, no numpy needed).
 
-`IterationTokens` counts the tokens each engine step processed (prefill chunks, decodes and proposals
-together) into vLLM's buckets for `iteration_tokens_total`; the server reads `snapshot()` at scrape time.
+`IterationTokens` counts the tokens of each engine step that gave requests tokens, as vLLM 0.32 counts them
+for `iteration_tokens_total` (`loggers.py`: a step's new output tokens, plus the computed prompt tokens of the
+requests whose first token it made, counted once, when their prefill ends), into vLLM's buckets; the output
+processor observes them (core/output_processor.py), the server reads `snapshot()` at scrape time. A step
+that only prefills chunks of a longer prompt gives no token, so it is not counted (as vLLM's).
 """
 from __future__ import annotations
 

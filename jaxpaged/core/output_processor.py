@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from jaxpaged.core.iteration_stats import IterationTokens
 from jaxpaged.core.outputs import CompletionOutput, RequestOutput
 from jaxpaged.core.request import ListPrefix, Request, RequestStatus
 from jaxpaged.core.step_result import Finish
@@ -59,6 +60,7 @@ class OutputProcessor:
         self.structured, self.max_model_len = structured, max_model_len
         self.groups: dict[str, Group] = {}
         self._ready: list[RequestOutput] = []  # outputs built since the last `update` returned
+        self.iteration_tokens = IterationTokens()  # tokens of each step with outputs (vLLM's iteration_tokens)
 
     def add(self, group: Group) -> None:
         self.groups[group.request_id] = group
@@ -106,11 +108,13 @@ class OutputProcessor:
         now, groups, outputs = time.monotonic(), self.groups, self._ready
         touched: dict[str, Group] = {}  # groups of n > 1 samples: one output for all that advanced
         stops: dict[Request, Finish] = {}
+        step_tokens = 0  # as vLLM counts a step: its new output tokens, and the prompts that got their first
         for req in got:
             group = groups[req.group_id]
             i = req.index
             if group.first_token_times[i] is None:
                 group.first_token_times[i] = now
+                step_tokens += req.num_prompt_tokens - req.num_cached_tokens  # the prompt computed
             else:
                 group.inter_token_latencies.append(now - group.last_token_times[i])
             group.last_token_times[i] = now
@@ -120,6 +124,7 @@ class OutputProcessor:
             else:
                 stop_string = group.text_each_step and group.detoks[req.index].catch_up(req.token_ids)
                 reason = self._check_stop(req, stop_string, length)
+            step_tokens += length - group.num_checked[req.index]  # the tokens kept (up to a stop)
             group.num_checked[req.index] = length
             if reason:
                 stops[req] = Finish(req, reason, length)
@@ -135,6 +140,8 @@ class OutputProcessor:
                 outputs.append(self._finish(groups.pop(group.request_id), now, stops=stops))
             elif group.stream:
                 outputs.append(self.output(group, False, stops=stops))
+        if got:
+            self.iteration_tokens.observe(step_tokens)
         return list(stops.values())
 
     def _check_stop(self, req: Request, stop_string: bool, length: int) -> str | None:
@@ -187,7 +194,8 @@ class OutputProcessor:
         last = max([t for t in group.last_token_times if t is not None], default=None)
         metrics = dict(arrival_time=group.arrival, scheduled_time=scheduled, first_token_time=first,
                        last_token_time=last, finished_time=group.finished_time,
-                       inter_token_latencies=group.inter_token_latencies)
+                       inter_token_latencies=group.inter_token_latencies,
+                       num_preemptions=sum(s.num_preemptions for s in samples))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished,
                              r.num_cached_tokens, metrics,
                              error, r.prompt_hidden_states if finished else None,

@@ -56,7 +56,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)  # arrival_time, scheduled_time, first_token_time, last_token_time,
-    # finished_time (time.monotonic()), inter_token_latencies (seconds)
+    # finished_time (time.monotonic()), inter_token_latencies (seconds), num_preemptions (its samples')
     error: str | None = None  # set when a failed step ended the request (finish_reason "error")
     prompt_hidden_states: np.ndarray | None = None  # f32[num_prompt_tokens, nL, D] (return_prompt_hidden_states)
     # SamplingParams.prompt_logprobs: per prompt token, None for the first, else {token id: logprob}

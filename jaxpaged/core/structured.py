@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxpaged.core.logit_controls import allowed_row
+from jaxpaged.core.reasoned import ReasoningSpan, after_reasoning
 from jaxpaged.core.validation import InvalidParam
 
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -39,12 +40,15 @@ class StructuredOutputsParams:
     json: a JSON schema (dict or JSON string); regex: a regular expression (Rust `regex` syntax);
     choice: a list of strings, the output is one of them; grammar: a Lark or GBNF (llama.cpp) grammar;
     json_object: True for any JSON object. The request finishes ("stop") when the grammar is complete.
+    reasoning: a `ReasoningSpan` (core/reasoned.py) for a model that thinks first: its free text comes
+    before the constrained answer (vLLM constrains the answer only); None: the constraint starts at once.
     """
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    reasoning: ReasoningSpan | None = None
     # a matcher compiled from `llguidance_grammar` for the engine's tokenizer (StructuredOutputs.prepare), or
     # None; each request copies it
     template: object | None = field(default=None, repr=False, compare=False)
@@ -70,10 +74,17 @@ class StructuredOutputsParams:
                     "json_object": "true"}[kind]
             raise InvalidParam(name, f"{name} must be {want}, got {v!r}"[:300],
                                code="invalid_grammar" if kind == "grammar" else None)
-        source = (kind, source_text(kind, v))
+        if self.reasoning is not None and not isinstance(self.reasoning, ReasoningSpan):
+            raise InvalidParam("structured_outputs.reasoning", "structured_outputs.reasoning must be a "
+                               f"ReasoningSpan or None, got {type(self.reasoning).__name__}")
+        span = self.reasoning
+        source = (kind, source_text(kind, v), span)
         if getattr(self, "_source", None) == source:  # compiled already, unchanged since
             return
-        self._kind, self._grammar, self._source, self.template = kind, _compile(kind, v, name), source, None
+        grammar = _compile(kind, v, name)
+        if span is not None:
+            grammar = after_reasoning(grammar, span)
+        self._kind, self._grammar, self._source, self.template = kind, grammar, source, None
 
     @property
     def kind(self) -> str:

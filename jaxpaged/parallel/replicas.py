@@ -32,7 +32,7 @@ AFFINITY_SLACK_STEPS = 4     # affinity yields when the cached replica is this m
 AFFINITY_MAP_SIZE = 1 << 16  # first blocks remembered by the router (least recently routed dropped first)
 
 _RATIOS = ("kv_cache_usage", "prefix_cache_hit_rate")
-_SAME = ("tensor_parallel_size", "num_buckets")  # equal on every replica: reported once, not summed
+_SAME = ("tensor_parallel_size", "num_buckets", "block_size")  # equal on every replica: reported once, not summed
 
 
 class Replicas(ControlsFront):

@@ -1,29 +1,30 @@
-"""bfloat16 products on the CPU's AMX tiles (cpu.cc beside this file): built at first use, called through the
-XLA FFI.
+"""bfloat16 products on the CPU (cpu.cc beside this file): built at first use, called through the XLA FFI.
 
 `cpu_matmul(x, w, transpose=False)` is `x @ w` (`x @ w.T` when `transpose`: the tied embedding [V, D] as the
 lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K] and a bfloat16 matrix w
-[K, N] (or [N, K]), read as stored, or `pack`ed once ahead of time into the tile order AMX reads
-(`packed=True`), then read without repacking every call. `amx()` is True where the build runs on AMX tiles
-(compiled with -march=native on a CPU with amx_bf16, and Linux granted the process the tile state);
-elsewhere the same call runs as plain loops
-(correct, slow: `matmul_backend="cpu"` uses it for tests). `supported(x, w, transpose)` says whether the
-shapes fit the kernel (K % 32 == 0, N % 16 == 0, both bfloat16, w 2-D); otherwise callers use XLA's dot.
-Built and loaded by pallas_kernels/ffi (the system C++ compiler, a cache keyed by the source, its headers,
-jaxlib, the compiler, the flags and the CPU).
+[K, N] (or [N, K]), read as stored, or `pack`ed once ahead of time into the tile order the kernel reads
+(`packed=True`), then read without repacking every call. The kernel's paths (`ISAS`): AMX tiles, AVX-512
+BF16 (`vdpbf16ps`), AVX2 + FMA, scalar loops; `isa()` names the best one this build runs (compiled with
+-march=native, AMX where Linux grants the process the tile state), `isa=` caps it (tests, benchmarks).
+`supported(x, w, transpose)` says whether the shapes fit (K % 32 == 0, N % 16 == 0, both bfloat16, w
+2-D); otherwise callers use XLA's dot. Built and loaded by pallas_kernels/ffi (the system C++ compiler, a
+cache keyed by the source, its headers, jaxlib, the compiler, the flags and the CPU).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels.ffi import load_kernel
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu.cc")
 TARGET = "jaxpaged_cpu_matmul"
+ISAS = {"scalar": 0, "avx2": 1, "avx512_bf16": 2, "amx": 3}
 
 
 @functools.cache
@@ -38,10 +39,28 @@ def available() -> bool:
 
 
 @functools.cache
-def amx() -> bool:
-    """The kernel runs on AMX tiles here: the one `matmul_backend="auto"` picks for bfloat16 CPU steps."""
+def isa() -> str | None:
+    """The best path of this build here: "amx", "avx512_bf16", "avx2" or "scalar"; None when the kernel is not
+    available."""
     lib = _library()
-    return lib is not None and bool(lib.JaxpagedCpuMatmulAmx())
+    return None if lib is None else {v: k for k, v in ISAS.items()}[int(lib.JaxpagedCpuMatmulIsa())]
+
+
+def path(K: int, N: int, isa: str | None = None) -> str:
+    """The path a call capped at `isa` (default: none) runs for w of K x N here: the build's best up to the
+    cap, the scalar loops for shapes the tiles do not fit (K % 32, N % 16)."""
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
+    got = lib.JaxpagedCpuMatmulPath(ctypes.c_int64(ISAS[isa or "amx"]), ctypes.c_int64(K), ctypes.c_int64(N))
+    return {v: k for k, v in ISAS.items()}[int(got)]
+
+
+def amx() -> bool:
+    """The kernel runs on AMX tiles here (compiled for them, and Linux granted the tile state)."""
+    return isa() == "amx"
 
 
 def supported(x, w, transpose: bool = False, stacked: bool = False) -> bool:
@@ -72,10 +91,11 @@ def unpack(tiles):
     return t.transpose(*range(d), d + 1, d + 2, d + 4, d, d + 3).reshape(*lead, kb * 32, nt * 16)
 
 
-def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False):
+def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, isa: str | None = None):
     """x [..., K] @ w [K, N] (w [N, K] when `transpose`; w `pack`ed [N / 16, K / 32, 16, 32] when `packed`)
     -> f32[..., N], bfloat16 operands (see `supported`). With `layer` (an int32 scalar, traced or not), w is
-    the stack [L, ...] of such matrices and w[layer] is read in place."""
+    the stack [L, ...] of such matrices and w[layer] is read in place. isa: the most capable path to run
+    (one of `ISAS`; default: the build's best)."""
     stacked = layer is not None
     if packed:
         ok = (not transpose and len(w.shape) == 4 + stacked and tuple(w.shape[-2:]) == (16, 32)
@@ -89,10 +109,13 @@ def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False):
             (", stacked [L, ..]" if stacked else "")
         raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w {form} with K % 32 == 0 and N % 16 == 0; "
                          f"got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+    if isa is not None and isa not in ISAS:
+        raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
     if not available():
         raise RuntimeError("the CPU matmul kernel is not available here (see the log for why)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
-    return call(x2, w, index, transpose=int(transpose), packed=int(packed)).reshape(lead + (n,))
+    y = call(x2, w, index, transpose=np.int64(transpose), packed=np.int64(packed), isa=np.int64(ISAS[isa or "amx"]))
+    return y.reshape(lead + (n,))
