@@ -167,12 +167,18 @@ class EngineConfig:
                         "BF16), else float32 on CPU, bfloat16 on GPU/TPU", choices=DTYPES)
     quantization: str | None = option(None, MODEL, "weight-only quantization of the layer matrices, from any "
                                       "float checkpoint at load (default: none, the weights' dtype); int8 / int4: "
-                                      "symmetric integer codes with scales per group (quantization_group_size), "
-                                      "the embedding and lm_head int8 per vocabulary entry; fp8: per output "
+                                      "integer codes with scales per group (quantization_group_size), int8 "
+                                      "symmetric, int4 with a per-group minimum (quantization_symmetric), the "
+                                      "embedding and lm_head int8 in groups of 32; fp8: per output "
                                       "channel", choices=QUANTIZATIONS[1:])
     quantization_group_size: int | None = option(None, MODEL, "entries of the input axis each int8 / int4 scale "
                                                  "covers: 16, 32, 64, 128, or 0 / -1 for one per output channel "
                                                  "(default: int8 per channel, int4 32)")
+    quantization_symmetric: bool | None = option(None, MODEL, "int4: symmetric codes -7..7 times a scale "
+                                                 "(llama.cpp's Q4_0 form), or --no-quantization-symmetric: codes "
+                                                 "0..15 times a scale plus a per-group minimum (Q4_1 / Q4_K's "
+                                                 "form; AWQ / GPTQ call it a zero point); int8 and fp8 are "
+                                                 "symmetric (default: int4 with a minimum)")
     keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
                                   "activations and the float tensors), as do the quantized matrices of a "
@@ -293,13 +299,17 @@ class EngineConfig:
             raise ValueError(f"keep_quantized must be a bool, got {self.keep_quantized!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
-        from jaxpaged.models.qarray import check_quantization, group_of
+        from jaxpaged.models.qarray import check_quantization, group_of, symmetric_of
         check_quantization(self.quantization)
         if self.quantization is not None:
             group_of(self.quantization, self.quantization_group_size)  # ValueError naming the field
+            symmetric_of(self.quantization, self.quantization_symmetric)
         elif self.quantization_group_size is not None:
             raise ValueError(f"quantization_group_size={self.quantization_group_size} needs quantization "
                              "'int8' or 'int4'")
+        elif self.quantization_symmetric is not None:
+            raise ValueError(f"quantization_symmetric={self.quantization_symmetric} needs quantization 'int4' "
+                             "(or 'int8' / 'fp8' with True)")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self._check_scale_out(positive)

@@ -61,7 +61,8 @@ def load_weights(path: str, mc: ModelConfig, cfg: EngineConfig) -> tuple[dict, f
         params = _load_gguf(path, mc, cfg, bar)
         if params is None:
             params = load_params(path, mc, cfg.dtype, progress=bar, quantization=cfg.quantization,
-                                 group_size=cfg.quantization_group_size, keep_quantized=cfg.keep_quantized)
+                                 group_size=cfg.quantization_group_size, symmetric=cfg.quantization_symmetric,
+                                 keep_quantized=cfg.keep_quantized)
     return params, time.perf_counter() - t0
 
 
@@ -77,7 +78,8 @@ def _load_gguf(path: str, mc: ModelConfig, cfg: EngineConfig, bar) -> dict | Non
         from jaxpaged.checkpoints.gguf import GGUFModel
         from jaxpaged.checkpoints.weights import params_from_named_tensors
         return params_from_named_tensors(mc, GGUFModel(src).tensors(), cfg.dtype, source=src, progress=bar,
-                                         quantization=cfg.quantization, group_size=cfg.quantization_group_size)
+                                         quantization=cfg.quantization, group_size=cfg.quantization_group_size,
+                                         symmetric=cfg.quantization_symmetric)
     return load_gguf_params(src, mc, cfg.dtype, keep_quantized=cfg.keep_quantized, progress=bar)
 
 

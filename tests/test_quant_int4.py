@@ -1,7 +1,8 @@
 """int8 / int4 weights quantized at load (jaxpaged/models/qarray.py), packed once for the quantized CPU kernel
 (jaxpaged/models/qpacked.py): the engine against the same model on its dequantized float weights, the
 packed form's round trip and products, weight get / update, and the errors that name bad groups and
-scales. One int4 engine (group 32, float32 activations, tied embeddings: the embedding packed as the head)."""
+scales; int4's per-group minimum (the default: Q4_1 values come back exactly). One int4 engine (group 32
+with a minimum, float32 activations, tied embeddings: the embedding packed as the head)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -64,7 +65,9 @@ def test_engine_packs_and_says_which_product(setup):
     assert backend.startswith("cpu_quant") is KERNEL, backend
     if KERNEL:
         assert layers["w_up"].bits == 4 and layers["w_up"].group == 32
-        assert embed.transposed and embed.bits == 8 and embed.shape == (256, 64)  # int8, one scale per entry
+        assert layers["w_up"].has_min and layers["w_up"].zero == 0  # int4's default: a per-group minimum
+        assert embed.transposed and embed.bits == 8 and embed.shape == (256, 64)  # int8
+        assert embed.group == 32 and not embed.has_min  # symmetric, in groups of 32 along the hidden axis
 
 
 def test_tokens_match_the_dequantized_float_model(setup):
@@ -95,18 +98,21 @@ def test_weights_round_trip_and_update(setup):
 
 
 @pytest.mark.skipif(not KERNEL, reason="the quantized CPU kernel cannot be built here")
-@pytest.mark.parametrize("fmt,group", [("int8", 0), ("int8", 32), ("int4", 32), ("int4", 128), ("int4", 0)])
-def test_packed_round_trip_and_product(fmt, group):
+@pytest.mark.parametrize("fmt,group,symmetric", [("int8", 0, True), ("int8", 32, True), ("int4", 32, True),
+                                                 ("int4", 128, True), ("int4", 0, True), ("int4", 32, False),
+                                                 ("int4", 64, False), ("int4", 0, False)])
+def test_packed_round_trip_and_product(fmt, group, symmetric):
     """QArray -> QPacked -> QArray is exact; the kernel's product of layer 1 of a stack equals the float
-    product of the int8-rounded activations (per 32 entries) with the dequantized matrix; K not a multiple of
-    the group, row and column tails included."""
+    product of the int8-rounded activations (per 32 entries) with the dequantized matrix (with a minimum
+    too); K not a multiple of the group, row and column tails included."""
     rng = np.random.default_rng(0)
     for K, N, M in ((64, 48, 1), (100, 40, 5), (256, 128, 9)):
         w = rng.standard_normal((3, K, N)).astype(np.float32)
-        qa = quantize(w, fmt, -2, "float32", group)
+        qa = quantize(w, fmt, -2, "float32", group, symmetric=symmetric)
         qp = qpacked.pack(jax.tree.map(jnp.asarray, qa))
         back = qp.unpack()
-        for a, b in ((back.q, qa.q), (back.scale, qa.scale)):
+        assert (back.m is None) == symmetric
+        for a, b in ((back.q, qa.q), (back.scale, qa.scale)) + (() if symmetric else ((back.m, qa.m),)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
         xp = np.pad(x, [(0, 0), (0, -K % 32)]).reshape(M, -1, 32)
@@ -157,3 +163,90 @@ def test_bad_groups_and_scales_are_named():
         QArray.from_codes(u + 20, s, zero=8)
     with pytest.raises(ValueError, match="'model.layers.0.mlp' holds NaN / inf"):
         quantize(np.array([[1.0, np.inf]] * 32, np.float32), "int4", -2, group=32, name="model.layers.0.mlp")
+
+
+def q4_1_values(rng, shape, axis, group=32):
+    """Q4_1-style values [shape]: per block of `group` along `axis`, d * q + m with codes q in 0..15 (both
+    ends in every block of two or more entries, as llama.cpp's quantizer leaves them) and d, m float16
+    values (as GGUF stores them) -> (w float32, q uint8, m float32 per block [.., blocks, ..])."""
+    w_last = np.moveaxis(np.empty(shape), axis, -1)
+    n, blocks = w_last.shape[-1], -(-w_last.shape[-1] // group)
+    q = rng.integers(0, 16, w_last.shape)
+    q[..., 0::group], q[..., 1::group] = 0, 15
+    if n % group == 1:  # a last block of one entry: its value is its minimum
+        q[..., -1] = 0
+    d = rng.uniform(1e-3, 2e-2, (*w_last.shape[:-1], blocks)).astype(np.float16).astype(np.float32)
+    m = rng.normal(0, 0.05, d.shape).astype(np.float16).astype(np.float32)
+    idx = np.arange(n) // group
+    w = d[..., idx] * q + m[..., idx]
+    return (np.moveaxis(w.astype(np.float32), -1, axis), np.moveaxis(q.astype(np.uint8), -1, axis),
+            np.moveaxis(m, -1, axis))
+
+
+@pytest.mark.parametrize("shape,axis", [((64, 16), -2), ((100, 24), -2), ((3, 33, 40), -2), ((2, 3, 130, 8), -2),
+                                        ((50, 96), -1), ((7, 45), -1)])
+def test_minimum_reproduces_q4_1_blocks(shape, axis):
+    """int4 with a minimum (symmetric=False) in groups of 32 aligned with Q4_1's blocks gives back their
+    codes and minima exactly and their values to float32 rounding (K not a multiple of the group, stacks,
+    either reduced axis); any data comes back within half a step of its group, codes 0..15."""
+    rng = np.random.default_rng(sum(shape))
+    w, q, m = q4_1_values(rng, shape, axis)
+    qa = quantize(w, "int4", axis, group=32, symmetric=False)
+    assert qa.zero == 0 and qa.bits == 4 and qa.m.shape == qa.scale.shape and qa.m.dtype == np.float32
+    np.testing.assert_array_equal(qa.q, q)
+    np.testing.assert_array_equal(qa.m, m)
+    np.testing.assert_allclose(dequantize(qa), w, rtol=0, atol=2e-7 * np.abs(w).max())
+    x = rng.standard_normal(shape).astype(np.float32) * rng.uniform(0.1, 3, shape[-1])
+    qa = quantize(x, "int4", axis, group=32, symmetric=False)
+    assert qa.q.min() >= 0 and qa.q.max() <= 15
+    step = np.take(qa.scale, np.arange(shape[axis]) // 32, axis=axis)
+    assert np.all(np.abs(dequantize(qa) - x) <= step / 2 * (1 + 1e-5) + 1e-7)
+    flat = quantize(np.full(shape, 0.25, np.float32), "int4", axis, group=32, symmetric=False)  # one value
+    assert not flat.q.any() and np.array_equal(dequantize(flat), np.full(shape, 0.25, np.float32))
+
+
+def test_bad_symmetry_is_named():
+    """quantization_symmetric: a bool, False (a minimum) for int4 alone, with a quantization; the bench's
+    weights names refuse what the engine would; a NaN / inf is refused by the tensor's name."""
+    from jaxpaged.bench.quality import weights_config
+    for kw, match in ((dict(quantization="int8", quantization_symmetric=False), "takes quantization 'int4'"),
+                      (dict(quantization="fp8", quantization_symmetric=False), "takes quantization 'int4'"),
+                      (dict(quantization="int4", quantization_symmetric="no"), "must be True or False"),
+                      (dict(quantization_symmetric=True), "quantization_symmetric=True needs quantization")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**kw)
+    assert EngineConfig(quantization="int4", quantization_symmetric=True).quantization_symmetric
+    with pytest.raises(ValueError, match="takes quantization 'int4'"):
+        quantize(np.ones((32, 4), np.float32), "int8", -2, symmetric=False)
+    with pytest.raises(ValueError, match="'model.layers.1.attn' holds NaN / inf"):
+        quantize(np.array([[0.5, np.nan]] * 40, np.float32), "int4", -2, group=32, symmetric=False,
+                 name="model.layers.1.attn")
+    assert weights_config("int4:g64:sym:xla") == dict(dtype="float32", quantization="int4", quantization_group_size=64,
+                                                      quantization_symmetric=True, matmul_backend="xla")
+    for name, match in (("int8:asym", "takes quantization 'int4'"), ("int4:g48", "quantization_group_size"),
+                        ("float32:xla", "take a quantized name"), ("int4:fast", "unknown option 'fast'"),
+                        ("int3", "the name must be one of")):
+        with pytest.raises(ValueError, match=match):
+            weights_config(name)
+
+
+def test_int4_load_and_convert_keep_the_matrices(tmp_path):
+    """A float checkpoint loaded as int4 (a minimum: its codes, scales and minima all stored) and
+    `jaxpaged convert --quantization int4` (written as codes, scales and minima) give matrices within half a step of
+    the source's (a minimum lost on the way would shift whole groups)."""
+    from test_convert import _hf_dir
+
+    from jaxpaged.checkpoints.convert import convert
+    from jaxpaged.checkpoints.weights import load_params
+    src = _hf_dir(tmp_path / "hf", initializer_range=0.2)
+    dst = convert(src, str(tmp_path / "i4"), dtype="float32", progress=False, quantization="int4")
+    cfg = ModelConfig.from_dir(dst)
+    want, back = load_params(src, cfg, "float32"), load_params(dst, cfg, "float32")  # back: widened
+    loaded = load_params(src, cfg, "float32", quantization="int4")
+    for name in ("wq", "w_up", "w_down"):
+        w, qa = want["layers"][name], loaded["layers"][name]  # [L, K, N]: groups of 32 along K
+        step = np.take(qa.scale, np.arange(w.shape[1]) // 32, axis=1)
+        assert qa.m is not None and np.all(np.abs(dequantize(qa) - w) <= step / 2 * (1 + 1e-5) + 1e-7), name
+        amax = np.abs(np.pad(w, [(0, 0), (0, -w.shape[1] % 32), (0, 0)])).reshape(
+            w.shape[0], -1, 32, w.shape[2]).max(2).repeat(32, 1)[:, :w.shape[1]]
+        assert np.all(np.abs(back["layers"][name] - w) <= amax / 14 * (1 + 1e-5) + 1e-7), name

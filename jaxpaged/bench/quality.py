@@ -2,6 +2,7 @@
 
     jaxpaged bench quality --weights float32 int8 fp8 --json docs/results/quality.json
     jaxpaged bench quality --weights float32 int8 int4 --max-tokens 64   # integer weights (issue 44's goals)
+    jaxpaged bench quality --weights float32 int8:g128 int4:sym int4:xla --max-tokens 64   # their options
     jaxpaged bench quality --weights float32 --kv auto bfloat16 int8 float8_e4m3fn   # KV caches alone
 
 The float32 engine (float32 weights, float32 KV) generates greedily from each golden prompt of the
@@ -18,7 +19,9 @@ over it), and reports
 Each configuration row: weights (--weights: float32, bfloat16 (the engine dtype: weights and activations),
 int8, int4 (groups of 32), fp8 (weight-only, float32 activations; int8 / int4 products on the quantized CPU
 kernel where it runs, which rounds activations to int8 per 32 entries), bfloat16-int8 / bfloat16-int4
-(bfloat16 activations and KV))
+(bfloat16 activations and KV); a quantized name takes options after colons (`weights_config`): gN or
+channel (quantization_group_size N or per output channel), sym / asym (quantization_symmetric), xla
+(matmul_backend xla: XLA's dequantize-then-dot, float activations), e.g. int4:g32:sym:xla)
 x KV cache dtype (--kv, passed to the engine as the `kv_cache_dtype` keyword when not `auto`;
 `auto` is the engine dtype). The goals: GOAL_INT8_WEIGHTS for int8 weights (GOAL_INT4_WEIGHTS: int4, and
 GOAL_GREEDY_INT8 the greedy agreement issue 44 asks of int8), GOAL_KV per KV cache dtype
@@ -27,6 +30,9 @@ GOAL_GREEDY_INT8 the greedy agreement issue 44 asks of int8), GOAL_KV per KV cac
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 import numpy as np
 
@@ -39,14 +45,65 @@ GOAL_GREEDY_INT8 = 0.95  # greedy agreement of int8 weights over 64 tokens (issu
 GOAL_KV = {"bfloat16": 0.005, "int8": 0.02}  # mean |delta logprob| of the KV cache dtype, float32 weights
 
 
+DTYPES = ("float32", "bfloat16")
+QUANTIZED = ("int8", "int4", "fp8")
+OPTIONS = "gN (N in 16, 32, 64, 128), channel, sym, asym, xla"
+
+
+def weights_config(weights: str) -> dict:
+    """A --weights name -> the engine keywords it stands for: [bfloat16-]NAME[:OPTION ...], NAME an engine
+    dtype or a quantization, each OPTION one of OPTIONS (quantized names only). ValueError naming it."""
+    name, *options = weights.split(":")
+    dtype, _, quant = name.rpartition("-")  # "bfloat16-int8", or one name
+    if dtype not in ("", "bfloat16") or quant not in DTYPES + QUANTIZED or (dtype and quant in DTYPES):
+        raise ValueError(f"--weights {weights!r}: the name must be one of {', '.join(DTYPES + QUANTIZED)}, a "
+                         "quantized one optionally after 'bfloat16-'")
+    if quant in DTYPES:
+        if options:
+            raise ValueError(f"--weights {weights!r}: options ({OPTIONS}) take a quantized name")
+        return dict(dtype=quant, quantization=None)
+    kw = dict(dtype=dtype or "float32", quantization=quant)
+    for o in options:
+        if o in ("sym", "asym"):
+            kw["quantization_symmetric"] = o == "sym"
+        elif o == "xla":
+            kw["matmul_backend"] = "xla"
+        elif o == "channel" or (o[:1] == "g" and o[1:].isdigit()):
+            kw["quantization_group_size"] = 0 if o == "channel" else int(o[1:])
+        else:
+            raise ValueError(f"--weights {weights!r}: unknown option {o!r}; options: {OPTIONS}")
+    from jaxpaged.config import EngineConfig
+    EngineConfig(**kw)  # a group or symmetry the format does not take: ValueError naming the field
+    return kw
+
+
+def _weights_arg(weights: str) -> str:
+    try:
+        weights_config(weights)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return weights
+
+
 def engine(model_dir: str, args, weights: str, kv: str):
-    dtype, _, quant = weights.rpartition("-")  # "bfloat16-int8", or one name
-    if quant in ("float32", "bfloat16"):  # a plain engine dtype
-        dtype, quant = quant, None
-    over = dict(quantization=quant, max_logprobs=args.top_logprobs)
+    over = dict(weights_config(weights), max_logprobs=args.top_logprobs)
     if kv != "auto":
         over["kv_cache_dtype"] = kv
-    return bc.build_llm(model_dir, args, dtype=dtype or "float32", **over)
+    return bc.build_llm(model_dir, args, **over)
+
+
+def layer_bytes_per_weight(llm) -> float | None:
+    """Bytes a layer-matrix weight takes in the engine's format (codes, scales, minima; the kernel's packing
+    or the QArray's 4-bit codes as packed nibbles), None for plain float weights."""
+    from jaxpaged.models.qarray import QArray
+    w = llm.engine.runner.params["layers"]["w_up"]
+    if isinstance(w, QArray):
+        bits, has_min, group = w.bits, w.m is not None, w.group or w.shape[-2]
+    elif hasattr(w, "layout"):  # QPacked
+        bits, has_min, group = w.bits, w.has_min, w.layout.group_k
+    else:
+        return None
+    return bits / 8 + 4 * (1 + has_min) / group
 
 
 def teacher_forced(llm, prompts: list[list[int]], tokens: list[list[int]], top: int) -> list:
@@ -76,8 +133,9 @@ def compare(rows: list, ref: list) -> dict:
                 outside_top=int(sum(g[2] for g in got)))
 
 
-def run(model_dir: str, args) -> dict:
-    """The float32 run, then every (weights, KV cache dtype) configuration teacher-forced on its tokens."""
+def run(model_dir: str, args, on_row=None) -> dict:
+    """The float32 run, then every (weights, KV cache dtype) configuration teacher-forced on its tokens;
+    on_row(rows) after each one (the rows so far)."""
     from jaxpaged import SamplingParams
     llm = engine(model_dir, args, "float32", "auto")
     prompts = golden_prompts(llm.tokenizer)
@@ -90,26 +148,47 @@ def run(model_dir: str, args) -> dict:
     for w in args.weights:
         for kv in args.kv:
             bc.say(f"weights {w}, KV cache {kv}")
-            got = ref if (w, kv) == ("float32", "auto") else \
-                teacher_forced(engine(model_dir, args, w, kv), prompts, tokens, args.top_logprobs)
-            rows.append(dict(weights=w, kv_cache_dtype=kv, **compare(got, ref)))
+            info = dict(matmul_backend=None, layer_bytes_per_weight=None)
+            if (w, kv) == ("float32", "auto"):
+                got = ref
+            else:
+                llm = engine(model_dir, args, w, kv)
+                info = dict(matmul_backend=llm.engine.stats()["matmul_backend"],
+                            layer_bytes_per_weight=layer_bytes_per_weight(llm))
+                got = teacher_forced(llm, prompts, tokens, args.top_logprobs)
+                del llm
+            rows.append(dict(weights=w, kv_cache_dtype=kv, **info, **compare(got, ref)))
+            if on_row is not None:
+                on_row(rows)
     return dict(prompts=len(prompts), max_tokens=args.max_tokens, model=model_dir, rows=rows,
                 goal_int8_weights_mean_abs_dlogprob=GOAL_INT8_WEIGHTS,
                 goal_int4_weights_mean_abs_dlogprob=GOAL_INT4_WEIGHTS, goal_int8_greedy_agreement=GOAL_GREEDY_INT8,
                 goal_kv_mean_abs_dlogprob=GOAL_KV)
 
 
+def provenance(argv: list[str]) -> dict:
+    """The command and the git commit of the code that ran (None outside a git checkout)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                                capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return dict(command="jaxpaged bench quality " + " ".join(argv), git_commit=commit)
+
+
 def report(out: dict) -> str:
-    rows = [[r["weights"], r["kv_cache_dtype"], r["positions"], 100 * r["greedy_agreement"],
-             r["mean_abs_dlogprob"], r["max_abs_dlogprob"], r["outside_top"]] for r in out["rows"]]
-    return bc.table(rows, ["weights", "KV cache", "positions", "greedy agreement %", "mean |dlogprob|",
-                           "max |dlogprob|", "outside top"])
+    rows = [[r["weights"], r["kv_cache_dtype"], r.get("matmul_backend") or "", r.get("layer_bytes_per_weight") or "",
+             r["positions"], 100 * r["greedy_agreement"], r["mean_abs_dlogprob"], r["max_abs_dlogprob"],
+             r["outside_top"]] for r in out["rows"]]
+    return bc.table(rows, ["weights", "KV cache", "products", "bytes / weight", "positions", "greedy agreement %",
+                           "mean |dlogprob|", "max |dlogprob|", "outside top"])
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"],
-                    choices=["float32", "bfloat16", "int8", "int4", "fp8", "bfloat16-int8", "bfloat16-int4"])
+    ap.add_argument("--weights", nargs="+", default=["float32", "int8", "fp8"], type=_weights_arg,
+                    help="[bfloat16-]NAME[:OPTION ...]: NAME float32, bfloat16, int8, int4 or fp8; OPTIONs "
+                         f"(quantized names): {OPTIONS} (module docstring)")
     ap.add_argument("--kv", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float8_e4m3fn", "int8"],
                     help="KV cache dtypes, one row each (the engine's kv_cache_dtype)")
     ap.add_argument("--max-tokens", type=int, default=48, help="float32 tokens per golden prompt")
@@ -117,7 +196,13 @@ def main(argv=None) -> dict:
     bc.add_engine_args(ap, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=256)
     args = ap.parse_args(argv)
     model_dir = bc.resolve_model(args.model)
-    out = dict(**run(model_dir, args), machine=bc.machine_info())
+    load_before = os.getloadavg()
+    command = provenance(sys.argv[1:] if argv is None else argv)
+
+    def partial(rows):  # a long run (a 1B model) leaves the rows so far
+        bc.write_json(args.json, dict(partial=True, model=model_dir, rows=rows, **command))
+    out = dict(**run(model_dir, args, partial), **command,
+               load_average=dict(before=load_before, after=os.getloadavg()), machine=bc.machine_info())
     print(report(out))
     bc.write_json(args.json, out)
     return out

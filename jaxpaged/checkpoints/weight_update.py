@@ -16,6 +16,7 @@ KV under the new weights when generation resumes.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -119,11 +120,30 @@ def _reference(current):
 
 def _quantized_leaf(current, values, name: str) -> QArray:
     """The QArray replacing a quantized parameter (the runner packs it again where it keeps it packed):
-    plain values quantized as at load (format, group), on the devices and shardings of the current one."""
+    plain values quantized as at load (format, group, minimum or not), on the devices and shardings of the
+    current one."""
     shardings = current.unpack() if isinstance(current, QPacked) and isinstance(current.blob, jax.Array) \
         else current
-    qa = quantize(np.asarray(values, np.float32), current.format, current.axis, current.dtype, current.group, name)
+    has_min = current.has_min if isinstance(current, QPacked) else current.m is not None
+    values = np.asarray(values, np.float32)
+    qa = quantize(values, current.format, current.axis, current.dtype, current.group, name, symmetric=not has_min)
+    if isinstance(shardings, QArray) and isinstance(shardings.q, jax.Array):  # the current codes are here
+        qa = _unchanged_kept(qa, shardings, values)
     return jax.tree.map(lambda a, old: _put(np.ascontiguousarray(a), old.sharding), qa, shardings)
+
+
+def _unchanged_kept(qa: QArray, current: QArray, values: np.ndarray) -> QArray:
+    """qa with the current codes, scales and minima kept for every matrix of the stack [..., K, N] (every
+    layer, expert) whose new values equal the current ones: giving back what `get_weights` gave changes
+    nothing (re-quantizing dequantized values with a minimum can move them by a float rounding)."""
+    same = np.all(values == np.asarray(dequantize(dataclasses.replace(current, dtype="float32"))), axis=(-2, -1))
+    if not same.any():
+        return qa
+    def keep(new, old):
+        new = np.array(new)
+        new[same] = np.asarray(old)[same]
+        return new
+    return jax.tree.map(keep, qa, current)
 
 
 def _new_leaf(current: jax.Array, values: np.ndarray, index: list, in_layers: bool) -> jax.Array:

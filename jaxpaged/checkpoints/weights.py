@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.qarray import FORMATS, QArray, check_quantization, group_of, quantize, restored
+from jaxpaged.models.qarray import FORMATS, QArray, check_quantization, group_of, quantize, restored, symmetric_of
 from jaxpaged.models.quant import convert_leaf, is_quantized_tree, leaf_axis, leaf_format
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -117,10 +117,10 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, alloc=np.empty,
-                 group_size: int | None = None) -> dict:
+                 group_size: int | None = None, symmetric: bool | None = None) -> dict:
     """The preallocated parameter pytree: numpy arrays of `dtype`, and for `quantization` its matrices
     as QArrays (q in the format's storage type, scales float32 with one entry per group of `group_size` on
-    the reduced axis: `quant.leaf_format`).
+    the reduced axis, and a minimum shaped like them unless `symmetric`: `quant.leaf_format`).
     `alloc(shape, dtype)` makes each leaf (e.g. `jax.ShapeDtypeStruct` for an abstract model)."""
     np_dtype = NP_DTYPES[dtype]
     check_quantization(quantization)
@@ -129,16 +129,26 @@ def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, 
         axis = leaf_axis(path) if quantization else None
         if axis is None:
             return alloc(shape, np_dtype)
-        fmt, group = leaf_format(path, quantization, group_of(quantization, group_size))
+        fmt, group, sym = _leaf_format(path, quantization, group_size, symmetric)
         sshape = list(shape)
         sshape[axis] = -(-shape[axis] // group) if group else 1
         store, _, bits = FORMATS[fmt]
-        return QArray(alloc(shape, store), alloc(tuple(sshape), np.dtype(np.float32)), dtype, None, group, bits,
-                      0 if fmt == "fp8" else 2 ** (bits - 1))
+        m = None if sym else alloc(tuple(sshape), np.dtype(np.float32))
+        return QArray(alloc(shape, store), alloc(tuple(sshape), np.dtype(np.float32)), dtype, m, group, bits,
+                      0 if fmt == "fp8" or not sym else 2 ** (bits - 1))
     shapes = param_shapes(cfg)
     out = {k: leaf((k,), s) for k, s in shapes.items() if k != "layers"}
     out["layers"] = {k: leaf(("layers", k), s) for k, s in shapes["layers"].items()}
     return out
+
+
+def _leaf_format(path: tuple[str, ...], quantization: str | None, group_size: int | None,
+                 symmetric: bool | None) -> tuple[str | None, int, bool]:
+    """(format, group, symmetric) of one leaf under a load's `quantization` settings (their defaults
+    resolved: `group_of`, `symmetric_of`)."""
+    if not quantization:
+        return leaf_format(path, None, 0)
+    return leaf_format(path, quantization, group_of(quantization, group_size), symmetric_of(quantization, symmetric))
 
 
 def map_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], source: str = "checkpoint"):
@@ -190,11 +200,12 @@ def map_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]
 
 def params_from_named_tensors(cfg: ModelConfig, tensors: Iterable[tuple[str, np.ndarray]], dtype: str,
                               source: str = "checkpoint", progress=None, quantization: str | None = None,
-                              group_size: int | None = None) -> dict:
+                              group_size: int | None = None, symmetric: bool | None = None) -> dict:
     """Fill the parameter pytree (numpy, `dtype`) from (HF name, array) pairs, one tensor at a time;
-    with `quantization` ("int8", "fp8") each matrix is quantized as it arrives (jaxpaged/models/quant.py)."""
+    with `quantization` ("int8", "int4", "fp8") each matrix is quantized as it arrives, in groups of
+    `group_size`, `symmetric` or with a minimum (jaxpaged/models/quant.py)."""
     np_dtype = NP_DTYPES[dtype]
-    out = empty_params(cfg, dtype, quantization, group_size=group_size)
+    out = empty_params(cfg, dtype, quantization, group_size=group_size, symmetric=symmetric)
     seen = set()
     for name, parts in map_named_tensors(cfg, tensors, source):
         for in_layers, key, where, part in parts:
@@ -213,8 +224,11 @@ def _store(tree: dict, key: str, where: tuple, part: np.ndarray, np_dtype) -> No
     """Write one tensor (part) into tree[key] at index `where` (quantizing it for a QArray leaf)."""
     dst = tree[key]
     if isinstance(dst, QArray):
-        qa = quantize(part, dst.format, -1 if key == "embed" else -2, group=dst.group, name=key)
+        qa = quantize(part, dst.format, -1 if key == "embed" else -2, group=dst.group, name=key,
+                      symmetric=dst.m is None)
         dst.q[where], dst.scale[where] = qa.q, qa.scale
+        if dst.m is not None:
+            dst.m[where] = qa.m
     elif where:
         dst[where] = part.astype(np_dtype)
     else:
@@ -274,12 +288,13 @@ def count_tensors(cfg: ModelConfig) -> int:
 
 
 def load_hf_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None,
-                   quantization: str | None = None, group_size: int | None = None) -> dict:
+                   quantization: str | None = None, group_size: int | None = None,
+                   symmetric: bool | None = None) -> dict:
     def tensors():
         for p in safetensors_files(model_dir):
             yield from read_safetensors(p)
     return params_from_named_tensors(cfg, tensors(), dtype, source=model_dir, progress=progress,
-                                     quantization=quantization, group_size=group_size)
+                                     quantization=quantization, group_size=group_size, symmetric=symmetric)
 
 
 ORBAX_SUBDIR = "params"
@@ -306,7 +321,8 @@ def save_orbax_params(params: dict, model_dir: str) -> None:
 
 
 def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization: str | None = None,
-                      group_size: int | None = None, keep_quantized: bool = False) -> dict:
+                      group_size: int | None = None, symmetric: bool | None = None,
+                      keep_quantized: bool = False) -> dict:
     """Restore the pytree one leaf at a time as numpy arrays of `dtype`, its matrices in the format
     `quantization` asks for (quantized, widened or re-quantized per leaf: whichever format the
     checkpoint holds, no float32 copy of the whole model is ever made); without `quantization`, the
@@ -345,8 +361,7 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
                     a = r
                 if axis is None:
                     return np.asarray(a).astype(np_dtype, copy=False)
-                return convert_leaf(a, *leaf_format(keys, quantization, group_of(quantization, group_size)
-                                                    if quantization else 0), axis, dtype)
+                return convert_leaf(a, *_leaf_format(keys, quantization, group_size, symmetric), axis, dtype)
             return {k: {n: restore((k, n), mm) for n, mm in m.items()} if k == "layers" else restore((k,), m)
                     for k, m in meta.items()}
     except Exception as e:  # orbax raises many types; name the directory
@@ -354,17 +369,17 @@ def load_orbax_params(model_dir: str, cfg: ModelConfig, dtype: str, quantization
 
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype: str, progress=None, quantization: str | None = None,
-                group_size: int | None = None, keep_quantized: bool = False) -> dict:
+                group_size: int | None = None, symmetric: bool | None = None, keep_quantized: bool = False) -> dict:
     """Numpy parameter pytree from an orbax (converted) or Hugging Face directory; with `quantization`
-    its matrices are QArrays (jaxpaged/models/quant.py); with `keep_quantized` (and no `quantization`) a
-    converted directory's quantized matrices stay QArrays as saved."""
+    its matrices are QArrays (jaxpaged/models/quant.py) in groups of `group_size`, `symmetric` or not; with
+    `keep_quantized` (and no `quantization`) a converted directory's quantized matrices stay QArrays as saved."""
     if is_orbax_dir(model_dir):
-        params = load_orbax_params(model_dir, cfg, dtype, quantization, group_size, keep_quantized)
+        params = load_orbax_params(model_dir, cfg, dtype, quantization, group_size, symmetric, keep_quantized)
         if progress is not None:
             progress.update(count_tensors(cfg))
         return params
     return load_hf_params(model_dir, cfg, dtype, progress=progress, quantization=quantization,
-                          group_size=group_size)
+                          group_size=group_size, symmetric=symmetric)
 
 
 def release_host_memory() -> None:

@@ -76,8 +76,9 @@ class SleepControl:
             raise RuntimeError("wake_up: the engine is not asleep")
         before = self.device_bytes()
         if reload:
-            host = load_params(engine.model_dir, engine.model_config, engine.config.dtype,
-                               quantization=engine.config.quantization)
+            c = engine.config
+            host = load_params(engine.model_dir, engine.model_config, c.dtype, quantization=c.quantization,
+                               group_size=c.quantization_group_size, symmetric=c.quantization_symmetric)
             runner.replace_params(place_params(host, engine.model_config, runner.mesh))
         elif self._host_params is None and not runner.params_on_device:
             raise RuntimeError("wake_up: the engine slept at level 2 and its weights were dropped; call "

@@ -13,6 +13,9 @@ the whole pytree that maps leaves (stacking, slicing a layer, sharding) treats q
 
 The CPU kernel's format (pallas_kernels/matmul/cpu_quant.py) is W = s * (u - z) + m with unsigned codes u,
 so a QArray of integer codes maps onto it exactly (u = q + zero): `jaxpaged/models/qpacked.py` packs it.
+`quantize` makes int8 / int4 symmetric (zero 128 / 8, no m) or int4 with a per-group minimum (codes 0..15,
+zero 0, m: llama.cpp's Q4_1 form); int8 codes are signed bytes, so int8 has no minimum form of its own
+(GGUF's Q5_1 / Q5_K, 5-bit codes with a minimum, fit as 8-bit codes: `from_codes`).
 """
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ FORMATS = {"int8": (np.dtype(np.int8), 127.0, 8), "int4": (np.dtype(np.int8), 7.
 QUANTIZATIONS = (None,) + tuple(FORMATS)
 GROUPS = (16, 32, 64, 128)  # group sizes; 0 (or -1): one group over the whole reduced axis
 DEFAULT_GROUP = {"int8": 0, "int4": 32, "fp8": 0}
+# int4: a per-group minimum by default (llama.cpp's Q4_1 / Q4_K form; docs/benchmarks.md has the measurement)
+DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "fp8": True}
 
 
 @jax.tree_util.register_dataclass
@@ -151,6 +156,23 @@ def group_of(fmt: str, group_size: int | None) -> int:
     return int(g)
 
 
+def symmetric_of(fmt: str, symmetric: bool | None) -> bool:
+    """Whether a format quantizes symmetrically: `symmetric` (None: the format's default, DEFAULT_SYMMETRIC)."""
+    symmetric = DEFAULT_SYMMETRIC[fmt] if symmetric is None else symmetric
+    check_symmetric(fmt, symmetric)
+    return symmetric
+
+
+def check_symmetric(fmt: str, symmetric, name: str = "quantization_symmetric") -> None:
+    """ValueError naming `name` unless symmetric is a bool the format takes: a per-group minimum (False)
+    is int4's alone (int8 codes are signed bytes, -127..127: with a minimum they would need 0..255)."""
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"{name} must be True or False, got {symmetric!r}")
+    if not symmetric and fmt != "int4":
+        raise ValueError(f"{name}=False (a per-group minimum) takes quantization 'int4', not {fmt!r}: "
+                         f"{fmt} is symmetric")
+
+
 def _expand(a, group: int, n: int, axis: int):
     """Per-group values -> one per entry of the reduced axis (length n)."""
     if not group:
@@ -160,28 +182,39 @@ def _expand(a, group: int, n: int, axis: int):
 
 
 def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: int = 0,
-             name: str = "tensor") -> QArray:
-    """Host array -> QArray of numpy arrays: symmetric, one scale per group of `group` entries along `axis`
-    (0: the whole axis; axis=-2: the columns of [..., in, out]; axis=-1: the rows of the embedding [V, D]).
-    int8 / int4 codes are q = round(a / s) in [-127, 127] / [-7, 7] with s = max|a| / 127 (/ 7), zero code
-    128 / 8; a NaN or inf in `a` is refused by `name`."""
+             name: str = "tensor", symmetric: bool = True) -> QArray:
+    """Host array -> QArray of numpy arrays, one scale per group of `group` entries along `axis` (0: the
+    whole axis; axis=-2: the columns of [..., in, out]; axis=-1: the rows of the embedding [V, D]).
+    symmetric: int8 / int4 codes q = round(a / s) in [-127, 127] / [-7, 7], s = max|a| / 127 (/ 7), zero
+    code 128 / 8. Not symmetric (int4 only: `check_symmetric`): codes u = round((a - m) / s) in [0, 15] with
+    the group's minimum m and s = (max - min) / 15, zero code 0 (llama.cpp's Q4_1 form: a matrix of Q4_1
+    values in groups aligned with its blocks comes back exactly, up to float32 rounding).
+    A NaN or inf in `a` is refused by `name`."""
     check_quantization(fmt)
     check_group(group, "group")
+    check_symmetric(fmt, symmetric, "symmetric")
     store, top, bits = FORMATS[fmt]
     a = np.asarray(a, np.float32)
-    n = a.shape[axis]
-    if group:  # [.., n, ..] -> [.., groups, group, ..] (zero padded), reduced over the group
-        pad = [(0, 0)] * a.ndim
-        pad[axis % a.ndim] = (0, -n % group)
-        ap = np.pad(a, pad)
-        sh = list(ap.shape)
-        ax = axis % a.ndim
-        sh[ax:ax + 1] = [sh[ax] // group, group]
-        amax = np.max(np.abs(ap.reshape(sh)), axis=ax + 1)
-    else:
-        amax = np.max(np.abs(a), axis=axis, keepdims=True)
-    if not np.all(np.isfinite(amax)):
+    if not np.all(np.isfinite(a)):
         raise ValueError(f"{name!r} holds NaN / inf values: it cannot be quantized ({fmt})")
+    n, ax = a.shape[axis], axis % a.ndim
+    if group:  # [.., n, ..] -> [.., groups, group, ..] (edge padded: no new extremes), reduced over the group
+        pad = [(0, 0)] * a.ndim
+        pad[ax] = (0, -n % group)
+        ap = np.pad(a, pad, mode="edge")
+        sh = list(ap.shape)
+        sh[ax:ax + 1] = [sh[ax] // group, group]
+        grouped, red = ap.reshape(sh), ax + 1
+    else:
+        grouped, red = np.expand_dims(a, ax), ax + 1
+    if not symmetric:
+        lo, hi = np.min(grouped, axis=red), np.max(grouped, axis=red)
+        levels = 2 ** bits - 1
+        step = ((hi - lo) / np.float32(levels)).astype(np.float32)
+        scale = np.where(step > 0, step, np.float32(1.0))  # one value (or a denormal range): codes 0
+        u = np.clip(np.rint((a - _expand(lo, group, n, axis)) / _expand(scale, group, n, axis)), 0, levels)
+        return QArray(u.astype(store), scale, dtype, lo.astype(np.float32), group, bits, 0)
+    amax = np.max(np.abs(grouped), axis=red)
     scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
     x = a / _expand(scale, group, n, axis)
     q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)

@@ -28,6 +28,7 @@ COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see
 # layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
 # MoE router stay in the engine dtype
 QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+EMBED_GROUP = 32  # the int8 embedding / lm_head's group along the hidden axis (as GGUF's Q8_0; see leaf_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,37 +223,41 @@ def ragged_dot(x, w, group_sizes, group_ids):
     return (y * w.scale[:, 0, :][group_ids]).astype(x.dtype)  # scale [G, 1, out] -> [M, out]
 
 
-def quantize_params(params: dict, fmt: str | None, dtype: str, group: int = 0) -> dict:
+def quantize_params(params: dict, fmt: str | None, dtype: str, group: int = 0, symmetric: bool = True) -> dict:
     """The parameter pytree (numpy leaves or QArrays) with its matrices in format `fmt` (None: plain
-    arrays of `dtype`; `leaf_format` picks each leaf's format and group), converted one leaf at a time;
-    other leaves are returned as they are."""
+    arrays of `dtype`; `leaf_format` picks each leaf's format, group and symmetry), converted one leaf at a
+    time; other leaves are returned as they are."""
     check_quantization(fmt)
 
     def conv(path, a):
         axis = leaf_axis(path)
-        return a if axis is None else convert_leaf(a, *leaf_format(path, fmt, group), axis, dtype)
+        return a if axis is None else convert_leaf(a, *leaf_format(path, fmt, group, symmetric), axis, dtype)
     return {k: {n: conv((k, n), a) for n, a in v.items()} if k == "layers" else conv((k,), v)
             for k, v in params.items()}
 
 
-def leaf_format(path: tuple[str, ...], fmt: str | None, group: int) -> tuple[str | None, int]:
-    """(format, group) of one quantized leaf: the layer matrices take `fmt` and `group`; the embedding and
-    lm_head stay int8 with one scale per vocabulary entry under int8 and int4 (the logits are the products
-    most sensitive to rounding, and a per-entry scale keeps the embedding's row lookup one multiply)."""
+def leaf_format(path: tuple[str, ...], fmt: str | None, group: int,
+                symmetric: bool = True) -> tuple[str | None, int, bool]:
+    """(format, group, symmetric) of one quantized leaf: the layer matrices take `fmt`, `group` and
+    `symmetric`; the embedding and lm_head stay int8, symmetric, in groups of EMBED_GROUP along the hidden
+    axis, under int8 and int4: the logits are the products most sensitive to rounding, and groups of 32
+    cost an eighth of a byte a weight more than one scale per vocabulary entry for 0.01 - 0.02 less mean
+    |delta logprob| on the default model (docs/benchmarks.md, *Quantization and KV cache dtype: quality*)."""
     if fmt in ("int8", "int4") and path in (("embed",), ("lm_head",)):
-        return "int8", 0
-    return fmt, group
+        return "int8", EMBED_GROUP, True
+    return fmt, group, symmetric
 
 
-def convert_leaf(a, fmt: str | None, group: int, axis: int, dtype: str):
-    """One leaf (numpy array or QArray) -> the format and group asked for (None: a plain array of `dtype`)."""
+def convert_leaf(a, fmt: str | None, group: int, symmetric: bool, axis: int, dtype: str):
+    """One leaf (numpy array or QArray) -> the format, group and symmetry asked for (None: a plain array of
+    `dtype`)."""
     if isinstance(a, QArray):
-        if fmt == a.format and group == a.group:
+        if fmt == a.format and group == a.group and symmetric == (a.m is None):
             return dataclasses.replace(a, dtype=dtype)
         a = dequantize(dataclasses.replace(a, dtype="float32"))
     if fmt is None:
         return np.asarray(a).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype, copy=False)
-    return quantize(a, fmt, axis, dtype, group)
+    return quantize(a, fmt, axis, dtype, group, symmetric=symmetric)
 
 
 def leaf_axis(path: tuple[str, ...]) -> int | None:

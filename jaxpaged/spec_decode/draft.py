@@ -116,7 +116,8 @@ class DraftModelProposer:
         self.runner, self.k = runner, num_spec
         from jaxpaged.checkpoints.weights import load_params
         self.model_config = check_draft(model_dir, runner.model_cfg)
-        params = load_params(model_dir, self.model_config, cfg.dtype, quantization=cfg.quantization)
+        params = load_params(model_dir, self.model_config, cfg.dtype, quantization=cfg.quantization,
+                             group_size=cfg.quantization_group_size, symmetric=cfg.quantization_symmetric)
         mesh = runner.mesh
         self.params = place_params(params, self.model_config, mesh)
         del params
