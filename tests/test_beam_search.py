@@ -140,9 +140,19 @@ def test_forks_do_not_recompute_the_prompt(llm, model):
     only the tokens after its last full block (<= BLOCK), never the prompt."""
     prompt = [int(t) for t in np.random.default_rng(9).integers(3, 256, 40)]
     llm.engine.block_manager.reset_prefix_cache()
-    before = llm.stats()["iteration_tokens"]["sum"]
-    out = check(llm, model, [prompt], 3, 9, ignore_eos=True)
-    computed = llm.stats()["iteration_tokens"]["sum"] - before
+    eng, scheduled = llm.engine, []
+    schedule = eng.schedule
+
+    def counting():  # the tokens each step computes (its schedule's num_tokens)
+        out = schedule()
+        scheduled.append(out.num_tokens)
+        return out
+    eng.schedule = counting
+    try:
+        out = check(llm, model, [prompt], 3, 9, ignore_eos=True)
+    finally:
+        del eng.schedule
+    computed = sum(scheduled)
     bound = len(prompt) + sum(3 * tail(len(prompt) + t) for t in range(1, 9))
     # exactly: the prompt once, then each beam its tail (a beam re-running the prompt would add >= 32)
     assert computed == bound

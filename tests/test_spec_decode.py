@@ -290,7 +290,7 @@ def test_metrics_exported():
                         num_preemptions=0, num_step_failures=0, spec_decode_num_drafts=3,
                         spec_decode_num_draft_tokens=9, spec_decode_num_accepted_tokens=5,
                         spec_decode_num_accepted_tokens_per_pos=[3, 2, 0])
-    got = {m.name: m.samples for m in _EngineCollector(Engine(), "tiny").collect()}
+    got = {m.name: m.samples for m in _EngineCollector(Engine(), "tiny", 1024).collect()}
     assert got["jaxpaged:spec_decode_num_accepted_tokens"][0].value == 5
     assert [s.value for s in got["jaxpaged:spec_decode_num_accepted_tokens_per_pos"]] == [3, 2, 0]
     assert {"jaxpaged:spec_decode_num_drafts", "jaxpaged:spec_decode_num_draft_tokens"} <= set(got)

@@ -171,7 +171,7 @@ def test_target_as_its_own_draft(models, engine_kwargs, plain):
     full = llm.engine.stats()
     assert full["num_preemptions"] > 0 and full["prefix_cache_hit_rate"] > 0
     assert _tokens(llm, SAMPLED) == plain[2]
-    got = {m.name: m.samples for m in _EngineCollector(llm.engine, "tiny").collect()}
+    got = {m.name: m.samples for m in _EngineCollector(llm.engine, "tiny", 1024).collect()}
     st = _spec_stats(llm)
     for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
         assert got[f"jaxpaged:spec_decode_{name}"][0].value == st[name] > 0

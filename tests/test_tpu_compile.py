@@ -69,9 +69,9 @@ def test_llama_8b_step_compiles(chip, tp, kv, bucket, quant):
     assert r["T"] == bucket and r["mosaic_kernels"] >= 1 and r["pool_copies"] == 0
     assert r["fits"] and r["pool_bytes"] > 0 and r["total_bytes"] >= r["pool_bytes"] + r["weight_bytes"] * 0.9
     assert r["predicted"] and r["predicted"][0]["ms"] > 0
-    if quant:  # the step's weights: int4 codes (one byte each on this path) and scales, ~half of bfloat16's
-        from jaxpaged.bench import tpu_compile_table as t
-        assert r["argument_bytes"] - r["pool_bytes"] < 0.6 * t.weight_bytes(t.model_config("llama-3-8b"), tp)
+    if quant:  # the step's weights: int4 codes (one byte each on this path), float32 scales and minima per 32
+        from jaxpaged.bench import tpu_compile_table as t  # (1.25 bytes a weight), the embedding / head int8
+        assert r["argument_bytes"] - r["pool_bytes"] < 0.7 * t.weight_bytes(t.model_config("llama-3-8b"), tp)
 
 
 def test_this_process_stays_on_the_cpu():
