@@ -82,6 +82,7 @@ def test_throughput(throughput):
     from jaxpaged.bench import throughput as bench_throughput
     out, path = throughput
     assert _json(path)["results"].keys() == {"jaxpaged", "static", "hf"}
+    assert out["command"].startswith("jaxpaged bench throughput ") and "git_commit" in out
     wl = out["workload"]
     assert wl["num_prompts"] == 6 and wl["tokens"] == "tokenized text"
     drawn = None

@@ -16,8 +16,9 @@ from pallas_kernels.argmax import cpu as cpu_argmax
 from pallas_kernels.attention import cpu as cpu_attention
 from pallas_kernels.ffi import loader
 from pallas_kernels.matmul import cpu as cpu_matmul
+from pallas_kernels.matmul import cpu_quant
 
-pytestmark = pytest.mark.slow  # four sanitized builds and two processes under ASan: ~1-2 min on 2 cores
+pytestmark = pytest.mark.slow  # five sanitized builds and two processes under ASan: ~1-2 min on 2 cores
 
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
 CHECK_CALL = re.compile(r"^\s*if \(ffi::Error e = check\(.*$", re.MULTILINE)  # the attention handler's checks
@@ -30,7 +31,7 @@ DRIVER = textwrap.dedent("""
     libs = dict(arg.split("=", 1) for arg in sys.argv[1:])
     for name, path in libs.items():
         handler = {"attention": "JaxpagedCpuPagedAttention", "matmul": "JaxpagedCpuMatmul",
-                   "argmax": "JaxpagedCpuArgmax"}[name]
+                   "argmax": "JaxpagedCpuArgmax", "quant": "JaxpagedCpuQuantMatmul"}[name]
         lib = ctypes.cdll.LoadLibrary(path)
         jax.ffi.register_ffi_target("asan_" + name, jax.ffi.pycapsule(getattr(lib, handler)), platform="cpu")
 
@@ -78,6 +79,27 @@ DRIVER = textwrap.dedent("""
         am = lambda x, rows: jax.ffi.ffi_call("asan_argmax", jax.ShapeDtypeStruct((rows,), jnp.int32))(x)
         np.testing.assert_array_equal(np.asarray(am(x, 9)), np.asarray(jnp.argmax(x, -1)))
         assert refused(lambda: am(x, 12))
+    if "quant" in libs:
+        from pallas_kernels.matmul import cpu_quant as cq
+        layout = cq.Layout(100, 40, 32, 4, 0, True)  # K not a multiple of the group, N a partial tile, a minimum
+        u = rng.integers(0, 16, (100, 40), dtype=np.uint8)
+        s = rng.uniform(1e-3, 2e-2, layout.scale_shape).astype(np.float32)
+        m = rng.normal(0, 0.05, s.shape).astype(np.float32)
+        w = cq.pack(u, s, m, layout)
+        x = jnp.asarray(rng.standard_normal((7, 100)), jnp.float32)
+        attrs = dict(K=np.int64(100), N=np.int64(40), group=np.int64(32), bits=np.int64(4), zero=np.int64(0),
+                     has_min=np.int64(1), act_block=np.int64(32), isa=np.int64(3))
+        def qmm(x, w, layer=0, rows=7, m=7, **change):
+            call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((m, 40), jnp.float32))
+            return call(x, w, jnp.int32(layer), jnp.int32(rows), **{**attrs, **change})
+        want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(w, layout), np.float64)
+        for rows in (7, 3):
+            got = np.asarray(qmm(x, w, rows=rows))
+            err = np.linalg.norm(got[:rows] - want[:rows])
+            assert err <= 0.02 * np.linalg.norm(want[:rows]) and not got[rows:].any(), (rows, err)
+        for args, change in (((x, w[:1]), {}), ((x[:, :64], w), {}), ((x, w[None], 1), {}), ((x, w, 0, 8), {}),
+                             ((x, w, 0, 7, 5), {}), ((x, w), dict(bits=np.int64(8)))):
+            assert refused(lambda: qmm(*args, **change)), ([getattr(t, "shape", t) for t in args], change)
     print("driver done")
 """)
 
@@ -122,14 +144,15 @@ def libraries(tmp_path_factory):
         pytest.skip("the compiler has no AddressSanitizer runtime (libasan.so)")
     d = tmp_path_factory.mktemp("asan")
     jobs = {"attention": (cpu_attention.SOURCE, False), "matmul": (cpu_matmul.SOURCE, False),
-            "argmax": (cpu_argmax.SOURCE, False), "unchecked": (cpu_attention.SOURCE, True)}
+            "argmax": (cpu_argmax.SOURCE, False), "quant": (cpu_quant.SOURCE, False),
+            "unchecked": (cpu_attention.SOURCE, True)}
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
         futures = {k: pool.submit(_sanitized, src, str(d / f"{k}.so"), cut) for k, (src, cut) in jobs.items()}
         return {k: f.result() for k, f in futures.items()}
 
 
 def test_kernels_are_clean_under_the_sanitizers(libraries):
-    done = _run({k: libraries[k] for k in ("attention", "matmul", "argmax")})
+    done = _run({k: libraries[k] for k in ("attention", "matmul", "argmax", "quant")})
     assert "ERROR: AddressSanitizer" not in done.stderr and "runtime error:" not in done.stderr, done.stderr[-4000:]
     assert done.returncode == 0 and "driver done" in done.stdout, done.stderr[-4000:]
 

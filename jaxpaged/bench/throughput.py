@@ -193,8 +193,8 @@ def main(argv=None) -> dict:
         llm = eng = None  # the next size's engine loads after this one is freed
     if "hf" in backends:
         run("hf", lambda: run_hf(model_dir, wl, args))
-    out = dict(workload=wl.info, results=results, model=model_dir, engine=engine_info,
-               machine=bc.machine_info(), note=bc.TIMING_NOTE,
+    out = dict(**bc.run_info("throughput", argv), workload=wl.info, results=results, model=model_dir,
+               engine=engine_info, machine=bc.machine_info(), note=bc.TIMING_NOTE,
                skipped={k: v for k, v in skipped.items() if v is not None})
     print(report(out))
     bc.write_json(args.json, out)

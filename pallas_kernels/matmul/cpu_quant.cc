@@ -418,7 +418,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, 
     return ffi::Error::InvalidArgument("cpu_quant_matmul: w must be the packed [tiles, groups, group bytes] "
                                        "(or [L, ..]) of the format's K, N, group, bits and min");
   if (layer.element_count() != 1 || (stacked && (layer.typed_data()[0] < 0 || layer.typed_data()[0] >= wd[0])))
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index is out of range");
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be in [0, L) of w's stack");
   if (od.size() != 2 || od[0] != P.M || od[1] != N)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: out must be f32[M, N]");
   if (rows.element_count() != 1 || rows.typed_data()[0] < 0 || rows.typed_data()[0] > P.M)
