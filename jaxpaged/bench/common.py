@@ -435,3 +435,18 @@ def run_info(command: str, argv: list[str] | None) -> dict:
         commit = None
     flags = sys.argv[1:] if argv is None else list(argv)
     return dict(command=shlex.join(["jaxpaged", "bench", command, *flags]), git_commit=commit)
+
+
+def import_failure(python: str, module: str, env: dict | None = None, timeout: float = 120,
+                   empty: str = "?") -> tuple[bool, str] | None:
+    """None when `python -c "import module"` works (a peer's own venv); otherwise (whether `python` ran at all,
+    why not: the exception, or the last line of the import's stderr, `empty` when it printed none)."""
+    import subprocess
+    try:
+        p = subprocess.run([python, "-c", f"import {module}"], env=env, capture_output=True, text=True,
+                           timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, str(e)
+    if p.returncode:
+        return True, (p.stderr.strip().splitlines() or [empty])[-1]
+    return None

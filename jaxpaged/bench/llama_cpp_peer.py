@@ -34,16 +34,15 @@ def add_args(ap) -> None:
 
 def unavailable(args) -> str | None:
     """None when `import llama_cpp` works under --llama-python; otherwise why the backend is skipped."""
-    try:
-        p = subprocess.run([args.llama_python, "-c", "import llama_cpp"], capture_output=True, text=True,
-                           timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"llama-cpp skipped: cannot run {args.llama_python} ({e})"
-    if p.returncode:
-        tail = (p.stderr.strip().splitlines() or ["?"])[-1]
-        return (f"llama-cpp-python not importable by {args.llama_python} ({tail}); install it there or pass "
-                f"--llama-python")
-    return None
+    from jaxpaged.bench import common as bc
+    failed = bc.import_failure(args.llama_python, "llama_cpp")
+    if failed is None:
+        return None
+    ran, why = failed
+    if not ran:
+        return f"llama-cpp skipped: cannot run {args.llama_python} ({why})"
+    return (f"llama-cpp-python not importable by {args.llama_python} ({why}); install it there or pass "
+            f"--llama-python")
 
 
 def run_llama_cpp(args, path: str, prompt: list[int], output_len: int, repeats: int) -> dict:

@@ -73,16 +73,15 @@ def vllm_env(args) -> dict:
 
 def unavailable(args) -> str | None:
     """None when `import vllm` works under --vllm-python; otherwise why the backend is skipped."""
-    try:
-        p = subprocess.run([args.vllm_python, "-c", "import vllm"], env=vllm_env(args), capture_output=True,
-                           text=True, timeout=300)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"vllm backend skipped: cannot run {args.vllm_python} ({e})"
-    if p.returncode:
-        last = (p.stderr.strip().splitlines() or ["no output"])[-1]
-        return (f"vllm backend skipped: `import vllm` fails under {args.vllm_python} ({last}); install it "
-                f"in its own venv (see jaxpaged/bench/vllm_peer.py) and pass --vllm-python")
-    return None
+    from jaxpaged.bench import common as bc
+    failed = bc.import_failure(args.vllm_python, "vllm", env=vllm_env(args), timeout=300, empty="no output")
+    if failed is None:
+        return None
+    ran, why = failed
+    if not ran:
+        return f"vllm backend skipped: cannot run {args.vllm_python} ({why})"
+    return (f"vllm backend skipped: `import vllm` fails under {args.vllm_python} ({why}); install it "
+            f"in its own venv (see jaxpaged/bench/vllm_peer.py) and pass --vllm-python")
 
 
 def hf_dir_for(model_dir: str, export_root: str) -> str:
