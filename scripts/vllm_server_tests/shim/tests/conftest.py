@@ -1,7 +1,7 @@
 """The fixtures vLLM's server tests take from vLLM's `tests/conftest.py`, for a run against `jaxpaged serve`
 (scripts/vllm_server_tests/README.md), offline: model ids resolve to the served model's directory (its
-tokenizer and config), the sample constraints are our own, and what needs a download (LoRA adapters,
-Hugging Face runners, image assets) skips with the reason."""
+tokenizer and config), the sample constraints are our own, LoRA adapters are random ones of the served model
+made here, and what needs another download (Hugging Face runners, image assets) skips with the reason."""
 from __future__ import annotations
 
 import os
@@ -81,11 +81,63 @@ def hf_runner():
     _needs_download("a Hugging Face model for HfRunner")
 
 
-for _name in ("qwen3_lora_files", "qwen3_meowing_lora_files", "qwen3_woofing_lora_files", "zephyr_lora_files",
-              "opt125_lora_files"):
-    def _lora(_n=_name):
-        _needs_download(f"a LoRA adapter ({_n})")
+def make_lora_adapter(path: str, seed: int, r: int = 8) -> str:
+    """A PEFT LoRA adapter of the served model (random A and B on q_proj and v_proj, rank `r`) in `path`.
+
+    It stands for the adapters vLLM's tests download: their names and rank, not their trained behaviour."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    with open(os.path.join(MODEL_DIR, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    outs = {"q_proj": heads * head_dim, "v_proj": cfg.get("num_key_value_heads", heads) * head_dim}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg["num_hidden_layers"]):
+        for mod, out in outs.items():
+            key = f"base_model.model.model.layers.{i}.self_attn.{mod}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, hidden, generator=g) * 0.05  # [r, hidden]
+            tensors[f"{key}.lora_B.weight"] = torch.randn(out, r, generator=g) * 0.05  # [out, r]
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": 2 * r,
+                   "target_modules": sorted(outs), "bias": "none", "use_dora": False, "modules_to_save": None,
+                   "base_model_name_or_path": MODEL_DIR}, f)
+    return path
+
+
+LORA_FIXTURES = ("qwen3_lora_files", "qwen3_meowing_lora_files", "qwen3_woofing_lora_files", "zephyr_lora_files",
+                 "opt125_lora_files")
+for _seed, _name in enumerate(LORA_FIXTURES):
+    def _lora(tmp_path_factory, _n=_name, _s=_seed):
+        if not MODEL_DIR:
+            _needs_download(f"a LoRA adapter ({_n})")
+        return make_lora_adapter(str(tmp_path_factory.mktemp(_n)), seed=100 + _s)
     globals()[_name] = pytest.fixture(scope="session", name=_name)(_lora)
+
+
+def _patch_snapshot_download() -> None:
+    """A module's own fixture that downloads a LoRA adapter (`snapshot_download(repo_id="...-lora")`) gets a
+    local one; any other download fails as it would offline."""
+    import tempfile
+
+    import huggingface_hub
+    made: dict[str, str] = {}
+
+    def snapshot_download(repo_id: str, *args, **kwargs):
+        if not (MODEL_DIR and repo_id.lower().endswith("lora")):
+            _needs_download(f"{repo_id} (snapshot_download)")
+        if repo_id not in made:
+            made[repo_id] = make_lora_adapter(tempfile.mkdtemp(prefix="lora-"), seed=200 + len(made))
+        return made[repo_id]
+    huggingface_hub.snapshot_download = snapshot_download
+
+
+_patch_snapshot_download()
 
 
 @pytest.fixture

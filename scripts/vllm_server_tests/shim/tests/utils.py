@@ -98,6 +98,8 @@ class RemoteOpenAIServer:
             ours += ["--served-model-name", model]
         if "--max-model-len" not in ours:  # vLLM's default is the model's (8192 here): a budget for this CPU
             ours += ["--max-model-len", os.environ.get("JAXPAGED_MAX_MODEL_LEN", "1024")]
+        if str((env_dict or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() in ("1", "true"):
+            ours.append("--enable-runtime-lora-updating")  # vLLM's switch is this environment variable
         model_dir = model if os.path.isdir(model) else MODEL_DIR
         if model_dir and "--model" not in ours:
             ours = ["--model", model_dir] + ours
