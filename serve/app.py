@@ -196,7 +196,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     server = ServerConfig.from_args(args, max_body_bytes=max_body_bytes, model_root=args.model or DEFAULT_MODEL_NAME,
                                     served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME)
-    lora_modules = serve_lora.parse_modules(server.lora_modules)
+    lora_modules = serve_lora.parse_modules(server.lora_modules, server.served_model_name)
     if (lora_modules or server.enable_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
     cfg = engine_config(args, **(engine_kwargs or {}))  # multi-host: jax.distributed starts first

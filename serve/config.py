@@ -113,7 +113,8 @@ class ServerConfig:
                                      "request may carry (texts or token-id lists together), else a 400 naming the "
                                      "field (default %(default)s)", group=LIMITS, type=_positive)
     lora_modules: list[str] | None = flag(None, "PEFT adapter directories to serve, by name (requests pick one by "
-                                          "`model`)", group=LORA, nargs="+", metavar="NAME=PATH")
+                                          "`model`): NAME=PATH or vLLM's JSON {\"name\": N, \"path\": P, "
+                                          "\"base_model_name\": B}", group=LORA, nargs="+", metavar="NAME=PATH")
     enable_runtime_lora_updating: bool = flag(False, "serve POST /v1/load_lora_adapter and "
                                               "/v1/unload_lora_adapter", group=LORA)
     max_body_bytes: int = setting(DEFAULT_MAX_BODY_BYTES)  # a request body's size limit (413 above it)

@@ -25,15 +25,40 @@ class Adapters:
         return LoRARequest(name, next(self._ids), path)
 
 
-def parse_modules(specs: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-modules NAME=PATH ... -> [(name, path)]; ValueError naming a malformed one."""
+def parse_modules(specs: list[str] | None, base_model_name: str) -> list[tuple[str, str]]:
+    """--lora-modules specs -> [(name, path)]; each NAME=PATH or vLLM's JSON form
+    `{"name": N, "path": P, "base_model_name": B}` (B optional: the one served model's name, `base_model_name`).
+    ValueError naming a malformed one."""
     out = []
     for spec in specs or []:
+        if spec.lstrip().startswith("{"):
+            out.append(_json_module(spec, base_model_name))
+            continue
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
-            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+            raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH or a JSON object")
         out.append((name, path))
     return out
+
+
+def _json_module(spec: str, base_model_name: str) -> tuple[str, str]:
+    try:
+        d = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--lora-modules: {spec!r} is not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"--lora-modules: {spec!r} must be a JSON object")
+    unknown = sorted(set(d) - {"name", "path", "base_model_name"})
+    if unknown:
+        raise ValueError(f"--lora-modules: {spec!r}: unknown keys {unknown} (name, path, base_model_name)")
+    for key in ("name", "path"):
+        if not isinstance(d.get(key), str) or not d[key]:
+            raise ValueError(f"--lora-modules: {spec!r}: {key!r} must be a non-empty string")
+    base = d.get("base_model_name")
+    if base is not None and base != base_model_name:
+        raise ValueError(f"--lora-modules: {d['name']!r}: base_model_name {base!r} is not the served model "
+                         f"{base_model_name!r} (one base model is served)")
+    return d["name"], d["path"]
 
 
 def resolve(st, model: str | None) -> LoRARequest | None:

@@ -1,5 +1,7 @@
 """The server with LoRA: two adapters served by name (PEFT's greedy tokens), /v1/models lists them with
 their parent, unknown names are 404s, adapters loaded and unloaded at run time."""
+import json
+
 import httpx
 import pytest
 from lora_adapters import make_adapter, peft_greedy
@@ -18,7 +20,8 @@ def setup(compile_cache, tmp_path_factory):
     adapters = {n: make_adapter(str(root / n), base, r=r, alpha=2.0 * r, seed=60 + i)
                 for i, (n, r) in enumerate((("a", 4), ("b", 8), ("c", 16)))}
     srv = Server(base, compile_cache, str(root / "server.log"),
-                 extra=("--enable-lora", "--lora-modules", f"a={adapters['a']}", f"b={adapters['b']}",
+                 extra=("--enable-lora", "--lora-modules", f"a={adapters['a']}",  # b in vLLM's JSON form
+                        json.dumps({"name": "b", "path": adapters["b"], "base_model_name": "tiny"}),
                         "--max-loras", "2", "--enable-runtime-lora-updating"))
     yield srv, base, adapters
     srv.stop()

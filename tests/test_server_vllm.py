@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import json
 import math
+import re
 import time
 from types import SimpleNamespace
 
@@ -800,3 +801,17 @@ def test_prefix_cache_counters(server):
     q, h = "jaxpaged:prefix_cache_queries_total", "jaxpaged:prefix_cache_hits_total"
     assert middle[q] - before[q] == 40 and middle[h] == before[h]
     assert after[q] - middle[q] == 40 and after[h] - middle[h] >= 32  # the full blocks of the same prompt
+
+
+def test_lora_modules_json_as_vllm():
+    """--lora-modules takes vLLM's JSON form beside NAME=PATH; a malformed one is an error naming it."""
+    from serve.lora import parse_modules
+    spec = json.dumps({"name": "sql", "path": "/a/sql", "base_model_name": "base"})
+    assert parse_modules(["chat=/a/chat", spec], "base") == [("chat", "/a/chat"), ("sql", "/a/sql")]
+    assert parse_modules(['{"name": "x", "path": "/p"}'], "base") == [("x", "/p")]
+    for bad, msg in (('{"name": "x"}', "'path' must be a non-empty string"),
+                     ('{"name": "x", "path": "/p", "rank": 8}', "unknown keys ['rank']"),
+                     ('{"name": "x", "path": "/p", "base_model_name": "other"}', "is not the served model 'base'"),
+                     ('{"name": "x", ', "is not valid JSON"), ('["x", "/p"]', "is not NAME=PATH"), ("x", "NAME=PATH")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            parse_modules([bad], "base")

@@ -110,26 +110,20 @@ def make_lora_adapter(path: str, seed: int, r: int = 8) -> str:
     return path
 
 
-LORA_FIXTURES = ("qwen3_lora_files", "qwen3_meowing_lora_files", "qwen3_woofing_lora_files", "zephyr_lora_files",
-                 "opt125_lora_files")
-for _seed, _name in enumerate(LORA_FIXTURES):
-    def _lora(tmp_path_factory, _n=_name, _s=_seed):
-        if not MODEL_DIR:
-            _needs_download(f"a LoRA adapter ({_n})")
-        return make_lora_adapter(str(tmp_path_factory.mktemp(_n)), seed=100 + _s)
-    globals()[_name] = pytest.fixture(scope="session", name=_name)(_lora)
+LORA_REPOS = {"charent/self_cognition_Alice", "Jackmin108/Qwen3-0.6B-Meow-LoRA", "Jackmin108/Qwen3-0.6B-Woof-LoRA",
+              "peft-internal-testing/opt-125m-dummy-lora", "typeof/zephyr-7b-beta-lora"}  # vLLM's tests' adapters
 
 
 def _patch_snapshot_download() -> None:
-    """A module's own fixture that downloads a LoRA adapter (`snapshot_download(repo_id="...-lora")`) gets a
-    local one; any other download fails as it would offline."""
+    """vLLM's LoRA fixtures (`snapshot_download` of a repo in LORA_REPOS) get a local adapter, one per repo;
+    any other download skips, offline."""
     import tempfile
 
     import huggingface_hub
     made: dict[str, str] = {}
 
     def snapshot_download(repo_id: str, *args, **kwargs):
-        if not (MODEL_DIR and repo_id.lower().endswith("lora")):
+        if not (MODEL_DIR and repo_id in LORA_REPOS):
             _needs_download(f"{repo_id} (snapshot_download)")
         if repo_id not in made:
             made[repo_id] = make_lora_adapter(tempfile.mkdtemp(prefix="lora-"), seed=200 + len(made))

@@ -60,12 +60,15 @@ def translate(args: list[str]) -> tuple[list[str], list[str]]:
         a = args[i]
         name, inline = (a.split("=", 1) + [None])[:2] if a.startswith("--") else (a, None)
         has_next = inline is None and i + 1 < len(args) and not args[i + 1].startswith("--")
+        prefixed = [f for f in flags if f.startswith(name)] if a.startswith("--") else []
+        if name not in flags and len(prefixed) == 1:  # argparse's abbreviation (`--lora-module`), in both CLIs
+            name = prefixed[0]
         if name in flags and name not in DROPPED:
             if flags[name] and inline is None and has_next:
                 out += [name, args[i + 1]]
                 i += 2
             else:
-                out.append(a)
+                out.append(name if inline is None else f"{name}={inline}")
                 i += 1
             continue
         taken = [a] + ([args[i + 1]] if has_next else [])
