@@ -73,7 +73,8 @@ def resolve(st, model: str | None) -> LoRARequest | None:
     return lora
 
 
-async def _body(request: Request) -> tuple[str, str | None]:
+async def _body(request: Request) -> tuple[str, str | None, bool]:
+    """(lora_name, lora_path or None, load_inplace) of a load / unload body; a 400 naming a bad field."""
     try:
         data = json.loads(await request.body())
     except (ValueError, UnicodeDecodeError) as e:
@@ -81,25 +82,38 @@ async def _body(request: Request) -> tuple[str, str | None]:
     name = data.get("lora_name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
         raise APIError(400, "lora_name (a non-empty string) is required", param="lora_name")
-    path = data.get("lora_path")
-    return name, path if isinstance(path, str) else None
+    path, inplace = data.get("lora_path"), data.get("load_inplace", False)
+    if not isinstance(inplace, bool):
+        raise APIError(400, f"load_inplace must be a boolean, got {inplace!r}", param="load_inplace")
+    return name, path if isinstance(path, str) else None, inplace
 
 
 async def load(request: Request) -> PlainTextResponse:
     """POST /v1/load_lora_adapter (auth checked by the route); answers as vLLM's: the text
     `Success: LoRA adapter 'NAME' added successfully.`, 404 for a lora_path that does not exist, 400 for a
-    name in use or an adapter the loader refuses (its message)."""
+    name in use (unless `load_inplace`: the new adapter then replaces it, 400 while requests still use the
+    old one) or an adapter the loader refuses (its message)."""
     st = request.app.state.server
-    name, path = await _body(request)
+    name, path, inplace = await _body(request)
     if path is None:
         raise APIError(400, "lora_path (a PEFT adapter directory) is required", param="lora_path")
-    if name in st.adapters.by_name or name == st.model_name:
+    old = st.adapters.by_name.get(name)
+    if (old is not None and not inplace) or name == st.model_name:
         raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
     if not os.path.exists(path):
         raise APIError(404, f"No adapter found for {path}", param="lora_path", code="adapter_not_found")
     lora = st.adapters.new(name, path)
+
+    def swap(eng) -> None:  # on the engine thread, between steps: the name never serves neither adapter
+        eng.controls.add_lora(lora)
+        if old is not None:
+            try:
+                eng.controls.remove_lora(old.lora_int_id)
+            except ValueError as e:  # requests still use the old adapter: keep it, drop the new one
+                eng.controls.remove_lora(lora.lora_int_id)
+                raise APIError(400, str(e), param="lora_name") from None
     try:
-        await st.engine.call(lambda eng: eng.controls.add_lora(lora))
+        await st.engine.call(swap)
     except ValueError as e:
         raise APIError(400, str(e), param="lora_path") from None
     st.adapters.by_name[name] = lora
@@ -110,7 +124,7 @@ async def unload(request: Request) -> PlainTextResponse:
     """POST /v1/unload_lora_adapter (auth checked by the route): `Success: LoRA adapter 'NAME' removed
     successfully.`; 404 for a name not loaded, 400 while requests still use it."""
     st = request.app.state.server
-    name, _ = await _body(request)
+    name, _, _ = await _body(request)
     lora = st.adapters.by_name.get(name)
     if lora is None:
         raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",

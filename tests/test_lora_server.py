@@ -70,3 +70,22 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
     assert gone.status_code == 200 and gone.text == "Success: LoRA adapter 'c' removed successfully.", gone.text
     assert _tokens(srv, "c").status_code == 404
     assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="c")).status_code == 404
+
+
+def test_load_inplace_replaces_an_adapter(setup):
+    """vLLM's `load_inplace`: a name in use is served by the new adapter; without it the name stays taken."""
+    srv, base, adapters = setup
+    load = lambda body: httpx.post(srv.url + "/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
+    assert load(dict(lora_name="swap", lora_path=adapters["a"])).status_code == 200
+    taken = load(dict(lora_name="swap", lora_path=adapters["c"], load_inplace=False))
+    assert taken.status_code == 400 and "has already been loaded" in taken.json()["error"]["message"]
+    bad = load(dict(lora_name="swap", lora_path=adapters["c"], load_inplace="yes"))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "load_inplace", bad.text
+    ok = load(dict(lora_name="swap", lora_path=adapters["c"], load_inplace=True))
+    assert ok.status_code == 200 and ok.text == "Success: LoRA adapter 'swap' added successfully.", ok.text
+    from transformers import AutoTokenizer
+    want = AutoTokenizer.from_pretrained(base).decode(peft_greedy(base, adapters["c"], PROMPT, 5),
+                                                      skip_special_tokens=True)
+    assert _tokens(srv, "swap").json()["choices"][0]["text"].strip() == want.strip()
+    assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]].count("swap") == 1
+    assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="swap")).status_code == 200
