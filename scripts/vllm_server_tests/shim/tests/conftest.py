@@ -43,6 +43,17 @@ def _patch_tokenizers() -> None:
                     return _real(*args, **kwargs)
                 return _real(_local(name)[0], *args, **kwargs)
             mod.get_tokenizer = get_tokenizer
+    try:  # vLLM's ModelConfig(model=ID) (tests read the vocabulary size from it)
+        from vllm.config import ModelConfig
+    except ImportError:
+        return
+    real_init = ModelConfig.__init__
+
+    def init(self, *args, **kwargs):
+        if "model" in kwargs:
+            kwargs["model"] = _local(kwargs["model"])[0]
+        real_init(self, *args, **kwargs)
+    ModelConfig.__init__ = init
 
 
 def _patch_metrics() -> None:
