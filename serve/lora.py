@@ -104,14 +104,18 @@ async def load(request: Request) -> PlainTextResponse:
         raise APIError(404, f"No adapter found for {path}", param="lora_path", code="adapter_not_found")
     lora = st.adapters.new(name, path)
 
-    def swap(eng) -> None:  # on the engine thread, between steps: the name never serves neither adapter
-        eng.controls.add_lora(lora)
+    def swap(eng) -> None:  # on the engine thread, between steps: no request sees the name unserved
         if old is not None:
             try:
                 eng.controls.remove_lora(old.lora_int_id)
-            except ValueError as e:  # requests still use the old adapter: keep it, drop the new one
-                eng.controls.remove_lora(lora.lora_int_id)
+            except ValueError as e:  # requests still use the old adapter
                 raise APIError(400, str(e), param="lora_name") from None
+        try:
+            eng.controls.add_lora(lora)
+        except ValueError:
+            if old is not None:  # the new one is refused: the old one serves the name again
+                eng.controls.add_lora(old)
+            raise
     try:
         await st.engine.call(swap)
     except ValueError as e:

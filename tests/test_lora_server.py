@@ -72,7 +72,7 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
     assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="c")).status_code == 404
 
 
-def test_load_inplace_replaces_an_adapter(setup):
+def test_load_inplace_replaces_an_adapter(setup, tmp_path):
     """vLLM's `load_inplace`: a name in use is served by the new adapter; without it the name stays taken."""
     srv, base, adapters = setup
     load = lambda body: httpx.post(srv.url + "/v1/load_lora_adapter", json=body, timeout=60)  # noqa: E731
@@ -87,5 +87,8 @@ def test_load_inplace_replaces_an_adapter(setup):
     want = AutoTokenizer.from_pretrained(base).decode(peft_greedy(base, adapters["c"], PROMPT, 5),
                                                       skip_special_tokens=True)
     assert _tokens(srv, "swap").json()["choices"][0]["text"].strip() == want.strip()
+    refused = load(dict(lora_name="swap", lora_path=str(tmp_path), load_inplace=True))  # no adapter_config.json
+    assert refused.status_code == 400 and "adapter_config.json" in refused.json()["error"]["message"]
+    assert _tokens(srv, "swap").json()["choices"][0]["text"].strip() == want.strip()  # the name keeps c
     assert [m["id"] for m in httpx.get(srv.url + "/v1/models").json()["data"]].count("swap") == 1
     assert httpx.post(srv.url + "/v1/unload_lora_adapter", json=dict(lora_name="swap")).status_code == 200
