@@ -110,12 +110,7 @@ async def load(request: Request) -> PlainTextResponse:
                 eng.controls.remove_lora(old.lora_int_id)
             except ValueError as e:  # requests still use the old adapter
                 raise APIError(400, str(e), param="lora_name") from None
-        try:
-            eng.controls.add_lora(lora)
-        except ValueError:
-            if old is not None:  # the new one is refused: the old one serves the name again
-                eng.controls.add_lora(old)
-            raise
+        eng.controls.add_lora(lora)  # refused: the name keeps the old adapter (a request registers it again)
     try:
         await st.engine.call(swap)
     except ValueError as e:
