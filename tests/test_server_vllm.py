@@ -256,8 +256,8 @@ def test_tokenize_detokenize_version(server, flagged):
 
 
 def test_vllm_tool_flags(capsys):
-    """vLLM's tool flags: --tool-call-parser hermes (the syntax read here) and --enable-auto-tool-choice are
-    accepted, another parser is refused with the choices."""
+    """vLLM's tool flags: --tool-call-parser hermes (the default syntax) and --enable-auto-tool-choice are
+    accepted, a parser not served here is refused with the choices."""
     import argparse
 
     from serve.app import add_serve_args
@@ -266,7 +266,7 @@ def test_vllm_tool_flags(capsys):
     assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
     assert parse([]).tool_call_parser is None
     with pytest.raises(SystemExit) as e:
-        parse(["--tool-call-parser", "mistral"])
+        parse(["--tool-call-parser", "granite"])
     assert e.value.code == 2 and "hermes" in capsys.readouterr().err
 
 
