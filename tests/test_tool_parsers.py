@@ -25,7 +25,8 @@ CASES = {
                     [("a", {}), ("b", {"x": 1}), ("c", {})]),
         "before": ('Let me look.\n\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>',
                    "Let me look.", [("get_weather", {"city": "Rome"})]),
-        "malformed": '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',
+        "malformed": '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", '
+                     '"arguments": {"city": </tool_call>',  # one block that does not parse: no calls at all
     },
     "llama3_json": {
         "one": ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "SF", "days": 2}}', None,
@@ -169,3 +170,14 @@ def test_bad_parser_name_names_the_choices(capsys):
     assert "granite" in err and all(name in err for name in PARSERS)
     with pytest.raises(ValueError, match="choose one of hermes, llama3_json, mistral, pythonic, qwen3_coder"):
         make_tool_parser("granite")
+
+
+@pytest.mark.parametrize("text,content", [
+    ('\n\n<tool_call>{"name": "f", "arguments": {}}</tool_call>\nDone.', "Done."),  # blank before: dropped
+    ('  Hi <tool_call>{"name": "f", "arguments": {}}</tool_call> there ', "  Hi  there"),  # kept before text
+])
+def test_content_rule(text, content):
+    """The content around calls: whitespace before the first call and at the end dropped, leading whitespace
+    too when only whitespace comes before the call; streamed alike."""
+    assert make_tool_parser("hermes").parse(text)[0] == content
+    assert stream("hermes", text, 2)[1] == content
