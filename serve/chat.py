@@ -33,10 +33,11 @@ from serve.tool_parsers.stream import ToolCallStream
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
                 add_special_tokens: bool = False, continue_final_message: bool = False,
-                check_size: bool = True) -> list[int]:
+                check_size: bool = True, template_kwargs: dict | None = None) -> list[int]:
     """The conversation's token ids (call in a worker thread: it renders and tokenizes). The rendered text
     is refused from its size before it is tokenized if it cannot fit max_model_len (serve/prompt_size.py),
-    unless `check_size` is off (the prompt is to be truncated)."""
+    unless `check_size` is off (the prompt is to be truncated). `template_kwargs`: the request's
+    chat_template_kwargs (further template variables)."""
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
@@ -44,7 +45,7 @@ def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = 
     msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
         text = tok.render_chat_template(msgs, add_generation_prompt, tools=template_tools,
-                                        continue_final_message=continue_final_message)
+                                        continue_final_message=continue_final_message, template_kwargs=template_kwargs)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
@@ -123,7 +124,8 @@ class Chat:
             params.skip_special_tokens = False
         keep, side = truncation(req, st.engine.max_model_len, max_tokens)
         prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools, req.add_generation_prompt,
-                                         False, req.continue_final_message, keep is None)
+                                         False, req.continue_final_message, keep is None,
+                                         req.chat_template_kwargs)
         prompt = truncate(prompt, keep, side)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role
         plan = ChatPlan(prompts=[prompt], params=params, rename=rename, shown=k, pl=pl, mode=mode, role=role,
