@@ -238,7 +238,8 @@ def half_scales(scale: np.ndarray) -> np.ndarray:
 
 def _half(a: np.ndarray, down: bool = False) -> np.ndarray:
     """float32 -> the nearest float16 value (down: the largest one not above), as float32 (inf past 65504)."""
-    h = a.astype(np.float16)
+    with np.errstate(over="ignore"):  # past float16's range: inf, refused by the callers
+        h = a.astype(np.float16)
     if down:
         h = np.where(h.astype(np.float32) > a, np.nextafter(h, np.float16(-np.inf)), h)
     return h.astype(np.float32)
