@@ -113,11 +113,11 @@ def _check(name, a, shape, dtypes):
 
 
 def half_exact(*arrays) -> bool:
-    """Whether every value of the float32 arrays (None ones skipped) is a float16 value, so a layout with
-    `scale_bytes` 2 stores them exactly (one bool read back; the check runs where the arrays are)."""
+    """Whether every value of the float32 arrays (None ones skipped) is a finite float16 value, so a layout
+    with `scale_bytes` 2 stores them exactly (one bool read back; the check runs where the arrays are)."""
     def exact(a):
         a = jnp.asarray(a, jnp.float32)
-        return jnp.all(a.astype(jnp.float16).astype(jnp.float32) == a)
+        return jnp.all((a.astype(jnp.float16).astype(jnp.float32) == a) & jnp.isfinite(a))
     return all(bool(exact(a)) for a in arrays if a is not None)
 
 
