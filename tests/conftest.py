@@ -7,6 +7,11 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # `make test` runs the modules on two pytest-xdist workers, each a jax process: without this the second one
 # cannot take libtpu's lockfile and its TPU compile tests would find no TPU backend
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# XLA's compile time is most of the suite's: its CPU backend at optimization level 0 compiles the test steps
+# about a third faster (jaxpaged/testing/xla_env.py; subprocesses take it through `subprocess_env`)
+from jaxpaged.testing.xla_env import FAST_COMPILE, with_flags  # noqa: E402  (before any jax backend starts)
+
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), FAST_COMPILE)
 
 import pytest
 
@@ -41,8 +46,10 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine_kwargs(compile_cache):
+    """The test engines' settings. warmup off: an engine compiles the step shapes its requests take, not
+    every bucket (a test about warmup turns it on)."""
     return dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                compilation_cache_dir=compile_cache, show_progress=False)
+                compilation_cache_dir=compile_cache, show_progress=False, warmup=False)
 
 
 # The modules that take longest (whole-module durations of a `make test` run, longest first). `make test`
