@@ -55,9 +55,9 @@ def engine_kwargs(compile_cache):
 # The modules that take longest (whole-module durations of a `make test` run, longest first). `make test`
 # runs with --no-loadscope-reorder, so the two xdist workers take modules in this order, these first: a
 # long module started last would leave one worker running it alone at the end.
-SLOWEST_FIRST = ("test_kv_quality", "test_tpu_compile", "test_spec_compose", "test_tensor_parallel",
-                 "test_tunix_rollout", "test_expert_parallel", "test_default_model", "test_reshard",
-                 "test_quality", "test_server_vllm", "test_multihost", "test_data_parallel")
+SLOWEST_FIRST = ("test_spec_compose", "test_tensor_parallel", "test_structured", "test_tpu_compile",
+                 "test_multihost", "test_paged_attention_cpu", "test_families", "test_bench_smoke",
+                 "test_default_model", "test_tunix_rollout", "test_batch_invariance", "test_paged_attention_mosaic_tpu")
 
 
 def pytest_collection_modifyitems(session, config, items):

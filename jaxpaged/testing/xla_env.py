@@ -3,8 +3,9 @@
 A test compiles hundreds of small steps and runs each a few times, so XLA's compile time is most of the
 suite's: at `--xla_backend_optimization_level=0` its CPU backend skips LLVM's optimization passes (the HLO
 passes, and so the computation, are unchanged; the machine code is slower, which tiny test models do not
-notice). `tests/conftest.py` sets it for the pytest process; `subprocess_env` carries it into a
-subprocess beside the device count that must be fixed before JAX starts there. Benchmarks and users never
+notice; a server running the 135M default model for many tokens does, and turns it off). `tests/conftest.py`
+sets it for the pytest process; `subprocess_env` carries it into a subprocess beside the device count that
+must be fixed before JAX starts there. Benchmarks and users never
 take it (their compiled steps run for hours).
 """
 from __future__ import annotations
@@ -21,12 +22,11 @@ def with_flags(flags: str, *more: str) -> str:
     return " ".join(out)
 
 
-def subprocess_env(devices: int | None = None, **extra: str) -> dict:
-    """os.environ for a subprocess that runs JAX: this process's XLA_FLAGS (the fast compile with them),
+def subprocess_env(devices: int | None = None, fast_compile: bool = True, **extra: str) -> dict:
+    """os.environ for a subprocess that runs JAX: this process's XLA_FLAGS (the fast compile with them, unless
+    `fast_compile` is False: a subprocess that runs a real model for many steps, where optimized code pays),
     `devices` simulated CPU devices when given, and `extra` variables."""
-    more = [FAST_COMPILE] if FAST_COMPILE in os.environ.get("XLA_FLAGS", "").split() else []
-    if devices is not None:
-        more.append(f"--xla_force_host_platform_device_count={devices}")
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count=")]
+             if not f.startswith("--xla_force_host_platform_device_count=") and (fast_compile or f != FAST_COMPILE)]
+    more = [f"--xla_force_host_platform_device_count={devices}"] if devices is not None else []
     return {**os.environ, "XLA_FLAGS": with_flags(" ".join(flags), *more), **extra}
