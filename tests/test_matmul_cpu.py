@@ -226,7 +226,7 @@ def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 9, 11]}]
     out = {}
     for backend in ("xla", "cpu"):
-        llm = LLM(model=model, **{**engine_kwargs, "dtype": "bfloat16"}, matmul_backend=backend)
+        llm = LLM(model=model, **{**engine_kwargs, "dtype": "bfloat16", "warmup": True}, matmul_backend=backend)
         eng = llm.engine
         packed = isinstance(eng.runner.params["layers"]["w_up"], Packed)
         assert packed is (backend == "cpu")
