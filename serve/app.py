@@ -37,6 +37,7 @@ from serve.openapi import openapi_schema
 from serve.reasoning import ReasoningParser, make_parser
 from serve.responses_store import ResponseStore
 from serve.scoring_routes import rerank, score
+from serve.tool_parsers import HermesParser, ToolParser, make_tool_parser
 
 log = logging.getLogger("jaxpaged.serve")
 
@@ -60,6 +61,7 @@ class ServerState:
     adapters: serve_lora.Adapters | None = None  # LoRA adapters by name (--enable-lora)
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # set when --shutdown-timeout expires
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # /v1/responses' stored responses
+    tool_parser: ToolParser = field(default_factory=HermesParser)  # --tool-call-parser (tool_choice auto)
 
 
 def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapters: serve_lora.Adapters | None = None,
@@ -115,7 +117,8 @@ def create_app(engine: AsyncEngine, config: ServerConfig | None = None, *, adapt
                                    config.model_root or name, Metrics(engine, name, limits["max_model_len"]),
                                    schema, int(time.time()), limits["max_logprobs"],
                                    make_parser(config.reasoning_parser), Load(config.enable_server_load_tracking),
-                                   adapters, responses=ResponseStore(config.max_stored_responses))
+                                   adapters, responses=ResponseStore(config.max_stored_responses),
+                                   tool_parser=make_tool_parser(config.tool_call_parser))
     return app
 
 

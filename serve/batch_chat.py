@@ -43,7 +43,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
 def _prompts(engine, req: BatchChatCompletionRequest, keep: int | None, side: str | None) -> list[list[int]]:
     """Each conversation's token ids (call in a worker thread: it renders and tokenizes)."""
     return [truncate(chat_prompt(engine, conv, None, req.add_generation_prompt, False, req.continue_final_message,
-                                 keep is None), keep, side) for conv in req.messages]
+                                 keep is None, req.chat_template_kwargs), keep, side) for conv in req.messages]
 
 
 @dataclass(kw_only=True)

@@ -28,14 +28,16 @@ from serve.protocol import (
 )
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
 from serve.routes import num_logprobs, sampling_params, shown_logprobs, stream_usage, token_text
+from serve.tool_parsers.stream import ToolCallStream
 
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
                 add_special_tokens: bool = False, continue_final_message: bool = False,
-                check_size: bool = True) -> list[int]:
+                check_size: bool = True, template_kwargs: dict | None = None) -> list[int]:
     """The conversation's token ids (call in a worker thread: it renders and tokenizes). The rendered text
     is refused from its size before it is tokenized if it cannot fit max_model_len (serve/prompt_size.py),
-    unless `check_size` is off (the prompt is to be truncated)."""
+    unless `check_size` is off (the prompt is to be truncated). `template_kwargs`: the request's
+    chat_template_kwargs (further template variables)."""
     tok = engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer, so no chat template; use /v1/completions "
@@ -43,7 +45,7 @@ def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = 
     msgs, template_tools = tools.render_messages(messages, tool_list, tok.chat_template)
     try:
         text = tok.render_chat_template(msgs, add_generation_prompt, tools=template_tools,
-                                        continue_final_message=continue_final_message)
+                                        continue_final_message=continue_final_message, template_kwargs=template_kwargs)
     except Exception as e:  # noqa: BLE001 -- jinja raises its own kinds for a template's refusals
         raise APIError(400, f"cannot apply the chat template: {e}", param="messages",
                        code="chat_template_error") from None
@@ -82,13 +84,14 @@ async def chat_params(st, req: ChatCompletionRequest, num_prompts: int = 1):
     return params, shown, pl, rename, mode, max_tokens
 
 
-def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool) -> ChatChoice:
-    """A non-streamed choice from a finished output `c`: reasoning split, tool calls parsed, echo first. A
-    call that must come (tool_choice named or required) cut before it parses is no call (tool_calls
-    absent, as vLLM's)."""
+def chat_choice(st, c, index: int, mode, named, role: str, echo: str, logprobs, ids_out: bool,
+                schemas: dict | None = None) -> ChatChoice:
+    """A non-streamed choice from a finished output `c`: reasoning split, tool calls parsed (tool_choice auto:
+    by the server's tool parser, values by the tools' `schemas`), echo first. A call that must come
+    (tool_choice named or required) cut before it parses is no call (tool_calls absent, as vLLM's)."""
     thought, answer = st.reasoning.split(c.text)
     cut = c.finish_reason == "length" or answer is None
-    content, calls = (answer, []) if cut else tools.parse(mode, answer, named)
+    content, calls = (answer, []) if cut else tools.parse(mode, answer, named, st.tool_parser, schemas)
     reason = "tool_calls" if calls and mode != "named" and c.finish_reason == "stop" else c.finish_reason
     content = echo + content if content is not None else content
     return ChatChoice(index=index, message=AssistantMessage(
@@ -104,6 +107,7 @@ class ChatPlan(Plan):
     pl: int | None = None  # prompt logprobs or None
     mode: str | None = None  # the tool mode (serve/tools.py)
     named: str | None = None  # the tool a named tool_choice names
+    schemas: dict | None = None  # the tools' parameters by name (the tool parser converts values by them)
     role: str = "assistant"  # the answer's role
     echo: str = ""  # the text echoed before the answer
     text: fmt.TokenText | None = None
@@ -116,13 +120,17 @@ class Chat:
     async def plan(self, st, req: ChatCompletionRequest) -> ChatPlan:
         params, k, pl, rename, mode, max_tokens = await chat_params(st, req)
         use_tools = req.tools if mode is not None else None
+        if mode == "auto" and st.tool_parser.keep_special_tokens:  # its markers are special tokens (as vLLM's)
+            params.skip_special_tokens = False
         keep, side = truncation(req, st.engine.max_model_len, max_tokens)
         prompt = await asyncio.to_thread(chat_prompt, st.engine, req.messages, use_tools, req.add_generation_prompt,
-                                         False, req.continue_final_message, keep is None)
+                                         False, req.continue_final_message, keep is None,
+                                         req.chat_template_kwargs)
         prompt = truncate(prompt, keep, side)
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role
         plan = ChatPlan(prompts=[prompt], params=params, rename=rename, shown=k, pl=pl, mode=mode, role=role,
                         named=req.tool_choice.function.name if mode == "named" else None,
+                        schemas=tools.schemas_of(use_tools),
                         echo=echo_text(req, req.messages, role), text=token_text(st, req))
         if req.use_beam_search:
             beam.refuse(req, st.max_logprobs)
@@ -136,7 +144,8 @@ class Chat:
     def response(self, st, req, plan: ChatPlan, job: Job) -> ChatCompletionResponse:
         ids_out, out = bool(req.return_token_ids), job.lasts[0]
         choices = [chat_choice(st, c, c.index, plan.mode, plan.named, plan.role, plan.echo,
-                               self._logprobs(plan, c.token_ids, c.logprobs), ids_out) for c in out.outputs]
+                               self._logprobs(plan, c.token_ids, c.logprobs), ids_out, plan.schemas)
+                   for c in out.outputs]
         return ChatCompletionResponse(
             id=job.id, created=job.created, model=st.model_name, choices=choices, usage=job.usage(),
             prompt_routed_experts=fmt.routes(out.prompt_routed_experts),
@@ -162,7 +171,8 @@ class Chat:
                          for i in range(req.n)])
         deltas = [fmt.Delta() for _ in range(req.n)]
         splits = [st.reasoning.stream() for _ in range(req.n)]  # each choice's reasoning / content split
-        answers = [""] * req.n  # tools "required" / "auto": each choice's answer so far, sent when whole
+        answers = [""] * req.n  # tool_choice "required": each choice's answer so far, sent when whole
+        found = [ToolCallStream(st.tool_parser, plan.schemas) for _ in range(req.n)]  # "auto": calls in the text
         opened = set()  # choices whose tool call has started (named tool_choice)
         async for _, out in job.outputs():
             for c in out.outputs:
@@ -181,8 +191,19 @@ class Chat:
                                              function=DeltaFunction(name=named, arguments=args))
                     delta = ChatDelta(tool_calls=[call] if call else None, reasoning_content=thought or None,
                                       reasoning=thought or None)
-                elif mode is not None:  # "required" / "auto": the reasoning streams as it comes; the calls
-                    # and the rest of the answer (with the tokens and logprobs) once the text is whole
+                elif mode == "auto":  # content streams until a call may begin; the calls once the text is whole
+                    thought, more = self._split(splits[c.index], piece, reason)
+                    content, calls = found[c.index].feed(more), []
+                    if reason is not None:
+                        rest, calls = found[c.index].finish(cut=reason == "length")
+                        content += rest
+                        reason = "tool_calls" if calls and reason == "stop" else reason
+                    if not thought and not content and reason is None and not lps and not ids_out:
+                        continue  # all held back
+                    delta = ChatDelta(content=content or None, reasoning_content=thought or None,
+                                      reasoning=thought or None, tool_calls=calls or None)
+                elif mode is not None:  # "required": the reasoning streams as it comes; the calls (with the
+                    # tokens and logprobs) once the text is whole
                     thought, more = self._split(splits[c.index], piece, reason)
                     answers[c.index] += more
                     if reason is None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from jaxpaged.args import flag_name
 from serve.reasoning import PARSERS
+from serve.tool_parsers import PARSERS as TOOL_PARSERS
 from serve.tools import DEFAULT_MAX_GRAMMAR_BYTES
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2 ** 20
@@ -74,10 +75,10 @@ class ServerConfig:
                                         "streamed as deltas of each; deepseek_r1: the output may start inside the "
                                         "reasoning, qwen3: both tags expected (default: no split)",
                                         choices=sorted(PARSERS))
-    tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto: hermes, the "
-                                        "<tool_call>...</tool_call> blocks of SmolLM2's, Qwen2.5's and Hermes' "
-                                        "templates, is the one syntax here (and the default); tool_choice required "
-                                        "or named is constrained by grammar", choices=["hermes"])
+    tool_call_parser: str | None = flag(None, "how tool calls are read from text for tool_choice auto (vLLM's "
+                                        "names): hermes (the default: <tool_call>{json}</tool_call> blocks), "
+                                        "llama3_json, mistral, pythonic, qwen3_coder; tool_choice required or named "
+                                        "is constrained by grammar", choices=sorted(TOOL_PARSERS))
     enable_auto_tool_choice: bool = flag(False, "accepted for vLLM's command lines: tool_choice auto is always "
                                          "served here")
     enable_tokenizer_info_endpoint: bool = flag(False, "serve GET /tokenizer_info (the tokenizer's special tokens "

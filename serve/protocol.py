@@ -12,7 +12,7 @@ llguidance: a schema, regex or grammar it refuses is a 400 with code `invalid_gr
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
@@ -212,6 +212,9 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = Field(True, description="end the prompt with the template's assistant header")
     continue_final_message: bool = Field(False, description="the answer continues the last message (open-ended, "
                                          "no end-of-turn); not with add_generation_prompt")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="variables for the chat template beside messages and tools, e.g. {\"enable_thinking\": "
+        "false} for Qwen3's (vLLM's)")
 
 
 # -- responses ---------------------------------------------------------------------------------

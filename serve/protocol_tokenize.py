@@ -2,7 +2,7 @@
 template), POST /detokenize, GET /version (pydantic models; `serve/tokenize_routes.py` acts on them)."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,8 @@ class TokenizeChatRequest(BaseModel):
     add_special_tokens: bool = Field(False, description="the tokenizer's special tokens too (the template "
                                      "usually writes them)")
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template "
+                                                        "beside messages and tools (vLLM's)")
 
 
 class TokenizeResponse(BaseModel):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jaxpaged.core.sampling_params import MAX_STOP_CHARS
+from jaxpaged.core.tokenizer import TEMPLATE_OWN
 from serve.body import MAX_JSON_DEPTH
 from serve.errors import APIError
 
@@ -68,6 +69,11 @@ def _no_logprobs(req) -> bool:
     return req.logprobs is None or req.logprobs is False
 
 
+def _template_own(req) -> list[str]:
+    """The keys of chat_template_kwargs that the render sets itself."""
+    return sorted(set(req.chat_template_kwargs or ()) & set(TEMPLATE_OWN))
+
+
 _CC = (COMPLETION, CHAT)  # batch chat takes neither beam search nor return_routed_experts
 RULES: list[Rule] = [
     Rule("stop_token_ids", None, GENERATION, "with min_tokens > 0, the EOS ids (unless ignore_eos) and "
@@ -105,6 +111,12 @@ RULES: list[Rule] = [
          message="continue_final_message and add_generation_prompt cannot both be true (set add_generation_prompt "
                  "false to continue the last message)",
          example={"continue_final_message": True}),
+    Rule("chat_template_kwargs", "invalid_combination", (CHAT, BATCH_CHAT, TOKENIZE), "chat_template_kwargs may "
+         f"not set the template variables the request's own fields set ({', '.join(TEMPLATE_OWN)})",
+         broken=lambda r: bool(_template_own(r)),
+         message=lambda r: f"chat_template_kwargs sets {', '.join(_template_own(r))}: the request's own fields set "
+                           "these template variables (messages, tools, add_generation_prompt)",
+         example={"chat_template_kwargs": {"add_generation_prompt": False}}),
     Rule(None, "nested_too_deeply", _ALL + (TOKENIZE,), f"the JSON body nests arrays and objects at most "
          f"{MAX_JSON_DEPTH} levels deep (the body itself is level 1)", where="serve/body.py"),
     Rule("stop", "stop_too_long", GENERATION, f"the stop strings together have at most {MAX_STOP_CHARS} characters",

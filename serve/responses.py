@@ -128,7 +128,7 @@ class Responses:
     def items(self, st, plan: ResponsesPlan, c) -> list:
         """The output items of a finished output `c`, parsed as chat parses its choice."""
         inner = plan.chat_plan
-        m = chat_choice(st, c, 0, inner.mode, inner.named, "assistant", "", None, False).message
+        m = chat_choice(st, c, 0, inner.mode, inner.named, "assistant", "", None, False, inner.schemas).message
         return output_items(m.reasoning_content, m.content, m.tool_calls or [])
 
     def response(self, st, req: ResponsesRequest, plan: ResponsesPlan, job: Job) -> ResponseBody:

@@ -40,7 +40,8 @@ async def tokenize(request: Request) -> Response:
     if isinstance(req, TokenizeChatRequest):
         request_rules.check(req, request_rules.TOKENIZE)  # a chat's rules (continue_final_message)
         ids = await asyncio.to_thread(chat_prompt, st.engine, req.messages, None, req.add_generation_prompt,
-                                      req.add_special_tokens, req.continue_final_message)
+                                      req.add_special_tokens, req.continue_final_message, True,
+                                      req.chat_template_kwargs)
     else:
         await prompt_size.check_prompts(tok, [req.prompt], L)  # a prompt too large refused before tokenizing
         ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)

@@ -8,16 +8,15 @@ choices; for tool_choice "required", the schema combining every tool's parameter
 then it is compiled and its matcher built for the model's tokenizer in a worker thread, never on the event
 loop nor on the engine thread (`AsyncEngine.prepare_structured`).
 
-Tool-call syntax ("auto"): the `<tool_call>...</tool_call>` blocks of Hermes-style templates (Qwen2.5,
-Hermes, and SmolLM2's function-calling format), each holding one JSON object or a list of them with
-`name` and `arguments` (or `parameters`). A chat template that renders `tools` itself gets them as the
-`tools` variable; one that does not (SmolLM2's) gets a system message listing the tools and this syntax.
+Tool-call syntax ("auto"): the server's tool parser's (`--tool-call-parser`, serve/tool_parsers/; by default
+the `<tool_call>...</tool_call>` blocks of Hermes-style templates). A chat template that renders `tools`
+itself gets them as the `tools` variable; one that does not (SmolLM2's) gets a system message listing the
+tools and the Hermes syntax.
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import uuid
 
 from jaxpaged.core.reasoned import ReasoningSpan
@@ -26,8 +25,9 @@ from jaxpaged.core.validation import InvalidParam
 from serve.body import loads
 from serve.errors import APIError
 from serve.protocol_tools import FunctionCall, ToolCall
+from serve.tool_parsers import HermesParser, ToolParser
 
-_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+_HERMES = HermesParser()
 _ANY_OBJECT = {"type": "object"}
 DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10  # a request's constraint text (--max-grammar-bytes)
 
@@ -192,9 +192,12 @@ def new_call(name: str, arguments: str) -> ToolCall:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
 
 
-def parse(mode: str | None, text: str, named: str | None) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of one choice's text under a tool mode. Output that does not parse (cut by
-    max_tokens, or no call in "auto") stays content; a named call's content is "" (as vLLM's)."""
+def parse(mode: str | None, text: str, named: str | None, parser: ToolParser | None = None,
+          schemas: dict[str, dict] | None = None) -> tuple[str | None, list[ToolCall]]:
+    """(content, tool calls) of one choice's text under a tool mode; "auto" reads the syntax of `parser`
+    (None: hermes), converting values by the tools' `schemas` where its syntax needs them. Output that does
+    not parse (cut by max_tokens, or no call in "auto") stays content; a named call's content is "" (as
+    vLLM's)."""
     if mode == "named":
         return "", [new_call(named, text)]
     if mode == "required":
@@ -203,15 +206,12 @@ def parse(mode: str | None, text: str, named: str | None) -> tuple[str | None, l
         except (ValueError, TypeError, KeyError):
             return text, []
     if mode == "auto":
-        calls = []
-        for block in _BLOCK.findall(text):
-            try:
-                got = loads(block)
-                for c in got if isinstance(got, list) else [got]:
-                    args = c.get("arguments", c.get("parameters", {}))
-                    calls.append(new_call(c["name"], args if isinstance(args, str) else json.dumps(args)))
-            except (ValueError, TypeError, KeyError, AttributeError):
-                return text, []
-        if calls:
-            return _BLOCK.sub("", text).strip() or None, calls
+        parser = parser or _HERMES
+        content, found = parser.parse(text, schemas)
+        return content, [ToolCall(id=parser.call_id(), function=c) for c in found]
     return text, []
+
+
+def schemas_of(tools) -> dict[str, dict]:
+    """Each tool's JSON-schema parameters by name (what a parser converts argument values by)."""
+    return {t.function.name: t.function.parameters or {} for t in tools or []}

@@ -7,6 +7,11 @@ os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 # `make test` runs the modules on two pytest-xdist workers, each a jax process: without this the second one
 # cannot take libtpu's lockfile and its TPU compile tests would find no TPU backend
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# XLA's compile time is most of the suite's: its CPU backend at optimization level 0 compiles the test steps
+# about a third faster (jaxpaged/testing/xla_env.py; subprocesses take it through `subprocess_env`)
+from jaxpaged.testing.xla_env import FAST_COMPILE, with_flags  # noqa: E402  (before any jax backend starts)
+
+os.environ["XLA_FLAGS"] = with_flags(os.environ.get("XLA_FLAGS", ""), FAST_COMPILE)
 
 import pytest
 
@@ -41,16 +46,18 @@ def tiny_models(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def engine_kwargs(compile_cache):
+    """The test engines' settings. warmup off: an engine compiles the step shapes its requests take, not
+    every bucket (a test about warmup turns it on)."""
     return dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
-                compilation_cache_dir=compile_cache, show_progress=False)
+                compilation_cache_dir=compile_cache, show_progress=False, warmup=False)
 
 
 # The modules that take longest (whole-module durations of a `make test` run, longest first). `make test`
 # runs with --no-loadscope-reorder, so the two xdist workers take modules in this order, these first: a
 # long module started last would leave one worker running it alone at the end.
-SLOWEST_FIRST = ("test_kv_quality", "test_tpu_compile", "test_spec_compose", "test_tensor_parallel",
-                 "test_tunix_rollout", "test_expert_parallel", "test_default_model", "test_reshard",
-                 "test_quality", "test_server_vllm", "test_multihost", "test_data_parallel")
+SLOWEST_FIRST = ("test_spec_compose", "test_tensor_parallel", "test_structured", "test_tpu_compile",
+                 "test_multihost", "test_paged_attention_cpu", "test_families", "test_bench_smoke",
+                 "test_default_model", "test_tunix_rollout", "test_batch_invariance", "test_paged_attention_mosaic_tpu")
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -182,7 +182,7 @@ def kv_int8_checks(workdir: str) -> dict:
         path = make_tiny_model(os.path.join(workdir, f"int8_{name}"), family, num_heads=hq, num_kv_heads=hkv,
                                head_dim=16, tie=tie, seed=hkv)
         for tp in TPS:
-            llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, kv_cache_dtype="int8"))
+            llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, kv_cache_dtype="int8", warmup=False))
             r = dict(greedy=[o.outputs[0].token_ids for o in llm.generate(workload(), greedy, use_tqdm=False)])
             k = llm.engine.runner.k_pool
             r["values_local"] = list(k.values.addressable_shards[0].data.shape)
@@ -234,7 +234,7 @@ def spec_checks(workdir: str) -> dict:
     params = [SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
               SamplingParams(max_tokens=12, temperature=0.9, seed=7, logprobs=1, presence_penalty=0.5, ignore_eos=True)]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    plain = LLM(model=path, **engine_kwargs())
+    plain = LLM(model=path, **engine_kwargs(warmup=False))
     truth = [{tuple(o.prompt_token_ids): o.outputs[0].token_ids for o in plain.generate(workload(), p, use_tqdm=False)}
              for p in params]
 
@@ -258,7 +258,8 @@ def spec_checks(workdir: str) -> dict:
     out = {"plain": [list(t.values()) for t in truth]}
     draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 3}  # the target as its own draft
     for name, sc in (("dp2tp2", spec), ("draft_dp2tp2", draft)):
-        llm = LLM(model=path, **engine_kwargs(speculative_config=sc, tensor_parallel_size=2, data_parallel_size=2))
+        llm = LLM(model=path, **engine_kwargs(speculative_config=sc, tensor_parallel_size=2, data_parallel_size=2,
+                                              warmup=False))
         engines = getattr(llm.engine, "engines", [llm.engine])
         for e in engines:
             e.spec.governor = Always()

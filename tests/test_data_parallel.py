@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from jaxpaged.testing.xla_env import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.slow
 CONFIGS = [(1, 1), (2, 1), (2, 2)]  # (data_parallel_size, tensor_parallel_size)
@@ -75,7 +77,7 @@ def result(tmp_path_factory, compile_cache):
     from jaxpaged.testing.tiny_models import make_tiny_model
     d = make_tiny_model(str(tmp_path_factory.mktemp("dp_model")), "llama", num_heads=8, num_kv_heads=4,
                         hidden_size=64)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONPATH": ROOT}
+    env = {**subprocess_env(4), "PYTHONPATH": ROOT}
     proc = subprocess.run([sys.executable, __file__, d, compile_cache], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -89,7 +89,7 @@ def test_embed_and_pair_score(llama, paths):
 
 
 def test_pooling_needs_the_runner(paths, engine_kwargs):
-    generating = LLM(model=paths["llama"], **engine_kwargs, warmup=False)  # refused before any step compiles
+    generating = LLM(model=paths["llama"], **engine_kwargs)  # refused before any step compiles
     with pytest.raises(ValueError, match="runner='pooling'"):
         generating.embed([[5, 6]])
     with pytest.raises(ValueError, match="runner='pooling'"):  # the engine's own check (admission)

@@ -70,7 +70,7 @@ def test_everything_forced_at_once(tiny_models, engine_kwargs, baseline):
 
 
 def test_compilations_bounded_by_buckets(tiny_models, engine_kwargs):
-    llm = LLM(model=tiny_models["llama"], **engine_kwargs)
+    llm = LLM(model=tiny_models["llama"], **{**engine_kwargs, "warmup": True})
     n0 = llm.stats()["num_compilations"]
     assert n0 == llm.stats()["num_buckets"] == len(llm.engine.runner.buckets)
     rng = np.random.default_rng(5)
@@ -92,7 +92,7 @@ def test_pallas_backend_matches_reference(tiny_models, engine_kwargs):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     kw = {**engine_kwargs, "max_num_seqs": 4, "max_num_batched_tokens": 16}
     want = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params, use_tqdm=False)]
-    llm = LLM(model=path, **kw, attention_backend="pallas")
+    llm = LLM(model=path, **{**kw, "warmup": True}, attention_backend="pallas")
     assert llm.stats()["attention_backend"] == "triton"  # pallas on a CPU target: Triton, interpret mode
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants()) > len(llm.engine.runner.buckets)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

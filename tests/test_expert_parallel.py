@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from jaxpaged.testing.xla_env import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = r'''
 import json, re, sys
@@ -46,7 +48,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_new_families_under_tensor_parallelism(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**subprocess_env(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=900)

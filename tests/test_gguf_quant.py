@@ -113,3 +113,34 @@ def test_mixed_types_share_one_exact_form(types, form):
             np.testing.assert_allclose(w[i], want, rtol=0, atol=2e-7 * np.abs(want).max())
         else:
             np.testing.assert_array_equal(w[i], want)
+
+
+@pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
+def test_packed_layout_and_product_per_type(type_name):
+    """Each type's codes packed for the quantized CPU kernel: scales and minima in float16 (2 bytes) for the
+    legacy types, whose d and min the file stores as float16; in float32 (4) for the K-quants (d times a
+    sub-scale is generally no float16). Unpacked, the matrix is gguf.quants.dequantize's bit for bit, and the
+    kernel's product equals the int8-rounded activations (per 32 entries) times it within float32 rounding."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models import qpacked
+    from jaxpaged.models.qarray import QArray
+    from jaxpaged.models.qarray import dequantize as engine_matrix
+    from pallas_kernels.matmul import cpu_quant
+    if not cpu_quant.available():
+        pytest.skip("the quantized CPU kernel cannot be built here")
+    n, k = 40, 768
+    data = gguf_matrix(type_name, n, k, seed=11)
+    want = dequantize(data, GGMLQuantizationType[type_name]).reshape(n, k).T  # float32 [K, N]
+    c = gguf_codes(data, type_name, k)
+    qp = qpacked.pack(jax.tree.map(jnp.asarray, QArray.from_codes(c.u, c.s, c.m, zero=c.zero, group=c.group,
+                                                                   bits=c.bits)))
+    assert qp.scale_bytes == (4 if type_name.endswith("_K") else 2), qp.scale_bytes
+    np.testing.assert_array_equal(np.asarray(engine_matrix(qp.unpack())), want)
+    x = np.random.default_rng(k).normal(0, 1, (5, k)).astype(np.float32)
+    xp = x.reshape(5, -1, 32)
+    dx = np.abs(xp).max(-1, keepdims=True) / 127
+    ref = (np.rint(xp / dx) * dx).reshape(5, k).astype(np.float64) @ want.astype(np.float64)
+    got = np.asarray(qpacked.matmul(jnp.asarray(x), qp))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

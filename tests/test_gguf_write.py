@@ -79,7 +79,7 @@ def _prompts():
 
 
 def _greedy(model, engine_kwargs, **over):
-    llm = LLM(model=model, warmup=False, **{**engine_kwargs, "block_size": 4, "max_num_batched_tokens": 16, **over})
+    llm = LLM(model=model, **{**engine_kwargs, "block_size": 4, "max_num_batched_tokens": 16, **over})
     outs = llm.generate([{"prompt_token_ids": p} for p in _prompts()], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
 

@@ -108,6 +108,27 @@ def test_matmul_names_the_operand():
         jax.block_until_ready(_matmul_ffi(x[:, :32], packed, one, 48, packed=1))
 
 
+def test_matmul_of_several_matrices_checks_each():
+    """One call of several matrices (`cpu_matmuls`): one out per w, and every w checked as the first is."""
+    if not cpu_matmul.available():
+        pytest.skip("the CPU matmul kernel cannot be built here")
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((5, 64)), jnp.bfloat16)
+    w, w2 = (jnp.asarray(rng.standard_normal((64, n)), jnp.bfloat16) for n in (48, 32))
+    one, rows = jnp.zeros((), jnp.int32), jnp.int32(5)
+    attrs = dict(transpose=np.int64(0), packed=np.int64(0), isa=np.int64(3))
+    out = lambda *ns: [jax.ShapeDtypeStruct((5, n), jnp.float32) for n in ns]
+    got = jax.ffi.ffi_call(cpu_matmul.TARGET, out(48, 32))(x, w, one, rows, w2, **attrs)
+    xf = np.asarray(x, np.float32)
+    for g, m in zip(got, (w, w2)):
+        np.testing.assert_allclose(np.asarray(g), xf @ np.asarray(m, np.float32), rtol=1e-5, atol=1e-3)
+    for outs, more, match in [(out(48), (w2,), "one out per w"),          # two w, one out
+                              (out(48, 32), (w2[:32],), "cpu_matmul: w"),  # the second w's K is not x's
+                              (out(48, 16), (w2,), "cpu_matmul: out")]:    # the second out of another width
+        with pytest.raises(Exception, match=match):
+            jax.block_until_ready(jax.ffi.ffi_call(cpu_matmul.TARGET, outs)(x, w, one, rows, *more, **attrs))
+
+
 def test_argmax_names_the_operand():
     if not cpu_argmax.available():
         pytest.skip("the CPU argmax kernel cannot be built here")

@@ -24,7 +24,7 @@ def path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(path, engine_kwargs):
     return LLM(model=path, **{**engine_kwargs, "block_size": 4, "max_num_batched_tokens": 8, "max_num_seqs": 4,
-                              "max_model_len": 64})
+                              "max_model_len": 64, "warmup": True})  # every shape: settings never recompile
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import pytest
 from lora_adapters import make_adapter
 
 from jaxpaged.testing.tiny_models import make_tiny_model
+from jaxpaged.testing.xla_env import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +19,7 @@ def facts(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_tp")
     base = make_tiny_model(str(root / "base"), "llama", seed=5, num_heads=4, num_kv_heads=2)
     adapters = [make_adapter(str(root / f"a{j}"), base, r=r, alpha=2.0 * r, seed=40 + j) for j, r in enumerate((4, 8))]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu",
+    env = {**subprocess_env(4), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "lora_tp_checks.py"), base, *adapters],
                           env=env, capture_output=True, text=True, timeout=1200)

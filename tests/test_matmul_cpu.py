@@ -112,6 +112,37 @@ def test_every_path_live_rows_only(isa):
 
 
 @pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_several_matrices_in_one_call(isa):
+    """`cpu_matmuls`: the products of one x with several matrices (a layer's q, k, v: widths over one partial
+    and several whole panels) in one call equal each product alone bit for bit, stacked at a layer, packed,
+    as stored and transposed, with live rows; `quant.dots` takes one call for a layer's packed matrices."""
+    from jaxpaged.models.quant import LayerOf, Packed, dots
+    _run_path_or_skip(isa)
+    rng = np.random.default_rng(13)
+    K, widths = 96, (272, 48, 16)
+    for M in (1, 37):
+        x = _bf16(rng, (M, K))
+        ws = [_bf16(rng, (2, K, n)) for n in widths]
+        for form, mats, kw in (("packed", [cpu_matmul.pack(w) for w in ws], dict(packed=True)), ("stored", ws, {}),
+                               ("transposed", [w.swapaxes(1, 2) for w in ws], dict(transpose=True))):
+            f = jax.jit(lambda x, r, *m: cpu_matmul.cpu_matmuls(x, m, layer=jnp.int32(1), isa=isa, rows=r, **kw))
+            live = jnp.int32(max(M - 1, 1))
+            got = f(x, live, *mats)
+            assert [g.shape for g in got] == [(M, n) for n in widths]
+            for g, m in zip(got, mats):
+                alone = cpu_matmul.cpu_matmul(x, m, layer=jnp.int32(1), isa=isa, rows=live, **kw)
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(alone), err_msg=f"{form} M={M}")
+    index = jnp.int32(1)  # one layer index (the layer loop's) for every matrix
+    layer = [LayerOf(Packed(cpu_matmul.pack(w)), index) for w in ws]
+    jaxpr = str(jax.make_jaxpr(lambda x: dots(x, layer, jnp.float32, kernel=True))(x))
+    assert jaxpr.count("ffi_call") == 1, jaxpr
+    for g, w in zip(dots(x, layer, jnp.float32, kernel=True), ws):
+        np.testing.assert_allclose(np.asarray(g), _want(x, w[1], False), rtol=1e-5, atol=1e-4 * np.sqrt(K))
+    with pytest.raises(ValueError, match="got x .*, w "):  # a matrix of another K than x's
+        cpu_matmul.cpu_matmuls(x, [ws[0][1], _bf16(rng, (64, 16))])
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
 def test_every_path_propagates_nan(isa):
     """A NaN in a row of x makes that row's outputs NaN, a NaN in w (or an infinity times 0) the outputs of
     its column (its row when transposed) in every row; the rest equal numpy's."""
@@ -226,7 +257,7 @@ def test_packed_weights_get_and_update(tmp_path, engine_kwargs):
     prompts = [{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [5, 9, 11]}]
     out = {}
     for backend in ("xla", "cpu"):
-        llm = LLM(model=model, **{**engine_kwargs, "dtype": "bfloat16"}, matmul_backend=backend)
+        llm = LLM(model=model, **{**engine_kwargs, "dtype": "bfloat16", "warmup": True}, matmul_backend=backend)
         eng = llm.engine
         packed = isinstance(eng.runner.params["layers"]["w_up"], Packed)
         assert packed is (backend == "cpu")

@@ -14,9 +14,17 @@ PATHS = [p for p in ("scalar", "avx2", "avx512_vnni") if cq.ISAS[p] <= cq.ISAS.g
 
 
 def weights(rng, layout, lead=()):
+    """Codes, scales and minima of the layout; for float16 ones (scale_bytes 2) float16 values, float16
+    subnormals among them (the conversion of every path must keep those too)."""
     u = rng.integers(0, 2 ** layout.bits, (*lead, layout.K, layout.N), dtype=np.uint8)
     s = rng.uniform(1e-3, 2e-2, (*lead, *layout.scale_shape)).astype(np.float32)
     m = rng.normal(0, 0.05, s.shape).astype(np.float32) if layout.has_min else None
+    if layout.scale_bytes == 2:
+        s.reshape(-1)[::7] = rng.uniform(1e-7, 6e-5, s.reshape(-1)[::7].shape)  # some float16 subnormals
+        s = s.astype(np.float16).astype(np.float32)
+        if m is not None:
+            m.reshape(-1)[::5] *= 1e-3  # some float16 subnormals
+            m = m.astype(np.float16).astype(np.float32)
     return u, s, m
 
 
@@ -44,14 +52,20 @@ CASES = [  # M, K, N, group, bits, zero, has_min
 ]
 
 
+HALF_CASES = [  # float16 scales and minima (scale_bytes 2)
+    (1, 64, 16, 16, 8, 128, False), (3, 100, 40, 32, 4, 0, True), (7, 130, 33, 130, 4, 8, False),
+    (9, 200, 100, 32, 8, 0, True), (13, 96, 24, 64, 4, 0, True),
+]
+
+
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("M,K,N,group,bits,zero,has_min", CASES)
-def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path):
+def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path, scale_bytes=4):
     """K not a multiple of the group (and of 16), N tails, row tails of every row block, G 16..128 and per
     column, 8- and 4-bit codes, with and without a minimum, float32 or bfloat16 x, activation blocks of 32
     (and 128 on the best path)."""
     rng = np.random.default_rng(M * K + N + bits)
-    layout = cq.Layout(K, N, group, bits, zero, has_min)
+    layout = cq.Layout(K, N, group, bits, zero, has_min, scale_bytes)
     u, s, m = weights(rng, layout)
     w = cq.pack(u, s, m, layout)
     wd = dense(u, s, m, layout)
@@ -64,6 +78,16 @@ def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
         float_product = xf.astype(np.float64) @ wd
         assert np.linalg.norm(got - float_product) <= 0.02 * np.linalg.norm(float_product)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("M,K,N,group,bits,zero,has_min", HALF_CASES)
+def test_half_scales_equal_reference(M, K, N, group, bits, zero, has_min, path):
+    """The layout with float16 scales and minima (subnormal ones too) against the same reference, on every
+    path: the blob is smaller by 2 (or 4) bytes a column a group, the product the same."""
+    assert cq.Layout(K, N, group, bits, zero, has_min, 2).group_bytes == \
+        cq.Layout(K, N, group, bits, zero, has_min).group_bytes - 32 * (1 + has_min)
+    test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path, scale_bytes=2)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -85,11 +109,14 @@ def test_live_rows_only(path):
         assert not got[rows:].any(), rows
 
 
-@pytest.mark.parametrize("lead,group,bits,has_min", [((), 32, 4, True), ((3,), 16, 8, False), ((2,), 100, 4, False)])
-def test_pack_round_trip(lead, group, bits, has_min):
-    """`unpack` is `pack`'s exact inverse (one matrix or a stack); `dequantize` is s * (u - zero) + m."""
+@pytest.mark.parametrize("lead,group,bits,has_min,scale_bytes", [((), 32, 4, True, 4), ((3,), 16, 8, False, 4),
+                                                                 ((2,), 100, 4, False, 4), ((2,), 32, 4, True, 2),
+                                                                 ((), 100, 8, False, 2)])
+def test_pack_round_trip(lead, group, bits, has_min, scale_bytes):
+    """`unpack` is `pack`'s exact inverse (one matrix or a stack, float32 or float16 scales); `dequantize` is
+    s * (u - zero) + m."""
     rng = np.random.default_rng(len(lead) + group)
-    layout = cq.Layout(100, 40, group, bits, 0 if has_min else 2 ** (bits - 1), has_min)
+    layout = cq.Layout(100, 40, group, bits, 0 if has_min else 2 ** (bits - 1), has_min, scale_bytes)
     u, s, m = weights(rng, layout, lead)
     w = cq.pack(u, s, m, layout)
     assert w.shape == lead + layout.blob_shape and w.dtype == jnp.uint8
@@ -136,11 +163,15 @@ def test_bad_operands_are_named():
     rng = np.random.default_rng(3)
     u, s, _ = weights(rng, layout)
     w = cq.pack(u, s, None, layout)
+    half = cq.Layout(64, 32, 32, 4, 8, scale_bytes=2)
     x = jnp.zeros((2, 64), jnp.float32)
     bad = [(lambda: cq.Layout(64, 32, 48, 4), "group"), (lambda: cq.Layout(64, 32, 32, 3), "bits"),
            (lambda: cq.Layout(64, 32, 32, 4, 16), "zero"), (lambda: cq.Layout(64, 32, 32, 4, 8, True), "zero"),
            (lambda: cq.pack(u[:32], s, None, layout), "u must"), (lambda: cq.pack(u, s[:1], None, layout), "s must"),
            (lambda: cq.pack(u, s, s, layout), "m must"), (lambda: cq.pack(u | 16, s, None, layout), "codes"),
+           (lambda: cq.Layout(64, 32, 32, 4, 8, scale_bytes=3), "scale_bytes"),
+           (lambda: cq.pack(u, s + np.float32(1e-6), None, half), "not float16"),
+           (lambda: cq.cpu_quant_matmul(x, w, half), "w must be the packed"),
            (lambda: cq.cpu_quant_matmul(x.astype(jnp.int32), w, layout), "x must"),
            (lambda: cq.cpu_quant_matmul(x[:, :32], w, layout), "x must"),
            (lambda: cq.cpu_quant_matmul(x, w[:1], layout), "w must"),
@@ -153,8 +184,10 @@ def test_bad_operands_are_named():
             call()
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     attrs = dict(K=np.int64(64), N=np.int64(32), group=np.int64(32), bits=np.int64(4), zero=np.int64(8),
-                 has_min=np.int64(0), act_block=np.int64(32), isa=np.int64(3))
+                 has_min=np.int64(0), scale_bytes=np.int64(4), act_block=np.int64(32), isa=np.int64(3))
     for change, match in ((dict(bits=np.int64(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
+                          (dict(scale_bytes=np.int64(2)), "w must be the packed"),
+                          (dict(scale_bytes=np.int64(3)), "scale_bytes must be"),
                           (dict(group=np.int64(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
                           (dict(zero=np.int64(16)), "zero")):
         with pytest.raises(Exception, match=match):
@@ -179,6 +212,9 @@ def test_avx2_build_equals_reference():
         for case in t.CASES[:6]:
             for path in t.PATHS:
                 t.test_kernel_equals_reference(*case, path)
+        for case in t.HALF_CASES:
+            for path in t.PATHS:
+                t.test_half_scales_equal_reference(*case, path)
         t.test_nonfinite_activations_give_nan_rows()
         print("ok")
     """)

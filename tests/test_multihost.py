@@ -16,6 +16,8 @@ import openai
 import pytest
 from test_server import Server, free_port, make_tokenizer
 
+from jaxpaged.testing.xla_env import subprocess_env
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +37,7 @@ class Job:
     def __init__(self, model_dir, cache, logs, *, follower_extra=(), extra=()):
         self.port, coord = free_port(), f"127.0.0.1:{free_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
+        env = {**subprocess_env(2), "PYTHONPATH": ROOT}
         common = ["--model", model_dir, *FLAGS, *extra, "--port", str(self.port), "--tensor-parallel-size", "4",
                   "--coordinator-address", coord, "--num-processes", "2", "--distributed-timeout", str(TIMEOUT)]
         self.logs = [str(logs / f"process{i}.log") for i in range(2)]
@@ -189,7 +191,7 @@ def test_differing_flags_stop_both_with_a_clear_error(model_dir, compile_cache, 
 def test_generate_on_two_processes(model_dir, reference, tmp_path):
     """`jaxpaged generate` with the multi-host flags: the leader prints the single-process completions,
     the follower prints nothing, both exit 0."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": ROOT}
+    env = {**subprocess_env(2), "PYTHONPATH": ROOT}
     argv = [sys.executable, "-m", "jaxpaged.cli", "generate", "--model", model_dir, "--dtype", "float32",
             "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
             "--max-tokens", "10", "--tensor-parallel-size", "4", "--coordinator-address",

@@ -12,6 +12,7 @@ import pytest
 
 from jaxpaged import LLM, SamplingParams
 from jaxpaged.step.attention import resolve_backend
+from jaxpaged.testing.xla_env import subprocess_env
 from pallas_kernels.attention import cpu as cpu_attention
 from pallas_kernels.attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ffi import loader
@@ -152,7 +153,7 @@ def test_tensor_parallel_two_devices():
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref(*args)), atol=2e-5, rtol=2e-5)
         print("ok")
     """)
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**subprocess_env(2), "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 

@@ -127,7 +127,7 @@ def test_refusals(llm):
 
 def test_off_by_default(path, engine_kwargs):
     """Without enable_prompt_embeds: refused by name, and the step has no input of the feature."""
-    llm = LLM(model=path, **engine_kwargs, warmup=False)
+    llm = LLM(model=path, **engine_kwargs)
     with pytest.raises(ValueError, match="enable_prompt_embeds") as e:
         llm.generate({"prompt_embeds": np.zeros((4, 64), np.float32)}, GREEDY, use_tqdm=False)
     assert e.value.param == "prompt_embeds"
@@ -143,7 +143,7 @@ def test_preemption_and_speculation_keep_outputs(llm, path, engine_kwargs):
     want = _tokens(llm.generate(prompts, params, use_tqdm=False))
     table = np.asarray(llm.get_weights()["embed"], np.float32)
     small = LLM(model=path, **{**engine_kwargs, "max_num_batched_tokens": 32}, enable_prompt_embeds=True,
-                num_kv_blocks=14, warmup=False, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                num_kv_blocks=14, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
                                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2})
     mixed = [{"prompt_embeds": table[p]} if i % 2 else p for i, p in enumerate(prompts)]
     assert _tokens(small.generate(mixed, params, use_tqdm=False)) == want
@@ -156,7 +156,7 @@ def test_async_scheduling_keeps_outputs(llm, path, engine_kwargs):
     prompts = [_ids(60 + i, n) for i, n in enumerate((90, 8, 41))]
     want = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
     table = np.asarray(llm.get_weights()["embed"], np.float32)
-    eng = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True, async_scheduling=True, warmup=False)
+    eng = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True, async_scheduling=True)
     assert eng.engine.async_scheduling
     mixed = [{"prompt_embeds": table[p]} if i != 1 else p for i, p in enumerate(prompts)]
     assert _tokens(eng.generate(mixed, GREEDY, use_tqdm=False)) == want
@@ -193,7 +193,7 @@ def test_gemma_embeds_as_vllm_reads_them(family, engine_kwargs, tmp_path):
     with torch.no_grad():
         want = hf.generate(inputs_embeds=given, attention_mask=torch.ones(given.shape[:2], dtype=torch.long),
                            max_new_tokens=6, do_sample=False, min_new_tokens=6, pad_token_id=0).tolist()
-    llm = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True, warmup=False)
+    llm = LLM(model=path, **engine_kwargs, enable_prompt_embeds=True)
     got = _tokens(llm.generate([{"prompt_embeds": e} for e in embeds],
                                SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), use_tqdm=False))
     assert got == want

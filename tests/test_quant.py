@@ -158,7 +158,7 @@ def test_convert_quantized_round_trip(tmp_path, engine_kwargs):
     assert load_params(dst, cfg, "float32", quantization="fp8")["layers"]["wo"].format == "fp8"
     sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 40, 3, 99, 23][:n]} for n in (2, 6)]
-    outs = [[o.outputs[0].token_ids for o in LLM(model=dst, quantization=q, warmup=False, **engine_kwargs)
+    outs = [[o.outputs[0].token_ids for o in LLM(model=dst, quantization=q, **engine_kwargs)
              .generate(prompts, sp, use_tqdm=False)] for q in ("int8", None)]
     assert outs[0] == outs[1]
 
@@ -175,7 +175,7 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     path = make_tiny_model(str(tmp_path / "m"), "llama", tie=True, num_layers=3, seed=2)
     # XLA's products (the reference path; on one CPU the int8 matrices are otherwise packed for the
     # quantized kernel, tests/test_quant_int4.py)
-    llm = LLM(model=path, quantization=quantization, warmup=False, matmul_backend="xla", **engine_kwargs)
+    llm = LLM(model=path, quantization=quantization, matmul_backend="xla", **engine_kwargs)
     r = llm.engine.runner
     cfg = r.model_cfg
     # a bucket T unlike the matrices' sizes: the prompt-logprobs logits f32[T, V] must not pass for the head

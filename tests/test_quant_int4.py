@@ -3,6 +3,8 @@
 packed form's round trip and products, weight get / update, and the errors that name bad groups and
 scales; int4's per-group minimum (the default: Q4_1 values come back exactly). One int4 engine (group 32
 with a minimum, float32 activations, tied embeddings: the embedding packed as the head)."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -121,6 +123,49 @@ def test_packed_round_trip_and_product(fmt, group, symmetric):
         ref = xq @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("fmt,group,symmetric", [("int8", 32, True), ("int4", 32, False), ("int4", 64, True),
+                                                 ("int8", 0, True)])
+def test_grouped_scales_are_float16_values(fmt, group, symmetric):
+    """Grouped quantization picks float16 values as scales and minima and rounds the codes with them: each
+    value within half its scale, codes in range, packed in two bytes a scale and exactly the QArray's. Per
+    column (group 0: the scale's bytes are negligible) keeps float32 max|w| / 127. Weights float16 cannot
+    scale to its precision (huge, or all tiny) keep float32 scales, and pack in four bytes, exactly too."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(0, 0.02, (2, 100, 48)).astype(np.float32)
+    for factor, half in ((1.0, bool(group)), (1e9, False), (1e-7, False)):
+        qa = quantize(w * np.float32(factor), fmt, -2, "float32", group, symmetric=symmetric)
+        assert cpu_quant.half_exact(qa.scale, qa.m) == half, factor
+        step = np.take(qa.scale, np.arange(100) // (group or 100), axis=1)
+        assert np.all(np.abs(dequantize(qa) - w * np.float32(factor)) <= step / 2 * (1 + 1e-5)), factor
+        assert np.abs(qa.q).max() <= (127 if fmt == "int8" else 15)
+        if KERNEL:
+            qp = qpacked.pack(jax.tree.map(jnp.asarray, qa))
+            assert qp.scale_bytes == (2 if half else 4)
+            for x, y in ((qp.unpack().scale, qa.scale), (qp.unpack().m, qa.m)):
+                assert (x is None) == (y is None) and (x is None or np.array_equal(np.asarray(x), y))
+    if not group:
+        np.testing.assert_array_equal(qa.scale, np.abs(w * np.float32(1e-7)).max(1, keepdims=True) / 127)
+
+
+@pytest.mark.skipif(not KERNEL, reason="the quantized CPU kernel cannot be built here")
+def test_scale_bytes_kept_or_refused():
+    """`pack` refuses float16 storage for scales that are not float16 values (naming the layout's field);
+    `pack_quantized(like=)` keeps the layout of the parameters replaced, so a weight update keeps the
+    step's shapes."""
+    rng = np.random.default_rng(4)
+    qa = jax.tree.map(jnp.asarray, quantize(rng.normal(0, 0.02, (64, 32)).astype(np.float32), "int4", -2,
+                                            group=32, symmetric=False))
+    odd = dataclasses.replace(qa, scale=qa.scale * np.float32(1 + 2 ** -15))
+    with pytest.raises(ValueError, match="scale_bytes=2"):
+        qpacked.pack(odd, scale_bytes=2)
+    assert qpacked.pack(odd).scale_bytes == 4 and qpacked.pack(qa).scale_bytes == 2
+    params = {"embed": np.zeros((4, 4), np.float32), "layers": {"w_up": qa}}
+    before = qpacked.pack_quantized({**params, "layers": {"w_up": odd}})
+    again = qpacked.pack_quantized(params, like=before)
+    assert before["layers"]["w_up"].scale_bytes == again["layers"]["w_up"].scale_bytes == 4
+    assert np.array_equal(np.asarray(again["layers"]["w_up"].unpack().scale), np.asarray(qa.scale))
 
 
 def test_grouped_products_and_experts_match_dequantized():

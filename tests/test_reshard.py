@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+from jaxpaged.testing.xla_env import subprocess_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_fsdp_weights_resharded_to_tp4_dp2_on_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = subprocess_env(8, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "reshard_checks.py"), str(tmp_path)],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

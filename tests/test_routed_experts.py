@@ -111,7 +111,7 @@ def test_routes_replaced_after_pause_keep_and_update(moe_models, engine_kwargs, 
 
 
 def test_dense_model_refuses_by_name(tiny_models, engine_kwargs):
-    llm = LLM(model=tiny_models["llama"], **engine_kwargs, warmup=False)
+    llm = LLM(model=tiny_models["llama"], **engine_kwargs)
     with pytest.raises(ValueError, match="return_routed_experts"):
         llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(return_routed_experts=True), use_tqdm=False)
     with pytest.raises(ValueError, match="return_routed_experts"):

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from jaxpaged.testing.tiny_models import make_tiny_model
+from jaxpaged.testing.xla_env import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 API_KEY = "test-key"
@@ -53,7 +54,8 @@ def free_port() -> int:
 class Server:
     """`run_server` in a subprocess (so SIGTERM and exit codes are real); logs go to a file."""
 
-    def __init__(self, model_dir, cache_dir, log_path, *, grace=30.0, extra=(), prelude="", max_body=MAX_BODY):
+    def __init__(self, model_dir, cache_dir, log_path, *, grace=30.0, extra=(), prelude="", max_body=MAX_BODY,
+                 fast_compile=True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         code = ("import argparse, sys, jax; jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)\n"
@@ -68,7 +70,7 @@ class Server:
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-c", code, *argv], cwd=ROOT, stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, env=subprocess_env(fast_compile=fast_compile))
         deadline = time.monotonic() + 300
         while True:
             if self.proc.poll() is not None:

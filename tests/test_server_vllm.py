@@ -87,6 +87,25 @@ def test_no_partial_tool_calls_on_length(server, tool_choice):
     assert chunks and all('"tool_calls":[' not in c for c in chunks)
 
 
+def test_auto_tool_call_streams_as_deltas(server):
+    """tool_choice auto (the server's default parser, hermes) over an answer forced by a regex to some text then
+    a call: streamed, the text comes before the end as content and the call as one delta entry; put together,
+    the deltas equal the non-streamed message (content, call, finish_reason tool_calls)."""
+    answer = 'Hi. <tool_call>{"name": "f", "arguments": {"city": "Paris"}}</tool_call>'
+    body = dict(messages=USER, tools=[TOOL], tool_choice="auto", max_tokens=120, temperature=0,
+                structured_outputs={"regex": answer.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")})
+    whole = post(server, "/v1/chat/completions", **body)["choices"][0]
+    call = whole["message"]["tool_calls"][0]["function"]
+    assert (whole["finish_reason"], whole["message"]["content"], call) == (
+        "tool_calls", "Hi.", {"name": "f", "arguments": '{"city": "Paris"}'}), whole
+    deltas = [c["choices"][0] for c in stream(server, "/v1/chat/completions", **body) if c["choices"]]
+    content = "".join(d["delta"].get("content") or "" for d in deltas)
+    calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+    assert content == "Hi." and [(t["index"], t["type"], t["function"]) for t in calls] == [(0, "function", call)]
+    assert calls[0]["id"] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert not deltas[-1]["delta"].get("content")  # the text before the call went out before the end
+
+
 def test_every_invalid_logit_bias_key_named(server):
     r = httpx.post(server.url + "/v1/completions", timeout=60, json={
         "model": "tiny", "prompt": "ab", "max_tokens": 1, "logit_bias": {"5": 1, "400": 1, "999": -1}})
@@ -257,8 +276,8 @@ def test_tokenize_detokenize_version(server, flagged):
 
 
 def test_vllm_tool_flags(capsys):
-    """vLLM's tool flags: --tool-call-parser hermes (the syntax read here) and --enable-auto-tool-choice are
-    accepted, another parser is refused with the choices."""
+    """vLLM's tool flags: --tool-call-parser hermes (the default syntax) and --enable-auto-tool-choice are
+    accepted, a parser not served here is refused with the choices."""
     import argparse
 
     from serve.app import add_serve_args
@@ -267,7 +286,7 @@ def test_vllm_tool_flags(capsys):
     assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
     assert parse([]).tool_call_parser is None
     with pytest.raises(SystemExit) as e:
-        parse(["--tool-call-parser", "mistral"])
+        parse(["--tool-call-parser", "granite"])
     assert e.value.code == 2 and "hermes" in capsys.readouterr().err
 
 

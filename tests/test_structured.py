@@ -57,7 +57,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server(compile_cache, tmp_path_factory):
     srv = Server(default_model_dir(), compile_cache, str(tmp_path_factory.mktemp("logs") / "structured.log"),
-                 extra=("--max-model-len", "512"))
+                 extra=("--max-model-len", "512"), fast_compile=False)  # the default model, many tokens
     yield srv
     srv.stop()
 

@@ -19,13 +19,14 @@ from jaxpaged.step.mesh import (
     replicate_kv_heads,
     sharded_model_config,
 )
+from jaxpaged.testing.xla_env import subprocess_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPS = (1, 2, 4)
 
 
 def _checks(workdir, *only) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    env = {**subprocess_env(8), "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "tensor_parallel_checks.py"),
                            str(workdir), *only], env=env, capture_output=True, text=True, timeout=900)

@@ -25,7 +25,9 @@ codes of one block become consecutive k of one column n. Per type (ggml's block 
 (In the nibble runs of the 32-blocks, the low nibbles are values 0..15 and the high nibbles 16..31.)
 `d * sc` is exact in float32 (an 11-bit significand times an integer of at most 8 bits), and so is
 `dmin * mn`; the per-value arithmetic is then the same as gguf.quants.dequantize's, so
-s * (u - z) + m equals its float32 output bit for bit (tests/test_gguf_quant.py).
+s * (u - z) + m equals its float32 output bit for bit (tests/test_gguf_quant.py). The legacy types' s and m
+are float16 values, so the quantized CPU kernel's packed layout keeps them in two bytes each; the K-quants'
+`d * sc` generally is not one (17 significant bits), and they keep four (jaxpaged/models/qpacked.py).
 """
 from __future__ import annotations
 

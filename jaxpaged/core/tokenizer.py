@@ -6,6 +6,7 @@ import json
 import os
 
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+TEMPLATE_OWN = ("messages", "tools", "add_generation_prompt")  # the template variables a render call sets itself
 
 
 class Tokenizer:
@@ -104,16 +105,22 @@ class Tokenizer:
         return self.encode(self.render_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def render_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                             tools: list[dict] | None = None, continue_final_message: bool = False) -> str:
+                             tools: list[dict] | None = None, continue_final_message: bool = False,
+                             template_kwargs: dict | None = None) -> str:
         """The conversation rendered with the chat template, as text (not tokenized). `continue_final_message`:
         the text ends with the last message's content (stripped), what the template puts after it cut off, so
-        the model continues that message (as transformers' apply_chat_template)."""
+        the model continues that message (as transformers' apply_chat_template). `template_kwargs`: further
+        template variables (e.g. Qwen3's `enable_thinking`), over the special tokens' but never one of
+        TEMPLATE_OWN (ValueError naming it)."""
+        own = sorted(set(template_kwargs or ()) & set(TEMPLATE_OWN))
+        if own:
+            raise ValueError(f"template variables {', '.join(own)} are set by the call itself, not template_kwargs")
         if not self.chat_template:
             raise ValueError(f"{self.source}: the tokenizer has no chat template")
         if self._template is None:
             self._template = _compile_template(self.chat_template)
         text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
-                                     **self.special)
+                                     **{**self.special, **(template_kwargs or {})})
         if continue_final_message:
             final = str(messages[-1].get("content") or "").strip() if messages else ""
             at = text.rfind(final)

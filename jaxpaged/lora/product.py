@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxpaged.models.quant import dot
+from jaxpaged.models.quant import dot, dots
 
 
 def slot_mask(idx, num_slots: int, rank: int, dtype):
@@ -40,13 +40,20 @@ def lora_linear(mask, row_tile: int = 0, kernel: bool = False):
     """The decoder's projection: `linear(x, p, name, dtype=None)` = x @ p[name] (`quant.dot`, over row
     tiles of `row_tile` rows for batch invariance), plus the LoRA delta of each token's slot when the
     layer's `p["lora"]` has the target (mask: `slot_mask`, or None when LoRA is off; the engine refuses
-    LoRA with batch invariance, whose delta is not row-tiled); `kernel`: the CPU matmul kernel (`quant.dot`)."""
-    def linear(x, p, name, dtype=None):
-        y = dot(x, p[name], dtype, row_tile=row_tile, kernel=kernel)
+    LoRA with batch invariance, whose delta is not row-tiled); `kernel`: the CPU matmul kernel (`quant.dot`).
+    A tuple of names (a layer's q, k and v) gives the tuple of their projections of x, the products
+    together where the kernel can (`quant.dots`), each with its own LoRA delta."""
+    def one(x, p, name, y):
         if mask is None or name not in p.get("lora", {}).get("a", {}):
             return y
         delta = onehot_delta(x, p["lora"]["a"][name], p["lora"]["b"][name], mask)
         return (y.astype(jnp.float32) + delta).astype(y.dtype)
+
+    def linear(x, p, name, dtype=None):
+        if isinstance(name, tuple):
+            ys = dots(x, [p[n] for n in name], dtype, row_tile=row_tile, kernel=kernel)
+            return tuple(one(x, p, n, y) for n, y in zip(name, ys))
+        return one(x, p, name, dot(x, p[name], dtype, row_tile=row_tile, kernel=kernel))
     return linear
 
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.quant import dot
+from jaxpaged.models.quant import dot, dots
 
 
 def rms_norm(x, w, eps, plus_one: bool = False):
@@ -74,9 +74,11 @@ def glu(act, gate, up, dtype):
 
 def gated_mlp(h, p, act, linear=None):
     """h [T, D]; p: w_gate, w_up [D, F], w_down [F, D] -> [T, D]. `linear(x, p, name, dtype)`: the
-    projection (default `quant.dot` of p[name]; the decoder's adds LoRA, jaxpaged/lora/product.py)."""
-    linear = linear or (lambda x, p, name, dtype=None: dot(x, p[name], dtype))
-    gate, up = linear(h, p, "w_gate", jnp.float32), linear(h, p, "w_up", jnp.float32)  # [T, F]
+    projection, a tuple of them for a tuple of names (default `quant.dot` / `quant.dots` of p[name]; the
+    decoder's adds LoRA, jaxpaged/lora/product.py)."""
+    linear = linear or (lambda x, p, name, dtype=None: dots(x, [p[n] for n in name], dtype)
+                        if isinstance(name, tuple) else dot(x, p[name], dtype))
+    gate, up = linear(h, p, ("w_gate", "w_up"), jnp.float32)  # [T, F] each: one kernel call where it can
     return linear(glu(act, gate, up, h.dtype), p, "w_down")
 
 

@@ -122,7 +122,7 @@ def decoder(params, cfg: ModelConfig, k_pool, v_pool, batch, attn_fn: AttnFn, *,
     def layer(x, k_pool, v_pool, p, l, kind):
         """One decoder layer; l is the (traced) layer index, kind its static layer type."""
         h = norm(x, p["attn_norm"])
-        q, k, v = linear(h, p, "wq"), linear(h, p, "wk"), linear(h, p, "wv")
+        q, k, v = linear(h, p, ("wq", "wk", "wv"))  # one kernel call where it can (quant.dots)
         if cfg.attention_bias:
             q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
         if cfg.qk_norm == "flat":

@@ -15,7 +15,9 @@ The CPU kernel's format (pallas_kernels/matmul/cpu_quant.py) is W = s * (u - z) 
 so a QArray of integer codes maps onto it exactly (u = q + zero): `jaxpaged/models/qpacked.py` packs it.
 `quantize` makes int8 / int4 symmetric (zero 128 / 8, no m) or int4 with a per-group minimum (codes 0..15,
 zero 0, m: llama.cpp's Q4_1 form); int8 codes are signed bytes, so int8 has no minimum form of its own
-(GGUF's Q5_1 / Q5_K, 5-bit codes with a minimum, fit as 8-bit codes: `from_codes`).
+(GGUF's Q5_1 / Q5_K, 5-bit codes with a minimum, fit as 8-bit codes: `from_codes`). Grouped, it picks
+scales and minima that are float16 values (`half_scales`) and rounds the codes with them, so the kernel's
+layout stores them in two bytes each, exactly.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ GROUPS = (16, 32, 64, 128)  # group sizes; 0 (or -1): one group over the whole r
 DEFAULT_GROUP = {"int8": 0, "int4": 32, "fp8": 0}
 # int4: a per-group minimum by default (llama.cpp's Q4_1 / Q4_K form; docs/benchmarks.md has the measurement)
 DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "fp8": True}
+HALF_MIN_NORMAL, HALF_MAX = 2.0 ** -14, 65504.0  # float16's smallest normal and largest finite value
 
 
 @jax.tree_util.register_dataclass
@@ -189,6 +192,8 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
     code 128 / 8. Not symmetric (int4 only: `check_symmetric`): codes u = round((a - m) / s) in [0, 15] with
     the group's minimum m and s = (max - min) / 15, zero code 0 (llama.cpp's Q4_1 form: a matrix of Q4_1
     values in groups aligned with its blocks comes back exactly, up to float32 rounding).
+    Grouped int8 / int4 (group > 0) take float16 values as scales and minima (`half_scales`), the codes
+    rounded with them; a tensor whose scales float16 cannot hold to its relative precision keeps float32 ones.
     A NaN or inf in `a` is refused by `name`."""
     check_quantization(fmt)
     check_group(group, "group")
@@ -210,15 +215,54 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
     if not symmetric:
         lo, hi = np.min(grouped, axis=red), np.max(grouped, axis=red)
         levels = 2 ** bits - 1
-        step = ((hi - lo) / np.float32(levels)).astype(np.float32)
-        scale = np.where(step > 0, step, np.float32(1.0))  # one value (or a denormal range): codes 0
+        scale, lo = _asymmetric_scales(lo, hi, levels, half=bool(group))
         u = np.clip(np.rint((a - _expand(lo, group, n, axis)) / _expand(scale, group, n, axis)), 0, levels)
         return QArray(u.astype(store), scale, dtype, lo.astype(np.float32), group, bits, 0)
     amax = np.max(np.abs(grouped), axis=red)
     scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
+    if group and fmt != "fp8":
+        scale = half_scales(scale)
     x = a / _expand(scale, group, n, axis)
     q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)
     return QArray(q, scale, dtype, None, group, bits, 0 if fmt == "fp8" else 2 ** (bits - 1))
+
+
+def half_scales(scale: np.ndarray) -> np.ndarray:
+    """Float32 scales -> each the nearest float16 value (relative change <= 2^-11: codes rounded with it
+    stay in range, a value's error stays <= half its scale), so the kernel's layout stores them in two bytes;
+    unchanged (the tensor keeps float32 scales) when some scale is not a normal float16 (below 2^-14 or
+    above 65504: float16 would change it by more)."""
+    s16 = _half(scale)
+    return s16 if _normal_half(s16) else scale
+
+
+def _half(a: np.ndarray, down: bool = False) -> np.ndarray:
+    """float32 -> the nearest float16 value (down: the largest one not above), as float32 (inf past 65504)."""
+    with np.errstate(over="ignore"):  # past float16's range: inf, refused by the callers
+        h = a.astype(np.float16)
+    if down:
+        h = np.where(h.astype(np.float32) > a, np.nextafter(h, np.float16(-np.inf)), h)
+    return h.astype(np.float32)
+
+
+def _normal_half(s: np.ndarray) -> bool:
+    return bool(np.all((s >= HALF_MIN_NORMAL) & (s <= HALF_MAX)))
+
+
+def _asymmetric_scales(lo: np.ndarray, hi: np.ndarray, levels: int, half: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, minimum) per group of values in [lo, hi] coded 0..levels. With `half` both float16 values:
+    the minimum rounded down (every value stays at or above it), then the scale spanning [minimum, hi]
+    rounded to the nearest (`half_scales`); float32 ones when float16 cannot hold them so."""
+    def steps(lo):
+        step = ((hi - lo) / np.float32(levels)).astype(np.float32)
+        return np.where(step > 0, step, np.float32(1.0))  # one value (or a denormal range): codes 0
+    lo = lo.astype(np.float32)
+    if half:
+        m16 = _half(lo, down=True)
+        s16 = _half(steps(m16))
+        if _normal_half(s16) and np.all(np.isfinite(m16)):
+            return s16, m16
+    return steps(lo), lo
 
 
 def dequantize(w) -> jax.Array | np.ndarray:

@@ -5,7 +5,10 @@ On one CPU device the runner packs its integer matrices (int8 / int4, any group,
 codes then their scales (and minima), so a product reads the packed bytes once, in order, and multiplies
 them with int8-quantized activations (`quant.dot`). A stack [L, K, N] is packed whole and the kernel reads
 layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from), which
-`get_weights`, weight updates and the XLA reference use.
+`get_weights`, weight updates and the XLA reference use. A matrix whose scales and minima are all float16
+values (grouped int8 / int4 quantization makes them so, GGUF's legacy types store them so) keeps them in
+two bytes each (`scale_bytes` 2), any other in four (GGUF's K-quants: d * a 6-bit scale is generally not
+a float16): the choice is made from the values, so the packed matrix is always the QArray's exactly.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from pallas_kernels.matmul import cpu_quant
 @dataclasses.dataclass(frozen=True)
 class QPacked:
     """blob uint8 [..., T, ng, group_bytes]: the packed matrix [..., K, N] of `cpu_quant.Layout` (K, N,
-    group or K, bits, zero, has_min); `dtype` (static) is the engine dtype it stands for, `group` the
+    group or K, bits, zero, has_min, scale_bytes); `dtype` (static) is the engine dtype it stands for, `group` the
     QArray's (0: one group over K). `transposed`: a tied embedding [V = N, D = K] packed as the lm_head it
     also is (its rows, the vocabulary, are the kernel's columns; `take_rows` reads the lookup from it)."""
     blob: jax.Array
@@ -37,10 +40,12 @@ class QPacked:
     has_min: bool = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a tied embedding [N, K]
+    scale_bytes: int = dataclasses.field(default=4, metadata=dict(static=True))  # 2: float16 scales and minima
 
     @property
     def layout(self) -> cpu_quant.Layout:
-        return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, self.zero, self.has_min)
+        return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, self.zero, self.has_min,
+                                self.scale_bytes)
 
     @property
     def shape(self) -> tuple:
@@ -84,13 +89,20 @@ def _codes(a: QArray):
     return (a.q.astype(jnp.int16) + a.zero).astype(jnp.uint8)
 
 
-def pack(a: QArray, donate: bool = False, transposed: bool = False) -> QPacked:
+def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes: int | None = None) -> QPacked:
     """An integer QArray (`packable`; with `transposed` an embedding [V, D] with row scales, packed as the
-    head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed."""
+    head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed. scale_bytes: 2 (float16)
+    or 4; None: 2 exactly when every scale and minimum is a float16 value (`cpu_quant.half_exact`); 2 for
+    other values is refused (ValueError)."""
     if transposed:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
-    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    exact = cpu_quant.half_exact(a.scale, a.m)
+    if scale_bytes == 2 and not exact:
+        raise ValueError(f"a quantized matrix [{K}, {N}] has scales or minima that are not float16 values: its "
+                         f"packed layout must keep them in 4 bytes (scale_bytes=2 asked)")
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
+                   scale_bytes or (2 if exact else 4))
     blob = _pack(a, spec.layout)
     if donate:  # freed once packed (not donated to the jit: no output has the codes' shape to reuse them)
         for x in (a.q, a.scale, a.m):
@@ -112,9 +124,11 @@ def _unpack(blob, layout, group: int, dtype: str) -> QArray:
 
 
 def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
-    """Shapes only (an abstract runner's leaves): the QPacked that `pack` would make, its sharding kept."""
+    """Shapes only (an abstract runner's leaves): the QPacked that `pack` would make of the quantization at
+    load (float16 scales when grouped: `qarray.quantize`), its sharding kept."""
     K, N = a.q.shape[-2:][::-1] if transposed else a.q.shape[-2:]
-    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
+                   2 if a.group else 4)
     shape = (*a.q.shape[:-2], *spec.layout.blob_shape)
     return dataclasses.replace(spec, blob=jax.ShapeDtypeStruct(shape, jnp.uint8,
                                                                 sharding=getattr(a.q, "sharding", None)))
@@ -130,23 +144,31 @@ def matmul(x, w: QPacked, layer=None):
     return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer, rows=rows)
 
 
-def pack_quantized(params: dict, owned: bool = False) -> dict:
+def pack_quantized(params: dict, owned: bool = False, like: dict | None = None) -> dict:
     """The parameters with their integer layer matrices and lm_head `QPacked` (a tied embedding packed as
     the head: `transposed`; shapes only for abstract leaves). owned: the QArrays are the caller's alone
-    and are freed as they are packed."""
-    def one(a, transposed=False):
+    and are freed as they are packed. like: parameters packed before (a runner's, replaced by these):
+    each matrix keeps the `scale_bytes` of its packed counterpart there, so the step's shapes stay."""
+    def one(a, before, transposed=False):
         fits = (isinstance(a, QArray) and a.format in ("int8", "int4") and a.axis == -1 and a.q.ndim == 2
                 if transposed else packable(a))
         if not fits:
             return a
         if isinstance(a.q, jax.ShapeDtypeStruct):
             return pack_abstract(a, transposed)
-        return pack(a, donate=owned, transposed=transposed)
-    out = {**params, "layers": {k: one(a) for k, a in params["layers"].items()}}
+        sb = before.scale_bytes if isinstance(before, QPacked) else None
+        return pack(a, donate=owned, transposed=transposed, scale_bytes=sb)
+
+    def prior(*path):
+        tree = like or {}
+        for k in path:
+            tree = tree.get(k, {}) if isinstance(tree, dict) else {}
+        return tree
+    out = {**params, "layers": {k: one(a, prior("layers", k)) for k, a in params["layers"].items()}}
     if "lm_head" in params:
-        out["lm_head"] = one(params["lm_head"])
+        out["lm_head"] = one(params["lm_head"], prior("lm_head"))
     else:  # tied: the embedding is the head too
-        out["embed"] = one(params["embed"], transposed=True)
+        out["embed"] = one(params["embed"], prior("embed"), transposed=True)
     return out
 
 

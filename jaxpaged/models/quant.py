@@ -189,6 +189,19 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
     return jax.lax.fori_loop(0, n // COLUMN_CHUNK, chunk, jnp.zeros(x.shape[:-1] + (n,), out_dtype))
 
 
+def dots(x, ws, preferred_element_type=None, *, row_tile: int = 0, kernel: bool = False) -> tuple:
+    """(dot(x, w) for w in ws), each as `dot` gives it. Where the CPU matmul kernel reads every w packed in
+    place under one layer index (a layer's q, k and v; gate and up), one kernel call runs them all
+    (pallas_kernels/matmul/cpu.py `cpu_matmuls`: one fan-out a layer's attention inputs, not three)."""
+    ws = tuple(ws)
+    one_call = (kernel and not row_tile and len(ws) > 1 and x.dtype == jnp.bfloat16 and all(
+        isinstance(w, LayerOf) and isinstance(w.stack, Packed) and w.index is ws[0].index for w in ws))
+    if not one_call:
+        return tuple(dot(x, w, preferred_element_type, row_tile=row_tile, kernel=kernel) for w in ws)
+    ys = cpu_matmul.cpu_matmuls(x, [w.stack.tiles for w in ws], layer=ws[0].index, packed=True, rows=_live(x))
+    return tuple(y.astype(preferred_element_type or x.dtype) for y in ys)
+
+
 def _accumulator(x, out_dtype):
     """The result type a plain product asks for. On XLA CPU a bfloat16 / float16 product asked for in its
     own type is widened to float32 whole (both matrices converted, then a float32 product); asked for a

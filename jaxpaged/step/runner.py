@@ -405,14 +405,15 @@ class ModelRunner:
     def replace_params(self, params) -> None:
         """Swap in a parameter pytree of the same structure, shapes and shardings (no recompilation); plain
         layer matrices are packed as the runner keeps them (`_packed`) when its products need it."""
-        self.params = self._packed(params)
+        self.params = self._packed(params, like=self.params)
 
-    def _packed(self, params, owned: bool = False):
+    def _packed(self, params, owned: bool = False, like=None):
         """The layer matrices as the step's kernels read them, packed once: bfloat16 ones in the AMX kernel's
-        tile order (quant.Packed), int8 / int4 ones in the quantized kernel's (qpacked.QPacked)."""
+        tile order (quant.Packed), int8 / int4 ones in the quantized kernel's (qpacked.QPacked; like: the
+        parameters they replace, whose packed layouts they keep)."""
         if self.step_cfg.cpu_matmul:
             params = pack_layers(params, owned=owned)
-        return pack_quantized(params, owned=owned) if self.quant_matmul else params
+        return pack_quantized(params, owned=owned, like=like) if self.quant_matmul else params
 
     def device_arrays(self) -> list:
         """The device arrays the runner holds: parameters and KV pools (abstract leaves left out)."""

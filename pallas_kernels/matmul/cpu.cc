@@ -14,7 +14,9 @@
 //   0 scalar loops (any shape).
 // The vector paths need K % 32 == 0 and N % 16 == 0 (what matmul/cpu.py `supported` admits); other shapes
 // run the scalar loops. Units (column panels, or row blocks of w when transposed) are shared by the XLA
-// FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too.
+// FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too. One call may
+// take several matrices of one x (a layer's q, k and v; gate and up), each with its own out: their units
+// are one list, so a layer's products are fewer fan-outs with more units each to share.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -113,60 +115,103 @@ ffi::Error check(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w, const ffi::An
   return ffi::Error::Success();
 }
 
+// Unit u of the products `units` counts (each product's units in turn) -> (the product, its own unit).
+struct Units {
+  std::vector<int64_t> first;  // first[i]: the first unit of product i; first.back(): every unit
+  std::pair<size_t, int64_t> at(int64_t u) const {
+    size_t i = 0;
+    while (u >= first[i + 1]) ++i;
+    return {i, u - first[i]};
+  }
+};
+
+// The units of one product: row pairs of 32 w rows (transposed), else column panels.
+int64_t units_of(const Problem& P) { return P.transpose ? (P.N + 31) / 32 : (P.N + jp_mm::PANEL - 1) / jp_mm::PANEL; }
+
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer, ffi::AnyBuffer rows,
-                ffi::Result<ffi::AnyBuffer> out, int64_t transpose, int64_t packed, int64_t isa) {
-  Problem P{};
-  if (ffi::Error e = check(x, w, layer, *out, transpose != 0, packed != 0, P); e.failure()) return e;
+                ffi::RemainingArgs more_w, ffi::Result<ffi::AnyBuffer> out, ffi::RemainingRets more_out,
+                int64_t transpose, int64_t packed, int64_t isa) {
+  // Several matrices of one x (q, k, v; gate, up) are one call: one fan-out over all their units.
+  if (more_w.size() != more_out.size())
+    return ffi::Error::InvalidArgument("cpu_matmul: one out per w, got " + std::to_string(more_w.size() + 1) +
+                                       " w and " + std::to_string(more_out.size() + 1) + " out");
+  std::vector<Problem> Ps(1 + more_w.size());
+  if (ffi::Error e = check(x, w, layer, *out, transpose != 0, packed != 0, Ps[0]); e.failure()) return e;
+  Ps[0].out = out->typed_data<float>();
+  for (size_t i = 0; i < more_w.size(); ++i) {
+    auto wi = more_w.get<ffi::AnyBuffer>(i);
+    auto oi = more_out.get<ffi::AnyBuffer>(i);
+    if (!wi.has_value() || !oi.has_value())
+      return ffi::Error::InvalidArgument("cpu_matmul: w and out " + std::to_string(i + 1) + " must be arrays");
+    if (ffi::Error e = check(x, *wi, layer, **oi, transpose != 0, packed != 0, Ps[i + 1]); e.failure()) return e;
+    Ps[i + 1].out = (*oi)->typed_data<float>();
+  }
   if (rows.element_type() != ffi::DataType::S32 || rows.element_count() != 1 ||
-      rows.typed_data<int32_t>()[0] < 0 || rows.typed_data<int32_t>()[0] > P.M)
-    return jp::bad_operand("cpu_matmul", "rows", "one int32 in [0, M = " + std::to_string(P.M) + "]", rows);
-  P.out = out->typed_data<float>();
-  // Rows past `rows` pad the step's token bucket: zeros, nothing of them read or computed.
-  std::fill(P.out + rows.typed_data<int32_t>()[0] * P.N, P.out + P.M * P.N, 0.0f);
-  P.M = rows.typed_data<int32_t>()[0];
-  if (P.M == 0 || P.N == 0) return ffi::Error::Success();
-  [[maybe_unused]] const int path = path_for(isa, P.K, P.N);
-  [[maybe_unused]] const int64_t units = P.transpose ? (P.N + 31) / 32 : (P.N + PANEL - 1) / PANEL;  // row pairs or panels
+      rows.typed_data<int32_t>()[0] < 0 || rows.typed_data<int32_t>()[0] > Ps[0].M)
+    return jp::bad_operand("cpu_matmul", "rows", "one int32 in [0, M = " + std::to_string(Ps[0].M) + "]", rows);
+  const int64_t live = rows.typed_data<int32_t>()[0];
+  Units U{{0}};
+  for (Problem& P : Ps) {
+    // Rows past `rows` pad the step's token bucket: zeros, nothing of them read or computed.
+    std::fill(P.out + live * P.N, P.out + P.M * P.N, 0.0f);
+    P.M = live;
+    U.first.push_back(U.first.back() + (P.M == 0 ? 0 : units_of(P)));
+  }
+  const int64_t units = U.first.back();
+  if (units == 0) return ffi::Error::Success();
+  const Problem& P = Ps[0];  // x, K and M are every product's; N each one's own
+  // the path of the narrowest product (a shape the tiles do not fit takes the scalar loops for all)
+  int path = ISA_AMX;
+  for (const Problem& Q : Ps) path = std::min(path, path_for(isa, Q.K, Q.N));
 #if JP_AMX
   if (path == ISA_AMX) {
-    jp_amx::Tiled t{P, (P.M + 15) / 16, nullptr};
-    const int64_t KB = P.K / 32;
+    const int64_t m_tiles = (P.M + 15) / 16, KB = P.K / 32;
     std::vector<uint16_t> xpad;  // x zero-padded [m_tiles * 16, K] (transpose 0, when M % 16)
     std::vector<uint16_t> xt;    // x^T packed: m_tiles x KB tiles (transpose 1)
+    const uint16_t* xa = P.x;
     if (!P.transpose && P.M % 16) {
-      xpad.assign(t.m_tiles * 16 * P.K, 0);
+      xpad.assign(m_tiles * 16 * P.K, 0);
       std::memcpy(xpad.data(), P.x, sizeof(uint16_t) * P.M * P.K);
-      t.P.x = xpad.data();
+      xa = xpad.data();
     }
     if (P.transpose) {  // x^T in VNNI tiles: tile (mt, kb) row r = the pairs k = kb*32 + 2r, +1 of rows mt*16 ..
-      xt.assign((t.m_tiles + 1) * KB * 512, 0);
+      xt.assign((m_tiles + 1) * KB * 512, 0);
       for (int64_t m = 0; m < P.M; ++m)
         for (int64_t k = 0; k < P.K; ++k)
           xt[((m / 16) * KB + k / 32) * 512 + ((k % 32) / 2) * 32 + (m % 16) * 2 + (k % 2)] = P.x[m * P.K + k];
-      t.xt = xt.data();
     }
-    jp::parallel_for(pool, units, units, [t](int64_t u) { t.unit(u); }, [] { jp_amx::configure(); },
-                     [] { _tile_release(); });
+    std::vector<jp_amx::Tiled> ts;
+    for (Problem Q : Ps) {
+      Q.x = xa;
+      ts.push_back(jp_amx::Tiled{Q, m_tiles, xt.data()});
+    }
+    const auto* tp = &ts;
+    jp::parallel_for(pool, units, units, [tp, U](int64_t u) { auto [i, v] = U.at(u); (*tp)[i].unit(v); },
+                     [] { jp_amx::configure(); }, [] { _tile_release(); });
     return ffi::Error::Success();
   }
 #endif
 #if JP_BF16
   if (path == ISA_BF16) {
-    jp::parallel_for(pool, units, units, [P](int64_t u) { jp_vec::unit<true>(P, nullptr, u); });
+    jp::parallel_for(pool, units, units, [&Ps, U](int64_t u) { auto [i, v] = U.at(u); jp_vec::unit<true>(Ps[i], nullptr, v); });
     return ffi::Error::Success();
   }
 #endif
 #if JP_AVX2
   if (path == ISA_AVX2) {
-    std::vector<float> xf(P.M * P.K);  // x widened [M, K] (jp_vec::xf_index order)
+    std::vector<float> xf(P.M * P.K);  // x widened [M, K] (jp_vec::xf_index order), every product's
     jp_vec::widen_x(P, xf.data());
     const float* xp = xf.data();
-    jp::parallel_for(pool, units, units, [P, xp](int64_t u) { jp_vec::unit<false>(P, xp, u); });
+    jp::parallel_for(pool, units, units, [&Ps, U, xp](int64_t u) { auto [i, v] = U.at(u); jp_vec::unit<false>(Ps[i], xp, v); });
     return ffi::Error::Success();
   }
 #endif
-  const int64_t panels = (P.N + PANEL - 1) / PANEL;
-  jp::parallel_for(pool, panels, panels, [P](int64_t u) { plain(P, u * PANEL, std::min(P.N, (u + 1) * PANEL)); });
+  Units S{{0}};  // the scalar loops: every product in column panels
+  for (const Problem& Q : Ps) S.first.push_back(S.first.back() + (Q.N + PANEL - 1) / PANEL);
+  jp::parallel_for(pool, S.first.back(), S.first.back(), [&Ps, S](int64_t u) {
+    auto [i, v] = S.at(u);
+    plain(Ps[i], v * PANEL, std::min(Ps[i].N, (v + 1) * PANEL));
+  });
   return ffi::Error::Success();
 }
 
@@ -179,7 +224,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuMatmul, Impl,
                                   .Arg<ffi::AnyBuffer>()  // w
                                   .Arg<ffi::AnyBuffer>()  // layer
                                   .Arg<ffi::AnyBuffer>()  // rows: x's live rows (the rest pad a token bucket)
+                                  .RemainingArgs()        // more w of the same x (and form), each its own out
                                   .Ret<ffi::AnyBuffer>()  // out
+                                  .RemainingRets()        // the out of each further w
                                   .Attr<int64_t>("transpose")
                                   .Attr<int64_t>("packed")
                                   .Attr<int64_t>("isa"));  // the most capable path to run (3: the best)

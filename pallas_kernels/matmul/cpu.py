@@ -3,9 +3,11 @@
 `cpu_matmul(x, w, transpose=False)` is `x @ w` (`x @ w.T` when `transpose`: the tied embedding [V, D] as the
 lm_head) with float32 accumulation and a float32 result, for bfloat16 x [..., K] and a bfloat16 matrix w
 [K, N] (or [N, K]), read as stored, or `pack`ed once ahead of time into the tile order the kernel reads
-(`packed=True`), then read without repacking every call. The kernel's paths (`ISAS`): AMX tiles, AVX-512
-BF16 (`vdpbf16ps`), AVX2 + FMA, scalar loops; `isa()` names the best one this build runs (compiled with
--march=native, AMX where Linux grants the process the tile state), `isa=` caps it (tests, benchmarks).
+(`packed=True`), then read without repacking every call; `cpu_matmuls(x, ws)` runs the products of one x
+with several matrices (a layer's q, k and v) as one call, one fan-out over all their columns. The kernel's
+paths (`ISAS`): AMX tiles, AVX-512 BF16 (`vdpbf16ps`), AVX2 + FMA, scalar loops; `isa()` names the best one
+this build runs (compiled with -march=native, AMX where Linux grants the process the tile state), `isa=`
+caps it (tests, benchmarks).
 `supported(x, w, transpose)` says whether the shapes fit (K % 32 == 0, N % 16 == 0, both bfloat16, w
 2-D); otherwise callers use XLA's dot. Built and loaded by pallas_kernels/ffi (the system C++ compiler, a
 cache keyed by the source, its headers, jaxlib, the compiler, the flags and the CPU).
@@ -99,19 +101,34 @@ def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, 
     not; default all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token
     bucket and give zeros, not computed. isa: the most capable path to run (one of `ISAS`; default: the
     build's best)."""
+    return cpu_matmuls(x, (w,), transpose, layer, packed, isa, rows)[0]
+
+
+def cpu_matmuls(x, ws, transpose: bool = False, layer=None, packed: bool = False, isa: str | None = None,
+                rows=None) -> tuple:
+    """(x @ w for w in ws) in one call, each as `cpu_matmul` gives it: the matrices of one x (a layer's q, k
+    and v; gate and up), every one in the same form (`transpose`, `packed`, stacked under the same `layer`),
+    their column panels shared by the threads as one product's. -> a tuple of f32[..., N_i]."""
+    ws = tuple(ws)
+    if not ws:
+        raise ValueError("cpu_matmuls needs at least one matrix in ws")
     stacked = layer is not None
-    if packed:
-        ok = (not transpose and len(w.shape) == 4 + stacked and tuple(w.shape[-2:]) == (16, 32)
-              and jnp.dtype(x.dtype) == jnp.dtype(w.dtype) == jnp.bfloat16 and x.shape[-1] == w.shape[-3] * 32)
-        n = w.shape[-4] * 16
-    else:
-        ok = supported(x, w, transpose, stacked)
-        n = w.shape[-2] if transpose else w.shape[-1]
-    if not ok:
-        form = ("packed [N / 16, K / 32, 16, 32]" if packed else "[K, N] (or [N, K] transposed)") + \
-            (", stacked [L, ..]" if stacked else "")
-        raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w {form} with K % 32 == 0 and N % 16 == 0; "
-                         f"got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+    widths = []
+    for w in ws:
+        if packed:
+            ok = (not transpose and len(w.shape) == 4 + stacked and tuple(w.shape[-2:]) == (16, 32)
+                  and jnp.dtype(x.dtype) == jnp.dtype(w.dtype) == jnp.bfloat16 and x.shape[-1] == w.shape[-3] * 32)
+            widths.append(w.shape[-4] * 16)
+        else:
+            ok = supported(x, w, transpose, stacked)
+            widths.append(w.shape[-2] if transpose else w.shape[-1])
+        if not ok:
+            form = ("packed [N / 16, K / 32, 16, 32]" if packed else "[K, N] (or [N, K] transposed)") + \
+                (", stacked [L, ..]" if stacked else "")
+            raise ValueError(f"cpu_matmul needs bfloat16 x [..., K] and w {form} with K % 32 == 0 and N % 16 == 0; "
+                             f"got x {x.dtype}{list(x.shape)}, w {w.dtype}{list(w.shape)}")
+    if stacked and len({w.shape[0] for w in ws}) != 1:
+        raise ValueError(f"cpu_matmuls: the stacks in ws must hold as many layers, got {[w.shape[0] for w in ws]}")
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
     if not available():
@@ -120,7 +137,8 @@ def cpu_matmul(x, w, transpose: bool = False, layer=None, packed: bool = False, 
     x2 = x.reshape(-1, x.shape[-1])
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     live = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32), vmap_method="sequential")
-    y = call(x2, w, index, live, transpose=np.int64(transpose), packed=np.int64(packed),
-             isa=np.int64(ISAS[isa or "amx"]))
-    return y.reshape(lead + (n,))
+    shapes = [jax.ShapeDtypeStruct((x2.shape[0], n), jnp.float32) for n in widths]
+    call = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")
+    ys = call(x2, ws[0], index, live, *ws[1:], transpose=np.int64(transpose), packed=np.int64(packed),
+              isa=np.int64(ISAS[isa or "amx"]))
+    return tuple(y.reshape(lead + (n,)) for y, n in zip(ys, widths))

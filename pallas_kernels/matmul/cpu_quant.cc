@@ -2,14 +2,16 @@
 // bfloat16, W read once per call from its packed bytes.
 //
 // The format: W[K, N] = s[k / G, n] * (u[k, n] - z) + m[k / G, n]
-//   u: unsigned codes, 8-bit (0..255) or 4-bit (0..15); s and the optional minimum m: float32 [ceil(K / G), N];
+//   u: unsigned codes, 8-bit (0..255) or 4-bit (0..15); s and the optional minimum m: [ceil(K / G), N], stored
+//   as float32 or, when they are float16 values (`scale_bytes` 2: grouped int8 / int4, GGUF's legacy types), float16;
 //   z: an integer zero code (0 when m is given); G: 16, 32, 64, 128, or K (one scale per output column).
 // int8 / int4 symmetric quantization is z = 128 / 8; GGUF Q8_0 (z = 128), Q4_0 (8), Q5_0 (16), Q6_K (G = 16,
 // z = 32), Q4_1 / Q5_1 / Q4_K / Q5_K (m = -dmin * min) are this form exactly (Q5_* and Q6_K as 8-bit codes).
 //
 // The packed layout (matmul/cpu_quant.py `pack`): K padded with zero codes to Kp (a multiple of the group Gp: G, or
 // K rounded up to 128 for one scale per column), N to tiles of 16 columns; w [T, ng, group_bytes] uint8:
-// tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16] (float32), then m[16] if any.
+// tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16], then m[16] if any (float32 or
+// float16 each: `scale_bytes`; the AVX2 path widens float16 with F16C, the AVX-512 one with vcvtph2ps).
 //   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
 //   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
 // so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
@@ -23,7 +25,7 @@
 // summation) the product of the dequantized activations with W; a block of x holding a NaN or an infinity
 // makes its row's outputs NaN. Paths, compiled where -march allows, the best one run unless `isa` caps it:
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
-//   1 AVX2 + FMA: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
+//   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
 // Activation rows, then work units (4 column tiles x all rows), are shared by the XLA FFI's intra-op thread
 // pool (ffi_common.h: jp::parallel_for); the calling thread works too.
@@ -41,7 +43,7 @@
 #else
 #define JP_VNNI 0
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define JP_AVX2 1
 #else
 #define JP_AVX2 0
@@ -59,10 +61,10 @@ constexpr int BEST_ISA = JP_VNNI ? ISA_VNNI : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 constexpr int UNIT_TILES = 4;  // column tiles a work unit
 
 struct Meta {
-  int64_t M, K, N, Kp, G, bits, has_min, zero, A;  // G: the layout's group (Gp)
+  int64_t M, K, N, Kp, G, bits, has_min, zero, A, sb;  // G: the layout's group (Gp); sb: bytes a scale
   int64_t ng() const { return Kp / G; }
   int64_t code_bytes() const { return G * 16 * bits / 8; }
-  int64_t group_bytes() const { return code_bytes() + 64 * (1 + has_min); }
+  int64_t group_bytes() const { return code_bytes() + 16 * sb * (1 + has_min); }
   int64_t tile_bytes() const { return ng() * group_bytes(); }
   int64_t tiles() const { return (N + 15) / 16; }
   int64_t F() const { return std::min(G, A); }           // k per integer accumulation
@@ -86,6 +88,29 @@ struct Call {
   Acts A;
   float* out;
 };
+
+// A float16's bits -> the float32 of the same value (subnormals included: a float16 one is a normal float32).
+inline float half_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
+  if (e == 0) return std::copysign(std::ldexp(static_cast<float>(m), -24), sign ? -1.f : 1.f);
+  const uint32_t u = sign | (e == 31 ? 0x7F800000u : (e + 112) << 23) | m << 13;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// The 16 float32 values (a group's scales or minima) stored at p as float32 (sb 4) or float16 (sb 2).
+inline void widen16(const uint8_t* p, int64_t sb, float* out) {
+  if (sb == 4) {
+    std::memcpy(out, p, 64);
+    return;
+  }
+  for (int c = 0; c < 16; ++c) {
+    uint16_t h;
+    std::memcpy(&h, p + 2 * c, 2);
+    out[c] = half_to_f32(h);
+  }
+}
 
 // Row m of x quantized (r: scratch of Ka floats).
 void quantize_row(const Call& C, int64_t m, float* r, int8_t* q, float* dx, int32_t* qsum, float* xsum) {
@@ -173,7 +198,9 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
   float y[16] = {};
   for (int64_t g = 0; g < P.ng(); ++g) {
     const uint8_t* gb = base + g * P.group_bytes();
-    const float* s = reinterpret_cast<const float*>(gb + P.code_bytes());
+    float s[16], mn[16] = {};
+    widen16(gb + P.code_bytes(), P.sb, s);
+    if (P.has_min) widen16(gb + P.code_bytes() + 16 * P.sb, P.sb, mn);
     for (int64_t f0 = 0; f0 < P.G; f0 += F) {
       int32_t acc[16] = {};
       for (int64_t kk = f0; kk < f0 + F; ++kk) {
@@ -190,12 +217,18 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
       for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
     }
     if (P.has_min)
-      for (int c = 0; c < 16; ++c) y[c] += s[16 + c] * X.xs[0][g];
+      for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g];
   }
   store16(C, m, t, y);
 }
 
 #if JP_AVX2
+// 8 float32 values stored at p as float32 (sb 4) or float16 (sb 2: F16C's vcvtph2ps).
+inline __m256 load8(const uint8_t* p, int64_t sb) {
+  return sb == 2 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
+                 : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
 // ---- AVX2: R rows x one tile (two halves of 8 columns)
 template <int R, int BITS>
 inline void avx2_step(const __m256i* w, const Rows<R>& X, int64_t k, __m256i (*acc)[2], bool sign_trick) {
@@ -253,7 +286,7 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
         acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 s = _mm256_loadu_ps(reinterpret_cast<const float*>(gb + cb) + 8 * h);
+        const __m256 s = load8(gb + cb + 8 * h * P.sb, P.sb);
         for (int r = 0; r < R; ++r)
           y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
                                     y[r][h]);
@@ -261,7 +294,7 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
     }
     if (P.has_min)
       for (int h = 0; h < 2; ++h) {
-        const __m256 m = _mm256_loadu_ps(reinterpret_cast<const float*>(gb + cb) + 16 + 8 * h);
+        const __m256 m = load8(gb + cb + (16 + 8 * h) * P.sb, P.sb);
         for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g]), y[r][h]);
       }
   }
@@ -278,6 +311,11 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
 // acc += the 4-byte dot products of u8 w and s8 x in each int32 lane (asm: GCC 12 copies the accumulator
 // around every call of the intrinsic).
 inline void dpbusd(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
+
+// 16 float32 values stored at p as float32 (sb 4) or float16 (sb 2: vcvtph2ps).
+inline __m512 load16(const uint8_t* p, int64_t sb) {
+  return sb == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_loadu_ps(p);
+}
 
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
 template <int R, int NT, int BITS>
@@ -331,7 +369,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
         }
       for (int t = 0; t < NT; ++t) {
-        const __m512 s = _mm512_loadu_ps(reinterpret_cast<const float*>(gb + t * tb + cb));
+        const __m512 s = load16(gb + t * tb + cb, P.sb);
         for (int r = 0; r < R; ++r)
           y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
                                     y[r][t]);
@@ -339,7 +377,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     }
     if (P.has_min)
       for (int t = 0; t < NT; ++t) {
-        const __m512 m = _mm512_loadu_ps(reinterpret_cast<const float*>(gb + t * tb + cb) + 16);
+        const __m512 m = load16(gb + t * tb + cb + 16 * P.sb, P.sb);
         for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g]), y[r][t]);
       }
   }
@@ -395,7 +433,7 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
-                int64_t has_min, int64_t act_block, int64_t isa) {
+                int64_t has_min, int64_t scale_bytes, int64_t act_block, int64_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be float32 or bfloat16");
@@ -406,17 +444,20 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, 
     return ffi::Error::InvalidArgument("cpu_quant_matmul: bits must be 4 or 8, group 16, 32, 64, 128 or K");
   if (zero < 0 || zero >= (int64_t{1} << bits) || (has_min && zero))
     return ffi::Error::InvalidArgument("cpu_quant_matmul: zero must be a code (0 when the weights have a min)");
+  if (scale_bytes != 2 && scale_bytes != 4)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: scale_bytes must be 2 (float16) or 4 (float32)");
   if (act_block != 32 && act_block != 64 && act_block != 128)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
   Meta P;
   P.M = xd[0], P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
+  P.sb = scale_bytes;
   P.G = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
   P.Kp = (K + P.G - 1) / P.G * P.G;
   const bool stacked = wd.size() == 4;
   if ((wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() || wd[stacked + 1] != P.ng() ||
       wd[stacked + 2] != P.group_bytes())
     return ffi::Error::InvalidArgument("cpu_quant_matmul: w must be the packed [tiles, groups, group bytes] "
-                                       "(or [L, ..]) of the format's K, N, group, bits and min");
+                                       "(or [L, ..]) of the format's K, N, group, bits, min and scale bytes");
   if (layer.element_count() != 1 || (stacked && (layer.typed_data()[0] < 0 || layer.typed_data()[0] >= wd[0])))
     return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be in [0, L) of w's stack");
   if (od.size() != 2 || od[0] != P.M || od[1] != N)
@@ -467,8 +508,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("zero")
                                   .Attr<int64_t>("has_min")
+                                  .Attr<int64_t>("scale_bytes")
                                   .Attr<int64_t>("act_block")
                                   .Attr<int64_t>("isa"));
 
-// The best path this build runs: 3 AVX-512 VNNI, 1 AVX2 + FMA, 0 scalar loops.
+// The best path this build runs: 3 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 scalar loops.
 extern "C" int JaxpagedCpuQuantIsa() { return BEST_ISA; }

@@ -6,6 +6,11 @@ scales s and an optional per-group minimum m, both [ceil(K / G), N], G in 16, 32
 per output column), an integer `zero` code (0 when m is given). int8 / int4 symmetric quantization and the
 GGUF types Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K are this form exactly.
 
+The layout stores s and m as float32 or, when every one of them is a float16 value (`half_exact`: grouped
+int8 / int4 quantization rounds its scales so, GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 store them so), as
+float16 (`Layout.scale_bytes` 2): a group of 32 4-bit codes of one column then costs 16 + 2 (+ 2) bytes
+instead of 16 + 4 (+ 4), and the product is the same, exactly.
+
 `pack(u, s, m, layout)` lays it out once in the kernel's order (`Layout.blob_shape`: [T, ng, group_bytes]
 uint8, column tiles of 16, each a run of groups of codes then scales), `unpack` inverts it exactly and
 `dequantize` gives the float matrix. `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for
@@ -30,18 +35,21 @@ TARGET = "jaxpaged_cpu_quant_matmul"
 GROUPS = (16, 32, 64, 128)
 ACT_BLOCKS = (32, 64, 128)
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 3}
+_SCALE_DTYPES = {2: jnp.float16, 4: jnp.float32}  # Layout.scale_bytes -> the stored scales' type
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What a packed matrix is: K x N, `group` (16, 32, 64, 128, or K: per column), `bits` (8 or 4), `zero`
-    (the zero code) and `has_min` (a per-group minimum is stored). Checked when made."""
+    (the zero code), `has_min` (a per-group minimum is stored) and `scale_bytes` (4: scales and minima
+    stored as float32; 2: as float16, for values that are float16 ones). Checked when made."""
     K: int
     N: int
     group: int
     bits: int
     zero: int = 0
     has_min: bool = False
+    scale_bytes: int = 4
 
     def __post_init__(self):
         if self.K <= 0 or self.N <= 0:
@@ -52,6 +60,8 @@ class Layout:
             raise ValueError(f"layout: group must be one of {GROUPS} or K={self.K}, got {self.group}")
         if not 0 <= self.zero < 2 ** self.bits or (self.has_min and self.zero):
             raise ValueError(f"layout: zero must be a {self.bits}-bit code, and 0 with a minimum; got {self.zero}")
+        if self.scale_bytes not in (2, 4):
+            raise ValueError(f"layout: scale_bytes must be 2 (float16) or 4 (float32), got {self.scale_bytes}")
 
     @property
     def group_k(self) -> int:
@@ -68,7 +78,7 @@ class Layout:
 
     @property
     def group_bytes(self) -> int:
-        return self.group_k * 16 * self.bits // 8 + 64 * (1 + self.has_min)
+        return self.group_k * 16 * self.bits // 8 + 16 * self.scale_bytes * (1 + self.has_min)
 
     @property
     def blob_shape(self) -> tuple[int, int, int]:
@@ -102,9 +112,19 @@ def _check(name, a, shape, dtypes):
         raise ValueError(f"{name} must be {want}{list(shape)}, got {jnp.dtype(a.dtype).name}{list(a.shape)}")
 
 
+def half_exact(*arrays) -> bool:
+    """Whether every value of the float32 arrays (None ones skipped) is a finite float16 value, so a layout
+    with `scale_bytes` 2 stores them exactly (one bool read back; the check runs where the arrays are)."""
+    def exact(a):
+        a = jnp.asarray(a, jnp.float32)
+        return jnp.all((a.astype(jnp.float16).astype(jnp.float32) == a) & jnp.isfinite(a))
+    return all(bool(exact(a)) for a in arrays if a is not None)
+
+
 def pack(u, s, m, layout: Layout):
     """Codes u [..., K, N] (uint8, values below 2**bits), scales s and minimum m (None unless
-    `layout.has_min`) [..., groups, N] float32 -> the packed w [..., T, ng, group_bytes] uint8."""
+    `layout.has_min`) [..., groups, N] float32 -> the packed w [..., T, ng, group_bytes] uint8. With
+    `layout.scale_bytes` 2, s and m must be float16 values (`half_exact`; checked for numpy operands)."""
     *lead, K, N = u.shape
     if (K, N) != (layout.K, layout.N):
         raise ValueError(f"u must be [..., {layout.K}, {layout.N}] for the layout, got {list(u.shape)}")
@@ -116,6 +136,9 @@ def pack(u, s, m, layout: Layout):
         _check("m", m, (*lead, *layout.scale_shape), (jnp.float32,))
     if isinstance(u, np.ndarray) and u.size and int(u.max()) >= 2 ** layout.bits:
         raise ValueError(f"u holds codes >= 2**{layout.bits}")
+    if layout.scale_bytes == 2 and all(isinstance(a, np.ndarray) for a in (s, m) if a is not None) \
+            and not half_exact(s, m):
+        raise ValueError("s / m hold values that are not float16 ones: the layout's scale_bytes must be 4")
     G, ng, T, d = layout.group_k, layout.groups, layout.tiles, len(lead)
     lead_axes = tuple(range(d))
     up = jnp.pad(jnp.asarray(u), [(0, 0)] * d + [(0, ng * G - K), (0, T * 16 - N)])  # [..., Kp, Np]
@@ -125,10 +148,11 @@ def pack(u, s, m, layout: Layout):
         h = up.reshape(*lead, ng, G // 8, 2, 4, T, 16).transpose(*lead_axes, *(d + i for i in (4, 0, 1, 2, 5, 3)))
         codes = h[..., 0, :, :] | (h[..., 1, :, :] << 4)
     parts = [codes.reshape(*lead, T, ng, -1)]
+    sb = layout.scale_bytes
     for a in (s,) if m is None else (s, m):
         a = jnp.pad(jnp.asarray(a, jnp.float32), [(0, 0)] * (d + 1) + [(0, T * 16 - N)])
-        a = a.reshape(*lead, ng, T, 16).swapaxes(-3, -2)  # [.., t, g, 16]
-        parts.append(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*lead, T, ng, 64))
+        a = a.reshape(*lead, ng, T, 16).swapaxes(-3, -2).astype(_SCALE_DTYPES[sb])  # [.., t, g, 16]
+        parts.append(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*lead, T, ng, 16 * sb))
     return jnp.concatenate(parts, axis=-1)
 
 
@@ -147,8 +171,10 @@ def unpack(w, layout: Layout):
         h = jnp.concatenate([c & 15, c >> 4], axis=-3)
         up = h.transpose(*lead_axes, *(d + i for i in (1, 2, 3, 5, 0, 4)))
     u = up.reshape(*lead, ng * G, T * 16)[..., :K, :N]
-    f = jax.lax.bitcast_convert_type(w[..., cb:].reshape(*lead, T, ng, -1, 16, 4), jnp.float32)  # [.., t, g, i, 16]
-    f = f.transpose(*lead_axes, d + 2, d + 1, d, d + 3).reshape(*lead, -1, ng, T * 16)[..., :N]  # [.., i, g, N]
+    sb = layout.scale_bytes
+    f = jax.lax.bitcast_convert_type(w[..., cb:].reshape(*lead, T, ng, -1, 16, sb), _SCALE_DTYPES[sb])
+    f = f.astype(jnp.float32).transpose(*lead_axes, d + 2, d + 1, d, d + 3)  # [.., i, g, t, 16]
+    f = f.reshape(*lead, -1, ng, T * 16)[..., :N]  # [.., i, g, N]
     return u, f[..., 0, :, :], (f[..., 1, :, :] if layout.has_min else None)
 
 
@@ -191,5 +217,6 @@ def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: 
                             vmap_method="sequential")
     y = call(x2, w, index, live, K=np.int64(layout.K), N=np.int64(layout.N), group=np.int64(layout.group),
              bits=np.int64(layout.bits), zero=np.int64(layout.zero), has_min=np.int64(layout.has_min),
-             act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
+             scale_bytes=np.int64(layout.scale_bytes), act_block=np.int64(act_block),
+             isa=np.int64(ISAS[isa or "avx512_vnni"]))
     return y.reshape(lead + (layout.N,))
