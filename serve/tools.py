@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 
 from jaxpaged.core.reasoned import ReasoningSpan
 from jaxpaged.core.structured import StructuredOutputsParams, source_text
@@ -26,6 +25,7 @@ from serve.body import loads
 from serve.errors import APIError
 from serve.protocol_tools import FunctionCall, ToolCall
 from serve.tool_parsers import HermesParser, ToolParser
+from serve.tool_parsers.base import new_call_id
 
 _HERMES = HermesParser()
 _ANY_OBJECT = {"type": "object"}
@@ -189,7 +189,7 @@ def _loads_or_text(s: str):
 
 # -- the output ---------------------------------------------------------------------------------
 def new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+    return ToolCall(id=new_call_id(), function=FunctionCall(name=name, arguments=arguments))
 
 
 def parse(mode: str | None, text: str, named: str | None, parser: ToolParser | None = None,

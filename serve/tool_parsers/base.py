@@ -46,7 +46,12 @@ class ToolParser:
 
     def call_id(self) -> str:
         """A new tool call's id."""
-        return f"call_{uuid.uuid4().hex[:24]}"
+        return new_call_id()
+
+
+def new_call_id() -> str:
+    """A tool call id as OpenAI's: `call_` and 24 hex digits."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def held(text: str, marker: str) -> int:
