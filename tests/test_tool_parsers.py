@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from serve import tools
 from serve.config import add_server_args
 from serve.tool_parsers import PARSERS, make_tool_parser
 from serve.tool_parsers.partial_json import prefix
@@ -226,3 +227,31 @@ def test_content_rule(text, content):
     too when only whitespace comes before the call; streamed alike."""
     assert make_tool_parser("hermes").parse(text)[0] == content
     assert stream("hermes", text, 2)[1] == content
+
+
+# a Hugging Face template's own tool-call turns (Qwen2.5's, shortened)
+OWN_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
+                "{{ c.function.name }}:{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+                "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}")
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"  # renders no tool_calls
+
+
+@pytest.mark.parametrize("template", [OWN_TEMPLATE, PLAIN_TEMPLATE])
+def test_earlier_tool_calls_go_to_a_template_that_renders_them(template):
+    """An assistant turn's tool calls reach a template that renders `tool_calls` as such (arguments an object),
+    which writes them its own way; a template that does not gets them as Hermes text in the content."""
+    from jaxpaged.core.tokenizer import _compile_template
+    from serve.protocol import AssistantTurn, ChatMessage, ToolResult
+    convo = [ChatMessage(role="user", content="weather?"), AssistantTurn(role="assistant", tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "SF"}'}}]),
+        ToolResult(role="tool", content="sunny", tool_call_id="call_1")]
+    msgs, _ = tools.render_messages(convo, None, template)
+    text = _compile_template(template).render(messages=msgs)
+    if template == OWN_TEMPLATE:
+        assert text == ('<|user|>weather?<|assistant|><tool_call>get_weather:{"city": "SF"}</tool_call>'
+                        '<|tool|>sunny(call_1)')
+    else:
+        assert text == ('<|user|>weather?<|assistant|><tool_call>[{"name": "get_weather", "arguments": '
+                        '{"city": "SF"}}]</tool_call><|tool|>sunny')
