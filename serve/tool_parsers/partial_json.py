@@ -10,10 +10,12 @@ last of those, the stream has sent the first).
 from __future__ import annotations
 
 import json
+import re
 
 from serve.body import MAX_JSON_DEPTH
 
 _WS = " \t\n\r"
+_PLAIN = re.compile(r'[^"\\]*')  # a run of a string's characters that need no look
 _HIGH = ("d8", "d9", "da", "db")  # the first hex digits of a high surrogate
 
 
@@ -87,14 +89,11 @@ def _container(text: str, i: int, out: list[str], ascii_only: bool, depth: int) 
 
 def _string(text: str, i: int, out: list[str], ascii_only: bool) -> int:
     j = i + 1
-    while j < len(text):
+    while (j := _PLAIN.match(text, j).end()) < len(text):
         c = text[j]
         if c == '"':
             out.append(json.dumps(json.loads(text[i:j + 1]), ensure_ascii=ascii_only))
             return j + 1
-        if c != "\\":
-            j += 1
-            continue
         end = j + 2
         if text.startswith("u", j + 1):
             end = j + 6
