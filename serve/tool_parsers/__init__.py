@@ -5,7 +5,7 @@ Each parser reads a whole text into (content, calls) (`ToolParser.parse`, a pure
 parse stays content), says where in a growing text a call may begin (`ToolParser.start`) and reads the calls
 begun in a growing text (`ToolParser.partial`), which is all the stream needs (serve/tool_parsers/stream.py:
 content before a call streams as it comes, then each call's name and its arguments in pieces as they come;
-pythonic's calls whole at the end). The content rule is shared (base.py, `join_content`).
+pythonic's calls each whole once its `)` has come). The content rule is shared (base.py, `join_content`).
 """
 from __future__ import annotations
 
