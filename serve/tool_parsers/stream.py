@@ -48,8 +48,7 @@ class ToolCallStream:
             now = self.parser.partial(self.text, self.begin, self.schemas)
         except (ValueError, TypeError, KeyError, AttributeError):
             now = None
-        if now is None or any(name != was[0] or not args.startswith(was[1])
-                              for (name, args), was in zip(now, self.calls)):
+        if now is None or not _extends(now, self.calls[:len(now)]):
             self.broken = True
             return []
         return self._extend(now)
@@ -73,13 +72,18 @@ class ToolCallStream:
         calls' deltas, in order. `cut`: the answer was cut short (max_tokens): not parsed, all content."""
         content, calls = self.parser.parse(self.text, self.schemas) if not cut else (self.text, [])
         now = [(c.name, c.arguments) for c in calls]
-        if len(now) < len(self.calls) or any(name != was[0] or not args.startswith(was[1])
-                                             for (name, args), was in zip(now, self.calls)):
+        if not _extends(now, self.calls):
             now = []  # not the calls that went out: all of it is content
         self.called = bool(now)
         if not now:
             return self.text[self.sent:], []
         return (content or "")[self.sent:], self._extend(now)
+
+
+def _extends(now: list[tuple[str, str]], sent: list[tuple[str, str]]) -> bool:
+    """`now` holds every call of `sent`, each with its name and its arguments going on from what was sent."""
+    return len(now) >= len(sent) and all(name == was[0] and args.startswith(was[1])
+                                         for (name, args), was in zip(now, sent))
 
 
 def merge(first: list[DeltaToolCall], then: list[DeltaToolCall]) -> list[DeltaToolCall]:
