@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_matmul_quant_cpu import PATHS, weights
+from test_matmul_quant_cpu import PATHS, dense, int8_activations, weights
 
 from pallas_kernels.matmul import cpu_quant as cq
 
@@ -20,8 +20,11 @@ LAYOUTS = [cq.Layout(K, 40, K, 8, 128),  # int8, one scale a column
            cq.Layout(K, 24, 128, 4, 0, True)]  # int4 with a minimum, float32 scales
 
 
-def packed(rng, layouts, lead=()):
-    return [cq.pack(*weights(rng, a, lead), a) for a in layouts]
+def packed(rng, layouts, lead=(), dense_too=False):
+    """The packed matrices of the layouts (and with `dense_too` each one's float64 W, for 2-D ones)."""
+    raw = [weights(rng, a, lead) for a in layouts]
+    ws = [cq.pack(*r, a) for r, a in zip(raw, layouts)]
+    return (ws, [dense(*r, a) for r, a in zip(raw, layouts)]) if dense_too else ws
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -29,9 +32,10 @@ def packed(rng, layouts, lead=()):
                                                     (13, 13, jnp.float32, 128), (17, 9, jnp.bfloat16, 64)])
 def test_fused_equals_each_call(M, rows, dtype, act_block, path):
     """Each product of the fused call equals its own call exactly (every row block, live rows < M, float32
-    and bfloat16 x, every activation block), the padding rows zeros."""
+    and bfloat16 x, every activation block) and numpy's reference to float32 summation, the padding rows
+    zeros."""
     rng = np.random.default_rng(M)
-    ws = packed(rng, LAYOUTS)
+    ws, wds = packed(rng, LAYOUTS, dense_too=True)
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
     f = jax.jit(lambda x, r: cq.cpu_quant_matmuls(x, ws, LAYOUTS, rows=r, act_block=act_block, isa=path))
     one = jax.jit(lambda x, w, r, a: cq.cpu_quant_matmul(x, w, a, rows=r, act_block=act_block, isa=path),
@@ -39,11 +43,12 @@ def test_fused_equals_each_call(M, rows, dtype, act_block, path):
     live = jnp.int32(M if rows is None else rows)
     got = f(x, live)
     assert len(got) == len(LAYOUTS)
-    for y, w, a in zip(got, ws, LAYOUTS):
+    for y, w, wd, a in zip(got, ws, wds, LAYOUTS):
         assert y.shape == (M, a.N) and y.dtype == jnp.float32
         np.testing.assert_array_equal(np.asarray(y), np.asarray(one(x, w, live, a)))
         assert not np.asarray(y)[int(live):].any()
-        assert np.asarray(y)[:int(live)].any()
+        want = int8_activations(np.asarray(x, np.float32)[:int(live)], a, act_block) @ wd  # numpy's
+        np.testing.assert_allclose(np.asarray(y)[:int(live)], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 def test_fused_stacks_at_a_traced_layer():
