@@ -27,8 +27,10 @@
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
-// Activation rows, then work units (4 column tiles x all rows), are shared by the XLA FFI's intra-op thread
-// pool (ffi_common.h: jp::parallel_for); the calling thread works too.
+// One call may take several matrices of one x (a layer's q, k and v; gate and up), each with its own format
+// (the attributes N .. scale_bytes hold one value a matrix) and out: x is quantized once for them all.
+// Activation rows, then work units (4 column tiles x all rows, every matrix's in one list, largest first), are
+// shared by the XLA FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
