@@ -4,8 +4,8 @@ message as it comes; `tool_choice` auto: the text before a call as a message, th
 function_call item whose arguments go out as the server's tool parser reads them while they grow
 (serve/tool_parsers/stream.py); a named function: the answer is its arguments, sent as they come;
 `tool_choice` required: the calls once the answer is whole. An answer whose calls turn out not to be calls
-(malformed, or cut by max_output_tokens) ends its open call `incomplete` and sends the text not yet sent as a
-message, as chat's stream (which cannot take back what it sent)."""
+(malformed, or cut by max_output_tokens) ends its open call `incomplete` and sends the text not yet sent (a
+named call's: its arguments) as a message, as chat's stream (which cannot take back what it sent)."""
 from __future__ import annotations
 
 from serve import tools
@@ -36,16 +36,17 @@ class NamedCall:
     """A named function: the answer is the call's arguments."""
 
     def __init__(self, name: str):
-        self.name, self.opened = name, False
+        self.name, self.text = name, ""
 
     def feed(self, w, text: str, reason: str | None):
-        if text and not self.opened:
-            self.opened = True
+        if text and not self.text:
             yield from w.call(new_call_id(), self.name)
-        if self.opened:
-            yield from w.arguments(text)
-            if reason is not None:
-                yield from w.close("incomplete" if reason == "length" else "completed")
+        self.text += text
+        yield from w.arguments(text)
+        if reason is not None and self.text:
+            yield from w.close("incomplete" if reason == "length" else "completed")
+            if reason == "length":  # cut before it was whole: no call, its text is content (as unstreamed)
+                yield from w.text("message", self.text)
 
 
 class AutoCalls:

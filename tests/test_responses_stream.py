@@ -101,3 +101,14 @@ def test_named_call_streams_its_arguments():
     assert "".join(arguments_by_item(evs)[item["id"]]) == args and len(arguments_by_item(evs)[item["id"]]) > 2
     done = [e for e in evs if e["type"] == "response.function_call_arguments.done"]
     assert done[0]["arguments"] == args and done[0]["name"] == "pick"
+
+
+def test_named_call_cut_short_is_incomplete_and_its_text_a_message():
+    args = '{"color": "re'
+    evs, st = run(args, "named", named="pick", reason="length")
+    final = evs[-1]["response"]
+    assert [(i["type"], i["status"]) for i in final["output"]] == [("function_call", "incomplete"),
+                                                                    ("message", "completed")]
+    assert final["output"][1]["content"][0]["text"] == args  # the unstreamed response's content
+    stored = st.responses.get("resp_1").messages[-1]
+    assert "tool_calls" not in stored and stored["content"] == args
