@@ -2,10 +2,11 @@
 stream sends it (serve/chat.py), as output items of an EventWriter (serve/responses_stream.py): text as a
 message as it comes; `tool_choice` auto: the text before a call as a message, then each call as a
 function_call item whose arguments go out as the server's tool parser reads them while they grow
-(serve/tool_parsers/stream.py); a named function: the answer is its arguments, sent as they come;
-`tool_choice` required: the calls once the answer is whole. An answer whose calls turn out not to be calls
-(malformed, or cut by max_output_tokens) ends its open call `incomplete` and sends the text not yet sent (a
-named call's: its arguments) as a message, as chat's stream (which cannot take back what it sent)."""
+(serve/tool_parsers/stream.py); `tool_choice` required alike, its JSON list read as it grows
+(serve/tool_parsers/required.py); a named function: the answer is its arguments, sent as they come. An
+answer whose calls turn out not to be calls (malformed, or cut by max_output_tokens) ends its open call
+`incomplete` and sends the text not yet sent (a named call's: its arguments) as a message, as chat's stream
+(which cannot take back what it sent)."""
 from __future__ import annotations
 
 from serve import tools
@@ -19,8 +20,8 @@ def answer_stream(st, chat_plan):
         return AutoCalls(ToolCallStream(st.tool_parser, chat_plan.schemas))
     if chat_plan.mode == "named":
         return NamedCall(chat_plan.named)
-    if chat_plan.mode is not None:
-        return RequiredCalls()
+    if chat_plan.mode is not None:  # required: its JSON list read as it grows
+        return AutoCalls(ToolCallStream(tools.REQUIRED))
     return Text()
 
 
@@ -50,7 +51,8 @@ class NamedCall:
 
 
 class AutoCalls:
-    """`tool_choice` auto: content, then calls read by the server's tool parser while they are generated."""
+    """`tool_choice` auto (or required): content, then calls read by the tool parser (the server's, or
+    required's) while they are generated."""
 
     def __init__(self, found: ToolCallStream):
         self.found = found
@@ -73,26 +75,6 @@ class AutoCalls:
         else:  # the calls came whole at the end: the content first, as the unstreamed order
             yield from w.text("message", rest)
             yield from _calls(w, deltas)
-            yield from w.close()
-
-
-class RequiredCalls:
-    """`tool_choice` required: the calls (a JSON list) sent once the answer is whole."""
-
-    def __init__(self):
-        self.answer = ""
-
-    def feed(self, w, text: str, reason: str | None):
-        self.answer += text
-        if reason is None:
-            return
-        answer = self.answer or None
-        content, calls = tools.parse("required", answer, None) if reason != "length" and answer is not None \
-            else (answer, [])
-        yield from w.text("message", content or "")
-        for c in calls:
-            yield from w.call(c.id, c.function.name)
-            yield from w.arguments(c.function.arguments)
             yield from w.close()
 
 

@@ -2,7 +2,8 @@
 a job's outputs as the engine grows them): under `tool_choice` auto the calls' arguments go out in
 `response.function_call_arguments.delta` events as the tool parser reads them, and the items put together
 equal the unstreamed answer's; a call that turns out not to be one (cut by max_output_tokens) ends
-`incomplete` and its text goes out as a message; a named function's arguments stream as they come."""
+`incomplete` and its text goes out as a message; a named function's arguments, and `tool_choice` required's
+calls, stream as they come."""
 import asyncio
 import json
 from types import SimpleNamespace
@@ -112,3 +113,26 @@ def test_named_call_cut_short_is_incomplete_and_its_text_a_message():
     assert final["output"][1]["content"][0]["text"] == args  # the unstreamed response's content
     stored = st.responses.get("resp_1").messages[-1]
     assert "tool_calls" not in stored and stored["content"] == args
+
+
+REQUIRED = '[{"name": "pick", "arguments": {"color": "dark r\u00e9d"}}, {"name": "pick", "arguments": {"n": 20}}]'
+
+
+@pytest.mark.parametrize("reason", ["stop", "length"])
+def test_required_calls_stream_their_arguments(reason):
+    text = REQUIRED if reason == "stop" else REQUIRED[:50]  # cut: inside the first call's arguments
+    evs, st = run(text, "required", reason=reason, size=2)
+    final = evs[-1]["response"]
+    pieces = arguments_by_item(evs)
+    first = final["output"][0]
+    assert first["type"] == "function_call" and len(pieces[first["id"]]) > 2  # in pieces as generated
+    if reason == "stop":
+        _, calls = tools.parse("required", text, None)
+        assert [(i["name"], i["arguments"], i["status"]) for i in final["output"]] == \
+            [(c.function.name, c.function.arguments, "completed") for c in calls]
+        assert all("".join(pieces[i["id"]]) == i["arguments"] for i in final["output"])
+    else:  # no call, as unstreamed: the text is the content
+        assert [(i["type"], i["status"]) for i in final["output"]] == [("function_call", "incomplete"),
+                                                                        ("message", "completed")]
+        assert final["output"][1]["content"][0]["text"] == text
+        assert st.responses.get("resp_1").messages[-1] == {"role": "assistant", "content": text}
