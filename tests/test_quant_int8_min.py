@@ -6,11 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_quant_int4 import q4_1_values
+from test_quant_int4 import _check_against_float, q4_1_values
 
-from jaxpaged import EngineConfig
+from jaxpaged import LLM, EngineConfig
 from jaxpaged.models import qpacked
 from jaxpaged.models.qarray import dequantize, folded_minimum, quantize, restored
+from jaxpaged.testing.tiny_models import make_tiny_model
 from pallas_kernels.matmul import cpu_quant
 
 KERNEL = cpu_quant.available()
@@ -122,3 +123,17 @@ def test_engine_and_checkpoint_take_the_form():
     assert (back.group, back.bits, back.zero) == (32, 8, 128)
     with pytest.raises(ValueError, match="with a minimum 0, or 128 for 8 bits"):
         restored(qa.q, qa.scale, -2, qa.m, np.array([32, 8, 100]))
+
+
+@pytest.mark.skipif(not KERNEL, reason="the quantized CPU kernel cannot be built here")
+def test_engine_on_the_kernel_matches_its_dequantized_weights(tmp_path, compile_cache):
+    """A checkpoint loaded as int8 with a minimum (its matrices preallocated, then filled layer by layer) runs
+    on the quantized kernel, its greedy tokens and logprobs those of its own weights dequantized to float32."""
+    path = make_tiny_model(str(tmp_path / "m"), "llama", seed=6, initializer_range=0.1, tie=True)
+    llm = LLM(model=path, dtype="float32", quantization="int8", quantization_group_size=32,
+              quantization_symmetric=False, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              compilation_cache_dir=compile_cache, show_progress=False)
+    assert llm.engine.stats()["matmul_backend"].startswith("cpu_quant")
+    w_up = llm.engine.runner.params["layers"]["w_up"]
+    assert isinstance(w_up, qpacked.QPacked) and w_up.zero == 128 and w_up.has_min and w_up.layout.zero == 0
+    _check_against_float(llm, path)

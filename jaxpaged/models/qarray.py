@@ -226,9 +226,9 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
         lo, hi = np.min(grouped, axis=red), np.max(grouped, axis=red)
         levels = 2 ** bits - 1
         scale, lo = _asymmetric_scales(lo, hi, levels, half=bool(group))
-        zero, m = 0, lo.astype(np.float32)
-        if bits == 8:  # codes 0..255 stored as q = u - 128: s * u + lo = s * q + (lo + 128 s)
-            zero, (scale, m, exact) = MIN_ZERO_INT8, folded_minimum(lo, hi, scale, half=bool(group))
+        zero, m = zero_code(fmt, symmetric), lo.astype(np.float32)
+        if zero:  # int8: codes 0..255 stored as q = u - 128: s * u + lo = s * q + (lo + 128 s)
+            scale, m, exact = folded_minimum(lo, hi, scale, half=bool(group))
             if not exact:  # a group far narrower than its values' size: symmetric int8 holds it as well
                 return quantize(a, fmt, axis, dtype, group, name, symmetric=True)
         u = np.clip(np.rint((a - _expand(lo, group, n, axis)) / _expand(scale, group, n, axis)), 0, levels)
@@ -239,7 +239,18 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
         scale = half_scales(scale)
     x = a / _expand(scale, group, n, axis)
     q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)
-    return QArray(q, scale, dtype, None, group, bits, 0 if fmt == "fp8" else 2 ** (bits - 1))
+    return QArray(q, scale, dtype, None, group, bits, zero_code(fmt, symmetric))
+
+
+def zero_code(fmt: str, symmetric: bool) -> int:
+    """The zero code of `quantize`'s QArrays (u = q + zero): 2^(bits - 1) symmetric (128 / 8), 0 for fp8 and
+    int4 with a minimum, MIN_ZERO_INT8 for int8 with one (`folded_minimum`)."""
+    bits = FORMATS[fmt][2]
+    if fmt == "fp8":
+        return 0
+    if symmetric:
+        return 2 ** (bits - 1)
+    return MIN_ZERO_INT8 if bits == 8 else 0
 
 
 def folded_minimum(lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
