@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from test_quant_int4 import _check_against_float, q4_1_values
@@ -42,30 +43,36 @@ def folded_minimum_of(qa):
     return qa.m - np.float32(qa.zero) * qa.scale
 
 
-def test_the_minimum_folds_exactly_or_the_tensor_is_symmetric():
-    """m = lo + 128 s is exact (float64 says so) for the minima of ordinary groups; a constant group (whose
-    sum would round: the kernel would get another minimum) takes a power-of-two scale that folds, its value
-    kept exactly; a tensor where that fails too is quantized symmetric, its values within half a step."""
+def test_the_minimum_folds_exactly_at_every_magnitude():
+    """m = lo + 128 s exactly (float64 says so), so the kernel's layout holds the QArray: ordinary groups keep
+    their scale and minimum; a group whose sum would round (constant, far narrower than its values, float32
+    scales and minima) takes a power-of-two scale and a minimum on its grid, its values still within half a
+    step, codes 0..255 (per column, and groups of 16 of bfloat16 values whose tiny ranges force float32)."""
     rng = np.random.default_rng(7)
     lo = rng.normal(0, 0.05, 100_000).astype(np.float16).astype(np.float32)
     s = (rng.uniform(1e-4, 1e-2, 100_000) / 255).astype(np.float16).astype(np.float32)
-    s2, m, exact = folded_minimum(lo, lo + 255 * s, s, half=True)
-    assert exact and np.array_equal(s2, s)
+    s2, lo2, m = folded_minimum(lo, lo + 255 * s, s, half=True)
+    assert np.array_equal(s2, s) and np.array_equal(lo2, lo)
     np.testing.assert_array_equal(m.astype(np.float64) - 128 * s.astype(np.float64), lo)
-    two = np.float16([3.0, 1e-3]).astype(np.float32)
-    s2, m, exact = folded_minimum(two, two, np.float32([1.0, 1.0]), half=True)  # ~1e-3 + 128 rounds
-    assert exact and s2[0] == 1.0 and cpu_quant.half_exact(s2)
-    np.testing.assert_array_equal(m.astype(np.float64) - 128 * s2.astype(np.float64), two)
-    flat = np.full((65, 8), np.float16(1e-3), np.float32)  # a float16 value: its minimum exactly
-    qa = quantize(flat, "int8", -2, group=32, symmetric=False)
-    assert qa.m is not None and np.array_equal(dequantize(qa), flat)
-    # per column, float32 minima 1.75 + 2^-23: 128 s far below them, and 2^(0 - 8) * 128 carries them past 2
+    lo = (rng.standard_normal(100_000) * 10.0 ** rng.uniform(-8, 4, 100_000)).astype(np.float32)
+    hi = lo + np.abs(lo) * (10.0 ** rng.uniform(-12, 1, 100_000)).astype(np.float32) * rng.integers(0, 2, 100_000)
+    for half in (True, False):
+        s2, lo2, m = folded_minimum(lo, hi, np.where(hi > lo, (hi - lo) / 255, 1).astype(np.float32), half)
+        np.testing.assert_array_equal(m.astype(np.float64) - 128 * s2.astype(np.float64), lo2)
+        assert np.all(lo2 <= lo) and np.all((hi - lo2) / s2 <= 255.5)
+    flat = np.full((65, 8), 1e-3, np.float32)  # constant groups (and a one-entry one at the end of K)
+    # per column, float32 minima 1.75 + 2^-23: 128 s far below them
     w = (1.75 + 2.0 ** -23 + np.arange(64 * 8, dtype=np.float64).reshape(64, 8) * 2.0 ** -22).astype(np.float32)
-    lo, hi = w.min(0, keepdims=True), w.max(0, keepdims=True)
-    assert not folded_minimum(lo, hi, (hi - lo) / np.float32(255), half=False)[2]
-    qa = quantize(w, "int8", -2, group=0, symmetric=False)
-    assert qa.m is None and qa.zero == 128
-    assert np.all(np.abs(dequantize(qa) - w) <= qa.scale / 2 * (1 + 1e-5))
+    b16 = (rng.standard_normal((2, 64, 32)) * 0.02).astype(ml_dtypes.bfloat16).astype(np.float32)
+    for x, group in ((flat, 32), (w, 0), (b16, 16)):
+        qa = quantize(x, "int8", -2, group=group, symmetric=False)
+        assert qa.m is not None and qa.zero == 128
+        u = qa.q.astype(np.int16) + 128
+        assert u.min() >= 0 and u.max() <= 255
+        np.testing.assert_array_equal(qa.m.astype(np.float64) - 128 * qa.scale.astype(np.float64),
+                                      folded_minimum_of(qa))
+        step = np.take(qa.scale, np.arange(x.shape[-2]) // (group or x.shape[-2]), axis=-2)
+        assert np.all(np.abs(dequantize(qa) - x) <= step / 2 * (1 + 1e-5))
 
 
 @pytest.mark.skipif(not KERNEL, reason="the quantized CPU kernel cannot be built here")

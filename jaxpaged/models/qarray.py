@@ -200,8 +200,7 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
     (int4) with the group's minimum m and s = (max - min) / 15, zero code 0 (llama.cpp's Q4_1 form: a matrix
     of Q4_1 values in groups aligned with its blocks comes back exactly, up to float32 rounding); int8: u in
     [0, 255], s = (max - min) / 255, stored as q = u - 128 (`folded_minimum`: Q4_1 values come back to
-    within float16 rounding of s, as 17 int8 steps are one Q4_1 step; a tensor whose minimum cannot be
-    folded exactly is quantized symmetric).
+    within float16 rounding of s, as 17 int8 steps are one Q4_1 step).
     Grouped int8 / int4 (group > 0) take float16 values as scales and minima (`half_scales`), the codes
     rounded with them; a tensor whose scales float16 cannot hold to its relative precision keeps float32 ones.
     A NaN or inf in `a` is refused by `name`."""
@@ -228,9 +227,7 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
         scale, lo = _asymmetric_scales(lo, hi, levels, half=bool(group))
         zero, m = zero_code(fmt, symmetric), lo.astype(np.float32)
         if zero:  # int8: codes 0..255 stored as q = u - 128: s * u + lo = s * q + (lo + 128 s)
-            scale, m, exact = folded_minimum(lo, hi, scale, half=bool(group))
-            if not exact:  # a group far narrower than its values' size: symmetric int8 holds it as well
-                return quantize(a, fmt, axis, dtype, group, name, symmetric=True)
+            scale, lo, m = folded_minimum(lo, hi, scale, half=bool(group))
         u = np.clip(np.rint((a - _expand(lo, group, n, axis)) / _expand(scale, group, n, axis)), 0, levels)
         return QArray((u - zero).astype(store), scale, dtype, m, group, bits, zero)
     amax = np.max(np.abs(grouped), axis=red)
@@ -254,29 +251,29 @@ def zero_code(fmt: str, symmetric: bool) -> int:
 
 
 def folded_minimum(lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
-                   half: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+                   half: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """int8 with a minimum (`quantize`): codes u in 0..255 over [lo, lo + 255 s] are stored as q = u - 128,
     so the QArray's minimum is m = lo + 128 s, and the kernel's layout (zero code 0 with a minimum:
-    qpacked.pack) gets lo back as m - 128 s. Returns (scale, m, whether every m is lo + 128 s exactly),
-    checked in float64, which holds those sums of float32 values exactly: then the fold is exact both ways
-    and the packed matrix is the QArray's exactly. A group whose sum rounds (its range far below its
-    minimum: a constant one, as the one-entry group at the end of K) takes the scale 2^(e - 8) for a
-    minimum of 2^e..2^(e+1) in size (a float16 value when `half`), or (hi - lo) / 255 if larger, so its codes
-    still span [lo, hi] and the sum folds; the flag is False only where that fails too (`quantize` then takes
-    symmetric int8)."""
-    def fold(scale):
+    qpacked.pack) gets lo back as m - 128 s. Returns (scale, lo, m) with m = lo + 128 s exactly, so the fold
+    is exact both ways and the packed matrix is the QArray's exactly (float64, which holds those sums of
+    float32 values exactly, says which are). A group whose sum would round (its range far below its minimum,
+    or scales and minimum not float16 values) takes instead a power of two p >= 2 (hi - lo) / 255 as its
+    scale (>= 2^-14 when `half`) and its minimum rounded down to a multiple of 128 p: the sum is exact, the
+    codes still span [lo, hi] (< 128 + 127.5 steps), each value within half its (at most 4x finer) step."""
+    def fold(lo, scale):
         off = np.float32(MIN_ZERO_INT8) * scale
         m = (lo + off).astype(np.float32)
         m64, off64, lo64 = (x.astype(np.float64) for x in (m, off, lo))
         return m, (m64 - off64 == lo64) & (lo64 + off64 == m64)
-    m, exact = fold(scale)
+    m, exact = fold(lo, scale)
     if not exact.all():
-        e = np.floor(np.log2(np.where(lo != 0, np.abs(lo), 1.0)))
-        p = np.exp2(np.clip(e - 8, -14, 15) if half else e - 8).astype(np.float32)
-        need = ((hi - lo) / np.float32(255)).astype(np.float32)
-        scale = np.where(exact, scale, np.maximum(need, p)).astype(np.float32)
-        m, exact = fold(scale)
-    return scale, m, bool(exact.all())
+        need = np.maximum((hi - lo) / np.float32(255), np.abs(lo) * np.float32(2.0 ** -30))
+        p = 2 * np.exp2(np.ceil(np.log2(np.maximum(need, np.float32(HALF_MIN_NORMAL if half else 2.0 ** -100)))))
+        off = np.float32(MIN_ZERO_INT8) * p.astype(np.float32)
+        scale = np.where(exact, scale, p).astype(np.float32)
+        lo = np.where(exact, lo, np.floor(lo / off) * off).astype(np.float32)
+        m, _ = fold(lo, scale)  # exact: lo and m are multiples n, n + 1 of 128 p with |n| <= 2^22
+    return scale, lo, m
 
 
 def half_scales(scale: np.ndarray) -> np.ndarray:
