@@ -347,6 +347,22 @@ inline void values_group(const float* p, int bsp, const float* alpha, float* acc
     default: F<BF, 4>(__VA_ARGS__); break; \
   }
 
+// Head h's K and V rows of a block (bs keys, `span` bytes from byte `head` of each key, keys key_stride
+// apart) into L2 (_MM_HINT_T1). Spread a head at a time over the current block's work, the next block's
+// misses stay few enough in flight; into L1 (T0), or a whole block at once, they stall the loads
+// (measured: docs/kernels.md).
+inline void prefetch_head(const char* k, const char* v, size_t head, size_t span, size_t key_stride, int bs) {
+  for (int j = 0; j < bs; ++j) {
+    const size_t o = head + j * key_stride;
+    for (size_t x = 0; x < span; x += 64) {
+      _mm_prefetch(k + o + x, _MM_HINT_T1);
+      _mm_prefetch(v + o + x, _MM_HINT_T1);
+    }
+    _mm_prefetch(k + o + span - 1, _MM_HINT_T1);  // a row that does not start on a line ends on one more
+    _mm_prefetch(v + o + span - 1, _MM_HINT_T1);
+  }
+}
+
 constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
 
 // One unit: rows u.row0..u.row0+u.rows of slot u.slot, every KV head, over the slot's keys.
@@ -394,17 +410,16 @@ void attend_vector(const Problem& P, const Unit& u) {
     const size_t bytes = static_cast<size_t>(bs) * key_stride;              // a block of one pool
     const char* kblock = P.k + static_cast<size_t>(id) * bytes;
     const char* vblock = P.v + static_cast<size_t>(id) * bytes;
-    if (b < last) {  // the next block's K and V into the caches while this one is worked on
+    const char *knext = nullptr, *vnext = nullptr;  // the next block, prefetched a head at a time
+    if (b < last) {
       int64_t nid = P.tables[u.slot * P.B + std::min<int64_t>(b + 1, P.B - 1)];
       const size_t off = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(nid, 0), P.NB - 1)) * bytes;
-      for (size_t x = 0; x < bytes; x += 64) {
-        _mm_prefetch(P.k + off + x, _MM_HINT_T0);
-        _mm_prefetch(P.v + off + x, _MM_HINT_T0);
-      }
+      knext = P.k + off, vnext = P.v + off;
     }
     for (int h = 0; h < Hkv; ++h) {
       const char* kh = kblock + static_cast<size_t>(h) * D * elt;
       const char* vh = vblock + static_cast<size_t>(h) * D * elt;
+      if (knext != nullptr) prefetch_head(knext, vnext, static_cast<size_t>(h) * D * elt, D * elt, key_stride, bs);
       // logits s[i, j] = q_i . k_j, i = (row, g)
       for (int i0 = 0; i0 < R; i0 += GROUP)
         JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
