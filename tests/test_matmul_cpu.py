@@ -308,3 +308,19 @@ def test_plain_loop_path():
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_row_alone_bit_for_bit(isa):
+    """A row's product does not depend on the rows beside it: each of 7 rows alone (the lone-row block)
+    equals it in the 7-row call (a 4-row block and the lone-row tail) bit for bit, as stored, transposed and
+    packed (what batch_invariant relies on)."""
+    _run_path_or_skip(isa)
+    rng = np.random.default_rng(13)
+    x = _bf16(rng, (7, 576))
+    for w, kw in ((_bf16(rng, (576, 160)), {}), (_bf16(rng, (160, 576)), dict(transpose=True)),
+                  (cpu_matmul.pack(_bf16(rng, (576, 160))), dict(packed=True))):
+        full = np.asarray(cpu_matmul.cpu_matmul(x, w, isa=isa, **kw))
+        for m in range(7):
+            alone = np.asarray(cpu_matmul.cpu_matmul(x[m:m + 1], w, isa=isa, **kw))
+            np.testing.assert_array_equal(alone[0], full[m], err_msg=f"{kw} row {m}")
