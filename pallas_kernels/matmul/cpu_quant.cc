@@ -5,6 +5,9 @@
 //   u: unsigned codes, 8-bit (0..255) or 4-bit (0..15); s and the optional minimum m: [ceil(K / G), N], stored
 //   as float32 or, when they are float16 values (`scale_bytes` 2: grouped int8 / int4, GGUF's legacy types), float16;
 //   z: an integer zero code (0 when m is given); G: 16, 32, 64, 128, or K (one scale per output column).
+// The two-level form (`superblock` 256: GGUF's K-quants at nearly their own bytes): s = d[k / 256, n] * c[k / G, n]
+//   and m = dm[k / 256, n] * c'[k / G, n], d and dm float32 or float16 (`scale_bytes`), c and c' int8, formed in
+//   registers (exact: the packer checks d * c is s in float32).
 // int8 / int4 symmetric quantization is z = 128 / 8; GGUF Q8_0 (z = 128), Q4_0 (8), Q5_0 (16), Q6_K (G = 16,
 // z = 32), Q4_1 / Q5_1 / Q4_K / Q5_K (m = -dmin * min) are this form exactly (Q5_* and Q6_K as 8-bit codes).
 //
@@ -12,6 +15,8 @@
 // K rounded up to 128 for one scale per column), N to tiles of 16 columns; w [T, ng, group_bytes] uint8:
 // tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16], then m[16] if any (float32 or
 // float16 each: `scale_bytes`; the AVX2 path widens float16 with F16C, the AVX-512 one with vcvtph2ps).
+// Two-level: a stored group is a superblock (Gp 256), holding 256 / G groups j: the codes, then d[16], c[j][16],
+// then (with a minimum) dm[16], c'[j][16].
 //   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
 //   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
 // so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
@@ -61,19 +66,23 @@ constexpr int BEST_ISA = JP_VNNI ? ISA_VNNI : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 constexpr int UNIT_TILES = 4;  // column tiles a work unit
 
 struct Meta {
-  int64_t M, K, N, Kp, G, bits, has_min, zero, A, sb;  // G: the layout's group (Gp); sb: bytes a scale
+  // G: a stored group's k (Gp: the superblock when two-level); S: a scale's k (G, or the group inside a superblock);
+  // ns: int8 sub-scales a stored group (G / S two-level, else 0); sb: bytes a float scale
+  int64_t M, K, N, Kp, G, S, ns, bits, has_min, zero, A, sb;
   int64_t ng() const { return Kp / G; }
+  int64_t nsg() const { return Kp / S; }                  // scale groups (a row's minimum terms)
   int64_t code_bytes() const { return G * 16 * bits / 8; }
-  int64_t group_bytes() const { return code_bytes() + 16 * sb * (1 + has_min); }
+  int64_t part_bytes() const { return 16 * sb + 16 * ns; }  // the scales' (and again the minima's) bytes
+  int64_t group_bytes() const { return code_bytes() + part_bytes() * (1 + has_min); }
   int64_t tile_bytes() const { return ng() * group_bytes(); }
   int64_t tiles() const { return (N + 15) / 16; }
-  int64_t F() const { return std::min(G, A); }           // k per integer accumulation
+  int64_t F() const { return std::min(S, A); }           // k per integer accumulation
   int64_t Ka() const { return (Kp + A - 1) / A * A; }     // a quantized row's length
   int64_t nf() const { return Ka() / F(); }
 };
 
 // The quantized activations: xq [M, Ka], dx [M, Ka / A], qsum [M, nf] (sum of xq per F block),
-// xsum [M, ng] (sum of dx * xq per group: the minimum's term).
+// xsum [M, nsg] (sum of dx * xq per scale group: the minimum's term).
 struct Acts {
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
@@ -110,6 +119,13 @@ inline void widen16(const uint8_t* p, int64_t sb, float* out) {
     std::memcpy(&h, p + 2 * c, 2);
     out[c] = half_to_f32(h);
   }
+}
+
+// The 16 scales (or minima) of scale group j of the part at p: its floats, times its int8 c[j] when two-level.
+inline void scales16(const uint8_t* p, const Meta& P, int64_t j, float* out) {
+  widen16(p, P.sb, out);
+  if (P.ns)
+    for (int c = 0; c < 16; ++c) out[c] *= static_cast<float>(static_cast<int8_t>(p[16 * P.sb + 16 * j + c]));
 }
 
 // Row m of x quantized (r: scratch of Ka floats).
@@ -159,9 +175,9 @@ void quantize_row(const Call& C, int64_t m, float* r, int8_t* q, float* dx, int3
     for (int64_t k = f * F; k < (f + 1) * F; ++k) s += q[k];
     qsum[f] = s;
   }
-  for (int64_t g = 0; g < P.ng(); ++g) {
+  for (int64_t g = 0; g < P.nsg(); ++g) {
     float s = 0.f;
-    for (int64_t f = g * P.G / F; f < (g + 1) * P.G / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
+    for (int64_t f = g * P.S / F; f < (g + 1) * P.S / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
     xsum[g] = s;
   }
 }
@@ -178,7 +194,7 @@ struct Rows {
     for (int r = 0; r < R; ++r) {
       xq[r] = C.A.xq.data() + (r0 + r) * P.Ka();
       dx[r] = C.A.dx.data() + (r0 + r) * (P.Ka() / P.A);
-      xs[r] = C.A.xsum.data() + (r0 + r) * P.ng();
+      xs[r] = C.A.xsum.data() + (r0 + r) * P.nsg();
       qs[r] = C.A.qsum.data() + (r0 + r) * P.nf();
     }
   }
@@ -198,10 +214,9 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
   float y[16] = {};
   for (int64_t g = 0; g < P.ng(); ++g) {
     const uint8_t* gb = base + g * P.group_bytes();
-    float s[16], mn[16] = {};
-    widen16(gb + P.code_bytes(), P.sb, s);
-    if (P.has_min) widen16(gb + P.code_bytes() + 16 * P.sb, P.sb, mn);
+    float s[16], mn[16];
     for (int64_t f0 = 0; f0 < P.G; f0 += F) {
+      scales16(gb + P.code_bytes(), P, f0 / P.S, s);
       int32_t acc[16] = {};
       for (int64_t kk = f0; kk < f0 + F; ++kk) {
         const int32_t xv = X.xq[0][g * P.G + kk];
@@ -215,9 +230,11 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
       const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
       const float d = X.dx[0][k0 / P.A];
       for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
+      if (P.has_min && (f0 + F) % P.S == 0) {  // the scale group's end: its minimum term
+        scales16(gb + P.code_bytes() + P.part_bytes(), P, f0 / P.S, mn);
+        for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][k0 / P.S];
+      }
     }
-    if (P.has_min)
-      for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g];
   }
   store16(C, m, t, y);
 }
@@ -227,6 +244,14 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
 inline __m256 load8(const uint8_t* p, int64_t sb) {
   return sb == 2 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
                  : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// Half h (columns 8h ..) of scale group j's scales (or minima) of the part at p (`scales16`).
+inline __m256 scales8(const uint8_t* p, const Meta& P, int64_t j, int h) {
+  const __m256 f = load8(p + 8 * h * P.sb, P.sb);
+  if (!P.ns) return f;
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 * P.sb + 16 * j + 8 * h));
+  return _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
 }
 
 // ---- AVX2: R rows x one tile (two halves of 8 columns)
@@ -286,17 +311,17 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
         acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
       }
       for (int h = 0; h < 2; ++h) {
-        const __m256 s = load8(gb + cb + 8 * h * P.sb, P.sb);
+        const __m256 s = scales8(gb + cb, P, f0 / P.S, h);
         for (int r = 0; r < R; ++r)
           y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
                                     y[r][h]);
       }
+      if (P.has_min && (f0 + F) % P.S == 0)  // the scale group's end: its minimum term
+        for (int h = 0; h < 2; ++h) {
+          const __m256 m = scales8(gb + cb + P.part_bytes(), P, f0 / P.S, h);
+          for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][k0 / P.S]), y[r][h]);
+        }
     }
-    if (P.has_min)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 m = load8(gb + cb + (16 + 8 * h) * P.sb, P.sb);
-        for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g]), y[r][h]);
-      }
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float yy[16];
@@ -315,6 +340,14 @@ inline void dpbusd(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpbusd %2, %
 // 16 float32 values stored at p as float32 (sb 4) or float16 (sb 2: vcvtph2ps).
 inline __m512 load16(const uint8_t* p, int64_t sb) {
   return sb == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_loadu_ps(p);
+}
+
+// Scale group j's 16 scales (or minima) of the part at p (`scales16`): d * c widened in registers when two-level.
+inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j) {
+  const __m512 f = load16(p, P.sb);
+  if (!P.ns) return f;
+  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * P.sb + 16 * j));
+  return _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
 }
 
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
@@ -369,17 +402,17 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
         }
       for (int t = 0; t < NT; ++t) {
-        const __m512 s = load16(gb + t * tb + cb, P.sb);
+        const __m512 s = scales16v(gb + t * tb + cb, P, f0 / P.S);
         for (int r = 0; r < R; ++r)
           y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
                                     y[r][t]);
       }
+      if (P.has_min && (f0 + F) % P.S == 0)  // the scale group's end: its minimum term
+        for (int t = 0; t < NT; ++t) {
+          const __m512 m = scales16v(gb + t * tb + cb + P.part_bytes(), P, f0 / P.S);
+          for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][k0 / P.S]), y[r][t]);
+        }
     }
-    if (P.has_min)
-      for (int t = 0; t < NT; ++t) {
-        const __m512 m = load16(gb + t * tb + cb + 16 * P.sb, P.sb);
-        for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g]), y[r][t]);
-      }
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) {
@@ -433,7 +466,7 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
-                int64_t has_min, int64_t scale_bytes, int64_t act_block, int64_t isa) {
+                int64_t has_min, int64_t scale_bytes, int64_t superblock, int64_t act_block, int64_t isa) {
   auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
   if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be float32 or bfloat16");
@@ -446,18 +479,23 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, 
     return ffi::Error::InvalidArgument("cpu_quant_matmul: zero must be a code (0 when the weights have a min)");
   if (scale_bytes != 2 && scale_bytes != 4)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: scale_bytes must be 2 (float16) or 4 (float32)");
+  if ((superblock != 0 && superblock != 256) || (superblock && group == K && group != 16 && group != 32 &&
+                                                  group != 64 && group != 128))
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: superblock must be 0 or 256 (with a group of 16 .. 128)");
   if (act_block != 32 && act_block != 64 && act_block != 128)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
   Meta P;
   P.M = xd[0], P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
   P.sb = scale_bytes;
-  P.G = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
+  P.S = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
+  P.G = superblock ? superblock : P.S;
+  P.ns = superblock ? superblock / P.S : 0;
   P.Kp = (K + P.G - 1) / P.G * P.G;
   const bool stacked = wd.size() == 4;
   if ((wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() || wd[stacked + 1] != P.ng() ||
       wd[stacked + 2] != P.group_bytes())
     return ffi::Error::InvalidArgument("cpu_quant_matmul: w must be the packed [tiles, groups, group bytes] "
-                                       "(or [L, ..]) of the format's K, N, group, bits, min and scale bytes");
+                                       "(or [L, ..]) of the format's K, N, group, bits, min, scale bytes and superblock");
   if (layer.element_count() != 1 || (stacked && (layer.typed_data()[0] < 0 || layer.typed_data()[0] >= wd[0])))
     return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be in [0, L) of w's stack");
   if (od.size() != 2 || od[0] != P.M || od[1] != N)
@@ -474,13 +512,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, 
   C->out = out->typed_data();
   Acts& A = C->A;
   A.xq.resize(P.M * P.Ka()), A.dx.resize(P.M * (P.Ka() / P.A)), A.qsum.resize(P.M * P.nf());
-  A.xsum.resize(P.M * P.ng());
+  A.xsum.resize(P.M * P.nsg());
   jp::parallel_for(pool, P.M, P.M, [C](int64_t m) {
     thread_local std::vector<float> row;
     row.resize(C->P.Ka());
     const Meta& Q = C->P;
     quantize_row(*C, m, row.data(), C->A.xq.data() + m * Q.Ka(), C->A.dx.data() + m * (Q.Ka() / Q.A),
-                 C->A.qsum.data() + m * Q.nf(), C->A.xsum.data() + m * Q.ng());
+                 C->A.qsum.data() + m * Q.nf(), C->A.xsum.data() + m * Q.nsg());
   });
   const int path = std::min<int>(static_cast<int>(isa), BEST_ISA);
   const int64_t T = P.tiles();
@@ -509,6 +547,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Attr<int64_t>("zero")
                                   .Attr<int64_t>("has_min")
                                   .Attr<int64_t>("scale_bytes")
+                                  .Attr<int64_t>("superblock")
                                   .Attr<int64_t>("act_block")
                                   .Attr<int64_t>("isa"));
 
