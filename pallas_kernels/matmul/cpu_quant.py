@@ -148,9 +148,9 @@ def half_exact(*arrays) -> bool:
 
 def two_level(a, layout: Layout):
     """Float32 scales (or minima) a [..., groups, N] of a two-level `layout` -> (d float32 [..., superblocks,
-    N], c int8 [..., groups, N]) with d * c == a exactly in float32 (d the largest such: the groups' common
-    dyadic divisor), or None when there are none (an |a / d| above 127, a NaN or an infinity). numpy, on
-    the host."""
+    N], c int8 [..., groups, N]) with d * c == a exactly in float32 (d the groups' common dyadic divisor, or
+    that less an odd factor where this makes d a float16 value and keeps c in int8), or None when there are
+    none (an a / d outside int8, a NaN or an infinity). numpy, on the host."""
     a = np.asarray(a, np.float32)
     *lead, gs, N = a.shape
     if (gs, N) != layout.scale_shape or not layout.superblock or not np.isfinite(a).all():
@@ -163,10 +163,18 @@ def two_level(a, layout: Layout):
     low = e.min(axis=-2, keepdims=True)  # [.., nsb, 1, N]
     low = np.where(low == np.iinfo(np.int32).max, 0, low)
     whole = n << np.minimum(e - low, 38).clip(0)  # ap / 2**low: integers (a spread over 38 fails below)
-    g = np.gcd.reduce(whole, axis=-2, keepdims=True)
-    c = whole // np.maximum(g, 1)
+    g = np.maximum(np.gcd.reduce(whole, axis=-2, keepdims=True), 1)  # [.., nsb, 1, N]
+    c = whole // g
+    # d = g 2**low; where g's odd part has over 11 bits, the least odd h that leaves d / h a float16 value
+    # (so the layout can store d in two bytes) with h * c still in int8
+    odd, cmax = g // (g & -g), np.abs(c).max(axis=-2, keepdims=True)
+    h, todo = np.ones_like(g), odd >= 2048
+    for k in range(3, 128, 2):
+        ok = todo & (odd % k == 0) & (odd // k < 2048) & (cmax * k <= 127)
+        h, todo = np.where(ok, k, h), todo & ~ok
+    g, c = g // h, c * h
     d = np.ldexp(g.astype(np.float64), low).astype(np.float32)  # [.., nsb, 1, N]
-    if np.abs(c).max(initial=0) > 127 or not np.isfinite(d).all():
+    if c.max(initial=0) > 127 or c.min(initial=0) < -128 or not np.isfinite(d).all():
         return None
     c = c.astype(np.int8)
     if not np.array_equal(d * c.astype(np.float32), ap):
