@@ -88,7 +88,8 @@ DRIVER = textwrap.dedent("""
         w = cq.pack(u, s, m, layout)
         x = jnp.asarray(rng.standard_normal((7, 100)), jnp.float32)
         attrs = dict(K=np.int64(100), N=np.int64(40), group=np.int64(32), bits=np.int64(4), zero=np.int64(0),
-                     has_min=np.int64(1), scale_bytes=np.int64(4), act_block=np.int64(32), isa=np.int64(3))
+                     has_min=np.int64(1), scale_bytes=np.int64(4), superblock=np.int64(0), act_block=np.int64(32),
+                     isa=np.int64(3))
         def qmm(x, w, layer=0, rows=7, m=7, **change):
             call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((m, 40), jnp.float32))
             return call(x, w, jnp.int32(layer), jnp.int32(rows), **{**attrs, **change})
@@ -102,9 +103,17 @@ DRIVER = textwrap.dedent("""
         want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wh, half), np.float64)
         got = np.asarray(qmm(x, wh, scale_bytes=np.int64(2)))
         assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        two = cq.Layout(100, 40, 32, 4, 0, True, 2, superblock=256)  # K-quants' form: d per 256 k, int8 c a group
+        d = rng.uniform(1e-3, 1e-2, (1, 40)).astype(np.float16).astype(np.float32)
+        c = [rng.integers(lo, 64, two.scale_shape).astype(np.int8) for lo in (0, -63)]
+        wt = cq.pack(u, (d, c[0]), (d, c[1]), two)
+        want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wt, two), np.float64)
+        got = np.asarray(qmm(x, wt, scale_bytes=np.int64(2), superblock=np.int64(256)))
+        assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
         for args, change in (((x, w[:1]), {}), ((x[:, :64], w), {}), ((x, w[None], 1), {}), ((x, w, 0, 8), {}),
                              ((x, w, 0, 7, 5), {}), ((x, w), dict(bits=np.int64(8))),
-                             ((x, w), dict(scale_bytes=np.int64(2))), ((x, wh), {})):
+                             ((x, w), dict(scale_bytes=np.int64(2))), ((x, wh), {}),
+                             ((x, wt), dict(scale_bytes=np.int64(2))), ((x, w), dict(superblock=np.int64(256)))):
             assert refused(lambda: qmm(*args, **change)), ([getattr(t, "shape", t) for t in args], change)
     print("driver done")
 """)

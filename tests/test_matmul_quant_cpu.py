@@ -184,7 +184,8 @@ def test_bad_operands_are_named():
             call()
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     attrs = dict(K=np.int64(64), N=np.int64(32), group=np.int64(32), bits=np.int64(4), zero=np.int64(8),
-                 has_min=np.int64(0), scale_bytes=np.int64(4), act_block=np.int64(32), isa=np.int64(3))
+                 has_min=np.int64(0), scale_bytes=np.int64(4), superblock=np.int64(0), act_block=np.int64(32),
+                 isa=np.int64(3))
     for change, match in ((dict(bits=np.int64(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
                           (dict(scale_bytes=np.int64(2)), "w must be the packed"),
                           (dict(scale_bytes=np.int64(3)), "scale_bytes must be"),
@@ -216,6 +217,10 @@ def test_avx2_build_equals_reference():
             for path in t.PATHS:
                 t.test_half_scales_equal_reference(*case, path)
         t.test_nonfinite_activations_give_nan_rows()
+        import test_matmul_quant_two_level as two
+        for case in two.CASES:
+            for path in t.PATHS:
+                two.test_two_level_product_equals_reference(*case, path)
         print("ok")
     """)
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}
