@@ -150,3 +150,26 @@ def test_packed_layout_and_product_per_type(type_name, n, k):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     one = qpacked.pack(qa, scale_bytes=4, superblock=0)
     np.testing.assert_array_equal(got, np.asarray(qpacked.matmul(jnp.asarray(x), one)))
+
+
+def test_two_level_form_only_where_smaller_or_asked():
+    """The packer takes the two-level form where the scales have one and it is the smaller blob: K = 288 (9
+    groups, two superblocks) stays one-level unless asked; scales without the form are refused when asked."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models import qpacked
+    from jaxpaged.models.qarray import QArray
+    rng = np.random.default_rng(9)
+    d = rng.uniform(1e-4, 1e-2, (2, 48)).astype(np.float16).astype(np.float32)
+    s = d[np.arange(9) // 8] * rng.integers(1, 64, (9, 48)).astype(np.float32)
+    qa = jax.tree.map(jnp.asarray, QArray.from_codes(rng.integers(0, 16, (288, 48), dtype=np.uint8), s, -s,
+                                                     zero=0, group=32, bits=4))
+    one, two = qpacked.pack(qa), qpacked.pack(qa, superblock=256)
+    assert (one.superblock, two.superblock) == (0, 256) and two.blob.size > one.blob.size
+    np.testing.assert_array_equal(np.asarray(two.unpack().scale), s)
+    odd = dataclasses.replace(qa, scale=qa.scale * jnp.float32(1 + 2 ** -20))
+    with pytest.raises(ValueError, match="superblock=256"):
+        qpacked.pack(odd, superblock=256)
