@@ -209,30 +209,32 @@ inline void store16(const Call& C, int64_t m, int64_t t, const float* y) {
 void scalar_tile(const Call& C, int64_t m, int64_t t) {
   const Meta& P = C.P;
   const Rows<1> X(C, m);
-  const int64_t F = P.F();
+  const int64_t F = P.F(), nj = P.G / P.S;
   const uint8_t* base = C.w + t * P.tile_bytes();
   float y[16] = {};
   for (int64_t g = 0; g < P.ng(); ++g) {
     const uint8_t* gb = base + g * P.group_bytes();
     float s[16], mn[16];
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      scales16(gb + P.code_bytes(), P, f0 / P.S, s);
-      int32_t acc[16] = {};
-      for (int64_t kk = f0; kk < f0 + F; ++kk) {
-        const int32_t xv = X.xq[0][g * P.G + kk];
-        for (int c = 0; c < 16; ++c) {
-          const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
-          const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
-          acc[c] += u * xv;
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        scales16(gb + P.code_bytes(), P, j, s);
+        int32_t acc[16] = {};
+        for (int64_t kk = f0; kk < f0 + F; ++kk) {
+          const int32_t xv = X.xq[0][g * P.G + kk];
+          for (int c = 0; c < 16; ++c) {
+            const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
+            const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
+            acc[c] += u * xv;
+          }
         }
+        const int64_t k0 = g * P.G + f0;
+        const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
+        const float d = X.dx[0][k0 / P.A];
+        for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
       }
-      const int64_t k0 = g * P.G + f0;
-      const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
-      const float d = X.dx[0][k0 / P.A];
-      for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
-      if (P.has_min && (f0 + F) % P.S == 0) {  // the scale group's end: its minimum term
-        scales16(gb + P.code_bytes() + P.part_bytes(), P, f0 / P.S, mn);
-        for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][k0 / P.S];
+      if (P.has_min) {  // the scale group's minimum term
+        scales16(gb + P.code_bytes() + P.part_bytes(), P, j, mn);
+        for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g * nj + j];
       }
     }
   }
@@ -274,52 +276,54 @@ template <int R, int BITS>
 void avx2_tile(const Call& C, int64_t r0, int64_t t) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), cb = P.code_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.code_bytes();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const uint8_t* base = C.w + t * P.tile_bytes();
   __m256 y[R][2];
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
     const uint8_t* gb = base + g * P.group_bytes();
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-      const int64_t k0 = g * P.G + f0;
-      int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
-      if (BITS == 8) {
-        for (int64_t q = 0; q < F / 4; ++q) {
-          const uint8_t* p = gb + (f0 / 4 + q) * 64;
-          const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
-                                _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
-          avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        __m256i acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int64_t k0 = g * P.G + f0;
+        int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
+        if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            const uint8_t* p = gb + (f0 / 4 + q) * 64;
+            const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
+                                  _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
+            avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+          }
+          offset += 128;
+        } else {
+          for (int64_t o = 0; o < F / 8; ++o) {
+            const uint8_t* p = gb + (f0 / 8 + o) * 64;
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+            const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
+            const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
+            avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
+            avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+          }
         }
-        offset += 128;
-      } else {
-        for (int64_t o = 0; o < F / 8; ++o) {
-          const uint8_t* p = gb + (f0 / 8 + o) * 64;
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-          const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
-          const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
-                                 _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
-          avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
-          avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+        for (int r = 0; r < R; ++r) {
+          const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
+          acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
         }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = scales8(gb + cb, P, f0 / P.S, h);
-        for (int r = 0; r < R; ++r)
-          y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
-                                    y[r][h]);
-      }
-      if (P.has_min && (f0 + F) % P.S == 0)  // the scale group's end: its minimum term
         for (int h = 0; h < 2; ++h) {
-          const __m256 m = scales8(gb + cb + P.part_bytes(), P, f0 / P.S, h);
-          for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][k0 / P.S]), y[r][h]);
+          const __m256 s = scales8(gb + cb, P, j, h);
+          for (int r = 0; r < R; ++r)
+            y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
+                                      y[r][h]);
+        }
+      }
+      if (P.has_min)  // the scale group's minimum term
+        for (int h = 0; h < 2; ++h) {
+          const __m256 m = scales8(gb + cb + P.part_bytes(), P, j, h);
+          for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g * nj + j]), y[r][h]);
         }
     }
   }
@@ -342,12 +346,13 @@ inline __m512 load16(const uint8_t* p, int64_t sb) {
   return sb == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_loadu_ps(p);
 }
 
-// Scale group j's 16 scales (or minima) of the part at p (`scales16`): d * c widened in registers when two-level.
-inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j) {
-  const __m512 f = load16(p, P.sb);
-  if (!P.ns) return f;
-  const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * P.sb + 16 * j));
-  return _mm512_mul_ps(f, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)));
+// Scale group j's 16 scales (or minima) of the part at p (`scales16`); two-level: d (`dv`, widened once a stored
+// group) times c[j] widened in registers.
+inline __m512 sub16(const uint8_t* p) {  // 16 int8 at p as float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
+  return P.ns ? _mm512_mul_ps(dv, sub16(p + 16 * P.sb + 16 * j)) : load16(p, P.sb);
 }
 
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
@@ -355,64 +360,89 @@ template <int R, int NT, int BITS>
 void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), cb = P.code_bytes(), tb = P.tile_bytes(), gbytes = P.group_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.code_bytes(), tb = P.tile_bytes(), gbytes = P.group_bytes();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   const uint8_t* base = C.w + t0 * tb;
+  // one row (a lone request's step), two-level: the stored group's sums kept before d and dm, which multiply
+  // them once (two multiplies a group fewer)
+  const bool split = R == 1 && P.ns;
+  const int64_t pb = P.part_bytes(), sub = 16 * P.sb;
   __m512 y[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) y[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
     const uint8_t* gb = base + g * gbytes;
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      __m512i acc[R][NT];
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-      const int64_t k0 = g * P.G + f0;
-      if (BITS == 8) {
-        for (int64_t q = 0; q < F / 4; ++q) {
-          __m512i w[NT];
-          for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
-          for (int r = 0; r < R; ++r) {
-            int32_t xv;
-            std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
-            const __m512i xb = _mm512_set1_epi32(xv);
-            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
-          }
-        }
-      } else {
-        for (int64_t o = 0; o < F / 8; ++o) {
-          __m512i lo[NT], hi[NT];
-          for (int t = 0; t < NT; ++t) {
-            const __m512i v = _mm512_loadu_si512(gb + t * tb + (f0 / 8 + o) * 64);
-            lo[t] = _mm512_and_si512(v, lo4);
-            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-          }
-          for (int r = 0; r < R; ++r) {
-            int32_t xa, xb;
-            std::memcpy(&xa, X.xq[r] + k0 + 8 * o, 4);
-            std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
-            const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
-            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
-          }
-        }
+    __m512 dv[NT], dmv[NT];  // two-level: the stored group's d and dm
+    for (int t = 0; t < NT; ++t)
+      if (P.ns) {
+        dv[t] = load16(gb + t * tb + cb, P.sb);
+        dmv[t] = P.has_min ? load16(gb + t * tb + cb + pb, P.sb) : dv[t];
       }
-      if (P.zero)
-        for (int r = 0; r < R; ++r) {
-          const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
-          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
-        }
-      for (int t = 0; t < NT; ++t) {
-        const __m512 s = scales16v(gb + t * tb + cb, P, f0 / P.S);
+    __m512 ys[NT], ym[NT];
+    for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        __m512i acc[R][NT];
         for (int r = 0; r < R; ++r)
-          y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
-                                    y[r][t]);
-      }
-      if (P.has_min && (f0 + F) % P.S == 0)  // the scale group's end: its minimum term
+          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+        const int64_t k0 = g * P.G + f0;
+        if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            __m512i w[NT];
+            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
+            for (int r = 0; r < R; ++r) {
+              int32_t xv;
+              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
+              const __m512i xb = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+            }
+          }
+        } else {
+          for (int64_t o = 0; o < F / 8; ++o) {
+            __m512i lo[NT], hi[NT];
+            for (int t = 0; t < NT; ++t) {
+              const __m512i v = _mm512_loadu_si512(gb + t * tb + (f0 / 8 + o) * 64);
+              lo[t] = _mm512_and_si512(v, lo4);
+              hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+            }
+            for (int r = 0; r < R; ++r) {
+              int32_t xa, xb;
+              std::memcpy(&xa, X.xq[r] + k0 + 8 * o, 4);
+              std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
+              const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
+            }
+          }
+        }
+        if (P.zero)
+          for (int r = 0; r < R; ++r) {
+            const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
+            for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
+          }
         for (int t = 0; t < NT; ++t) {
-          const __m512 m = scales16v(gb + t * tb + cb + P.part_bytes(), P, f0 / P.S);
-          for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][k0 / P.S]), y[r][t]);
+          if (split) {
+            const __m512 cdx = _mm512_mul_ps(sub16(gb + t * tb + cb + sub + 16 * j), _mm512_set1_ps(X.dx[0][k0 / P.A]));
+            ys[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][t]), cdx, ys[t]);
+            continue;
+          }
+          const __m512 s = scales16v(gb + t * tb + cb, P, j, dv[t]);
+          for (int r = 0; r < R; ++r)
+            y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
+                                      y[r][t]);
+        }
+      }
+      if (P.has_min)  // the scale group's minimum term
+        for (int t = 0; t < NT; ++t) {
+          if (split) {
+            ym[t] = _mm512_fmadd_ps(sub16(gb + t * tb + cb + pb + sub + 16 * j), _mm512_set1_ps(X.xs[0][g * nj + j]), ym[t]);
+            continue;
+          }
+          const __m512 m = scales16v(gb + t * tb + cb + pb, P, j, dmv[t]);
+          for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g * nj + j]), y[r][t]);
         }
     }
+    if (split)
+      for (int t = 0; t < NT; ++t) y[0][t] = _mm512_fmadd_ps(dmv[t], ym[t], _mm512_fmadd_ps(dv[t], ys[t], y[0][t]));
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) {
