@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.matmul import cpu_quant as cq
+from pallas_kernels.matmul.two_level import two_level
 
 pytestmark = pytest.mark.skipif(not cq.available(), reason="the CPU kernel cannot be built here")
 PATHS = [p for p in ("scalar", "avx2", "avx512_vnni") if cq.ISAS[p] <= cq.ISAS.get(cq.isa() or "scalar", 0)]
@@ -40,7 +41,7 @@ def flat(layout):
 
 def packed(rng, layout):
     u, s, m = two_level_weights(rng, layout)
-    st, mt = cq.two_level(s, layout), None if m is None else cq.two_level(m, layout)
+    st, mt = two_level(s, layout), None if m is None else two_level(m, layout)
     assert st is not None and (mt is None) == (m is None)
     return u, s, m, cq.pack(u, st, mt, layout)
 
@@ -75,7 +76,7 @@ def test_two_level_round_trip_and_dequantize():
     layout = cq.Layout(300, 40, 32, 4, 0, True, 4, superblock=256)
     parts = [two_level_weights(rng, layout) for _ in range(2)]
     u, s, m = (np.stack(a) for a in zip(*parts))
-    st, mt = cq.two_level(s, layout), cq.two_level(m, layout)
+    st, mt = two_level(s, layout), two_level(m, layout)
     w = cq.pack(u, st, mt, layout)
     assert w.shape == (2, *layout.blob_shape) and layout.blob_shape == (3, 2, 16 * 128 + 2 * (64 + 8 * 16))
     u2, s2, m2 = cq.unpack(w, layout)
@@ -95,19 +96,19 @@ def test_two_level_factorization():
     layout = cq.Layout(512, 16, 32, 4, 0, False, superblock=256)
     _, s, _ = two_level_weights(rng, layout)
     s[8:16, 3] = 0  # a superblock of zeros
-    d, c = cq.two_level(s, layout)
+    d, c = two_level(s, layout)
     assert d.shape == (2, 16) and c.shape == (16, 16) and c.dtype == np.int8
     np.testing.assert_array_equal(d[np.arange(16) // 8] * c.astype(np.float32), s)
     assert cq.half_exact(d) and not c[8:16, 3].any()
     two = cq.Layout(256, 64, 128, 4, 0, False, superblock=256)  # c pairs: their gcd often odd and over 1
     s2 = two_level_weights(rng, two)[1]
-    assert cq.half_exact(cq.two_level(s2, two)[0])
-    assert cq.two_level(rng.uniform(1e-3, 1e-2, s.shape).astype(np.float32), layout) is None
+    assert cq.half_exact(two_level(s2, two)[0])
+    assert two_level(rng.uniform(1e-3, 1e-2, s.shape).astype(np.float32), layout) is None
     wide = s.copy()
     wide[:8, 0] = np.float32(2.0 ** -10) * np.array([1, 200, 0, 0, 0, 0, 0, 3], np.float32)  # c = 200
-    assert cq.two_level(wide, layout) is None
+    assert two_level(wide, layout) is None
     s[2, 2] = np.nan
-    assert cq.two_level(s, layout) is None
+    assert two_level(s, layout) is None
 
 
 def test_two_level_bad_operands_are_named():
@@ -115,7 +116,7 @@ def test_two_level_bad_operands_are_named():
     rng = np.random.default_rng(3)
     layout = cq.Layout(256, 32, 32, 4, 0, True, superblock=256)
     u, s, m, w = packed(rng, layout)
-    st, mt = cq.two_level(s, layout), cq.two_level(m, layout)
+    st, mt = two_level(s, layout), two_level(m, layout)
     x = jnp.zeros((2, 256), jnp.float32)
     bad = [(lambda: cq.Layout(256, 32, 32, 4, superblock=128), "superblock"),
            (lambda: cq.Layout(100, 32, 100, 4, superblock=256), "superblock"),

@@ -24,6 +24,7 @@ import numpy as np
 from jaxpaged.models import live_rows
 from jaxpaged.models.qarray import QArray, dequantize_parts
 from pallas_kernels.matmul import cpu_quant
+from pallas_kernels.matmul.two_level import two_level
 
 
 @jax.tree_util.register_dataclass
@@ -96,7 +97,7 @@ def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes:
          superblock: int | None = None) -> QPacked:
     """An integer QArray (`packable`; with `transposed` an embedding [V, D] with row scales, packed as the
     head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed. superblock: 256 (the
-    two-level scale form) or 0; None: 256 exactly when the scales and minima have one (`cpu_quant.two_level`)
+    two-level scale form) or 0; None: 256 exactly when the scales and minima have one (`two_level.two_level`)
     and it is the smaller blob. scale_bytes: 2 (float16) or 4 for the floats stored (the two-level form's
     d); None: 2 exactly when every one is a float16 value (`cpu_quant.half_exact`). A form the values do
     not have is refused (ValueError)."""
@@ -138,8 +139,8 @@ def _two_level(a: QArray, spec: QPacked):
     if a.group not in cpu_quant.GROUPS:
         return None
     layout = dataclasses.replace(spec, superblock=cpu_quant.SUPERBLOCK).layout
-    s = cpu_quant.two_level(a.scale, layout)
-    m = None if a.m is None else cpu_quant.two_level(a.m, layout)
+    s = two_level(a.scale, layout)
+    m = None if a.m is None else two_level(a.m, layout)
     return None if s is None or (a.m is not None and m is None) else (s, m)
 
 

@@ -13,9 +13,10 @@ instead of 16 + 4 (+ 4), and the product is the same, exactly.
 
 A two-level form (`Layout.superblock` 256: GGUF's K-quants) keeps such scales at nearly the file's bytes:
 per column and superblock of 256 k, a float d (and dm) in `scale_bytes`, and per group inside it an int8
-sub-scale c (and sub-minimum c'), s = d * c and m = dm * c' formed in registers. `two_level` finds d and c
-from float32 scales with d * c == s in float32, or says there are none (Q4_K's d * a 6-bit scale always has
-them), so the product is the one-level layout's, exactly. A stored group is then the superblock of 256 k.
+sub-scale c (and sub-minimum c'), s = d * c and m = dm * c' formed in registers; a stored group is then
+the superblock of 256 k. two_level.py (beside this file) finds d and c from float32 scales with d * c == s
+in float32, or says there are none (Q4_K's d * a 6-bit scale always has them), so the product is the
+one-level layout's.
 
 `pack(u, s, m, layout)` lays it out once in the kernel's order (`Layout.blob_shape`: [T, ng, group_bytes]
 uint8, column tiles of 16, each a run of stored groups of codes then scales), `unpack` inverts it exactly,
@@ -146,54 +147,6 @@ def half_exact(*arrays) -> bool:
     return all(bool(exact(a)) for a in arrays if a is not None)
 
 
-def two_level(a, layout: Layout):
-    """Float32 scales (or minima) a [..., groups, N] of a two-level `layout` -> (d float32 [..., superblocks,
-    N], c int8 [..., groups, N]) with d * c == a exactly in float32 (d the groups' common dyadic divisor, or
-    that less an odd factor where this makes d a float16 value and keeps c in int8), or None when there are
-    none (an a / d outside int8, a NaN or an infinity). numpy, on the host; the first 16 columns are tried
-    first, so scales without the form are told apart quickly."""
-    a = np.asarray(a, np.float32)
-    *lead, gs, N = a.shape
-    if (gs, N) != layout.scale_shape or not layout.superblock:
-        return None
-    nsub, nsb = layout.subgroups, layout.groups
-    ap = np.pad(a, [(0, 0)] * len(lead) + [(0, nsb * nsub - gs), (0, 0)]).reshape(*lead, nsb, nsub, N)
-    if N > 16 and _factor(ap[..., :16]) is None:
-        return None
-    dc = _factor(ap)
-    return None if dc is None else (dc[0][..., 0, :], dc[1].reshape(*lead, nsb * nsub, N)[..., :gs, :])
-
-
-def _factor(ap):
-    """`two_level` on the superblocks ap [..., nsb, nsub, N] -> (d [..., nsb, 1, N], c int8 like ap) or None."""
-    if not np.isfinite(ap).all():
-        return None
-    frac, exp = np.frexp(ap)  # ap = frac * 2**exp, |frac| in [0.5, 1): an integer of 24 bits times 2**(exp - 24)
-    n = (frac * np.float32(2 ** 24)).astype(np.int32)
-    e = np.where(n != 0, exp - 24, np.iinfo(np.int32).max)
-    low = e.min(axis=-2, keepdims=True)  # [.., nsb, 1, N]
-    low = np.where(low == np.iinfo(np.int32).max, 0, low)
-    # ap / 2**low: integers below 2**31 where the spread is at most 7 (a c over 127 otherwise: fails below)
-    g = np.maximum(np.gcd.reduce(n << np.minimum(e - low, 7), axis=-2, keepdims=True), 1)  # [.., nsb, 1, N]
-    # d = g 2**low; where g's odd part has over 11 bits, the least odd h that leaves d / h a float16 value
-    # (so the layout can store d in two bytes) with c * h still in int8
-    odd = g // (g & -g)
-    big = np.nonzero(odd >= 2048)
-    if big[0].size:
-        ob, cmax = odd[big], np.abs(ap).max(axis=-2, keepdims=True)[big] / np.ldexp(g[big].astype(np.float32),
-                                                                                      low[big])
-        h = np.ones_like(ob)
-        for k in range(127, 1, -2):  # the least fitting k wins: it is written last
-            h = np.where((ob % k == 0) & (ob // k < 2048) & (cmax * k <= 127), k, h)
-        g[big] //= h
-    d = np.ldexp(g.astype(np.float32), low)  # exact: g's odd part has at most 24 bits
-    c = np.rint(ap / d)
-    if c.max(initial=0) > 127 or c.min(initial=0) < -128 or not np.isfinite(d).all() or \
-            not np.array_equal(d * c, ap):
-        return None
-    return d, c.astype(np.int8)
-
-
 def _parts(a, layout: Layout, lead):
     """One of s / m: (a float32 [..., groups, N]) or, two-level, ((d, c)) -> its stored bytes [.., T, ng,
     part_bytes]: d's 16 floats (of `scale_bytes`) a tile and stored group, then c's 16 int8 a subgroup."""
@@ -228,7 +181,7 @@ def pack(u, s, m, layout: Layout):
     `layout.has_min`) [..., groups, N] float32 -> the packed w [..., T, ng, group_bytes] uint8. With
     `layout.scale_bytes` 2, s and m (two-level: their d) must be float16 values (`half_exact`; checked for
     numpy operands). Two-level (`layout.superblock`): s and m are each (d float32 [..., superblocks, N],
-    c int8 [..., groups, N]), as `two_level` gives them."""
+    c int8 [..., groups, N]), as `two_level.two_level` gives them."""
     *lead, K, N = u.shape
     if (K, N) != (layout.K, layout.N):
         raise ValueError(f"u must be [..., {layout.K}, {layout.N}] for the layout, got {list(u.shape)}")
