@@ -28,7 +28,7 @@ from serve.protocol import (
 )
 from serve.protocol_tools import DeltaFunction, DeltaToolCall
 from serve.routes import num_logprobs, sampling_params, shown_logprobs, stream_usage, token_text
-from serve.tool_parsers.stream import ToolCallStream
+from serve.tool_parsers.stream import ToolCallStream, merge
 
 
 def chat_prompt(engine, messages, tool_list=None, add_generation_prompt: bool = True,
@@ -191,14 +191,14 @@ class Chat:
                                              function=DeltaFunction(name=named, arguments=args))
                     delta = ChatDelta(tool_calls=[call] if call else None, reasoning_content=thought or None,
                                       reasoning=thought or None)
-                elif mode == "auto":  # content streams until a call may begin; the calls once the text is whole
+                elif mode == "auto":  # content streams until a call may begin, then the calls' fragments
                     thought, more = self._split(splits[c.index], piece, reason)
-                    content, calls = found[c.index].feed(more), []
+                    content, calls = found[c.index].feed(more)
                     if reason is not None:
-                        rest, calls = found[c.index].finish(cut=reason == "length")
-                        content += rest
-                        reason = "tool_calls" if calls and reason == "stop" else reason
-                    if not thought and not content and reason is None and not lps and not ids_out:
+                        rest, last = found[c.index].finish(cut=reason == "length")
+                        content, calls = content + rest, merge(calls, last)
+                        reason = "tool_calls" if found[c.index].called and reason == "stop" else reason
+                    if not thought and not content and not calls and reason is None and not lps and not ids_out:
                         continue  # all held back
                     delta = ChatDelta(content=content or None, reasoning_content=thought or None,
                                       reasoning=thought or None, tool_calls=calls or None)

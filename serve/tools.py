@@ -11,7 +11,8 @@ loop nor on the engine thread (`AsyncEngine.prepare_structured`).
 Tool-call syntax ("auto"): the server's tool parser's (`--tool-call-parser`, serve/tool_parsers/; by default
 the `<tool_call>...</tool_call>` blocks of Hermes-style templates). A chat template that renders `tools`
 itself gets them as the `tools` variable; one that does not (SmolLM2's) gets a system message listing the
-tools and the Hermes syntax.
+tools and the Hermes syntax. Earlier calls in the conversation likewise: as `tool_calls` to a template that
+renders them, else as Hermes text.
 """
 from __future__ import annotations
 
@@ -155,16 +156,26 @@ def _compile(kw: dict, param: str | None, label: str | None, engine, max_bytes: 
 
 # -- the prompt ---------------------------------------------------------------------------------
 def render_messages(messages, tools, template: str | None) -> tuple[list[dict], list | None]:
-    """(messages for the chat template, tools for it, or None when they went into a system message)."""
-    msgs = []
+    """(messages for the chat template, tools for it, or None when they went into a system message). Earlier
+    assistant tool calls go to a template that renders `tool_calls` as such (each call's `arguments` an
+    object, as Hugging Face's templates take them; a tool result's `tool_call_id` beside its content), so it
+    writes them in its model's own format; for a template that does not, they are Hermes
+    `<tool_call>` text after the message's content."""
+    msgs, own_calls = [], bool(template and "tool_calls" in template)
     for m in messages:
         content = m.content if isinstance(m.content, str) or m.content is None else \
             "\n".join(p.text for p in m.content)
-        if getattr(m, "tool_calls", None):
+        msg = {"role": "system" if m.role == "developer" else m.role}
+        if getattr(m, "tool_calls", None) and own_calls:  # the template writes them in its model's format
+            msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _loads_or_text(c.function.arguments)}} for c in m.tool_calls]
+        elif getattr(m, "tool_calls", None):
             calls = [{"name": c.function.name, "arguments": _loads_or_text(c.function.arguments)}
                      for c in m.tool_calls]
             content = (content or "") + f"<tool_call>{json.dumps(calls)}</tool_call>"
-        msgs.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        if getattr(m, "tool_call_id", None) and own_calls:
+            msg["tool_call_id"] = m.tool_call_id
+        msgs.append({**msg, "content": content or ""})
     if not tools:
         return msgs, None
     specs = [t.function.model_dump(exclude_none=True) for t in tools]

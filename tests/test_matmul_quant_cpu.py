@@ -183,14 +183,14 @@ def test_bad_operands_are_named():
         with pytest.raises(ValueError, match=match):
             call()
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
-    attrs = dict(K=np.int64(64), N=np.int64(32), group=np.int64(32), bits=np.int64(4), zero=np.int64(8),
-                 has_min=np.int64(0), scale_bytes=np.int64(4), superblock=np.int64(0), act_block=np.int64(32),
-                 isa=np.int64(3))
-    for change, match in ((dict(bits=np.int64(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
-                          (dict(scale_bytes=np.int64(2)), "w must be the packed"),
-                          (dict(scale_bytes=np.int64(3)), "scale_bytes must be"),
-                          (dict(group=np.int64(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
-                          (dict(zero=np.int64(16)), "zero")):
+    one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
+    attrs = dict(K=np.int64(64), N=one(32), group=one(32), bits=one(4), zero=one(8), has_min=one(0),
+                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), isa=np.int64(3))
+    for change, match in ((dict(bits=one(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
+                          (dict(scale_bytes=one(2)), "w must be the packed"),
+                          (dict(scale_bytes=one(3)), "scale_bytes must be"),
+                          (dict(group=one(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
+                          (dict(zero=one(16)), "zero")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))
     for rows in (-1, 3):  # live rows outside [0, M]

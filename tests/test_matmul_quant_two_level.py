@@ -130,13 +130,13 @@ def test_two_level_bad_operands_are_named():
         with pytest.raises(ValueError, match=match):
             call()
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
-    attrs = dict(K=np.int64(256), N=np.int64(32), group=np.int64(32), bits=np.int64(4), zero=np.int64(0),
-                 has_min=np.int64(1), scale_bytes=np.int64(4), superblock=np.int64(256), act_block=np.int64(32),
-                 isa=np.int64(3))
+    one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
+    attrs = dict(K=np.int64(256), N=one(32), group=one(32), bits=one(4), zero=one(0), has_min=one(1),
+                 scale_bytes=one(4), superblock=one(256), act_block=np.int64(32), isa=np.int64(3))
     np.testing.assert_array_equal(np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **attrs)), 0)
-    for change, match in ((dict(superblock=np.int64(0)), "w must be the packed"),
-                          (dict(superblock=np.int64(128)), "superblock must be"),
-                          (dict(group=np.int64(256), K=np.int64(256)), "superblock must be"),
-                          (dict(group=np.int64(16)), "w must be the packed")):
+    for change, match in ((dict(superblock=one(0)), "w must be the packed"),
+                          (dict(superblock=one(128)), "superblock must be"),
+                          (dict(group=one(256)), "superblock must be"),
+                          (dict(group=one(16)), "w must be the packed")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))

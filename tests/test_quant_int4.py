@@ -295,3 +295,25 @@ def test_int4_load_and_convert_keep_the_matrices(tmp_path):
         amax = np.abs(np.pad(w, [(0, 0), (0, -w.shape[1] % 32), (0, 0)])).reshape(
             w.shape[0], -1, 32, w.shape[2]).max(2).repeat(32, 1)[:, :w.shape[1]]
         assert np.all(np.abs(back["layers"][name] - w) <= amax / 14 * (1 + 1e-5) + 1e-7), name
+
+
+@pytest.mark.skipif(not KERNEL, reason="the quantized CPU kernel cannot be built here")
+def test_fused_products_keep_the_tokens(setup, monkeypatch):
+    """Greedy tokens and logprobs with a layer's q, k, v (and gate, up) in one quantized kernel call equal
+    those with one call a matrix (tests/test_matmul_quant_fused_cpu.py `one_call_each`), bit for bit; the
+    step makes 3 kernel calls fewer a layer. The steps compile again under each form."""
+    from test_matmul_quant_fused_cpu import one_call_each
+    llm, runner = setup[1], setup[1].engine.runner
+
+    def run():  # -> the outputs, the kernel calls in a step
+        runner._compiled.clear()
+        outs = [(o.outputs[0].token_ids, [{t: float(getattr(v, "logprob", v)) for t, v in lp.items()}
+                                          for lp in o.outputs[0].logprobs])
+                for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        return outs, runner.compiled_step(runner.variants()[0]).as_text().count(cpu_quant.TARGET + '"')
+    fused = run()
+    monkeypatch.setattr(cpu_quant, "cpu_quant_matmuls", one_call_each)
+    each = run()
+    monkeypatch.undo()
+    runner._compiled.clear()  # the engine's own steps again, compiled at their next use
+    assert fused[0] == each[0] and each[1] - fused[1] == 3, (fused[1], each[1])

@@ -89,8 +89,9 @@ def test_no_partial_tool_calls_on_length(server, tool_choice):
 
 def test_auto_tool_call_streams_as_deltas(server):
     """tool_choice auto (the server's default parser, hermes) over an answer forced by a regex to some text then
-    a call: streamed, the text comes before the end as content and the call as one delta entry; put together,
-    the deltas equal the non-streamed message (content, call, finish_reason tool_calls)."""
+    a call: streamed, the text comes before the end as content, the call's id, type and name in its first delta
+    entry and its arguments in pieces after it, as vLLM streams them; put together, the deltas equal the
+    non-streamed message (content, call, finish_reason tool_calls)."""
     answer = 'Hi. <tool_call>{"name": "f", "arguments": {"city": "Paris"}}</tool_call>'
     body = dict(messages=USER, tools=[TOOL], tool_choice="auto", max_tokens=120, temperature=0,
                 structured_outputs={"regex": answer.replace(".", r"\.").replace("{", r"\{").replace("}", r"\}")})
@@ -101,8 +102,11 @@ def test_auto_tool_call_streams_as_deltas(server):
     deltas = [c["choices"][0] for c in stream(server, "/v1/chat/completions", **body) if c["choices"]]
     content = "".join(d["delta"].get("content") or "" for d in deltas)
     calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
-    assert content == "Hi." and [(t["index"], t["type"], t["function"]) for t in calls] == [(0, "function", call)]
-    assert calls[0]["id"] and deltas[-1]["finish_reason"] == "tool_calls"
+    assert content == "Hi." and {t["index"] for t in calls} == {0} and len(calls) > 2  # the arguments in pieces
+    assert (calls[0]["type"], calls[0]["function"]["name"]) == ("function", "f") and calls[0]["id"]
+    assert all(not t.get("id") and not t["function"].get("name") for t in calls[1:])
+    assert "".join(t["function"]["arguments"] for t in calls) == call["arguments"]
+    assert deltas[-1]["finish_reason"] == "tool_calls"
     assert not deltas[-1]["delta"].get("content")  # the text before the call went out before the end
 
 

@@ -8,8 +8,10 @@ import json
 
 import pytest
 
+from serve import tools
 from serve.config import add_server_args
 from serve.tool_parsers import PARSERS, make_tool_parser
+from serve.tool_parsers.partial_json import prefix
 from serve.tool_parsers.stream import ToolCallStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
@@ -98,15 +100,23 @@ def test_malformed_is_content(name):
     assert make_tool_parser(name).parse("No call here, just text.", SCHEMAS) == ("No call here, just text.", [])
 
 
-def stream(name: str, text: str, size: int):
-    """`text` fed in pieces of `size` characters: (the content sent before the end, the finished deltas
-    put together as a client does: content, and each index's id, name and arguments)."""
+def stream(name: str, text: str, size: int, fragments: list | None = None):
+    """`text` fed in pieces of `size` characters: (the content sent before the end, the deltas put together
+    as a client does: content, and each index's id, name and arguments). `fragments`: each delta sent
+    before the end is appended to it."""
     s = ToolCallStream(make_tool_parser(name), SCHEMAS)
-    early = "".join(s.feed(text[i:i + size]) for i in range(0, len(text), size))
-    rest, deltas = s.finish()
+    early, deltas = "", []
+    for i in range(0, len(text), size):
+        content, more = s.feed(text[i:i + size])
+        early += content
+        deltas += more
+    if fragments is not None:
+        fragments += deltas
+    rest, last = s.finish()
     calls: dict[int, dict] = {}
-    for d in deltas:
+    for d in deltas + last:
         got = calls.setdefault(d.index, {"id": d.id, "type": d.type, "name": "", "arguments": ""})
+        assert d.id is None or d.id == got["id"]  # the id comes once, with the name
         got["name"] += d.function.name or ""
         got["arguments"] += d.function.arguments
     return early, (early + rest) or None, [calls[i] for i in sorted(calls)]
@@ -117,12 +127,47 @@ def stream(name: str, text: str, size: int):
 def test_streamed_deltas_equal_the_whole_reading(name, case, size):
     text = CASES[name][case] if case == "malformed" else CASES[name][case][0]
     content, calls = make_tool_parser(name).parse(text, SCHEMAS)
-    early, got_content, got = stream(name, text, size)
+    fragments: list = []
+    early, got_content, got = stream(name, text, size, fragments)
     assert got_content == content
+    if case == "malformed":  # content, as unstreamed; no call but what had gone out before it broke
+        assert all(any(d.id == c["id"] for d in fragments) for c in got)
+        return
     assert [(c["name"], c["arguments"]) for c in got] == [(c.name, c.arguments) for c in calls]
     assert all(c["id"] and c["type"] == "function" for c in got) and len({c["id"] for c in got}) == len(got)
     if case == "before":  # the content before the call went out before the end, the call's text did not
         assert early == EARLY[name]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_arguments_stream_in_fragments(name):
+    """A call's first delta carries its id, type, name and the start of its arguments, the next ones pieces of
+    the arguments, as they are generated (pythonic's calls each go out whole once its `)` has come)."""
+    fragments: list = []
+    stream(name, CASES[name]["several"][0], 3, fragments)
+    if name == "pythonic":
+        assert [(d.index, d.function.name) for d in fragments] == [(0, "a"), (1, "register_user")]
+        return
+    first = [d for d in fragments if d.index == 0]
+    assert first[0].id and first[0].type == "function" and first[0].function.name
+    assert len(first) >= 2 and all(d.id is None and d.function.name is None for d in first[1:])
+    assert {d.index for d in fragments} == {0, 1, 2} if name != "qwen3_coder" else {0, 1}
+
+
+@pytest.mark.parametrize("text", ['{"city": "San Francisco", "days": 3, "x": [1.50, true, null, {"a": "\\u00e9\\ud83d'
+                                  '\\ude00\\n"}], "e": {}}', '{ "a" :1e5 , "b":[ ], "c": -0}', '[]', '"\\""'])
+@pytest.mark.parametrize("ascii_only", [False, True])
+def test_partial_json_is_a_start_of_the_whole(text, ascii_only):
+    """Every start of a JSON text reads as a start of `json.dumps` of the whole value, growing with the text;
+    the whole text as `json.dumps` itself."""
+    whole, was = json.dumps(json.loads(text), ensure_ascii=ascii_only), ""
+    for n in range(len(text) + 1):
+        got, end = prefix(text[:n], 0, ascii_only)
+        assert whole.startswith(got) and got.startswith(was) and (end is None) == (n < len(text))
+        was = got
+    assert was == whole
+    with pytest.raises(ValueError):
+        prefix('{"a": tru}', 0)
 
 
 def test_mistral_ids_are_nine_letters_and_digits():
@@ -132,9 +177,9 @@ def test_mistral_ids_are_nine_letters_and_digits():
 
 def test_stream_sends_content_without_a_call_as_it_comes():
     s = ToolCallStream(make_tool_parser("llama3_json"))
-    assert s.feed("The set {1, 2} is ") == "The set {1, 2} is"  # a brace that opens no call object
-    assert s.feed("small. ") == " small."
-    assert s.feed('{"na') == ""  # may open a call: held
+    assert s.feed("The set {1, 2} is ") == ("The set {1, 2} is", [])  # a brace that opens no call object
+    assert s.feed("small. ") == (" small.", [])
+    assert s.feed('{"na') == ("", [])  # may open a call: held
     assert s.finish() == (' {"na', [])  # it did not: content
 
 
@@ -181,3 +226,31 @@ def test_content_rule(text, content):
     too when only whitespace comes before the call; streamed alike."""
     assert make_tool_parser("hermes").parse(text)[0] == content
     assert stream("hermes", text, 2)[1] == content
+
+
+# a Hugging Face template's own tool-call turns (Qwen2.5's, shortened)
+OWN_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
+                "{{ c.function.name }}:{{ c.function.arguments | tojson }}</tool_call>{% endfor %}"
+                "{% if m.tool_call_id %}({{ m.tool_call_id }}){% endif %}{% endfor %}")
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"  # renders no tool_calls
+
+
+@pytest.mark.parametrize("template", [OWN_TEMPLATE, PLAIN_TEMPLATE])
+def test_earlier_tool_calls_go_to_a_template_that_renders_them(template):
+    """An assistant turn's tool calls reach a template that renders `tool_calls` as such (arguments an object),
+    which writes them its own way; a template that does not gets them as Hermes text in the content."""
+    from jaxpaged.core.tokenizer import _compile_template
+    from serve.protocol import AssistantTurn, ChatMessage, ToolResult
+    convo = [ChatMessage(role="user", content="weather?"), AssistantTurn(role="assistant", tool_calls=[
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "SF"}'}}]),
+        ToolResult(role="tool", content="sunny", tool_call_id="call_1")]
+    msgs, _ = tools.render_messages(convo, None, template)
+    text = _compile_template(template).render(messages=msgs)
+    if template == OWN_TEMPLATE:
+        assert text == ('<|user|>weather?<|assistant|><tool_call>get_weather:{"city": "SF"}</tool_call>'
+                        '<|tool|>sunny(call_1)')
+    else:
+        assert text == ('<|user|>weather?<|assistant|><tool_call>[{"name": "get_weather", "arguments": '
+                        '{"city": "SF"}}]</tool_call><|tool|>sunny')

@@ -172,10 +172,20 @@ def matmul(x, w: QPacked, layer=None):
     """x [..., K] @ the packed w (a stack read at `layer` when given) -> f32[..., N] on the kernel (x in
     float32 or bfloat16; other float types are widened to float32). Inside a `live_rows` block of the step,
     x [M, K]'s padding rows are skipped (zeros)."""
+    return matmuls(x, (w,), layer)[0]
+
+
+def matmuls(x, ws, layer=None) -> tuple:
+    """(matmul(x, w, layer) for w in ws) as one kernel call (`cpu_quant.cpu_quant_matmuls`: x quantized once,
+    one fan-out over every matrix's columns), each product exactly as `matmul` gives it: a layer's q, k and
+    v, or gate and up, all stacks read at the same `layer` (or none)."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
     rows = live_rows.current() if x.ndim == 2 else None  # the step's live rows of x [M, K]
-    return cpu_quant.cpu_quant_matmul(x, w.blob, w.layout, layer=layer, rows=rows)
+    ws = tuple(ws)
+    if len(ws) == 1:
+        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows),)
+    return cpu_quant.cpu_quant_matmuls(x, [w.blob for w in ws], [w.layout for w in ws], layer=layer, rows=rows)
 
 
 def pack_quantized(params: dict, owned: bool = False, like: dict | None = None) -> dict:

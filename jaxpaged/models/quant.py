@@ -192,8 +192,14 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
 def dots(x, ws, preferred_element_type=None, *, row_tile: int = 0, kernel: bool = False) -> tuple:
     """(dot(x, w) for w in ws), each as `dot` gives it. Where the CPU matmul kernel reads every w packed in
     place under one layer index (a layer's q, k and v; gate and up), one kernel call runs them all
-    (pallas_kernels/matmul/cpu.py `cpu_matmuls`: one fan-out a layer's attention inputs, not three)."""
+    (pallas_kernels/matmul/cpu.py `cpu_matmuls`: one fan-out a layer's attention inputs, not three); so
+    does the quantized kernel where every w is a layer of a `QPacked` stack (`qpacked.matmuls`: x quantized
+    once for them all)."""
     ws = tuple(ws)
+    if not row_tile and len(ws) > 1 and all(
+            isinstance(w, LayerOf) and isinstance(w.stack, QPacked) and w.index is ws[0].index for w in ws):
+        ys = qpacked.matmuls(x, [w.stack for w in ws], layer=ws[0].index)
+        return tuple(y.astype(preferred_element_type or x.dtype) for y in ys)
     one_call = (kernel and not row_tile and len(ws) > 1 and x.dtype == jnp.bfloat16 and all(
         isinstance(w, LayerOf) and isinstance(w.stack, Packed) and w.index is ws[0].index for w in ws))
     if not one_call:

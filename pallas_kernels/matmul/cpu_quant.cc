@@ -32,13 +32,16 @@
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
-// Activation rows, then work units (4 column tiles x all rows), are shared by the XLA FFI's intra-op thread
-// pool (ffi_common.h: jp::parallel_for); the calling thread works too.
+// One call may take several matrices of one x (a layer's q, k and v; gate and up), each with its own format
+// (the attributes N .. superblock hold one value a matrix) and out: x is quantized once for them all.
+// Activation rows, then work units (4 column tiles x all rows, every matrix's in one list, largest first), are
+// shared by the XLA FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ffi_common.h"
@@ -91,8 +94,6 @@ struct Acts {
 
 struct Call {
   Meta P;
-  const void* x;
-  bool bf16;
   const uint8_t* w;
   Acts A;
   float* out;
@@ -128,14 +129,15 @@ inline void scales16(const uint8_t* p, const Meta& P, int64_t j, float* out) {
     for (int c = 0; c < 16; ++c) out[c] *= static_cast<float>(static_cast<int8_t>(p[16 * P.sb + 16 * j + c]));
 }
 
-// Row m of x quantized (r: scratch of Ka floats).
-void quantize_row(const Call& C, int64_t m, float* r, int8_t* q, float* dx, int32_t* qsum, float* xsum) {
-  const Meta& P = C.P;
-  if (C.bf16) {
-    const uint16_t* xr = static_cast<const uint16_t*>(C.x) + m * P.K;
+// Row m of x [M, K] (float32, or bfloat16 when `bf16`) quantized to int8 over P.Ka() k, zeros past K: codes
+// q [Ka], one scale dx a block of P.A k (r: scratch of Ka floats). The row's blocks depend on K and A only,
+// so one quantization over the longest Ka serves every product of x (the others read its prefix).
+void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, int8_t* q, float* dx) {
+  if (bf16) {
+    const uint16_t* xr = static_cast<const uint16_t*>(x) + m * P.K;
     for (int64_t k = 0; k < P.K; ++k) r[k] = bf16_to_f32(xr[k]);
   } else {
-    std::memcpy(r, static_cast<const float*>(C.x) + m * P.K, 4 * P.K);
+    std::memcpy(r, static_cast<const float*>(x) + m * P.K, 4 * P.K);
   }
   std::fill(r + P.K, r + P.Ka(), 0.f);
   for (int64_t b = 0; b < P.Ka() / P.A; ++b) {
@@ -169,6 +171,11 @@ void quantize_row(const Call& C, int64_t m, float* r, int8_t* q, float* dx, int3
     for (int64_t k = 0; k < P.A; ++k) qb[k] = static_cast<int8_t>(std::nearbyint(rb[k] * inv));
 #endif
   }
+}
+
+// A quantized row's sums for the product of format P: qsum [nf] (sum of q per F block), xsum [nsg] (sum of
+// dx * q per scale group: the minimum's term).
+void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum) {
   const int64_t F = P.F();
   for (int64_t f = 0; f < P.nf(); ++f) {
     int32_t s = 0;
@@ -494,90 +501,186 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
     for (int64_t r = 0; r < M; ++r) scalar_tile(C, r, t0 + t);
 }
 
-ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> out, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
-                int64_t has_min, int64_t scale_bytes, int64_t superblock, int64_t act_block, int64_t isa) {
-  auto xd = x.dimensions(), wd = w.dimensions(), od = out->dimensions();
-  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be float32 or bfloat16");
-  if (xd.size() != 2 || xd[1] != K)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be [M, K] with K the weights' K");
-  if ((bits != 8 && bits != 4) || K <= 0 || N <= 0 || (group != K && group != 16 && group != 32 && group != 64 &&
-                                                       group != 128))
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: bits must be 4 or 8, group 16, 32, 64, 128 or K");
+// Product i of n's name for operand `base` in errors: "w" alone, "ws[i]" among several.
+std::string named(const char* base, size_t i, size_t n) {
+  return n == 1 ? std::string(base) : std::string(base) + "s[" + std::to_string(i) + "]";
+}
+
+// The format of product i (its attributes, x's M and K) and its operands w and out checked against it, every
+// mismatch an InvalidArgument naming the operand -> C (w at the layer index, M all of x's rows).
+ffi::Error check_product(size_t i, size_t n, int64_t M, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
+                         int64_t has_min, int64_t scale_bytes, int64_t superblock, int64_t act_block,
+                         const ffi::AnyBuffer& w,
+                         const ffi::AnyBuffer& out, int32_t layer, Call& C) {
+  constexpr const char* KERNEL = "cpu_quant_matmul";
+  const std::string at = std::string(KERNEL) + ": " + (n == 1 ? "" : named("w", i, n) + ": ");
+  if ((bits != 8 && bits != 4) || N <= 0 || (group != K && group != 16 && group != 32 && group != 64 && group != 128))
+    return ffi::Error::InvalidArgument(at + "bits must be 4 or 8, group 16, 32, 64, 128 or K, N positive");
   if (zero < 0 || zero >= (int64_t{1} << bits) || (has_min && zero))
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: zero must be a code (0 when the weights have a min)");
+    return ffi::Error::InvalidArgument(at + "zero must be a code (0 when the weights have a min)");
   if (scale_bytes != 2 && scale_bytes != 4)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: scale_bytes must be 2 (float16) or 4 (float32)");
+    return ffi::Error::InvalidArgument(at + "scale_bytes must be 2 (float16) or 4 (float32)");
   if ((superblock != 0 && superblock != 256) || (superblock && group == K && group != 16 && group != 32 &&
                                                   group != 64 && group != 128))
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: superblock must be 0 or 256 (with a group of 16 .. 128)");
-  if (act_block != 32 && act_block != 64 && act_block != 128)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
-  Meta P;
-  P.M = xd[0], P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
+    return ffi::Error::InvalidArgument(at + "superblock must be 0 or 256 (with a group of 16 .. 128)");
+  Meta& P = C.P;
+  P.M = M, P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
   P.sb = scale_bytes;
   P.S = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
   P.G = superblock ? superblock : P.S;
   P.ns = superblock ? superblock / P.S : 0;
   P.Kp = (K + P.G - 1) / P.G * P.G;
+  auto wd = w.dimensions();
   const bool stacked = wd.size() == 4;
-  if ((wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() || wd[stacked + 1] != P.ng() ||
-      wd[stacked + 2] != P.group_bytes())
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: w must be the packed [tiles, groups, group bytes] "
-                                       "(or [L, ..]) of the format's K, N, group, bits, min, scale bytes and superblock");
-  if (layer.element_count() != 1 || (stacked && (layer.typed_data()[0] < 0 || layer.typed_data()[0] >= wd[0])))
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be in [0, L) of w's stack");
-  if (od.size() != 2 || od[0] != P.M || od[1] != N)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: out must be f32[M, N]");
-  if (rows.element_count() != 1 || rows.typed_data()[0] < 0 || rows.typed_data()[0] > P.M)
-    return ffi::Error::InvalidArgument("cpu_quant_matmul: rows must be one int32 in [0, M] (x's live rows)");
-  // Rows past `rows` pad a token bucket: their outputs are zeros, and nothing of them is read or computed.
-  std::fill(out->typed_data() + rows.typed_data()[0] * N, out->typed_data() + P.M * N, 0.0f);
-  P.M = rows.typed_data()[0];
-  if (P.M == 0) return ffi::Error::Success();
-  auto C = std::make_shared<Call>();
-  C->P = P, C->x = x.untyped_data(), C->bf16 = x.element_type() == ffi::DataType::BF16;
-  C->w = w.typed_data() + (stacked ? layer.typed_data()[0] : 0) * P.tiles() * P.tile_bytes();
-  C->out = out->typed_data();
-  Acts& A = C->A;
-  A.xq.resize(P.M * P.Ka()), A.dx.resize(P.M * (P.Ka() / P.A)), A.qsum.resize(P.M * P.nf());
-  A.xsum.resize(P.M * P.nsg());
-  jp::parallel_for(pool, P.M, P.M, [C](int64_t m) {
-    thread_local std::vector<float> row;
-    row.resize(C->P.Ka());
-    const Meta& Q = C->P;
-    quantize_row(*C, m, row.data(), C->A.xq.data() + m * Q.Ka(), C->A.dx.data() + m * (Q.Ka() / Q.A),
-                 C->A.qsum.data() + m * Q.nf(), C->A.xsum.data() + m * Q.nsg());
-  });
-  const int path = std::min<int>(static_cast<int>(isa), BEST_ISA);
-  const int64_t T = P.tiles();
-  const int64_t units = (T + UNIT_TILES - 1) / UNIT_TILES;
-  jp::parallel_for(pool, units, units, [C, path, T](int64_t u) {
-    const int64_t t0 = u * UNIT_TILES;
-    unit(*C, path, t0, static_cast<int>(std::min<int64_t>(UNIT_TILES, T - t0)));
-  });
+  const std::string wname = named("w", i, n), blob = std::to_string(P.tiles()) + ", " + std::to_string(P.ng()) +
+                                                     ", " + std::to_string(P.group_bytes());
+  if (w.element_type() != ffi::DataType::U8 || (wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() ||
+      wd[stacked + 1] != P.ng() || wd[stacked + 2] != P.group_bytes())
+    return ffi::Error::InvalidArgument(at + wname + " must be the packed uint8[" + blob + "] (or [L, " + blob +
+                                       "]) of the format's K, N, group, bits, min, scale bytes and superblock, got " +
+                                       jp::describe(w));
+  if (stacked && (layer < 0 || layer >= wd[0]))
+    return ffi::Error::InvalidArgument(at + "the layer index must be in [0, " + std::to_string(wd[0]) + ") of " +
+                                       wname + "'s stack, got " + std::to_string(layer));
+  if (out.element_type() != ffi::DataType::F32 || !jp::has_dims(out, {M, N}))
+    return jp::bad_operand(KERNEL, named("out", i, n).c_str(),
+                           "float32 [M = " + std::to_string(M) + ", N = " + std::to_string(N) + "]", out);
+  C.w = static_cast<const uint8_t*>(w.untyped_data()) + (stacked ? layer : 0) * P.tiles() * P.tile_bytes();
+  C.out = static_cast<float*>(out.untyped_data());
   return ffi::Error::Success();
 }
 
+// A unit of the threads' one work list: column tiles t0 .. t0 + nt of product i, every row; `bytes` of
+// weights it reads.
+struct Work {
+  size_t i;
+  int64_t t0;
+  int nt;
+  int64_t bytes;
+};
+
+// What the threads share: every product, x, the work list, the path.
+struct Job {
+  std::vector<Call> calls;
+  Meta widest;  // the format with the longest quantized row: x is quantized once, over its Ka
+  const void* x;
+  bool bf16;
+  std::vector<Work> work;
+  int path;
+};
+
+// Several products of one x (a layer's q, k and v; gate and up) are one call: x quantized once, then the
+// column tiles of every product one work list, largest units first. Each product has its own format (the
+// attribute arrays N .. superblock, one value a product: the same K, act_block and isa), w and out.
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
+                ffi::Buffer<ffi::S32> rows, ffi::RemainingArgs more_w, ffi::Result<ffi::AnyBuffer> out,
+                ffi::RemainingRets more_out, int64_t K, ffi::Span<const int64_t> N, ffi::Span<const int64_t> group,
+                ffi::Span<const int64_t> bits, ffi::Span<const int64_t> zero, ffi::Span<const int64_t> has_min,
+                ffi::Span<const int64_t> scale_bytes, ffi::Span<const int64_t> superblock, int64_t act_block,
+                int64_t isa) {
+  const size_t n = 1 + more_w.size();
+  if (more_out.size() != more_w.size())
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: one out per w, got " + std::to_string(n) + " w and " +
+                                       std::to_string(more_out.size() + 1) + " out");
+  for (auto [name, a] : {std::pair{"N", N}, {"group", group}, {"bits", bits}, {"zero", zero}, {"has_min", has_min},
+                         {"scale_bytes", scale_bytes}, {"superblock", superblock}})
+    if (a.size() != n)
+      return ffi::Error::InvalidArgument(std::string("cpu_quant_matmul: the attribute ") + name + " must hold one value "
+                                         "a w (" + std::to_string(n) + "), got " + std::to_string(a.size()));
+  auto xd = x.dimensions();
+  if (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be float32 or bfloat16");
+  if (xd.size() != 2 || xd[1] != K || K <= 0)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be [M, K] with K the weights' K");
+  if (act_block != 32 && act_block != 64 && act_block != 128)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
+  if (layer.element_count() != 1)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be one int32");
+  const int64_t M = xd[0];
+  if (rows.element_count() != 1 || rows.typed_data()[0] < 0 || rows.typed_data()[0] > M)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: rows must be one int32 in [0, M] (x's live rows)");
+  auto J = std::make_shared<Job>();
+  J->calls.resize(n);
+  auto check = [&](size_t i, const ffi::AnyBuffer& wi, const ffi::AnyBuffer& oi) {
+    return check_product(i, n, M, K, N[i], group[i], bits[i], zero[i], has_min[i], scale_bytes[i], superblock[i],
+                         act_block, wi, oi, layer.typed_data()[0], J->calls[i]);
+  };
+  if (ffi::Error e = check(0, w, *out); e.failure()) return e;
+  for (size_t i = 1; i < n; ++i) {
+    auto wi = more_w.get<ffi::AnyBuffer>(i - 1);
+    auto oi = more_out.get<ffi::AnyBuffer>(i - 1);
+    if (!wi.has_value() || !oi.has_value())
+      return ffi::Error::InvalidArgument("cpu_quant_matmul: " + named("w", i, n) + " and " + named("out", i, n) +
+                                         " must be arrays");
+    if (ffi::Error e = check(i, *wi, **oi); e.failure()) return e;
+  }
+  // Rows past `rows` pad a token bucket: their outputs are zeros, and nothing of them is read or computed.
+  const int64_t live = rows.typed_data()[0];
+  for (Call& C : J->calls) {
+    std::fill(C.out + live * C.P.N, C.out + M * C.P.N, 0.0f);
+    C.P.M = live;
+  }
+  if (live == 0) return ffi::Error::Success();
+  J->widest = J->calls[0].P;
+  for (Call& C : J->calls) {
+    if (C.P.Ka() > J->widest.Ka()) J->widest = C.P;
+    Acts& A = C.A;
+    A.xq.resize(live * C.P.Ka()), A.dx.resize(live * (C.P.Ka() / C.P.A)), A.qsum.resize(live * C.P.nf());
+    A.xsum.resize(live * C.P.nsg());
+  }
+  J->x = x.untyped_data(), J->bf16 = x.element_type() == ffi::DataType::BF16;
+  jp::parallel_for(pool, live, live, [J](int64_t m) {
+    const Meta& W = J->widest;
+    thread_local std::vector<float> row, dx;
+    thread_local std::vector<int8_t> q;
+    row.resize(W.Ka()), q.resize(W.Ka()), dx.resize(W.Ka() / W.A);
+    quantize_row(W, J->x, J->bf16, m, row.data(), q.data(), dx.data());
+    for (Call& C : J->calls) {  // each product's own row: the prefix of its Ka, its own sums
+      const Meta& Q = C.P;
+      int8_t* cq = C.A.xq.data() + m * Q.Ka();
+      float* cdx = C.A.dx.data() + m * (Q.Ka() / Q.A);
+      std::memcpy(cq, q.data(), Q.Ka());
+      std::memcpy(cdx, dx.data(), sizeof(float) * (Q.Ka() / Q.A));
+      row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.nsg());
+    }
+  });
+  J->path = std::min<int>(static_cast<int>(isa), BEST_ISA);
+  for (size_t i = 0; i < n; ++i) {
+    const Meta& P = J->calls[i].P;
+    for (int64_t t0 = 0; t0 < P.tiles(); t0 += UNIT_TILES) {
+      const int nt = static_cast<int>(std::min<int64_t>(UNIT_TILES, P.tiles() - t0));
+      J->work.push_back(Work{i, t0, nt, nt * P.tile_bytes()});
+    }
+  }
+  // largest units first, so the threads end close together (jp::parallel_for takes units in order)
+  std::stable_sort(J->work.begin(), J->work.end(), [](const Work& a, const Work& b) { return a.bytes > b.bytes; });
+  const int64_t units = static_cast<int64_t>(J->work.size());
+  jp::parallel_for(pool, units, units, [J](int64_t u) {
+    const Work& U = J->work[u];
+    unit(J->calls[U.i], J->path, U.t0, U.nt);
+  });
+  return ffi::Error::Success();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()               // x [M, K]
+                                  .Arg<ffi::AnyBuffer>()               // w: the first product's packed matrix
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // layer: the index into stacked w
+                                  .Arg<ffi::Buffer<ffi::S32>>()        // rows: x's live rows
+                                  .RemainingArgs()                     // more w of the same x, each its own out
+                                  .Ret<ffi::AnyBuffer>()               // out f32[M, N]
+                                  .RemainingRets()                     // the out of each further w
                                   .Attr<int64_t>("K")
-                                  .Attr<int64_t>("N")
-                                  .Attr<int64_t>("group")
-                                  .Attr<int64_t>("bits")
-                                  .Attr<int64_t>("zero")
-                                  .Attr<int64_t>("has_min")
-                                  .Attr<int64_t>("scale_bytes")
-                                  .Attr<int64_t>("superblock")
+                                  .Attr<ffi::Span<const int64_t>>("N")  // one value a product, from here on
+                                  .Attr<ffi::Span<const int64_t>>("group")
+                                  .Attr<ffi::Span<const int64_t>>("bits")
+                                  .Attr<ffi::Span<const int64_t>>("zero")
+                                  .Attr<ffi::Span<const int64_t>>("has_min")
+                                  .Attr<ffi::Span<const int64_t>>("scale_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("superblock")
                                   .Attr<int64_t>("act_block")
                                   .Attr<int64_t>("isa"));
 

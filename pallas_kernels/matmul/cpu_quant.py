@@ -24,6 +24,8 @@ uint8, column tiles of 16, each a run of stored groups of codes then scales), `u
 `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for float32 or bfloat16 x, with x
 quantized to int8 per row and block of `act_block` k inside the kernel (the product equals the float
 product of those dequantized activations with W, up to float32 summation).
+`cpu_quant_matmuls(x, ws, layouts)` runs the products of one x with several matrices (a layer's q, k and v;
+gate and up; each its own Layout) as one call: x quantized once, one work list over all their columns.
 `isa()` names the best path this build runs ("avx512_vnni", "avx2", "scalar"); `isa=` caps it (tests).
 """
 from __future__ import annotations
@@ -261,17 +263,44 @@ def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: 
     all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token bucket and give
     zeros, not computed. act_block: the k each activation scale covers (32, 64 or 128); isa: the most
     capable path to run (default: the build's best)."""
+    return _products(x, (w,), (layout,), True, layer, rows, act_block, isa)[0]
+
+
+def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int = 32,
+                      isa: str | None = None) -> tuple:
+    """(x @ w for w, layout in zip(ws, layouts)) in one call, each exactly as `cpu_quant_matmul` gives it: the
+    products of one x (a layer's q, k and v; gate and up), x quantized once, the column tiles of every
+    matrix one work list for the threads. Each w has its own Layout (the same K: group, bits, zero,
+    minimum and scale bytes may differ), all stacked under the same `layer` or none. -> a tuple of
+    f32[..., N_i]."""
+    ws, layouts = tuple(ws), tuple(layouts)
+    if not ws or len(ws) != len(layouts):
+        raise ValueError(f"cpu_quant_matmuls needs one layout a matrix, at least one: got {len(ws)} ws and "
+                         f"{len(layouts)} layouts")
+    return _products(x, ws, layouts, False, layer, rows, act_block, isa)
+
+
+def _products(x, ws, layouts, single: bool, layer, rows, act_block, isa) -> tuple:
+    """The kernel call of x with every (w, layout): operands checked first, errors naming them (w and layout
+    when `single`, else ws[i] and layouts[i])."""
     stacked = layer is not None
-    if not isinstance(layout, Layout):
-        raise ValueError(f"layout must be a Layout, got {type(layout).__name__}")
-    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or x.shape[-1:] != (layout.K,):
-        raise ValueError(f"x must be float32 or bfloat16 [..., {layout.K}], got "
-                         f"{jnp.dtype(x.dtype).name}{list(x.shape)}")
-    if (tuple(w.shape[stacked:]) != layout.blob_shape or len(w.shape) != 3 + stacked
-            or jnp.dtype(w.dtype) != jnp.uint8):
-        want = ("L, " if stacked else "") + ", ".join(map(str, layout.blob_shape))
-        raise ValueError(f"w must be the packed uint8[{want}] of {layout}, got "
-                         f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+    for i, (w, layout) in enumerate(zip(ws, layouts)):
+        name, lname = ("w", "layout") if single else (f"ws[{i}]", f"layouts[{i}]")
+        if not isinstance(layout, Layout):
+            raise ValueError(f"{lname} must be a Layout, got {type(layout).__name__}")
+        if layout.K != layouts[0].K:
+            raise ValueError(f"{lname} must have K={layouts[0].K} (every matrix multiplies the same x), got "
+                             f"{layout.K}")
+        if (tuple(w.shape[stacked:]) != layout.blob_shape or len(w.shape) != 3 + stacked
+                or jnp.dtype(w.dtype) != jnp.uint8):
+            want = ("L, " if stacked else "") + ", ".join(map(str, layout.blob_shape))
+            raise ValueError(f"{name} must be the packed uint8[{want}] of {layout}, got "
+                             f"{jnp.dtype(w.dtype).name}{list(w.shape)}")
+    K = layouts[0].K
+    if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)) or x.shape[-1:] != (K,):
+        raise ValueError(f"x must be float32 or bfloat16 [..., {K}], got {jnp.dtype(x.dtype).name}{list(x.shape)}")
+    if stacked and len({w.shape[0] for w in ws}) != 1:
+        raise ValueError(f"the stacks in ws must hold as many layers, got {[w.shape[0] for w in ws]}")
     if act_block not in ACT_BLOCKS:
         raise ValueError(f"act_block must be one of {ACT_BLOCKS}, got {act_block}")
     if isa is not None and isa not in ISAS:
@@ -279,13 +308,14 @@ def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: 
     if not available():
         raise RuntimeError("the quantized CPU matmul kernel is not available here (see the log for why)")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, layout.K)
+    x2 = x.reshape(-1, K)
     index = jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(())
     live = jnp.asarray(x2.shape[0] if rows is None else rows, jnp.int32).reshape(())
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x2.shape[0], layout.N), jnp.float32),
+    call = jax.ffi.ffi_call(TARGET, [jax.ShapeDtypeStruct((x2.shape[0], a.N), jnp.float32) for a in layouts],
                             vmap_method="sequential")
-    y = call(x2, w, index, live, K=np.int64(layout.K), N=np.int64(layout.N), group=np.int64(layout.group),
-             bits=np.int64(layout.bits), zero=np.int64(layout.zero), has_min=np.int64(layout.has_min),
-             scale_bytes=np.int64(layout.scale_bytes), superblock=np.int64(layout.superblock),
-             act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
-    return y.reshape(lead + (layout.N,))
+    each = lambda f: np.array([f(a) for a in layouts], np.int64)  # noqa: E731 (an attribute a product)
+    ys = call(x2, ws[0], index, live, *ws[1:], K=np.int64(K), N=each(lambda a: a.N), group=each(lambda a: a.group),
+              bits=each(lambda a: a.bits), zero=each(lambda a: a.zero), has_min=each(lambda a: a.has_min),
+              scale_bytes=each(lambda a: a.scale_bytes), superblock=each(lambda a: a.superblock),
+              act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
+    return tuple(y.reshape(lead + (a.N,)) for y, a in zip(ys, layouts))

@@ -4,6 +4,7 @@
 #   VLLM_TREE: a vLLM work tree (its tests/ are copied; some tests read its examples/)
 #   VLLM_PY: a Python with vllm, pytest and pytest-asyncio (VLLM_PYTHONPATH is put on its path)
 #   JAXPAGED_PYTHON: a Python with jaxpaged's dependencies (default: this checkout's .venv)
+#   VLLM_PYTEST_ARGS: further pytest arguments for every file (e.g. "-k 'custom_role or n_parameter'")
 set -euo pipefail
 VLLM=$(cd "$1" && pwd)
 WORK=${2:-/tmp/vllm_server_tests}
@@ -35,10 +36,12 @@ export JAXPAGED_MODEL_DIR=${JAXPAGED_MODEL_DIR:-$(PYTHONPATH=$ROOT "$JAXPAGED_PY
 export JAXPAGED_LOG_DIR=$WORK/logs  # each server's log, serve-PORT.log
 mkdir -p "$JAXPAGED_LOG_DIR"
 cd "$WORK"
+eval "PYTEST_EXTRA=(${VLLM_PYTEST_ARGS:-})"  # the words of VLLM_PYTEST_ARGS, quotes as the shell reads them
 for f in "${FILES[@]}"; do  # one pytest per file: each file's report is kept whatever happens to the next
   name=$(basename "$f" .py)
   PYTHONPATH="$WORK:${VLLM_PYTHONPATH:-}" "$VLLM_PY" -m pytest -p no:cacheprovider -v -rfEs \
-    -o asyncio_default_fixture_loop_scope=function --junitxml="$WORK/junit-$name.xml" "$f" \
+    -o asyncio_default_fixture_loop_scope=function --junitxml="$WORK/junit-$name.xml" \
+    ${VLLM_PYTEST_ARGS:+"${PYTEST_EXTRA[@]}"} "$f" \
     > "$WORK/pytest-$name.log" 2>&1 || true
   tail -1 "$WORK/pytest-$name.log"
 done

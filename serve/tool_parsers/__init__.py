@@ -2,9 +2,10 @@
 a chat answer's text, one syntax per module; `PARSERS` is the registry the flag's choices come from.
 
 Each parser reads a whole text into (content, calls) (`ToolParser.parse`, a pure function; text that does not
-parse stays content) and says where in a growing text a call may begin (`ToolParser.start`), which is all
-the stream needs (serve/tool_parsers/stream.py: content before a call streams as it comes, the calls go
-out as tool-call deltas when the answer is whole). The content rule is shared (base.py, `join_content`).
+parse stays content), says where in a growing text a call may begin (`ToolParser.start`) and reads the calls
+begun in a growing text (`ToolParser.partial`), which is all the stream needs (serve/tool_parsers/stream.py:
+content before a call streams as it comes, then each call's name and its arguments in pieces as they come;
+pythonic's calls each whole once its `)` has come). The content rule is shared (base.py, `join_content`).
 """
 from __future__ import annotations
 

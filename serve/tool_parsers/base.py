@@ -44,6 +44,13 @@ class ToolParser:
                     best = (len(text) - n, False)
         return best
 
+    def partial(self, text: str, at: int, schemas: dict[str, dict] | None = None) -> list[tuple[str, str]]:
+        """The calls begun in a growing `text` whose calls begin at `at` (where `start` found them), each as
+        (name, the start of its arguments): every call's name and arguments are the start of what `parse`
+        gives once the text is whole, if it is calls. [] here: the calls go out whole at the end. ValueError
+        when the text can no longer be calls."""
+        return []
+
     def call_id(self) -> str:
         """A new tool call's id."""
         return new_call_id()

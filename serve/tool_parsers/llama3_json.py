@@ -8,6 +8,7 @@ import re
 
 from serve.protocol_tools import FunctionCall
 from serve.tool_parsers.base import ToolParser, call, held, join_content, json_at, too_deep
+from serve.tool_parsers.partial_calls import blank, json_calls
 
 TAG = "<|python_tag|>"
 _OPEN = re.compile(r"\{\s*(\"|\Z)")  # a call object opens with a key (or the text ends inside its opening)
@@ -57,6 +58,26 @@ class Llama3JsonParser(ToolParser):
             return tag, True
         n = held(text[pos:], TAG)
         return (len(text) - n, False) if n else None
+
+    def partial(self, text: str, at: int, schemas: dict[str, dict] | None = None) -> list[tuple[str, str]]:
+        i = blank(text, at + len(TAG)) if text.startswith(TAG, at) else at
+        calls = []
+        while text.startswith("{", i):
+            got, end = json_calls(text, i, _strict, "parameters", ensure_ascii=False)
+            calls += got
+            sep = _SEP.match(text, end) if end is not None else None
+            if sep is None or not text.startswith("{", sep.end()):
+                break
+            i = sep.end()
+        return calls
+
+
+def _strict(obj) -> FunctionCall:
+    """The call a whole object is; ValueError when it is none (the stream then waits for the end)."""
+    got = _call(obj)
+    if got is None:
+        raise ValueError("not a call object")
+    return got
 
 
 def _call(obj) -> FunctionCall | None:

@@ -49,6 +49,22 @@ class PythonicParser(ToolParser):
             at = text.find("[", at + 1)
         return None
 
+    def partial(self, text: str, at: int, schemas: dict[str, dict] | None = None) -> list[tuple[str, str]]:
+        """The calls whose `)` has come, each whole (a Python call is read whole): the longest start of the
+        list, up to a `)`, that reads as a list of calls once closed."""
+        if too_deep(text) or not _OPEN.match(text, at):
+            return []
+        found, close = [], text.find(")", at)
+        while close >= 0:
+            try:
+                tree = ast.parse(text[at:close + 1] + "]", mode="eval")
+            except (SyntaxError, ValueError, RecursionError, MemoryError):
+                tree = None
+            if tree is not None and isinstance(tree.body, ast.List):
+                found = tree.body.elts
+            close = text.find(")", close + 1)
+        return [(c.name, c.arguments) for c in map(_call, found)]
+
 
 def _call(node: ast.expr) -> FunctionCall:
     if not isinstance(node, ast.Call) or node.args or any(k.arg is None for k in node.keywords):

@@ -26,6 +26,8 @@ from serve.tool_parsers.base import ToolParser, join_content
 from serve.tool_parsers.pythonic import literal
 
 _CALL = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>(.*?)(?:</function>\s*(?:</tool_call>)?|\Z)", re.S)
+_OPENING = re.compile(r"(?:<tool_call>\s*)?<function=([^>\n]+)>")
+_WHOLE = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=))", re.S)  # a parameter that has ended
 _PARAM = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
 
 
@@ -40,16 +42,38 @@ class Qwen3CoderParser(ToolParser):
                 first = m.start()
             elif text[at:m.start()].strip():
                 break  # text between calls: the calls are over
-            name, body = m.group(1).strip(), m.group(2)
-            if not name or _PARAM.sub("", body).strip():
-                return text, []  # a call with text outside its parameters is not one
-            props = _properties((schemas or {}).get(name))
-            args = {p.strip(): _value(v, props.get(p.strip())) for p, v in _PARAM.findall(body)}
-            calls.append(FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False)))
+            try:
+                calls.append(_call(m.group(1).strip(), m.group(2), schemas))
+            except ValueError:
+                return text, []
             at = m.end()
         if not calls:
             return text, []
         return join_content(text[:first], text[at:]), calls
+
+    def partial(self, text: str, at: int, schemas: dict[str, dict] | None = None) -> list[tuple[str, str]]:
+        calls, i = [], at
+        while (m := _OPENING.search(text, i)) is not None and not (calls and text[i:m.start()].strip()):
+            name = m.group(1).strip()
+            if text.find("</function>", m.end()) >= 0:  # a whole call: read as `parse` reads it
+                whole = _CALL.match(text, m.start())
+                calls.append((name, _call(name, whole.group(2), schemas).arguments))
+                i = whole.end()
+                continue
+            props = _properties((schemas or {}).get(name))  # the call the text ends inside: its whole parameters
+            calls.append((name, "{" + ", ".join(f"{json.dumps(p.strip(), ensure_ascii=False)}: " + json.dumps(
+                _value(v, props.get(p.strip())), ensure_ascii=False) for p, v in _WHOLE.findall(text, m.end()))))
+            break
+        return calls
+
+
+def _call(name: str, body: str, schemas: dict[str, dict] | None) -> FunctionCall:
+    """A call from its name and the text inside `<function=...>`; ValueError when it is not one."""
+    if not name or _PARAM.sub("", body).strip():
+        raise ValueError("a call with text outside its parameters is not one")
+    props = _properties((schemas or {}).get(name))
+    args = {p.strip(): _value(v, props.get(p.strip())) for p, v in _PARAM.findall(body)}
+    return FunctionCall(name=name, arguments=json.dumps(args, ensure_ascii=False))
 
 
 def _properties(schema) -> dict:

@@ -101,6 +101,11 @@ class RemoteOpenAIServer:
             ours += ["--served-model-name", model]
         if "--max-model-len" not in ours:  # vLLM's default is the model's (8192 here): a budget for this CPU
             ours += ["--max-model-len", os.environ.get("JAXPAGED_MAX_MODEL_LEN", "1024")]
+        cap = os.environ.get("JAXPAGED_MAX_MODEL_LEN_CAP")  # a test's own length lowered to this (a CPU budget)
+        at = ours.index("--max-model-len") + 1
+        if cap and int(ours[at]) > int(cap):
+            self.dropped += [f"--max-model-len {ours[at]} (capped to {cap})"]
+            ours[at] = cap
         if str((env_dict or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "")).lower() in ("1", "true"):
             ours.append("--enable-runtime-lora-updating")  # vLLM's switch is this environment variable
         model_dir = model if os.path.isdir(model) else MODEL_DIR
