@@ -140,3 +140,20 @@ def test_two_level_bad_operands_are_named():
                           (dict(group=one(16)), "w must be the packed")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))
+
+
+def test_fused_call_mixes_the_forms():
+    """One call over several matrices (`cpu_quant_matmuls`) takes two-level and one-level ones together,
+    each product its own call's, bit for bit."""
+    rng = np.random.default_rng(8)
+    two = cq.Layout(512, 40, 32, 4, 0, True, 2, superblock=256)
+    q6 = cq.Layout(512, 24, 16, 8, 32, False, 4, superblock=256)
+    _, _, _, w2 = packed(rng, two)
+    _, _, _, w6 = packed(rng, q6)
+    one = cq.Layout(512, 16, 32, 4, 8)
+    w1 = cq.pack(rng.integers(0, 16, (512, 16), dtype=np.uint8),
+                 rng.uniform(1e-3, 1e-2, one.scale_shape).astype(np.float32), None, one)
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.float32)
+    ys = cq.cpu_quant_matmuls(x, [w2, w1, w6], [two, one, q6])
+    for y, w, layout in zip(ys, (w2, w1, w6), (two, one, q6)):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(cq.cpu_quant_matmul(x, w, layout)))
