@@ -15,8 +15,8 @@
 // K rounded up to 128 for one scale per column), N to tiles of 16 columns; w [T, ng, group_bytes] uint8:
 // tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16], then m[16] if any (float32 or
 // float16 each: `scale_bytes`; the AVX2 path widens float16 with F16C, the AVX-512 one with vcvtph2ps).
-// Two-level: a stored group is a superblock (Gp 256), holding 256 / G groups j: the codes, then d[16], c[j][16],
-// then (with a minimum) dm[16], c'[j][16].
+// Two-level: a stored group is a superblock (Gp 256), holding 256 / G groups j: d[16], c[j][16], then (with a
+// minimum) dm[16], c'[j][16], then the codes (the scales first: a tile is read in one ascending run).
 //   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
 //   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
 // so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
@@ -77,6 +77,9 @@ struct Meta {
   int64_t code_bytes() const { return G * 16 * bits / 8; }
   int64_t part_bytes() const { return 16 * sb + 16 * ns; }  // the scales' (and again the minima's) bytes
   int64_t group_bytes() const { return code_bytes() + part_bytes() * (1 + has_min); }
+  // a stored group's codes, and its scales from them: two-level, the scales come first (one ascending read)
+  int64_t code_off() const { return ns ? part_bytes() * (1 + has_min) : 0; }
+  int64_t scale_off() const { return ns ? -code_off() : code_bytes(); }
   int64_t tile_bytes() const { return ng() * group_bytes(); }
   int64_t tiles() const { return (N + 15) / 16; }
   int64_t F() const { return std::min(S, A); }           // k per integer accumulation
@@ -220,11 +223,11 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
   const uint8_t* base = C.w + t * P.tile_bytes();
   float y[16] = {};
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * P.group_bytes();
+    const uint8_t* gb = base + g * P.group_bytes() + P.code_off();
     float s[16], mn[16];
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        scales16(gb + P.code_bytes(), P, j, s);
+        scales16(gb + P.scale_off(), P, j, s);
         int32_t acc[16] = {};
         for (int64_t kk = f0; kk < f0 + F; ++kk) {
           const int32_t xv = X.xq[0][g * P.G + kk];
@@ -240,7 +243,7 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
         for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
       }
       if (P.has_min) {  // the scale group's minimum term
-        scales16(gb + P.code_bytes() + P.part_bytes(), P, j, mn);
+        scales16(gb + P.scale_off() + P.part_bytes(), P, j, mn);
         for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g * nj + j];
       }
     }
@@ -283,13 +286,13 @@ template <int R, int BITS>
 void avx2_tile(const Call& C, int64_t r0, int64_t t) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), nj = P.G / P.S, cb = P.code_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.scale_off();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const uint8_t* base = C.w + t * P.tile_bytes();
   __m256 y[R][2];
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * P.group_bytes();
+    const uint8_t* gb = base + g * P.group_bytes() + P.code_off();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
         __m256i acc[R][2];
@@ -367,7 +370,7 @@ template <int R, int NT, int BITS>
 void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), nj = P.G / P.S, cb = P.code_bytes(), tb = P.tile_bytes(), gbytes = P.group_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.scale_off(), tb = P.tile_bytes(), gbytes = P.group_bytes();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   const uint8_t* base = C.w + t0 * tb;
   // one row (a lone request's step), two-level: the stored group's sums kept before d and dm, which multiply
@@ -378,7 +381,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) y[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * gbytes;
+    const uint8_t* gb = base + g * gbytes + P.code_off();
     __m512 dv[NT], dmv[NT];  // two-level: the stored group's d and dm
     for (int t = 0; t < NT; ++t)
       if (P.ns) {

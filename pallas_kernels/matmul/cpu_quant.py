@@ -14,9 +14,9 @@ instead of 16 + 4 (+ 4), and the product is the same, exactly.
 A two-level form (`Layout.superblock` 256: GGUF's K-quants) keeps such scales at nearly the file's bytes:
 per column and superblock of 256 k, a float d (and dm) in `scale_bytes`, and per group inside it an int8
 sub-scale c (and sub-minimum c'), s = d * c and m = dm * c' formed in registers; a stored group is then
-the superblock of 256 k. two_level.py (beside this file) finds d and c from float32 scales with d * c == s
-in float32, or says there are none (Q4_K's d * a 6-bit scale always has them), so the product is the
-one-level layout's.
+the superblock of 256 k, its scales (and minima) before its codes. two_level.py (beside this file) finds d
+and c from float32 scales with d * c == s in float32, or says there are none (Q4_K's d * a 6-bit scale
+always has them), so the product is the one-level layout's.
 
 `pack(u, s, m, layout)` lays it out once in the kernel's order (`Layout.blob_shape`: [T, ng, group_bytes]
 uint8, column tiles of 16, each a run of stored groups of codes then scales), `unpack` inverts it exactly,
@@ -213,10 +213,9 @@ def pack(u, s, m, layout: Layout):
     else:  # [.., g, o, half, j, t, c] -> [.., t, g, o, half, c, j]; low nibble: half 0
         h = up.reshape(*lead, ng, G // 8, 2, 4, T, 16).transpose(*lead_axes, *(d + i for i in (4, 0, 1, 2, 5, 3)))
         codes = h[..., 0, :, :] | (h[..., 1, :, :] << 4)
-    parts = [codes.reshape(*lead, T, ng, -1)]
-    for a in (s,) if m is None else (s, m):
-        parts += _parts(a, layout, lead)
-    return jnp.concatenate(parts, axis=-1)
+    parts = [p for a in ((s,) if m is None else (s, m)) for p in _parts(a, layout, lead)]
+    codes = [codes.reshape(*lead, T, ng, -1)]
+    return jnp.concatenate(parts + codes if layout.superblock else codes + parts, axis=-1)  # two-level: scales first
 
 
 def unpack(w, layout: Layout):
@@ -226,8 +225,10 @@ def unpack(w, layout: Layout):
     _check("w", w, (*lead, *layout.blob_shape), (jnp.uint8,))
     G, d, K, N = layout.group_k, len(lead), layout.K, layout.N
     lead_axes = tuple(range(d))
-    cb = G * 16 * layout.bits // 8
-    codes = w[..., :cb]
+    cb, pb = G * 16 * layout.bits // 8, layout.part_bytes
+    c0 = pb * (1 + layout.has_min) if layout.superblock else 0  # two-level: the scales come first
+    s0 = 0 if layout.superblock else cb
+    codes = w[..., c0:c0 + cb]
     if layout.bits == 8:  # [.., t, g, q, c, j] -> [.., g, q, j, t, c]
         up = codes.reshape(*lead, T, ng, G // 4, 16, 4).transpose(*lead_axes, *(d + i for i in (1, 2, 4, 0, 3)))
     else:  # [.., t, g, o, half, c, j] -> [.., g, o, half, j, t, c]
@@ -235,9 +236,8 @@ def unpack(w, layout: Layout):
         h = jnp.concatenate([c & 15, c >> 4], axis=-3)
         up = h.transpose(*lead_axes, *(d + i for i in (1, 2, 3, 5, 0, 4)))
     u = up.reshape(*lead, ng * G, T * 16)[..., :K, :N]
-    pb = layout.part_bytes
-    s = _unparts(w[..., cb:cb + pb], layout, lead)
-    return u, s, (_unparts(w[..., cb + pb:], layout, lead) if layout.has_min else None)
+    s = _unparts(w[..., s0:s0 + pb], layout, lead)
+    return u, s, (_unparts(w[..., s0 + pb:s0 + 2 * pb], layout, lead) if layout.has_min else None)
 
 
 def scales(a, layout: Layout):
