@@ -177,8 +177,9 @@ class EngineConfig:
     quantization_symmetric: bool | None = option(None, MODEL, "int4: symmetric codes -7..7 times a scale "
                                                  "(llama.cpp's Q4_0 form), or --no-quantization-symmetric: codes "
                                                  "0..15 times a scale plus a per-group minimum (Q4_1 / Q4_K's "
-                                                 "form; AWQ / GPTQ call it a zero point); int8 and fp8 are "
-                                                 "symmetric (default: int4 with a minimum)")
+                                                 "form; AWQ / GPTQ call it a zero point); int8 likewise: "
+                                                 "-127..127, or 0..255 plus a minimum; fp8 is symmetric "
+                                                 "(default: int4 with a minimum, int8 symmetric)")
     keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
                                   "activations and the float tensors), as do the quantized matrices of a "

@@ -3,8 +3,8 @@ path (serve/generation.py). Its plan makes the request a chat request (the store
 `previous_response_id`, then `instructions` as a system message, then `input`; function tools, `tool_choice`,
 `text.format` as response_format) and plans that as chat does (serve/chat.py: the same prompt, tools and
 structured outputs, so greedy text equals chat's); its render makes output items (reasoning, message, function
-calls) of the answer; serve/responses_stream.py streams them as typed events. Finished responses are kept in
-the server's store (serve/responses_store.py) unless `store` is false."""
+calls) of the answer; serve/responses_stream.py streams them as typed events as they are generated. Finished
+responses are kept in the server's store (serve/responses_store.py) unless `store` is false."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -138,7 +138,7 @@ class Responses:
         return out
 
     def events(self, st, req: ResponsesRequest, plan: ResponsesPlan, job: Job):
-        return responses_stream.events(st, req, plan, job, lambda c: self.items(st, plan, c))
+        return responses_stream.events(st, req, plan, job)
 
 
 RESPONSES_ROUTE = Responses()

@@ -27,10 +27,11 @@ def new_id(kind: str) -> str:
 
 def answer_message(items: list) -> dict | None:
     """An answer's output items as the assistant message the next turn's conversation holds (reasoning left
-    out, as chat leaves it out)."""
+    out, as chat leaves it out; a function call cut short, `incomplete`, too: a stream sends its text again as
+    a message when the answer is whole)."""
     texts = [p.text for i in items if i.type == "message" for p in i.content]
     calls = [{"id": i.call_id, "type": "function", "function": {"name": i.name, "arguments": i.arguments}}
-             for i in items if i.type == "function_call"]
+             for i in items if i.type == "function_call" and i.status == "completed"]
     if not texts and not calls:
         return None
     return {"role": "assistant", "content": "".join(texts) if texts else None,

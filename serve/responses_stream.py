@@ -2,16 +2,20 @@
 `sequence_number`): response.created and response.in_progress, then per output item
 response.output_item.added, its content's events (response.content_part.added, response.output_text.delta /
 response.reasoning_text.delta ..., .done, response.content_part.done; a function call's
-response.function_call_arguments.delta / .done) and response.output_item.done, and last response.completed (or
-response.incomplete when max_output_tokens cut it) with the whole response.
+response.function_call_arguments.delta ... / .done) and response.output_item.done, and last response.completed
+(or response.incomplete when max_output_tokens cut it) with the whole response.
 
-Text without tools streams as it comes (reasoning, split by the server's reasoning parser, before it); with
-tools the output is parsed once it is whole (as chat's stream does), then its items are sent."""
+Everything streams as it is generated, as chat's stream sends it (serve/chat.py): the reasoning (split by the
+server's reasoning parser), then by the tool mode (serve/responses_answer.py) the text, and the function calls'
+arguments as they come (`tool_choice` auto: read by the server's tool parser while they grow; a named
+function: the answer is its arguments); `tool_choice` required sends its calls once the answer is whole."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from serve import outputs as fmt
+from serve.responses_answer import answer_stream
 from serve.responses_protocol import FunctionCallItem, OutputMessage, OutputText, ReasoningItem, ReasoningText
 from serve.responses_render import body, keep, new_id
 
@@ -20,13 +24,23 @@ _PARTS = {"message": ("output_text", "response.output_text"), "reasoning": ("rea
                                                                             "response.reasoning_text")}
 
 
+@dataclass
+class _Open:
+    """The item being streamed."""
+    kind: str  # message, reasoning or function_call
+    id: str
+    text: str = ""  # its text (a call: its arguments) so far
+    call_id: str = ""  # a function call's
+    name: str = ""  # a function call's
+
+
 class EventWriter:
     """Numbered events, and the output items sent so far (one open at a time)."""
 
     def __init__(self):
         self.seq = 0
         self.items: list = []  # the finished items, in output order
-        self.open = None  # (kind, id, text so far) of the item being streamed
+        self.open: _Open | None = None
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -38,92 +52,96 @@ class EventWriter:
         before is finished, a new one opened (with `force`, even for an empty piece)."""
         if not piece and not force:
             return
-        if self.open is not None and self.open[0] != kind:
+        if self.open is not None and self.open.kind != kind:
             yield from self.close()
         index = len(self.items)
         if self.open is None:
-            item_id = new_id("msg" if kind == "message" else "rs")
-            item = OutputMessage(id=item_id, status="in_progress", content=[]) if kind == "message" else \
-                ReasoningItem(id=item_id, status="in_progress", content=[])
-            self.open = (kind, item_id, "")
+            self.open = _Open(kind, new_id("msg" if kind == "message" else "rs"))
+            item = OutputMessage(id=self.open.id, status="in_progress", content=[]) if kind == "message" else \
+                ReasoningItem(id=self.open.id, status="in_progress", content=[])
             yield self.event("response.output_item.added", output_index=index, item=item.model_dump())
-            yield self.event("response.content_part.added", item_id=item_id, output_index=index, content_index=0,
-                             part=self._part(kind, ""))
-        kind, item_id, text = self.open
-        self.open = (kind, item_id, text + piece)
+            yield self.event("response.content_part.added", item_id=self.open.id, output_index=index,
+                             content_index=0, part=self._part(kind, ""))
+        self.open.text += piece
         if not piece:
             return
         extra = {"logprobs": []} if kind == "message" else {}
-        yield self.event(_PARTS[kind][1] + ".delta", item_id=item_id, output_index=index, content_index=0,
+        yield self.event(_PARTS[kind][1] + ".delta", item_id=self.open.id, output_index=index, content_index=0,
                          delta=piece, **extra)
 
-    def close(self):
-        """Events finishing the open item (if any)."""
+    def call(self, call_id: str, name: str):
+        """Events opening a function call item (the item open before is finished)."""
+        yield from self.close()
+        self.open = _Open("function_call", new_id("fc"), call_id=call_id, name=name)
+        yield self.event("response.output_item.added", output_index=len(self.items),
+                         item=self._call_item("in_progress").model_dump())
+
+    def arguments(self, piece: str):
+        """Events sending the next `piece` of the open function call's arguments."""
+        if not piece:
+            return
+        self.open.text += piece
+        yield self.event("response.function_call_arguments.delta", item_id=self.open.id,
+                         output_index=len(self.items), delta=piece)
+
+    def close(self, status: str = "completed"):
+        """Events finishing the open item (if any); a function call cut short is `status` incomplete."""
         if self.open is None:
             return
-        kind, item_id, text = self.open
-        index, self.open = len(self.items), None
-        extra = {"logprobs": []} if kind == "message" else {}
-        yield self.event(_PARTS[kind][1] + ".done", item_id=item_id, output_index=index, content_index=0, text=text,
-                         **extra)
-        yield self.event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                         part=self._part(kind, text))
-        item = OutputMessage(id=item_id, content=[OutputText(text=text)]) if kind == "message" else \
-            ReasoningItem(id=item_id, content=[ReasoningText(text=text)])
-        yield from self.done(item, index)
-
-    def whole(self, item):
-        """Events sending a finished item at once."""
-        yield from self.close()
-        if isinstance(item, FunctionCallItem):
-            index = len(self.items)
-            yield self.event("response.output_item.added", output_index=index,
-                             item=item.model_copy(update={"arguments": "", "status": "in_progress"}).model_dump())
-            yield self.event("response.function_call_arguments.delta", item_id=item.id, output_index=index,
-                             delta=item.arguments)
-            yield self.event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                             name=item.name, arguments=item.arguments)
-            yield from self.done(item, index)
+        o, index = self.open, len(self.items)
+        if o.kind == "function_call":
+            yield self.event("response.function_call_arguments.done", item_id=o.id, output_index=index,
+                             name=o.name, arguments=o.text)
+            item = self._call_item(status)
         else:
-            yield from self.text(item.type, item.content[0].text, force=True)
-            yield from self.close()
-
-    def done(self, item, index: int):
+            extra = {"logprobs": []} if o.kind == "message" else {}
+            yield self.event(_PARTS[o.kind][1] + ".done", item_id=o.id, output_index=index, content_index=0,
+                             text=o.text, **extra)
+            yield self.event("response.content_part.done", item_id=o.id, output_index=index, content_index=0,
+                             part=self._part(o.kind, o.text))
+            item = OutputMessage(id=o.id, content=[OutputText(text=o.text)]) if o.kind == "message" else \
+                ReasoningItem(id=o.id, content=[ReasoningText(text=o.text)])
+        self.open = None
         self.items.append(item)
         yield self.event("response.output_item.done", output_index=index, item=item.model_dump())
+
+    def has_answer(self) -> bool:
+        """Whether a message or a function call has been sent (or is open)."""
+        return any(i.type != "reasoning" for i in self.items) or (self.open is not None and
+                                                                  self.open.kind != "reasoning")
+
+    def _call_item(self, status: str) -> FunctionCallItem:
+        o = self.open
+        return FunctionCallItem(id=o.id, call_id=o.call_id, name=o.name, status=status,
+                                arguments=o.text if status != "in_progress" else "")
 
     @staticmethod
     def _part(kind: str, text: str) -> dict:
         return OutputText(text=text).model_dump() if kind == "message" else ReasoningText(text=text).model_dump()
 
 
-async def events(st, req, plan, job, items):
-    """The events of a streamed /v1/responses job; `items(output)`: a finished output's items (tools)."""
-    w, mode = EventWriter(), plan.chat_plan.mode
+async def events(st, req, plan, job):
+    """The events of a streamed /v1/responses job."""
+    w = EventWriter()
     start = body(st, req, job.id, job.created, [], None, None).model_dump()
     yield w.event("response.created", response=start)
     yield w.event("response.in_progress", response=start)
-    delta, split, reason = fmt.Delta(), st.reasoning.stream(), None
+    delta, split, answer, reason = fmt.Delta(), st.reasoning.stream(), answer_stream(st, plan.chat_plan), None
     async for _, out in job.outputs():
-        c = out.outputs[0]
-        got = delta.advance(c)
+        got = delta.advance(out.outputs[0])
         if got is None:
             continue
         piece, _, _, reason = got
-        if mode is not None:  # tools: the calls are known once the text is whole
-            if reason is not None:
-                for item in items(c):
-                    for e in w.whole(item):
-                        yield e
-            continue
         thought, text = split.feed(piece)
         if reason is not None:  # the end: what was held back as a possible tag goes too
             more_thought, more = split.finish()
             thought, text = thought + more_thought, text + more
-        for e in [*w.text("reasoning", thought), *w.text("message", text)]:
+        for e in w.text("reasoning", thought):
             yield e
-    if mode is None and not (w.open is not None and w.open[0] == "message"):  # no text: an empty message, as
-        for e in w.text("message", "", force=True):  # when not streamed
+        for e in answer.feed(w, text, reason):
+            yield e
+    if not w.has_answer():  # no text: an empty message, as when not streamed
+        for e in w.text("message", "", force=True):
             yield e
     for e in w.close():
         yield e

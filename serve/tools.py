@@ -27,8 +27,10 @@ from serve.errors import APIError
 from serve.protocol_tools import FunctionCall, ToolCall
 from serve.tool_parsers import HermesParser, ToolParser
 from serve.tool_parsers.base import new_call_id
+from serve.tool_parsers.required import RequiredParser
 
 _HERMES = HermesParser()
+REQUIRED = RequiredParser()  # tool_choice "required"'s JSON list of calls
 _ANY_OBJECT = {"type": "object"}
 DEFAULT_MAX_GRAMMAR_BYTES = 64 * 2 ** 10  # a request's constraint text (--max-grammar-bytes)
 
@@ -212,10 +214,8 @@ def parse(mode: str | None, text: str, named: str | None, parser: ToolParser | N
     if mode == "named":
         return "", [new_call(named, text)]
     if mode == "required":
-        try:
-            return None, [new_call(c["name"], json.dumps(c["arguments"])) for c in loads(text)]
-        except (ValueError, TypeError, KeyError):
-            return text, []
+        content, found = REQUIRED.parse(text)
+        return content, [ToolCall(id=new_call_id(), function=c) for c in found]
     if mode == "auto":
         parser = parser or _HERMES
         content, found = parser.parse(text, schemas)

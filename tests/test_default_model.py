@@ -105,3 +105,29 @@ def test_greedy_tokens_match_transformers(model_dir, gguf_path, hf_tokenizer):
         torch.set_num_threads(threads)
     for p, g, w in zip(prompts, got, want):
         assert g == w, hf_tokenizer.decode(p)
+
+
+
+def test_embeddings_match_transformers(model_dir, gguf_path):
+    """--runner pooling on the default model: LLM.embed's vectors (last token, normalized, as Qwen3-Embedding)
+    and mean-pooled raw states equal transformers' final-norm hidden states of the same GGUF within 1e-4."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxpaged import LLM, SamplingParams
+    from jaxpaged.core.pooling import Pooling
+    llm = LLM(dtype="float32", max_num_seqs=4, max_model_len=64, show_progress=False, warmup=False,
+              runner="pooling")
+    prompts = [llm.tokenizer.encode(t) for t in TEXTS]
+    last = [o.outputs.embedding for o in llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+    mean = [o.pooled for o in llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(
+        max_tokens=1, temperature=0.0, pooling=Pooling("MEAN", False)), use_tqdm=False)]
+    del llm
+    hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
+                                              dtype=torch.float32).eval()
+    for p, got_last, got_mean in zip(prompts, last, mean):
+        with torch.no_grad():
+            h = hf(torch.tensor([p]), output_hidden_states=True).hidden_states[-1][0].numpy()  # [len, hidden]
+        np.testing.assert_allclose(got_last, h[-1] / np.linalg.norm(h[-1]), atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got_mean, h.mean(0), atol=1e-4, rtol=0)

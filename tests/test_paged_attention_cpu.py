@@ -64,6 +64,18 @@ def test_shapes(dtype, D, bs):
     _check(_case(rng, n_rows, lens, 3, 2, D, bs, dtype), dtype, window=25)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("bs", [32, 64])
+def test_contexts_off_the_key_tile(dtype, bs):
+    """Contexts that are not whole 16-key tiles (the vector path sums 16 keys' dots at once, cpu.cc
+    `logits_group`) in blocks of 2 and 4 tiles: 1, 15, 17, 33 keys, a partial last block after whole ones,
+    decodes and a 5-row chunk."""
+    rng = np.random.default_rng(bs)
+    lens = [1, 15, 17, 33, 47, 2 * bs + 17, 3 * bs + 1]
+    n_rows = [1, 1, 1, 1, 5, 1, 1]
+    _check(_case(rng, n_rows, lens, 3, 3, 64, bs, dtype), dtype)
+
+
 OPTIONS = [{}, {"window": 20}, {"softcap": 3.0}, {"window": 33, "softcap": 10.0, "scale": 0.2}]
 
 

@@ -251,24 +251,23 @@ def test_minimum_reproduces_q4_1_blocks(shape, axis):
 
 
 def test_bad_symmetry_is_named():
-    """quantization_symmetric: a bool, False (a minimum) for int4 alone, with a quantization; the bench's
+    """quantization_symmetric: a bool, False (a minimum) for int4 and int8, with a quantization; the bench's
     weights names refuse what the engine would; a NaN / inf is refused by the tensor's name."""
     from jaxpaged.bench.quality import weights_config
-    for kw, match in ((dict(quantization="int8", quantization_symmetric=False), "takes quantization 'int4'"),
-                      (dict(quantization="fp8", quantization_symmetric=False), "takes quantization 'int4'"),
+    for kw, match in ((dict(quantization="fp8", quantization_symmetric=False), "takes quantization 'int4'"),
                       (dict(quantization="int4", quantization_symmetric="no"), "must be True or False"),
                       (dict(quantization_symmetric=True), "quantization_symmetric=True needs quantization")):
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kw)
     assert EngineConfig(quantization="int4", quantization_symmetric=True).quantization_symmetric
     with pytest.raises(ValueError, match="takes quantization 'int4'"):
-        quantize(np.ones((32, 4), np.float32), "int8", -2, symmetric=False)
+        quantize(np.ones((32, 4), np.float32), "fp8", -2, symmetric=False)
     with pytest.raises(ValueError, match="'model.layers.1.attn' holds NaN / inf"):
         quantize(np.array([[0.5, np.nan]] * 40, np.float32), "int4", -2, group=32, symmetric=False,
                  name="model.layers.1.attn")
     assert weights_config("int4:g64:sym:xla") == dict(dtype="float32", quantization="int4", quantization_group_size=64,
                                                       quantization_symmetric=True, matmul_backend="xla")
-    for name, match in (("int8:asym", "takes quantization 'int4'"), ("int4:g48", "quantization_group_size"),
+    for name, match in (("fp8:asym", "takes quantization 'int4'"), ("int4:g48", "quantization_group_size"),
                         ("float32:xla", "take a quantized name"), ("int4:fast", "unknown option 'fast'"),
                         ("int3", "the name must be one of")):
         with pytest.raises(ValueError, match=match):

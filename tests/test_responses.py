@@ -104,8 +104,13 @@ def test_function_tool_and_its_output(client):
     streamed = list(client.responses.create(model="tiny", input="choose", tools=[TOOL], max_output_tokens=40,
                                             temperature=0, tool_choice={"type": "function", "name": "pick"},
                                             stream=True))
-    args = "".join(e.delta for e in streamed if e.type == "response.function_call_arguments.delta")
-    assert args == calls[0].arguments
+    pieces = [e.delta for e in streamed if e.type == "response.function_call_arguments.delta"]
+    assert "".join(pieces) == calls[0].arguments and len(pieces) > 1  # as generated, not whole at the end
+    with client.responses.stream(model="tiny", input="choose", tools=[TOOL], max_output_tokens=40, temperature=0,
+                                 tool_choice={"type": "function", "name": "pick"}) as stream:
+        final = stream.get_final_response()  # the client's assembly of the events
+    (call,) = [o for o in final.output if o.type == "function_call"]
+    assert (call.name, call.arguments, call.status) == ("pick", calls[0].arguments, "completed")
     # the call and its output given back as input: the conversation goes on
     r2 = client.responses.create(model="tiny", max_output_tokens=4, temperature=0, tools=[TOOL], input=[
         {"role": "user", "content": "choose"},

@@ -18,7 +18,16 @@ import ml_dtypes
 import numpy as np
 
 from jaxpaged.config import ModelConfig
-from jaxpaged.models.qarray import FORMATS, QArray, check_quantization, group_of, quantize, restored, symmetric_of
+from jaxpaged.models.qarray import (
+    FORMATS,
+    QArray,
+    check_quantization,
+    group_of,
+    quantize,
+    restored,
+    symmetric_of,
+    zero_code,
+)
 from jaxpaged.models.quant import convert_leaf, is_quantized_tree, leaf_axis, leaf_format
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F64": np.float64,
@@ -135,7 +144,7 @@ def empty_params(cfg: ModelConfig, dtype: str, quantization: str | None = None, 
         store, _, bits = FORMATS[fmt]
         m = None if sym else alloc(tuple(sshape), np.dtype(np.float32))
         return QArray(alloc(shape, store), alloc(tuple(sshape), np.dtype(np.float32)), dtype, m, group, bits,
-                      0 if fmt == "fp8" or not sym else 2 ** (bits - 1))
+                      zero_code(fmt, sym))
     shapes = param_shapes(cfg)
     out = {k: leaf((k,), s) for k, s in shapes.items() if k != "layers"}
     out["layers"] = {k: leaf(("layers", k), s) for k, s in shapes["layers"].items()}

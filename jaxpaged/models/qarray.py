@@ -13,9 +13,10 @@ the whole pytree that maps leaves (stacking, slicing a layer, sharding) treats q
 
 The CPU kernel's format (pallas_kernels/matmul/cpu_quant.py) is W = s * (u - z) + m with unsigned codes u,
 so a QArray of integer codes maps onto it exactly (u = q + zero): `jaxpaged/models/qpacked.py` packs it.
-`quantize` makes int8 / int4 symmetric (zero 128 / 8, no m) or int4 with a per-group minimum (codes 0..15,
-zero 0, m: llama.cpp's Q4_1 form); int8 codes are signed bytes, so int8 has no minimum form of its own
-(GGUF's Q5_1 / Q5_K, 5-bit codes with a minimum, fit as 8-bit codes: `from_codes`). Grouped, it picks
+`quantize` makes int8 / int4 symmetric (zero 128 / 8, no m), int4 with a per-group minimum (codes 0..15,
+zero 0, m: llama.cpp's Q4_1 form) or int8 with one (codes 0..255 stored as q = u - 128, zero 128, m the
+minimum plus 128 scales: `folded_minimum`; the kernel gets the minimum back, zero 0). GGUF's Q5_1 / Q5_K,
+5-bit codes with a minimum, fit as 8-bit codes with zero 0 (`from_codes`). Grouped, it picks
 scales and minima that are float16 values (`half_scales`) and rounds the codes with them, so the kernel's
 layout stores them in two bytes each, exactly.
 """
@@ -37,6 +38,7 @@ DEFAULT_GROUP = {"int8": 0, "int4": 32, "fp8": 0}
 # int4: a per-group minimum by default (llama.cpp's Q4_1 / Q4_K form; docs/benchmarks.md has the measurement)
 DEFAULT_SYMMETRIC = {"int8": True, "int4": False, "fp8": True}
 HALF_MIN_NORMAL, HALF_MAX = 2.0 ** -14, 65504.0  # float16's smallest normal and largest finite value
+MIN_ZERO_INT8 = 128  # int8 with a minimum: the stored code q = u - 128 of code u in 0..255 (`folded_minimum`)
 
 
 @jax.tree_util.register_dataclass
@@ -110,9 +112,9 @@ def restored(q, scale, axis: int, m=None, form=None) -> QArray:
         return QArray(q, scale, "float32", None, group, 8, 128 if integer else 0)
     group, bits, zero = (int(v) for v in np.asarray(form).reshape(-1))
     check_group(group, "group")
-    if bits not in (4, 8) or not 0 <= zero < 2 ** bits or (m is not None and zero):
+    if bits not in (4, 8) or not 0 <= zero < 2 ** bits or (m is not None and zero not in (0, _min_zero(bits))):
         raise ValueError(f"form [group, bits, zero] = {[group, bits, zero]} is not a quantized form (bits 4 or 8, "
-                         f"zero a code of that width, 0 with a minimum)")
+                         f"zero a code of that width; with a minimum 0, or {MIN_ZERO_INT8} for 8 bits)")
     want = list(q.shape)
     want[axis] = -(-want[axis] // group) if group else 1
     scale = check_scales(scale, tuple(want), "scale")
@@ -122,6 +124,11 @@ def restored(q, scale, axis: int, m=None, form=None) -> QArray:
         if lo < 0 or hi >= 2 ** bits:
             raise ValueError(f"q holds codes outside 0..{2 ** bits - 1} (q + zero in {lo}..{hi}, bits={bits})")
     return QArray(q, scale, "float32", m, group, bits, zero)
+
+
+def _min_zero(bits: int) -> int:
+    """The zero code a minimum form may have besides 0: MIN_ZERO_INT8 for 8-bit codes (`folded_minimum`)."""
+    return MIN_ZERO_INT8 if bits == 8 else 0
 
 
 def check_group(group, name: str = "quantization_group_size") -> None:
@@ -168,11 +175,11 @@ def symmetric_of(fmt: str, symmetric: bool | None) -> bool:
 
 def check_symmetric(fmt: str, symmetric, name: str = "quantization_symmetric") -> None:
     """ValueError naming `name` unless symmetric is a bool the format takes: a per-group minimum (False)
-    is int4's alone (int8 codes are signed bytes, -127..127: with a minimum they would need 0..255)."""
+    is int4's and int8's (codes 0..255 stored as signed bytes: `folded_minimum`), not fp8's."""
     if not isinstance(symmetric, bool):
         raise ValueError(f"{name} must be True or False, got {symmetric!r}")
-    if not symmetric and fmt != "int4":
-        raise ValueError(f"{name}=False (a per-group minimum) takes quantization 'int4', not {fmt!r}: "
+    if not symmetric and fmt not in ("int4", "int8"):
+        raise ValueError(f"{name}=False (a per-group minimum) takes quantization 'int4' or 'int8', not {fmt!r}: "
                          f"{fmt} is symmetric")
 
 
@@ -189,9 +196,11 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
     """Host array -> QArray of numpy arrays, one scale per group of `group` entries along `axis` (0: the
     whole axis; axis=-2: the columns of [..., in, out]; axis=-1: the rows of the embedding [V, D]).
     symmetric: int8 / int4 codes q = round(a / s) in [-127, 127] / [-7, 7], s = max|a| / 127 (/ 7), zero
-    code 128 / 8. Not symmetric (int4 only: `check_symmetric`): codes u = round((a - m) / s) in [0, 15] with
-    the group's minimum m and s = (max - min) / 15, zero code 0 (llama.cpp's Q4_1 form: a matrix of Q4_1
-    values in groups aligned with its blocks comes back exactly, up to float32 rounding).
+    code 128 / 8. Not symmetric (int4 and int8: `check_symmetric`): codes u = round((a - m) / s) in [0, 15]
+    (int4) with the group's minimum m and s = (max - min) / 15, zero code 0 (llama.cpp's Q4_1 form: a matrix
+    of Q4_1 values in groups aligned with its blocks comes back exactly, up to float32 rounding); int8: u in
+    [0, 255], s = (max - min) / 255, stored as q = u - 128 (`folded_minimum`: Q4_1 values come back to
+    within float16 rounding of s, as 17 int8 steps are one Q4_1 step).
     Grouped int8 / int4 (group > 0) take float16 values as scales and minima (`half_scales`), the codes
     rounded with them; a tensor whose scales float16 cannot hold to its relative precision keeps float32 ones.
     A NaN or inf in `a` is refused by `name`."""
@@ -216,15 +225,55 @@ def quantize(a: np.ndarray, fmt: str, axis: int, dtype: str = "float32", group: 
         lo, hi = np.min(grouped, axis=red), np.max(grouped, axis=red)
         levels = 2 ** bits - 1
         scale, lo = _asymmetric_scales(lo, hi, levels, half=bool(group))
+        zero, m = zero_code(fmt, symmetric), lo.astype(np.float32)
+        if zero:  # int8: codes 0..255 stored as q = u - 128: s * u + lo = s * q + (lo + 128 s)
+            scale, lo, m = folded_minimum(lo, hi, scale, half=bool(group))
         u = np.clip(np.rint((a - _expand(lo, group, n, axis)) / _expand(scale, group, n, axis)), 0, levels)
-        return QArray(u.astype(store), scale, dtype, lo.astype(np.float32), group, bits, 0)
+        return QArray((u - zero).astype(store), scale, dtype, m, group, bits, zero)
     amax = np.max(np.abs(grouped), axis=red)
     scale = np.where(amax > 0, amax / top, 1.0).astype(np.float32)
     if group and fmt != "fp8":
         scale = half_scales(scale)
     x = a / _expand(scale, group, n, axis)
     q = np.clip(np.rint(x), -top, top).astype(store) if fmt != "fp8" else x.astype(store)
-    return QArray(q, scale, dtype, None, group, bits, 0 if fmt == "fp8" else 2 ** (bits - 1))
+    return QArray(q, scale, dtype, None, group, bits, zero_code(fmt, symmetric))
+
+
+def zero_code(fmt: str, symmetric: bool) -> int:
+    """The zero code of `quantize`'s QArrays (u = q + zero): 2^(bits - 1) symmetric (128 / 8), 0 for fp8 and
+    int4 with a minimum, MIN_ZERO_INT8 for int8 with one (`folded_minimum`)."""
+    bits = FORMATS[fmt][2]
+    if fmt == "fp8":
+        return 0
+    if symmetric:
+        return 2 ** (bits - 1)
+    return MIN_ZERO_INT8 if bits == 8 else 0
+
+
+def folded_minimum(lo: np.ndarray, hi: np.ndarray, scale: np.ndarray,
+                   half: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """int8 with a minimum (`quantize`): codes u in 0..255 over [lo, lo + 255 s] are stored as q = u - 128,
+    so the QArray's minimum is m = lo + 128 s, and the kernel's layout (zero code 0 with a minimum:
+    qpacked.pack) gets lo back as m - 128 s. Returns (scale, lo, m) with m = lo + 128 s exactly, so the fold
+    is exact both ways and the packed matrix is the QArray's exactly (float64, which holds those sums of
+    float32 values exactly, says which are). A group whose sum would round (its range far below its minimum,
+    or scales and minimum not float16 values) takes instead a power of two p >= 2 (hi - lo) / 255 as its
+    scale (>= 2^-14 when `half`) and its minimum rounded down to a multiple of 128 p: the sum is exact, the
+    codes still span [lo, hi] (< 128 + 127.5 steps), each value within half its (at most 4x finer) step."""
+    def fold(lo, scale):
+        off = np.float32(MIN_ZERO_INT8) * scale
+        m = (lo + off).astype(np.float32)
+        m64, off64, lo64 = (x.astype(np.float64) for x in (m, off, lo))
+        return m, (m64 - off64 == lo64) & (lo64 + off64 == m64)
+    m, exact = fold(lo, scale)
+    if not exact.all():
+        need = np.maximum((hi - lo) / np.float32(255), np.abs(lo) * np.float32(2.0 ** -30))
+        p = 2 * np.exp2(np.ceil(np.log2(np.maximum(need, np.float32(HALF_MIN_NORMAL if half else 2.0 ** -100)))))
+        off = np.float32(MIN_ZERO_INT8) * p.astype(np.float32)
+        scale = np.where(exact, scale, p).astype(np.float32)
+        lo = np.where(exact, lo, np.floor(lo / off) * off).astype(np.float32)
+        m, _ = fold(lo, scale)  # exact: lo and m are multiples n, n + 1 of 128 p with |n| <= 2^22
+    return scale, lo, m
 
 
 def half_scales(scale: np.ndarray) -> np.ndarray:

@@ -32,8 +32,9 @@ from pallas_kernels.matmul.two_level import two_level
 class QPacked:
     """blob uint8 [..., T, ng, group_bytes]: the packed matrix [..., K, N] of `cpu_quant.Layout` (K, N,
     group or K, bits, zero, has_min, scale_bytes); `dtype` (static) is the engine dtype it stands for, `group` the
-    QArray's (0: one group over K). `transposed`: a tied embedding [V = N, D = K] packed as the lm_head it
-    also is (its rows, the vocabulary, are the kernel's columns; `take_rows` reads the lookup from it)."""
+    QArray's (0: one group over K), `zero` the QArray's (with a minimum the layout's is 0: `_folded`).
+    `transposed`: a tied embedding [V = N, D = K] packed as the lm_head it also is (its rows, the vocabulary,
+    are the kernel's columns; `take_rows` reads the lookup from it)."""
     blob: jax.Array
     K: int = dataclasses.field(metadata=dict(static=True))
     N: int = dataclasses.field(metadata=dict(static=True))
@@ -48,8 +49,8 @@ class QPacked:
 
     @property
     def layout(self) -> cpu_quant.Layout:
-        return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, self.zero, self.has_min,
-                                self.scale_bytes, self.superblock)
+        return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, 0 if self.has_min else self.zero,
+                                self.has_min, self.scale_bytes, self.superblock)
 
     @property
     def shape(self) -> tuple:
@@ -73,7 +74,7 @@ class QPacked:
 
     def unpack(self) -> QArray:
         """The QArray this was packed from (jnp arrays), exactly."""
-        a = _unpack(self.blob, self.layout, self.group, self.dtype)
+        a = _unpack(self.blob, self.layout, self.group, self.dtype, self.zero)
         return _transposed(a) if self.transposed else a
 
 
@@ -104,6 +105,7 @@ def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes:
     if transposed:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
+    a = _folded(a)
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
     s, m = a.scale, a.m
     two = _two_level(a, spec) if superblock != 0 else None
@@ -144,17 +146,35 @@ def _two_level(a: QArray, spec: QPacked):
     return None if s is None or (a.m is not None and m is None) else (s, m)
 
 
+def _folded(a: QArray) -> QArray:
+    """A QArray with a minimum and a zero code z (int8's: qarray.folded_minimum) with its minimum as the
+    kernel's layout takes it, zero 0: s * (u - z) + m = s * u + (m - z s), its `zero` field kept (the codes
+    u = q + z stay). ValueError naming the matrix where m - z s does not give m back exactly (the packed
+    matrix would not be the QArray): only `qarray.quantize`'s minima are made to fold."""
+    if a.m is None or not a.zero:
+        return a
+    off = jnp.float32(a.zero) * jnp.asarray(a.scale, jnp.float32)
+    m = jnp.asarray(a.m, jnp.float32) - off
+    if not bool(jnp.all((m + off == a.m) & (a.m - m == off))):
+        raise ValueError(f"a quantized matrix {list(a.q.shape)} with zero code {a.zero} has a minimum m that "
+                         f"m - {a.zero} * scale does not give back exactly: it cannot be packed")
+    return dataclasses.replace(a, m=m)
+
+
 @functools.partial(jax.jit, static_argnums=3)
 def _pack(u, s, m, layout):
     return cpu_quant.pack(u, s, m, layout)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2, 3))
-def _unpack(blob, layout, group: int, dtype: str) -> QArray:
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _unpack(blob, layout, group: int, dtype: str, zero: int) -> QArray:
     u, s, m = cpu_quant.unpack(blob, layout)
-    q = (u.astype(jnp.int16) - layout.zero).astype(jnp.int8)
+    q = (u.astype(jnp.int16) - zero).astype(jnp.int8)
+    s = cpu_quant.scales(s, layout)
     m = None if m is None else cpu_quant.scales(m, layout)
-    return QArray(q, cpu_quant.scales(s, layout), dtype, m, group, layout.bits, layout.zero)
+    if m is not None and zero:  # the minimum unfolded (`_folded`)
+        m = m + jnp.float32(zero) * s
+    return QArray(q, s, dtype, m, group, layout.bits, zero)
 
 
 def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
@@ -227,6 +247,6 @@ def take_rows(w: QPacked, ids, dtype=None):
     u, s, m = cpu_quant.unpack(tiles, layout)  # [K, 16T]; s, m float32 [groups, 16T] or (d, c) pairs
     s, m = cpu_quant.scales(s, layout), None if m is None else cpu_quant.scales(m, layout)
     cols = jnp.arange(n) * 16 + ids % 16
-    q = u[:, cols].astype(jnp.float32) - w.zero  # [K, T]
+    q = u[:, cols].astype(jnp.float32) - w.layout.zero  # [K, T]; m (if any) the layout's
     rows = dequantize_parts(q, s[:, cols], None if m is None else m[:, cols], w.group, -2)
     return rows.T.astype(dtype or w.dtype)

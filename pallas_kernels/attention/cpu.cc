@@ -9,9 +9,10 @@
 // - AVX-512 (F, BW, VL): a work unit is (slot, tile of up to TILE_ROWS query rows) over every KV head, so a
 //   unit walks its slot's blocks once and reads each block's K and V rows of all heads, contiguous in the
 //   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer). Per block and KV
-//   head: the logits of the G x rows query vectors (a 16-lane dot a key, one horizontal sum), then the
-//   softmax over the block's keys 16 at a time (masking, max, a vector exp) and the values weighted into
-//   float32 accumulators (online softmax merged once a block).
+//   head: the logits of the G x rows query vectors (16-lane dots, the dots of 16 keys summed transposed into
+//   one vector of logits), then the softmax over the block's keys 16 at a time (masking, max, a vector exp)
+//   and the values weighted into float32 accumulators (online softmax merged once a block). The next
+//   block's rows of each head are prefetched into L2 while the head is worked on.
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
@@ -204,6 +205,23 @@ struct Lanes {
   static F round(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
   static F pow2(F p, F n) { return _mm512_scalef_ps(p, n); }  // p * 2^n
   static F lanes() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  // The transposed sum of L vectors, one level of a tree: level 1 adds the 256-bit halves of keys x, y into
+  // one vector (8 lanes each), level 2 their 128-bit quarters (4 lanes a key of 4 keys), level 3 the 64-bit
+  // pairs, level 4 the last pairs: lane 4c + k then holds key c + 4k's sum, which `in_order` puts in lane
+  // c + 4k.
+  static constexpr int LEVELS = 4;
+  template <int LEVEL>
+  static F fold(F x, F y) {
+    if constexpr (LEVEL == 1) return add(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+    else if constexpr (LEVEL == 2) return add(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+    else if constexpr (LEVEL == 3)
+      return add(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))),
+                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x), _mm512_castps_pd(y))));
+    else return add(_mm512_shuffle_ps(x, y, 0x88), _mm512_shuffle_ps(x, y, 0xDD));
+  }
+  static F in_order(F x) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), x);
+  }
   template <bool BF16>
   static F row(const void* r, int c) { return row_part<BF16>(r, c, L); }
   template <bool BF16>
@@ -261,6 +279,19 @@ struct Lanes {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
   }
   static F lanes() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+  // The transposed sum of L vectors, one level of a tree: level 1 adds the 128-bit halves of keys x, y into
+  // one vector (4 lanes each), level 2 their 64-bit pairs, level 3 the last pairs: lane 4h + k then holds
+  // key 2k + h's sum, which `in_order` puts in lane 2k + h.
+  static constexpr int LEVELS = 3;
+  template <int LEVEL>
+  static F fold(F x, F y) {
+    if constexpr (LEVEL == 1) return add(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31));
+    else if constexpr (LEVEL == 2)
+      return add(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))),
+                 _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x), _mm256_castps_pd(y))));
+    else if constexpr (LEVEL == 3) return add(_mm256_shuffle_ps(x, y, 0x88), _mm256_shuffle_ps(x, y, 0xDD));
+  }
+  static F in_order(F x) { return _mm256_permutevar8x32_ps(x, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)); }
   template <bool BF16>
   static F row(const void* r, int c) {
     if constexpr (BF16) {
@@ -306,20 +337,37 @@ inline F chunk(const void* row, int c, int nc, int dv) {
   return c == nc - 1 ? Lanes::row_part<BF16>(row, L * c, dv) : Lanes::row<BF16>(row, L * c);
 }
 
+// The dots of NI query vectors (q: NI rows of nc * L floats, zero-padded) with the 2^LEVEL keys from kj on,
+// of which `valid` exist (the others count as zeros and are never read), folded LEVEL levels: out[t].
+template <bool BF16, int NI, int LEVEL>
+[[gnu::always_inline]] inline void dots(const float* q, int nc, int dv, const char* kj, size_t key_stride, int valid, F* out) {
+  if constexpr (LEVEL == 0) {
+    for (int t = 0; t < NI; ++t) out[t] = Lanes::zero();
+    if (valid <= 0) return;
+    for (int c = 0; c < nc; ++c) {
+      const F k = chunk<BF16>(kj, c, nc, dv);
+      for (int t = 0; t < NI; ++t) out[t] = Lanes::fma(Lanes::load(q + (t * nc + c) * L), k, out[t]);
+    }
+  } else {
+    constexpr int half = 1 << (LEVEL - 1);
+    F x[NI], y[NI];
+    dots<BF16, NI, LEVEL - 1>(q, nc, dv, kj, key_stride, valid, x);
+    dots<BF16, NI, LEVEL - 1>(q, nc, dv, kj + half * key_stride, key_stride, valid - half, y);
+    for (int t = 0; t < NI; ++t) out[t] = Lanes::fold<LEVEL>(x[t], y[t]);
+  }
+}
+
 // Logits of NI query vectors (q: NI rows of nc * L floats, zero-padded) over a block's n keys:
-// s[t * bsp + j] = q_t . k_j. Each key row is loaded (and widened) once for the NI queries.
+// s[t * bsp + j] = q_t . k_j (bsp >= n rounded up to L; the lanes past n hold zeros). L keys at a time:
+// each key row is loaded (and widened) once for the NI queries, and the L keys' dot vectors are summed
+// transposed (Lanes::fold) into one vector of L logits.
 template <bool BF16, int NI>
 inline void logits_group(const float* q, int nc, int dv, const char* kh, size_t key_stride, int n, float* s,
                          int bsp) {
-  for (int j = 0; j < n; ++j) {
-    const char* kj = kh + j * key_stride;
+  for (int j = 0; j < n; j += L) {
     F a[NI];
-    for (int t = 0; t < NI; ++t) a[t] = Lanes::zero();
-    for (int c = 0; c < nc; ++c) {
-      const F k = chunk<BF16>(kj, c, nc, dv);
-      for (int t = 0; t < NI; ++t) a[t] = Lanes::fma(Lanes::load(q + (t * nc + c) * L), k, a[t]);
-    }
-    for (int t = 0; t < NI; ++t) s[t * bsp + j] = Lanes::hsum(a[t]);
+    dots<BF16, NI, Lanes::LEVELS>(q, nc, dv, kh + j * key_stride, key_stride, n - j, a);
+    for (int t = 0; t < NI; ++t) Lanes::storeu(s + t * bsp + j, Lanes::in_order(a[t]));
   }
 }
 
@@ -346,6 +394,22 @@ inline void values_group(const float* p, int bsp, const float* alpha, float* acc
     case 3: F<BF, 3>(__VA_ARGS__); break;  \
     default: F<BF, 4>(__VA_ARGS__); break; \
   }
+
+// Head h's K and V rows of a block (bs keys, `span` bytes from byte `head` of each key, keys key_stride
+// apart) into L2 (_MM_HINT_T1). Spread a head at a time over the current block's work, the next block's
+// misses stay few enough in flight; into L1 (T0), or a whole block at once, they stall the loads
+// (measured: docs/kernels.md).
+inline void prefetch_head(const char* k, const char* v, size_t head, size_t span, size_t key_stride, int bs) {
+  for (int j = 0; j < bs; ++j) {
+    const size_t o = head + j * key_stride;
+    for (size_t x = 0; x < span; x += 64) {
+      _mm_prefetch(k + o + x, _MM_HINT_T1);
+      _mm_prefetch(v + o + x, _MM_HINT_T1);
+    }
+    _mm_prefetch(k + o + span - 1, _MM_HINT_T1);  // a row that does not start on a line ends on one more
+    _mm_prefetch(v + o + span - 1, _MM_HINT_T1);
+  }
+}
 
 constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
 
@@ -394,17 +458,16 @@ void attend_vector(const Problem& P, const Unit& u) {
     const size_t bytes = static_cast<size_t>(bs) * key_stride;              // a block of one pool
     const char* kblock = P.k + static_cast<size_t>(id) * bytes;
     const char* vblock = P.v + static_cast<size_t>(id) * bytes;
-    if (b < last) {  // the next block's K and V into the caches while this one is worked on
+    const char *knext = nullptr, *vnext = nullptr;  // the next block, prefetched a head at a time
+    if (b < last) {
       int64_t nid = P.tables[u.slot * P.B + std::min<int64_t>(b + 1, P.B - 1)];
       const size_t off = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(nid, 0), P.NB - 1)) * bytes;
-      for (size_t x = 0; x < bytes; x += 64) {
-        _mm_prefetch(P.k + off + x, _MM_HINT_T0);
-        _mm_prefetch(P.v + off + x, _MM_HINT_T0);
-      }
+      knext = P.k + off, vnext = P.v + off;
     }
     for (int h = 0; h < Hkv; ++h) {
       const char* kh = kblock + static_cast<size_t>(h) * D * elt;
       const char* vh = vblock + static_cast<size_t>(h) * D * elt;
+      if (knext != nullptr) prefetch_head(knext, vnext, static_cast<size_t>(h) * D * elt, D * elt, key_stride, bs);
       // logits s[i, j] = q_i . k_j, i = (row, g)
       for (int i0 = 0; i0 < R; i0 += GROUP)
         JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
