@@ -116,11 +116,14 @@ def test_mixed_types_share_one_exact_form(types, form):
 
 
 @pytest.mark.parametrize("type_name", list(GGUF_QUANT_TYPES))
-def test_packed_layout_and_product_per_type(type_name):
+@pytest.mark.parametrize("n,k", [(40, 768), (7, 1024)])
+def test_packed_layout_and_product_per_type(type_name, n, k):
     """Each type's codes packed for the quantized CPU kernel: scales and minima in float16 (2 bytes) for the
-    legacy types, whose d and min the file stores as float16; in float32 (4) for the K-quants (d times a
-    sub-scale is generally no float16). Unpacked, the matrix is gguf.quants.dequantize's bit for bit, and the
-    kernel's product equals the int8-rounded activations (per 32 entries) times it within float32 rounding."""
+    legacy types, whose d and min the file stores as float16; for the K-quants (d times a sub-scale is
+    generally no float16) the two-level form, the file's float16 d (dmin) per 256 k and an int8 sub-scale
+    (sub-minimum) per group, at under 5 bits a weight for Q4_K. Unpacked, the matrix is
+    gguf.quants.dequantize's bit for bit, and the kernel's product equals the int8-rounded activations (per
+    32 entries) times it within float32 rounding, as does the one-level float32 layout's product."""
     import jax
     import jax.numpy as jnp
 
@@ -130,13 +133,14 @@ def test_packed_layout_and_product_per_type(type_name):
     from pallas_kernels.matmul import cpu_quant
     if not cpu_quant.available():
         pytest.skip("the quantized CPU kernel cannot be built here")
-    n, k = 40, 768
     data = gguf_matrix(type_name, n, k, seed=11)
     want = dequantize(data, GGMLQuantizationType[type_name]).reshape(n, k).T  # float32 [K, N]
     c = gguf_codes(data, type_name, k)
-    qp = qpacked.pack(jax.tree.map(jnp.asarray, QArray.from_codes(c.u, c.s, c.m, zero=c.zero, group=c.group,
-                                                                   bits=c.bits)))
-    assert qp.scale_bytes == (4 if type_name.endswith("_K") else 2), qp.scale_bytes
+    qa = jax.tree.map(jnp.asarray, QArray.from_codes(c.u, c.s, c.m, zero=c.zero, group=c.group, bits=c.bits))
+    qp = qpacked.pack(qa)
+    assert (qp.superblock, qp.scale_bytes) == ((256, 2) if type_name.endswith("_K") else (0, 2)), qp
+    if type_name == "Q4_K":
+        assert qp.blob.size * 8 / (k * 16 * qp.layout.tiles) == 4 + (2 * 8 + 2 * 2 * 8 / 8) / 32  # 4.625 bits
     np.testing.assert_array_equal(np.asarray(engine_matrix(qp.unpack())), want)
     x = np.random.default_rng(k).normal(0, 1, (5, k)).astype(np.float32)
     xp = x.reshape(5, -1, 32)
@@ -144,3 +148,29 @@ def test_packed_layout_and_product_per_type(type_name):
     ref = (np.rint(xp / dx) * dx).reshape(5, k).astype(np.float64) @ want.astype(np.float64)
     got = np.asarray(qpacked.matmul(jnp.asarray(x), qp))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    one = qpacked.pack(qa, scale_bytes=4, superblock=0)
+    np.testing.assert_allclose(got, np.asarray(qpacked.matmul(jnp.asarray(x), one)), rtol=1e-5,
+                               atol=1e-6 * np.abs(ref).max())
+
+
+def test_two_level_form_only_where_smaller_or_asked():
+    """The packer takes the two-level form where the scales have one and it is the smaller blob: K = 288 (9
+    groups, two superblocks) stays one-level unless asked; scales without the form are refused when asked."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.models import qpacked
+    from jaxpaged.models.qarray import QArray
+    rng = np.random.default_rng(9)
+    d = rng.uniform(1e-4, 1e-2, (2, 48)).astype(np.float16).astype(np.float32)
+    s = d[np.arange(9) // 8] * rng.integers(1, 64, (9, 48)).astype(np.float32)
+    qa = jax.tree.map(jnp.asarray, QArray.from_codes(rng.integers(0, 16, (288, 48), dtype=np.uint8), s, -s,
+                                                     zero=0, group=32, bits=4))
+    one, two = qpacked.pack(qa), qpacked.pack(qa, superblock=256)
+    assert (one.superblock, two.superblock) == (0, 256) and two.blob.size > one.blob.size
+    np.testing.assert_array_equal(np.asarray(two.unpack().scale), s)
+    odd = dataclasses.replace(qa, scale=qa.scale * jnp.float32(1 + 2 ** -20))
+    with pytest.raises(ValueError, match="superblock=256"):
+        qpacked.pack(odd, superblock=256)

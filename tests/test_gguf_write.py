@@ -104,9 +104,9 @@ def kernel_run(q4k, engine_kwargs):
 
 
 def test_kept_codes_run_packed_on_the_quantized_kernel(q4k, kernel_run):
-    """The runner packs the file's codes (4-bit, groups of 32, minimums; the tied embedding as the head) for
-    the quantized CPU kernel where it builds, and the tokens stay within the kernel's activation rounding of
-    the float model on the same weights (tests/test_quant_int4.py's check)."""
+    """The runner packs the file's codes (4-bit, groups of 32, minimums, in the two-level scale form; the tied
+    embedding as the head) for the quantized CPU kernel where it builds, and the tokens stay within the
+    kernel's activation rounding of the float model on the same weights (tests/test_quant_int4.py's check)."""
     import jax.numpy as jnp
     from test_quant_int4 import _check_against_float
 
@@ -122,6 +122,7 @@ def test_kept_codes_run_packed_on_the_quantized_kernel(q4k, kernel_run):
     up, embed = llm.engine.runner.params["layers"]["w_up"], llm.engine.runner.params["embed"]
     assert isinstance(up, QPacked) and (up.bits, up.group, up.has_min) == (4, 32, True)
     assert isinstance(embed, QPacked) and embed.transposed and embed.has_min
+    assert up.superblock == embed.superblock == 256  # the two-level scales: the file's d per 256, int8 sub-scales
     # the product of layer 1's packed w_up: the float product of the int8-rounded activations (per 32 entries)
     # with the file's dequantized matrix (its codes, scales and minimums read back by unpack)
     x = np.random.default_rng(6).standard_normal((5, up.K)).astype(np.float32)

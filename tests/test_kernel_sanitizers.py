@@ -89,7 +89,7 @@ DRIVER = textwrap.dedent("""
         x = jnp.asarray(rng.standard_normal((7, 100)), jnp.float32)
         one = lambda v: np.array([v], np.int64)  # the format attributes: one value a matrix
         attrs = dict(K=np.int64(100), N=one(40), group=one(32), bits=one(4), zero=one(0), has_min=one(1),
-                     scale_bytes=one(4), act_block=np.int64(32), isa=np.int64(3))
+                     scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), isa=np.int64(3))
         def qmm(x, w, layer=0, rows=7, m=7, **change):
             call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((m, 40), jnp.float32))
             return call(x, w, jnp.int32(layer), jnp.int32(rows), **{**attrs, **change})
@@ -103,16 +103,25 @@ DRIVER = textwrap.dedent("""
         want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wh, half), np.float64)
         got = np.asarray(qmm(x, wh, scale_bytes=one(2)))
         assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        two = cq.Layout(100, 40, 32, 4, 0, True, 2, superblock=256)  # K-quants' form: d per 256 k, int8 c a group
+        d = rng.uniform(1e-3, 1e-2, (1, 40)).astype(np.float16).astype(np.float32)
+        c = [rng.integers(lo, 64, two.scale_shape).astype(np.int8) for lo in (0, -63)]
+        wt = cq.pack(u, (d, c[0]), (d, c[1]), two)
+        want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wt, two), np.float64)
+        got = np.asarray(qmm(x, wt, scale_bytes=one(2), superblock=one(256)))
+        assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
         for args, change in (((x, w[:1]), {}), ((x[:, :64], w), {}), ((x, w[None], 1), {}), ((x, w, 0, 8), {}),
                              ((x, w, 0, 7, 5), {}), ((x, w), dict(bits=one(8))),
-                             ((x, w), dict(scale_bytes=one(2))), ((x, wh), {})):
+                             ((x, w), dict(scale_bytes=one(2))), ((x, wh), {}),
+                             ((x, wt), dict(scale_bytes=one(2))), ((x, w), dict(superblock=one(256)))):
             assert refused(lambda: qmm(*args, **change)), ([getattr(t, "shape", t) for t in args], change)
         # several matrices in one call (a per-column int8 one: a longer quantized row than the grouped ones)
         col = cq.Layout(100, 24, 100, 8, 128)
         wc = cq.pack(rng.integers(0, 256, (100, 24), dtype=np.uint8), s[:1, :24], None, col)
         fused = jax.ffi.ffi_call("asan_quant", [jax.ShapeDtypeStruct((7, n), jnp.float32) for n in (40, 24, 40)])
         both = dict(attrs, N=np.array([40, 24, 40]), group=np.array([32, 100, 32]), bits=np.array([4, 8, 4]),
-                    zero=np.array([0, 128, 0]), has_min=np.array([1, 0, 1]), scale_bytes=np.array([4, 4, 2]))
+                    zero=np.array([0, 128, 0]), has_min=np.array([1, 0, 1]), scale_bytes=np.array([4, 4, 2]),
+                    superblock=np.array([0, 0, 0]))
         ys = fused(x, w, jnp.int32(0), jnp.int32(5), wc, wh, **both)
         alone = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((7, 24), jnp.float32))(
             x, wc, jnp.int32(0), jnp.int32(5), **{**attrs, **{k: v[1:2] for k, v in both.items() if np.ndim(v)}})

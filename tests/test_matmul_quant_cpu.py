@@ -185,7 +185,7 @@ def test_bad_operands_are_named():
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
     attrs = dict(K=np.int64(64), N=one(32), group=one(32), bits=one(4), zero=one(8), has_min=one(0),
-                 scale_bytes=one(4), act_block=np.int64(32), isa=np.int64(3))
+                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), isa=np.int64(3))
     for change, match in ((dict(bits=one(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
                           (dict(scale_bytes=one(2)), "w must be the packed"),
                           (dict(scale_bytes=one(3)), "scale_bytes must be"),
@@ -217,6 +217,10 @@ def test_avx2_build_equals_reference():
             for path in t.PATHS:
                 t.test_half_scales_equal_reference(*case, path)
         t.test_nonfinite_activations_give_nan_rows()
+        import test_matmul_quant_two_level as two
+        for case in two.CASES:
+            for path in t.PATHS:
+                two.test_two_level_product_equals_reference(*case, path)
         print("ok")
     """)
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": "haswell", "JAX_PLATFORMS": "cpu"}

@@ -27,7 +27,8 @@ codes of one block become consecutive k of one column n. Per type (ggml's block 
 `dmin * mn`; the per-value arithmetic is then the same as gguf.quants.dequantize's, so
 s * (u - z) + m equals its float32 output bit for bit (tests/test_gguf_quant.py). The legacy types' s and m
 are float16 values, so the quantized CPU kernel's packed layout keeps them in two bytes each; the K-quants'
-`d * sc` generally is not one (17 significant bits), and they keep four (jaxpaged/models/qpacked.py).
+`d * sc` generally is not one (17 significant bits): they keep the file's two-level form there, a float16 d
+per 256 inputs and an int8 sub-scale per group (`cpu_quant.Layout.superblock`; jaxpaged/models/qpacked.py).
 """
 from __future__ import annotations
 

@@ -7,8 +7,10 @@ them with int8-quantized activations (`quant.dot`). A stack [L, K, N] is packed 
 layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from), which
 `get_weights`, weight updates and the XLA reference use. A matrix whose scales and minima are all float16
 values (grouped int8 / int4 quantization makes them so, GGUF's legacy types store them so) keeps them in
-two bytes each (`scale_bytes` 2), any other in four (GGUF's K-quants: d * a 6-bit scale is generally not
-a float16): the choice is made from the values, so the packed matrix is always the QArray's exactly.
+two bytes each (`scale_bytes` 2), any other in four. Scales that are a float per 256 k times small integers
+(GGUF's K-quants: d * a 6-bit sub-scale, generally no float16) take the kernel's two-level form
+(`superblock` 256: that float, and an int8 a group) where it is smaller. The choices are made from the
+values, so the packed matrix is always the QArray's exactly.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import numpy as np
 from jaxpaged.models import live_rows
 from jaxpaged.models.qarray import QArray, dequantize_parts
 from pallas_kernels.matmul import cpu_quant
+from pallas_kernels.matmul.two_level import two_level
 
 
 @jax.tree_util.register_dataclass
@@ -42,11 +45,12 @@ class QPacked:
     dtype: str = dataclasses.field(metadata=dict(static=True))
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a tied embedding [N, K]
     scale_bytes: int = dataclasses.field(default=4, metadata=dict(static=True))  # 2: float16 scales and minima
+    superblock: int = dataclasses.field(default=0, metadata=dict(static=True))  # 256: the two-level scale form
 
     @property
     def layout(self) -> cpu_quant.Layout:
         return cpu_quant.Layout(self.K, self.N, self.group or self.K, self.bits, 0 if self.has_min else self.zero,
-                                self.has_min, self.scale_bytes)
+                                self.has_min, self.scale_bytes, self.superblock)
 
     @property
     def shape(self) -> tuple:
@@ -90,27 +94,56 @@ def _codes(a: QArray):
     return (a.q.astype(jnp.int16) + a.zero).astype(jnp.uint8)
 
 
-def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes: int | None = None) -> QPacked:
+def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes: int | None = None,
+         superblock: int | None = None) -> QPacked:
     """An integer QArray (`packable`; with `transposed` an embedding [V, D] with row scales, packed as the
-    head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed. scale_bytes: 2 (float16)
-    or 4; None: 2 exactly when every scale and minimum is a float16 value (`cpu_quant.half_exact`); 2 for
-    other values is refused (ValueError)."""
+    head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed. superblock: 256 (the
+    two-level scale form) or 0; None: 256 exactly when the scales and minima have one (`two_level.two_level`)
+    and it is the smaller blob. scale_bytes: 2 (float16) or 4 for the floats stored (the two-level form's
+    d); None: 2 exactly when every one is a float16 value (`cpu_quant.half_exact`). A form the values do
+    not have is refused (ValueError)."""
     if transposed:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
     a = _folded(a)
-    exact = cpu_quant.half_exact(a.scale, a.m)
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    s, m = a.scale, a.m
+    two = _two_level(a, spec) if superblock != 0 else None
+    if superblock == cpu_quant.SUPERBLOCK and two is None:
+        raise ValueError(f"a quantized matrix [{K}, {N}] has scales or minima with no two-level form (a float per "
+                         f"{cpu_quant.SUPERBLOCK} k times int8 ones): its packed layout must be one-level "
+                         f"(superblock={superblock} asked)")
+    floats = (s, m) if two is None else tuple(p[0] for p in two if p is not None)
+    exact = cpu_quant.half_exact(*floats)
     if scale_bytes == 2 and not exact:
         raise ValueError(f"a quantized matrix [{K}, {N}] has scales or minima that are not float16 values: its "
                          f"packed layout must keep them in 4 bytes (scale_bytes=2 asked)")
-    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
-                   scale_bytes or (2 if exact else 4))
-    blob = _pack(a, spec.layout)
+    spec = dataclasses.replace(spec, scale_bytes=scale_bytes or (2 if exact else 4))
+    if two is not None:
+        flat = spec.layout
+        spec = dataclasses.replace(spec, superblock=cpu_quant.SUPERBLOCK)
+        if superblock is None and spec.layout.groups * spec.layout.group_bytes >= flat.groups * flat.group_bytes:
+            spec = dataclasses.replace(spec, superblock=0, scale_bytes=scale_bytes or
+                                       (2 if cpu_quant.half_exact(a.scale, a.m) else 4))
+        else:
+            s, m = two
+    blob = _pack(_codes(a), s, m, spec.layout)
     if donate:  # freed once packed (not donated to the jit: no output has the codes' shape to reuse them)
         for x in (a.q, a.scale, a.m):
             if isinstance(x, jax.Array):
                 x.delete()
     return dataclasses.replace(spec, blob=blob)
+
+
+def _two_level(a: QArray, spec: QPacked):
+    """a's (scale, minimum) in the two-level form ((d, c) pairs, the minimum's None without one), or None
+    when they have none (or a's group does not fit in a superblock)."""
+    if a.group not in cpu_quant.GROUPS:
+        return None
+    layout = dataclasses.replace(spec, superblock=cpu_quant.SUPERBLOCK).layout
+    s = two_level(a.scale, layout)
+    m = None if a.m is None else two_level(a.m, layout)
+    return None if s is None or (a.m is not None and m is None) else (s, m)
 
 
 def _folded(a: QArray) -> QArray:
@@ -128,15 +161,17 @@ def _folded(a: QArray) -> QArray:
     return dataclasses.replace(a, m=m)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _pack(a: QArray, layout):
-    return cpu_quant.pack(_codes(a), a.scale, a.m, layout)
+@functools.partial(jax.jit, static_argnums=3)
+def _pack(u, s, m, layout):
+    return cpu_quant.pack(u, s, m, layout)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _unpack(blob, layout, group: int, dtype: str, zero: int) -> QArray:
     u, s, m = cpu_quant.unpack(blob, layout)
     q = (u.astype(jnp.int16) - zero).astype(jnp.int8)
+    s = cpu_quant.scales(s, layout)
+    m = None if m is None else cpu_quant.scales(m, layout)
     if m is not None and zero:  # the minimum unfolded (`_folded`)
         m = m + jnp.float32(zero) * s
     return QArray(q, s, dtype, m, group, layout.bits, zero)
@@ -177,7 +212,8 @@ def pack_quantized(params: dict, owned: bool = False, like: dict | None = None) 
     """The parameters with their integer layer matrices and lm_head `QPacked` (a tied embedding packed as
     the head: `transposed`; shapes only for abstract leaves). owned: the QArrays are the caller's alone
     and are freed as they are packed. like: parameters packed before (a runner's, replaced by these):
-    each matrix keeps the `scale_bytes` of its packed counterpart there, so the step's shapes stay."""
+    each matrix keeps the `scale_bytes` and `superblock` of its packed counterpart there, so the step's
+    shapes stay."""
     def one(a, before, transposed=False):
         fits = (isinstance(a, QArray) and a.format in ("int8", "int4") and a.axis == -1 and a.q.ndim == 2
                 if transposed else packable(a))
@@ -185,8 +221,9 @@ def pack_quantized(params: dict, owned: bool = False, like: dict | None = None) 
             return a
         if isinstance(a.q, jax.ShapeDtypeStruct):
             return pack_abstract(a, transposed)
-        sb = before.scale_bytes if isinstance(before, QPacked) else None
-        return pack(a, donate=owned, transposed=transposed, scale_bytes=sb)
+        if isinstance(before, QPacked):
+            return pack(a, owned, transposed, scale_bytes=before.scale_bytes, superblock=before.superblock)
+        return pack(a, donate=owned, transposed=transposed)
 
     def prior(*path):
         tree = like or {}
@@ -206,7 +243,9 @@ def take_rows(w: QPacked, ids, dtype=None):
     tiles holding them gathered from the packed head and unpacked (16 vocabulary entries read a token)."""
     n = ids.shape[0]
     tiles = w.blob[ids // 16]  # [T, ng, group_bytes]
-    u, s, m = cpu_quant.unpack(tiles, dataclasses.replace(w.layout, N=16 * n))  # [K, 16T], [ng, 16T]
+    layout = dataclasses.replace(w.layout, N=16 * n)
+    u, s, m = cpu_quant.unpack(tiles, layout)  # [K, 16T]; s, m float32 [groups, 16T] or (d, c) pairs
+    s, m = cpu_quant.scales(s, layout), None if m is None else cpu_quant.scales(m, layout)
     cols = jnp.arange(n) * 16 + ids % 16
     q = u[:, cols].astype(jnp.float32) - w.layout.zero  # [K, T]; m (if any) the layout's
     rows = dequantize_parts(q, s[:, cols], None if m is None else m[:, cols], w.group, -2)

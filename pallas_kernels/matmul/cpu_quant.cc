@@ -5,6 +5,9 @@
 //   u: unsigned codes, 8-bit (0..255) or 4-bit (0..15); s and the optional minimum m: [ceil(K / G), N], stored
 //   as float32 or, when they are float16 values (`scale_bytes` 2: grouped int8 / int4, GGUF's legacy types), float16;
 //   z: an integer zero code (0 when m is given); G: 16, 32, 64, 128, or K (one scale per output column).
+// The two-level form (`superblock` 256: GGUF's K-quants at nearly their own bytes): s = d[k / 256, n] * c[k / G, n]
+//   and m = dm[k / 256, n] * c'[k / G, n], d and dm float32 or float16 (`scale_bytes`), c and c' int8, formed in
+//   registers (exact: the packer checks d * c is s in float32).
 // int8 / int4 symmetric quantization is z = 128 / 8; GGUF Q8_0 (z = 128), Q4_0 (8), Q5_0 (16), Q6_K (G = 16,
 // z = 32), Q4_1 / Q5_1 / Q4_K / Q5_K (m = -dmin * min) are this form exactly (Q5_* and Q6_K as 8-bit codes).
 //
@@ -12,6 +15,8 @@
 // K rounded up to 128 for one scale per column), N to tiles of 16 columns; w [T, ng, group_bytes] uint8:
 // tile t (columns 16t .. 16t+15), group g (k = g*Gp .. ): the codes, then s[16], then m[16] if any (float32 or
 // float16 each: `scale_bytes`; the AVX2 path widens float16 with F16C, the AVX-512 one with vcvtph2ps).
+// Two-level: a stored group is a superblock (Gp 256), holding 256 / G groups j: d[16], c[j][16], then (with a
+// minimum) dm[16], c'[j][16], then the codes (the scales first: a tile is read in one ascending run).
 //   8-bit: Gp / 4 vectors of 64 bytes; vector q byte 4c + j = u[g*Gp + 4q + j, 16t + c]
 //   4-bit: Gp / 8 vectors; vector o byte 4c + j = u[g*Gp + 8o + j, ..] | u[g*Gp + 8o + 4 + j, ..] << 4
 // so one 64-byte vector is one VNNI step: 16 int32 lanes (the columns), each the dot of 4 consecutive k.
@@ -28,7 +33,7 @@
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
 // One call may take several matrices of one x (a layer's q, k and v; gate and up), each with its own format
-// (the attributes N .. scale_bytes hold one value a matrix) and out: x is quantized once for them all.
+// (the attributes N .. superblock hold one value a matrix) and out: x is quantized once for them all.
 // Activation rows, then work units (4 column tiles x all rows, every matrix's in one list, largest first), are
 // shared by the XLA FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too.
 #include <algorithm>
@@ -64,19 +69,26 @@ constexpr int BEST_ISA = JP_VNNI ? ISA_VNNI : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 constexpr int UNIT_TILES = 4;  // column tiles a work unit
 
 struct Meta {
-  int64_t M, K, N, Kp, G, bits, has_min, zero, A, sb;  // G: the layout's group (Gp); sb: bytes a scale
+  // G: a stored group's k (Gp: the superblock when two-level); S: a scale's k (G, or the group inside a superblock);
+  // ns: int8 sub-scales a stored group (G / S two-level, else 0); sb: bytes a float scale
+  int64_t M, K, N, Kp, G, S, ns, bits, has_min, zero, A, sb;
   int64_t ng() const { return Kp / G; }
+  int64_t nsg() const { return Kp / S; }                  // scale groups (a row's minimum terms)
   int64_t code_bytes() const { return G * 16 * bits / 8; }
-  int64_t group_bytes() const { return code_bytes() + 16 * sb * (1 + has_min); }
+  int64_t part_bytes() const { return 16 * sb + 16 * ns; }  // the scales' (and again the minima's) bytes
+  int64_t group_bytes() const { return code_bytes() + part_bytes() * (1 + has_min); }
+  // a stored group's codes, and its scales from them: two-level, the scales come first (one ascending read)
+  int64_t code_off() const { return ns ? part_bytes() * (1 + has_min) : 0; }
+  int64_t scale_off() const { return ns ? -code_off() : code_bytes(); }
   int64_t tile_bytes() const { return ng() * group_bytes(); }
   int64_t tiles() const { return (N + 15) / 16; }
-  int64_t F() const { return std::min(G, A); }           // k per integer accumulation
+  int64_t F() const { return std::min(S, A); }           // k per integer accumulation
   int64_t Ka() const { return (Kp + A - 1) / A * A; }     // a quantized row's length
   int64_t nf() const { return Ka() / F(); }
 };
 
 // The quantized activations: xq [M, Ka], dx [M, Ka / A], qsum [M, nf] (sum of xq per F block),
-// xsum [M, ng] (sum of dx * xq per group: the minimum's term).
+// xsum [M, nsg] (sum of dx * xq per scale group: the minimum's term).
 struct Acts {
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
@@ -111,6 +123,13 @@ inline void widen16(const uint8_t* p, int64_t sb, float* out) {
     std::memcpy(&h, p + 2 * c, 2);
     out[c] = half_to_f32(h);
   }
+}
+
+// The 16 scales (or minima) of scale group j of the part at p: its floats, times its int8 c[j] when two-level.
+inline void scales16(const uint8_t* p, const Meta& P, int64_t j, float* out) {
+  widen16(p, P.sb, out);
+  if (P.ns)
+    for (int c = 0; c < 16; ++c) out[c] *= static_cast<float>(static_cast<int8_t>(p[16 * P.sb + 16 * j + c]));
 }
 
 // Row m of x [M, K] (float32, or bfloat16 when `bf16`) quantized to int8 over P.Ka() k, zeros past K: codes
@@ -157,8 +176,8 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
   }
 }
 
-// A quantized row's sums for the product of format P: qsum [nf] (sum of q per F block), xsum [ng] (sum of
-// dx * q per group: the minimum's term).
+// A quantized row's sums for the product of format P: qsum [nf] (sum of q per F block), xsum [nsg] (sum of
+// dx * q per scale group: the minimum's term).
 void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum) {
   const int64_t F = P.F();
   for (int64_t f = 0; f < P.nf(); ++f) {
@@ -166,9 +185,9 @@ void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, fl
     for (int64_t k = f * F; k < (f + 1) * F; ++k) s += q[k];
     qsum[f] = s;
   }
-  for (int64_t g = 0; g < P.ng(); ++g) {
+  for (int64_t g = 0; g < P.nsg(); ++g) {
     float s = 0.f;
-    for (int64_t f = g * P.G / F; f < (g + 1) * P.G / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
+    for (int64_t f = g * P.S / F; f < (g + 1) * P.S / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
     xsum[g] = s;
   }
 }
@@ -185,7 +204,7 @@ struct Rows {
     for (int r = 0; r < R; ++r) {
       xq[r] = C.A.xq.data() + (r0 + r) * P.Ka();
       dx[r] = C.A.dx.data() + (r0 + r) * (P.Ka() / P.A);
-      xs[r] = C.A.xsum.data() + (r0 + r) * P.ng();
+      xs[r] = C.A.xsum.data() + (r0 + r) * P.nsg();
       qs[r] = C.A.qsum.data() + (r0 + r) * P.nf();
     }
   }
@@ -200,31 +219,34 @@ inline void store16(const Call& C, int64_t m, int64_t t, const float* y) {
 void scalar_tile(const Call& C, int64_t m, int64_t t) {
   const Meta& P = C.P;
   const Rows<1> X(C, m);
-  const int64_t F = P.F();
+  const int64_t F = P.F(), nj = P.G / P.S;
   const uint8_t* base = C.w + t * P.tile_bytes();
   float y[16] = {};
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * P.group_bytes();
-    float s[16], mn[16] = {};
-    widen16(gb + P.code_bytes(), P.sb, s);
-    if (P.has_min) widen16(gb + P.code_bytes() + 16 * P.sb, P.sb, mn);
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      int32_t acc[16] = {};
-      for (int64_t kk = f0; kk < f0 + F; ++kk) {
-        const int32_t xv = X.xq[0][g * P.G + kk];
-        for (int c = 0; c < 16; ++c) {
-          const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
-          const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
-          acc[c] += u * xv;
+    const uint8_t* gb = base + g * P.group_bytes() + P.code_off();
+    float s[16], mn[16];
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        scales16(gb + P.scale_off(), P, j, s);
+        int32_t acc[16] = {};
+        for (int64_t kk = f0; kk < f0 + F; ++kk) {
+          const int32_t xv = X.xq[0][g * P.G + kk];
+          for (int c = 0; c < 16; ++c) {
+            const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
+            const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
+            acc[c] += u * xv;
+          }
         }
+        const int64_t k0 = g * P.G + f0;
+        const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
+        const float d = X.dx[0][k0 / P.A];
+        for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
       }
-      const int64_t k0 = g * P.G + f0;
-      const int32_t zq = static_cast<int32_t>(P.zero) * X.qs[0][k0 / F];
-      const float d = X.dx[0][k0 / P.A];
-      for (int c = 0; c < 16; ++c) y[c] += static_cast<float>(acc[c] - zq) * (s[c] * d);
+      if (P.has_min) {  // the scale group's minimum term
+        scales16(gb + P.scale_off() + P.part_bytes(), P, j, mn);
+        for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g * nj + j];
+      }
     }
-    if (P.has_min)
-      for (int c = 0; c < 16; ++c) y[c] += mn[c] * X.xs[0][g];
   }
   store16(C, m, t, y);
 }
@@ -234,6 +256,14 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
 inline __m256 load8(const uint8_t* p, int64_t sb) {
   return sb == 2 ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))
                  : _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+// Half h (columns 8h ..) of scale group j's scales (or minima) of the part at p (`scales16`).
+inline __m256 scales8(const uint8_t* p, const Meta& P, int64_t j, int h) {
+  const __m256 f = load8(p + 8 * h * P.sb, P.sb);
+  if (!P.ns) return f;
+  const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 16 * P.sb + 16 * j + 8 * h));
+  return _mm256_mul_ps(f, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)));
 }
 
 // ---- AVX2: R rows x one tile (two halves of 8 columns)
@@ -256,54 +286,56 @@ template <int R, int BITS>
 void avx2_tile(const Call& C, int64_t r0, int64_t t) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), cb = P.code_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.scale_off();
   const __m256i lo4 = _mm256_set1_epi8(0x0F), flip = _mm256_set1_epi8(-128);
   const uint8_t* base = C.w + t * P.tile_bytes();
   __m256 y[R][2];
   for (int r = 0; r < R; ++r) y[r][0] = y[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * P.group_bytes();
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      __m256i acc[R][2];
-      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-      const int64_t k0 = g * P.G + f0;
-      int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
-      if (BITS == 8) {
-        for (int64_t q = 0; q < F / 4; ++q) {
-          const uint8_t* p = gb + (f0 / 4 + q) * 64;
-          const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
-                                _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
-          avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+    const uint8_t* gb = base + g * P.group_bytes() + P.code_off();
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        __m256i acc[R][2];
+        for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int64_t k0 = g * P.G + f0;
+        int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
+        if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            const uint8_t* p = gb + (f0 / 4 + q) * 64;
+            const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
+                                  _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
+            avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+          }
+          offset += 128;
+        } else {
+          for (int64_t o = 0; o < F / 8; ++o) {
+            const uint8_t* p = gb + (f0 / 8 + o) * 64;
+            const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
+            const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
+            const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
+            avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
+            avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+          }
         }
-        offset += 128;
-      } else {
-        for (int64_t o = 0; o < F / 8; ++o) {
-          const uint8_t* p = gb + (f0 / 8 + o) * 64;
-          const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-          const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32));
-          const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
-          const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
-                                 _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
-          avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
-          avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+        for (int r = 0; r < R; ++r) {
+          const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
+          acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
+        }
+        for (int h = 0; h < 2; ++h) {
+          const __m256 s = scales8(gb + cb, P, j, h);
+          for (int r = 0; r < R; ++r)
+            y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
+                                      y[r][h]);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
-        acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const __m256 s = load8(gb + cb + 8 * h * P.sb, P.sb);
-        for (int r = 0; r < R; ++r)
-          y[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][h]), _mm256_mul_ps(s, _mm256_set1_ps(X.dx[r][k0 / P.A])),
-                                    y[r][h]);
-      }
+      if (P.has_min)  // the scale group's minimum term
+        for (int h = 0; h < 2; ++h) {
+          const __m256 m = scales8(gb + cb + P.part_bytes(), P, j, h);
+          for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g * nj + j]), y[r][h]);
+        }
     }
-    if (P.has_min)
-      for (int h = 0; h < 2; ++h) {
-        const __m256 m = load8(gb + cb + (16 + 8 * h) * P.sb, P.sb);
-        for (int r = 0; r < R; ++r) y[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(X.xs[r][g]), y[r][h]);
-      }
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float yy[16];
@@ -324,69 +356,103 @@ inline __m512 load16(const uint8_t* p, int64_t sb) {
   return sb == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))) : _mm512_loadu_ps(p);
 }
 
+// Scale group j's 16 scales (or minima) of the part at p (`scales16`); two-level: d (`dv`, widened once a stored
+// group) times c[j] widened in registers.
+inline __m512 sub16(const uint8_t* p) {  // 16 int8 at p as float32
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
+  return P.ns ? _mm512_mul_ps(dv, sub16(p + 16 * P.sb + 16 * j)) : load16(p, P.sb);
+}
+
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
 template <int R, int NT, int BITS>
 void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
-  const int64_t F = P.F(), cb = P.code_bytes(), tb = P.tile_bytes(), gbytes = P.group_bytes();
+  const int64_t F = P.F(), nj = P.G / P.S, cb = P.scale_off(), tb = P.tile_bytes(), gbytes = P.group_bytes();
   const __m512i lo4 = _mm512_set1_epi8(0x0F);
   const uint8_t* base = C.w + t0 * tb;
+  // one row (a lone request's step), two-level: the stored group's sums kept before d and dm, which multiply
+  // them once (two multiplies a group fewer)
+  const bool split = R == 1 && P.ns;
+  const int64_t pb = P.part_bytes(), sub = 16 * P.sb;
   __m512 y[R][NT];
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) y[r][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < P.ng(); ++g) {
-    const uint8_t* gb = base + g * gbytes;
-    for (int64_t f0 = 0; f0 < P.G; f0 += F) {
-      __m512i acc[R][NT];
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-      const int64_t k0 = g * P.G + f0;
-      if (BITS == 8) {
-        for (int64_t q = 0; q < F / 4; ++q) {
-          __m512i w[NT];
-          for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
-          for (int r = 0; r < R; ++r) {
-            int32_t xv;
-            std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
-            const __m512i xb = _mm512_set1_epi32(xv);
-            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
-          }
-        }
-      } else {
-        for (int64_t o = 0; o < F / 8; ++o) {
-          __m512i lo[NT], hi[NT];
-          for (int t = 0; t < NT; ++t) {
-            const __m512i v = _mm512_loadu_si512(gb + t * tb + (f0 / 8 + o) * 64);
-            lo[t] = _mm512_and_si512(v, lo4);
-            hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
-          }
-          for (int r = 0; r < R; ++r) {
-            int32_t xa, xb;
-            std::memcpy(&xa, X.xq[r] + k0 + 8 * o, 4);
-            std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
-            const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
-            for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
-          }
-        }
+    const uint8_t* gb = base + g * gbytes + P.code_off();
+    __m512 dv[NT], dmv[NT];  // two-level: the stored group's d and dm
+    for (int t = 0; t < NT; ++t)
+      if (P.ns) {
+        dv[t] = load16(gb + t * tb + cb, P.sb);
+        dmv[t] = P.has_min ? load16(gb + t * tb + cb + pb, P.sb) : dv[t];
       }
-      if (P.zero)
-        for (int r = 0; r < R; ++r) {
-          const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
-          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
-        }
-      for (int t = 0; t < NT; ++t) {
-        const __m512 s = load16(gb + t * tb + cb, P.sb);
+    __m512 ys[NT], ym[NT];
+    for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
+      for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
+        __m512i acc[R][NT];
         for (int r = 0; r < R; ++r)
-          y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
-                                    y[r][t]);
+          for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+        const int64_t k0 = g * P.G + f0;
+        if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            __m512i w[NT];
+            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
+            for (int r = 0; r < R; ++r) {
+              int32_t xv;
+              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
+              const __m512i xb = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+            }
+          }
+        } else {
+          for (int64_t o = 0; o < F / 8; ++o) {
+            __m512i lo[NT], hi[NT];
+            for (int t = 0; t < NT; ++t) {
+              const __m512i v = _mm512_loadu_si512(gb + t * tb + (f0 / 8 + o) * 64);
+              lo[t] = _mm512_and_si512(v, lo4);
+              hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+            }
+            for (int r = 0; r < R; ++r) {
+              int32_t xa, xb;
+              std::memcpy(&xa, X.xq[r] + k0 + 8 * o, 4);
+              std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
+              const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
+            }
+          }
+        }
+        if (P.zero)
+          for (int r = 0; r < R; ++r) {
+            const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
+            for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_sub_epi32(acc[r][t], zq);
+          }
+        for (int t = 0; t < NT; ++t) {
+          if (split) {
+            const __m512 cdx = _mm512_mul_ps(sub16(gb + t * tb + cb + sub + 16 * j), _mm512_set1_ps(X.dx[0][k0 / P.A]));
+            ys[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[0][t]), cdx, ys[t]);
+            continue;
+          }
+          const __m512 s = scales16v(gb + t * tb + cb, P, j, dv[t]);
+          for (int r = 0; r < R; ++r)
+            y[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][t]), _mm512_mul_ps(s, _mm512_set1_ps(X.dx[r][k0 / P.A])),
+                                      y[r][t]);
+        }
       }
+      if (P.has_min)  // the scale group's minimum term
+        for (int t = 0; t < NT; ++t) {
+          if (split) {
+            ym[t] = _mm512_fmadd_ps(sub16(gb + t * tb + cb + pb + sub + 16 * j), _mm512_set1_ps(X.xs[0][g * nj + j]), ym[t]);
+            continue;
+          }
+          const __m512 m = scales16v(gb + t * tb + cb + pb, P, j, dmv[t]);
+          for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g * nj + j]), y[r][t]);
+        }
     }
-    if (P.has_min)
-      for (int t = 0; t < NT; ++t) {
-        const __m512 m = load16(gb + t * tb + cb + 16 * P.sb, P.sb);
-        for (int r = 0; r < R; ++r) y[r][t] = _mm512_fmadd_ps(m, _mm512_set1_ps(X.xs[r][g]), y[r][t]);
-      }
+    if (split)
+      for (int t = 0; t < NT; ++t) y[0][t] = _mm512_fmadd_ps(dmv[t], ym[t], _mm512_fmadd_ps(dv[t], ys[t], y[0][t]));
   }
   for (int r = 0; r < R; ++r)
     for (int t = 0; t < NT; ++t) {
@@ -446,7 +512,8 @@ std::string named(const char* base, size_t i, size_t n) {
 // The format of product i (its attributes, x's M and K) and its operands w and out checked against it, every
 // mismatch an InvalidArgument naming the operand -> C (w at the layer index, M all of x's rows).
 ffi::Error check_product(size_t i, size_t n, int64_t M, int64_t K, int64_t N, int64_t group, int64_t bits, int64_t zero,
-                         int64_t has_min, int64_t scale_bytes, int64_t act_block, const ffi::AnyBuffer& w,
+                         int64_t has_min, int64_t scale_bytes, int64_t superblock, int64_t act_block,
+                         const ffi::AnyBuffer& w,
                          const ffi::AnyBuffer& out, int32_t layer, Call& C) {
   constexpr const char* KERNEL = "cpu_quant_matmul";
   const std::string at = std::string(KERNEL) + ": " + (n == 1 ? "" : named("w", i, n) + ": ");
@@ -456,10 +523,15 @@ ffi::Error check_product(size_t i, size_t n, int64_t M, int64_t K, int64_t N, in
     return ffi::Error::InvalidArgument(at + "zero must be a code (0 when the weights have a min)");
   if (scale_bytes != 2 && scale_bytes != 4)
     return ffi::Error::InvalidArgument(at + "scale_bytes must be 2 (float16) or 4 (float32)");
+  if ((superblock != 0 && superblock != 256) || (superblock && group == K && group != 16 && group != 32 &&
+                                                  group != 64 && group != 128))
+    return ffi::Error::InvalidArgument(at + "superblock must be 0 or 256 (with a group of 16 .. 128)");
   Meta& P = C.P;
   P.M = M, P.K = K, P.N = N, P.bits = bits, P.zero = zero, P.has_min = has_min != 0, P.A = act_block;
   P.sb = scale_bytes;
-  P.G = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
+  P.S = group == 16 || group == 32 || group == 64 || group == 128 ? group : (K + 127) / 128 * 128;
+  P.G = superblock ? superblock : P.S;
+  P.ns = superblock ? superblock / P.S : 0;
   P.Kp = (K + P.G - 1) / P.G * P.G;
   auto wd = w.dimensions();
   const bool stacked = wd.size() == 4;
@@ -468,7 +540,7 @@ ffi::Error check_product(size_t i, size_t n, int64_t M, int64_t K, int64_t N, in
   if (w.element_type() != ffi::DataType::U8 || (wd.size() != 3 && !stacked) || wd[stacked] != P.tiles() ||
       wd[stacked + 1] != P.ng() || wd[stacked + 2] != P.group_bytes())
     return ffi::Error::InvalidArgument(at + wname + " must be the packed uint8[" + blob + "] (or [L, " + blob +
-                                       "]) of the format's K, N, group, bits, min and scale bytes, got " +
+                                       "]) of the format's K, N, group, bits, min, scale bytes and superblock, got " +
                                        jp::describe(w));
   if (stacked && (layer < 0 || layer >= wd[0]))
     return ffi::Error::InvalidArgument(at + "the layer index must be in [0, " + std::to_string(wd[0]) + ") of " +
@@ -502,18 +574,19 @@ struct Job {
 
 // Several products of one x (a layer's q, k and v; gate and up) are one call: x quantized once, then the
 // column tiles of every product one work list, largest units first. Each product has its own format (the
-// attribute arrays N .. scale_bytes, one value a product: the same K, act_block and isa), w and out.
+// attribute arrays N .. superblock, one value a product: the same K, act_block and isa), w and out.
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
                 ffi::Buffer<ffi::S32> rows, ffi::RemainingArgs more_w, ffi::Result<ffi::AnyBuffer> out,
                 ffi::RemainingRets more_out, int64_t K, ffi::Span<const int64_t> N, ffi::Span<const int64_t> group,
                 ffi::Span<const int64_t> bits, ffi::Span<const int64_t> zero, ffi::Span<const int64_t> has_min,
-                ffi::Span<const int64_t> scale_bytes, int64_t act_block, int64_t isa) {
+                ffi::Span<const int64_t> scale_bytes, ffi::Span<const int64_t> superblock, int64_t act_block,
+                int64_t isa) {
   const size_t n = 1 + more_w.size();
   if (more_out.size() != more_w.size())
     return ffi::Error::InvalidArgument("cpu_quant_matmul: one out per w, got " + std::to_string(n) + " w and " +
                                        std::to_string(more_out.size() + 1) + " out");
   for (auto [name, a] : {std::pair{"N", N}, {"group", group}, {"bits", bits}, {"zero", zero}, {"has_min", has_min},
-                         {"scale_bytes", scale_bytes}})
+                         {"scale_bytes", scale_bytes}, {"superblock", superblock}})
     if (a.size() != n)
       return ffi::Error::InvalidArgument(std::string("cpu_quant_matmul: the attribute ") + name + " must hold one value "
                                          "a w (" + std::to_string(n) + "), got " + std::to_string(a.size()));
@@ -532,8 +605,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
   auto J = std::make_shared<Job>();
   J->calls.resize(n);
   auto check = [&](size_t i, const ffi::AnyBuffer& wi, const ffi::AnyBuffer& oi) {
-    return check_product(i, n, M, K, N[i], group[i], bits[i], zero[i], has_min[i], scale_bytes[i], act_block, wi,
-                         oi, layer.typed_data()[0], J->calls[i]);
+    return check_product(i, n, M, K, N[i], group[i], bits[i], zero[i], has_min[i], scale_bytes[i], superblock[i],
+                         act_block, wi, oi, layer.typed_data()[0], J->calls[i]);
   };
   if (ffi::Error e = check(0, w, *out); e.failure()) return e;
   for (size_t i = 1; i < n; ++i) {
@@ -556,7 +629,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     if (C.P.Ka() > J->widest.Ka()) J->widest = C.P;
     Acts& A = C.A;
     A.xq.resize(live * C.P.Ka()), A.dx.resize(live * (C.P.Ka() / C.P.A)), A.qsum.resize(live * C.P.nf());
-    A.xsum.resize(live * C.P.ng());
+    A.xsum.resize(live * C.P.nsg());
   }
   J->x = x.untyped_data(), J->bf16 = x.element_type() == ffi::DataType::BF16;
   jp::parallel_for(pool, live, live, [J](int64_t m) {
@@ -571,7 +644,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
       float* cdx = C.A.dx.data() + m * (Q.Ka() / Q.A);
       std::memcpy(cq, q.data(), Q.Ka());
       std::memcpy(cdx, dx.data(), sizeof(float) * (Q.Ka() / Q.A));
-      row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.ng());
+      row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.nsg());
     }
   });
   J->path = std::min<int>(static_cast<int>(isa), BEST_ISA);
@@ -610,6 +683,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Attr<ffi::Span<const int64_t>>("zero")
                                   .Attr<ffi::Span<const int64_t>>("has_min")
                                   .Attr<ffi::Span<const int64_t>>("scale_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("superblock")
                                   .Attr<int64_t>("act_block")
                                   .Attr<int64_t>("isa"));
 

@@ -11,11 +11,19 @@ int8 / int4 quantization rounds its scales so, GGUF's Q8_0 / Q4_0 / Q4_1 / Q5_0 
 float16 (`Layout.scale_bytes` 2): a group of 32 4-bit codes of one column then costs 16 + 2 (+ 2) bytes
 instead of 16 + 4 (+ 4), and the product is the same, exactly.
 
+A two-level form (`Layout.superblock` 256: GGUF's K-quants) keeps such scales at nearly the file's bytes:
+per column and superblock of 256 k, a float d (and dm) in `scale_bytes`, and per group inside it an int8
+sub-scale c (and sub-minimum c'), s = d * c and m = dm * c' formed in registers; a stored group is then
+the superblock of 256 k, its scales (and minima) before its codes. two_level.py (beside this file) finds d
+and c from float32 scales with d * c == s in float32, or says there are none (Q4_K's d * a 6-bit scale
+always has them), so the product is the one-level layout's.
+
 `pack(u, s, m, layout)` lays it out once in the kernel's order (`Layout.blob_shape`: [T, ng, group_bytes]
-uint8, column tiles of 16, each a run of groups of codes then scales), `unpack` inverts it exactly and
-`dequantize` gives the float matrix. `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for
-float32 or bfloat16 x, with x quantized to int8 per row and block of `act_block` k inside the kernel (the
-product equals the float product of those dequantized activations with W, up to float32 summation).
+uint8, column tiles of 16, each a run of stored groups of codes then scales), `unpack` inverts it exactly,
+`scales` gives the float32 s or m of either form and `dequantize` the float matrix.
+`cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for float32 or bfloat16 x, with x
+quantized to int8 per row and block of `act_block` k inside the kernel (the product equals the float
+product of those dequantized activations with W, up to float32 summation).
 `cpu_quant_matmuls(x, ws, layouts)` runs the products of one x with several matrices (a layer's q, k and v;
 gate and up; each its own Layout) as one call: x quantized once, one work list over all their columns.
 `isa()` names the best path this build runs ("avx512_vnni", "avx2", "scalar"); `isa=` caps it (tests).
@@ -37,14 +45,17 @@ TARGET = "jaxpaged_cpu_quant_matmul"
 GROUPS = (16, 32, 64, 128)
 ACT_BLOCKS = (32, 64, 128)
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 3}
+SUPERBLOCK = 256  # k a two-level form's d spans
 _SCALE_DTYPES = {2: jnp.float16, 4: jnp.float32}  # Layout.scale_bytes -> the stored scales' type
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """What a packed matrix is: K x N, `group` (16, 32, 64, 128, or K: per column), `bits` (8 or 4), `zero`
-    (the zero code), `has_min` (a per-group minimum is stored) and `scale_bytes` (4: scales and minima
-    stored as float32; 2: as float16, for values that are float16 ones). Checked when made."""
+    (the zero code), `has_min` (a per-group minimum is stored), `scale_bytes` (4: scales and minima
+    stored as float32; 2: as float16, for values that are float16 ones) and `superblock` (0: one float scale
+    a group; 256: the two-level form, a float d per 256 k and an int8 sub-scale a group, `group` 16..128;
+    `scale_bytes` is then d's). Checked when made."""
     K: int
     N: int
     group: int
@@ -52,6 +63,7 @@ class Layout:
     zero: int = 0
     has_min: bool = False
     scale_bytes: int = 4
+    superblock: int = 0
 
     def __post_init__(self):
         if self.K <= 0 or self.N <= 0:
@@ -64,11 +76,19 @@ class Layout:
             raise ValueError(f"layout: zero must be a {self.bits}-bit code, and 0 with a minimum; got {self.zero}")
         if self.scale_bytes not in (2, 4):
             raise ValueError(f"layout: scale_bytes must be 2 (float16) or 4 (float32), got {self.scale_bytes}")
+        if self.superblock not in (0, SUPERBLOCK) or (self.superblock and self.group not in GROUPS):
+            raise ValueError(f"layout: superblock must be 0 or {SUPERBLOCK} (with a group of {GROUPS}), got "
+                             f"{self.superblock} (group {self.group})")
 
     @property
     def group_k(self) -> int:
-        """The k a stored group spans: `group`, or K rounded up to 128 for one scale per column."""
-        return self.group if self.group in GROUPS else -(-self.K // 128) * 128
+        """The k a stored group spans: the superblock, `group`, or K rounded up to 128 for one scale per column."""
+        return self.superblock or (self.group if self.group in GROUPS else -(-self.K // 128) * 128)
+
+    @property
+    def subgroups(self) -> int:
+        """Groups a stored group holds, each with its int8 sub-scale: 256 / group for the two-level form, else 0."""
+        return self.superblock // self.group
 
     @property
     def groups(self) -> int:
@@ -79,8 +99,13 @@ class Layout:
         return -(-self.N // 16)
 
     @property
+    def part_bytes(self) -> int:
+        """Bytes of a stored group's scales (and again of its minima): 16 floats, then 16 int8 a subgroup."""
+        return 16 * self.scale_bytes + 16 * self.subgroups
+
+    @property
     def group_bytes(self) -> int:
-        return self.group_k * 16 * self.bits // 8 + 16 * self.scale_bytes * (1 + self.has_min)
+        return self.group_k * 16 * self.bits // 8 + self.part_bytes * (1 + self.has_min)
 
     @property
     def blob_shape(self) -> tuple[int, int, int]:
@@ -88,7 +113,8 @@ class Layout:
 
     @property
     def scale_shape(self) -> tuple[int, int]:
-        return (self.groups, self.N)
+        """s and m's shape: one a group (of `group` k) and column."""
+        return (-(-self.K // self.group), self.N) if self.superblock else (self.groups, self.N)
 
 
 @functools.cache
@@ -123,23 +149,61 @@ def half_exact(*arrays) -> bool:
     return all(bool(exact(a)) for a in arrays if a is not None)
 
 
+def _parts(a, layout: Layout, lead):
+    """One of s / m: (a float32 [..., groups, N]) or, two-level, ((d, c)) -> its stored bytes [.., T, ng,
+    part_bytes]: d's 16 floats (of `scale_bytes`) a tile and stored group, then c's 16 int8 a subgroup."""
+    T, ng, N, d, sb = layout.tiles, layout.groups, layout.N, len(lead), layout.scale_bytes
+    f, c = a if layout.superblock else (a, None)
+    f = jnp.pad(jnp.asarray(f, jnp.float32), [(0, 0)] * (d + 1) + [(0, T * 16 - N)])
+    f = f.reshape(*lead, ng, T, 16).swapaxes(-3, -2).astype(_SCALE_DTYPES[sb])  # [.., t, g, 16]
+    out = [jax.lax.bitcast_convert_type(f, jnp.uint8).reshape(*lead, T, ng, 16 * sb)]
+    if c is not None:
+        ns = layout.subgroups
+        c = jnp.pad(jnp.asarray(c, jnp.int8), [(0, 0)] * d + [(0, ng * ns - c.shape[-2]), (0, T * 16 - N)])
+        c = c.reshape(*lead, ng, ns, T, 16).transpose(*range(d), d + 2, d, d + 1, d + 3)  # [.., t, g, j, 16]
+        out.append(jax.lax.bitcast_convert_type(c, jnp.uint8).reshape(*lead, T, ng, 16 * ns))
+    return out
+
+
+def _unparts(b, layout: Layout, lead):
+    """`_parts`' inverse: bytes [.., T, ng, part_bytes] -> a float32 [..., groups, N], or (d, c)."""
+    T, ng, N, d, sb = layout.tiles, layout.groups, layout.N, len(lead), layout.scale_bytes
+    f = jax.lax.bitcast_convert_type(b[..., :16 * sb].reshape(*lead, T, ng, 16, sb), _SCALE_DTYPES[sb])
+    f = f.astype(jnp.float32).swapaxes(-3, -2).reshape(*lead, ng, T * 16)[..., :N]
+    if not layout.superblock:
+        return f
+    ns, gs = layout.subgroups, layout.scale_shape[0]
+    c = jax.lax.bitcast_convert_type(b[..., 16 * sb:].reshape(*lead, T, ng, ns, 16), jnp.int8)
+    c = c.transpose(*range(d), d + 1, d + 2, d, d + 3).reshape(*lead, ng * ns, T * 16)[..., :gs, :N]
+    return f, c
+
+
 def pack(u, s, m, layout: Layout):
     """Codes u [..., K, N] (uint8, values below 2**bits), scales s and minimum m (None unless
     `layout.has_min`) [..., groups, N] float32 -> the packed w [..., T, ng, group_bytes] uint8. With
-    `layout.scale_bytes` 2, s and m must be float16 values (`half_exact`; checked for numpy operands)."""
+    `layout.scale_bytes` 2, s and m (two-level: their d) must be float16 values (`half_exact`; checked for
+    numpy operands). Two-level (`layout.superblock`): s and m are each (d float32 [..., superblocks, N],
+    c int8 [..., groups, N]), as `two_level.two_level` gives them."""
     *lead, K, N = u.shape
     if (K, N) != (layout.K, layout.N):
         raise ValueError(f"u must be [..., {layout.K}, {layout.N}] for the layout, got {list(u.shape)}")
     _check("u", u, u.shape, (jnp.uint8,))
-    _check("s", s, (*lead, *layout.scale_shape), (jnp.float32,))
     if (m is not None) != layout.has_min:
         raise ValueError(f"m must be given exactly when the layout has a minimum (has_min={layout.has_min})")
-    if m is not None:
-        _check("m", m, (*lead, *layout.scale_shape), (jnp.float32,))
+    for name, a in (("s", s), ("m", m)):
+        if a is None:
+            continue
+        if layout.superblock:
+            if not isinstance(a, tuple) or len(a) != 2:
+                raise ValueError(f"{name} must be a (d, c) pair for the two-level layout, got {type(a).__name__}")
+            _check(f"{name}'s d", a[0], (*lead, layout.groups, N), (jnp.float32,))
+            _check(f"{name}'s c", a[1], (*lead, *layout.scale_shape), (jnp.int8,))
+        else:
+            _check(name, a, (*lead, *layout.scale_shape), (jnp.float32,))
     if isinstance(u, np.ndarray) and u.size and int(u.max()) >= 2 ** layout.bits:
         raise ValueError(f"u holds codes >= 2**{layout.bits}")
-    if layout.scale_bytes == 2 and all(isinstance(a, np.ndarray) for a in (s, m) if a is not None) \
-            and not half_exact(s, m):
+    floats = [a[0] if layout.superblock else a for a in (s, m) if a is not None]
+    if layout.scale_bytes == 2 and all(isinstance(a, np.ndarray) for a in floats) and not half_exact(*floats):
         raise ValueError("s / m hold values that are not float16 ones: the layout's scale_bytes must be 4")
     G, ng, T, d = layout.group_k, layout.groups, layout.tiles, len(lead)
     lead_axes = tuple(range(d))
@@ -149,23 +213,22 @@ def pack(u, s, m, layout: Layout):
     else:  # [.., g, o, half, j, t, c] -> [.., t, g, o, half, c, j]; low nibble: half 0
         h = up.reshape(*lead, ng, G // 8, 2, 4, T, 16).transpose(*lead_axes, *(d + i for i in (4, 0, 1, 2, 5, 3)))
         codes = h[..., 0, :, :] | (h[..., 1, :, :] << 4)
-    parts = [codes.reshape(*lead, T, ng, -1)]
-    sb = layout.scale_bytes
-    for a in (s,) if m is None else (s, m):
-        a = jnp.pad(jnp.asarray(a, jnp.float32), [(0, 0)] * (d + 1) + [(0, T * 16 - N)])
-        a = a.reshape(*lead, ng, T, 16).swapaxes(-3, -2).astype(_SCALE_DTYPES[sb])  # [.., t, g, 16]
-        parts.append(jax.lax.bitcast_convert_type(a, jnp.uint8).reshape(*lead, T, ng, 16 * sb))
-    return jnp.concatenate(parts, axis=-1)
+    parts = [p for a in ((s,) if m is None else (s, m)) for p in _parts(a, layout, lead)]
+    codes = [codes.reshape(*lead, T, ng, -1)]
+    return jnp.concatenate(parts + codes if layout.superblock else codes + parts, axis=-1)  # two-level: scales first
 
 
 def unpack(w, layout: Layout):
-    """The exact inverse of `pack`: w [..., T, ng, group_bytes] -> (u [..., K, N], s, m or None)."""
+    """The exact inverse of `pack`: w [..., T, ng, group_bytes] -> (u [..., K, N], s, m or None), s and m
+    float32 [..., groups, N] or, two-level, (d, c) pairs."""
     *lead, T, ng, gb = w.shape
     _check("w", w, (*lead, *layout.blob_shape), (jnp.uint8,))
     G, d, K, N = layout.group_k, len(lead), layout.K, layout.N
     lead_axes = tuple(range(d))
-    cb = G * 16 * layout.bits // 8
-    codes = w[..., :cb]
+    cb, pb = G * 16 * layout.bits // 8, layout.part_bytes
+    c0 = pb * (1 + layout.has_min) if layout.superblock else 0  # two-level: the scales come first
+    s0 = 0 if layout.superblock else cb
+    codes = w[..., c0:c0 + cb]
     if layout.bits == 8:  # [.., t, g, q, c, j] -> [.., g, q, j, t, c]
         up = codes.reshape(*lead, T, ng, G // 4, 16, 4).transpose(*lead_axes, *(d + i for i in (1, 2, 4, 0, 3)))
     else:  # [.., t, g, o, half, c, j] -> [.., g, o, half, j, t, c]
@@ -173,19 +236,25 @@ def unpack(w, layout: Layout):
         h = jnp.concatenate([c & 15, c >> 4], axis=-3)
         up = h.transpose(*lead_axes, *(d + i for i in (1, 2, 3, 5, 0, 4)))
     u = up.reshape(*lead, ng * G, T * 16)[..., :K, :N]
-    sb = layout.scale_bytes
-    f = jax.lax.bitcast_convert_type(w[..., cb:].reshape(*lead, T, ng, -1, 16, sb), _SCALE_DTYPES[sb])
-    f = f.astype(jnp.float32).transpose(*lead_axes, d + 2, d + 1, d, d + 3)  # [.., i, g, t, 16]
-    f = f.reshape(*lead, -1, ng, T * 16)[..., :N]  # [.., i, g, N]
-    return u, f[..., 0, :, :], (f[..., 1, :, :] if layout.has_min else None)
+    s = _unparts(w[..., s0:s0 + pb], layout, lead)
+    return u, s, (_unparts(w[..., s0 + pb:s0 + 2 * pb], layout, lead) if layout.has_min else None)
+
+
+def scales(a, layout: Layout):
+    """s or m as `unpack` gives it -> float32 [..., groups, N] (two-level: d of each group's superblock
+    times its c, exactly)."""
+    if not layout.superblock:
+        return a
+    d, c = a
+    return d[..., jnp.arange(c.shape[-2]) // layout.subgroups, :] * c.astype(jnp.float32)
 
 
 def dequantize(w, layout: Layout):
     """The float32 matrix [..., K, N] a packed w stands for: s * (u - zero) + m."""
     u, s, m = unpack(w, layout)
-    idx = jnp.arange(layout.K) // layout.group_k
-    out = s[..., idx, :] * (u.astype(jnp.float32) - layout.zero)
-    return out if m is None else out + m[..., idx, :]
+    idx = jnp.arange(layout.K) // layout.group
+    out = scales(s, layout)[..., idx, :] * (u.astype(jnp.float32) - layout.zero)
+    return out if m is None else out + scales(m, layout)[..., idx, :]
 
 
 def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: int = 32, isa: str | None = None):
@@ -247,6 +316,6 @@ def _products(x, ws, layouts, single: bool, layer, rows, act_block, isa) -> tupl
     each = lambda f: np.array([f(a) for a in layouts], np.int64)  # noqa: E731 (an attribute a product)
     ys = call(x2, ws[0], index, live, *ws[1:], K=np.int64(K), N=each(lambda a: a.N), group=each(lambda a: a.group),
               bits=each(lambda a: a.bits), zero=each(lambda a: a.zero), has_min=each(lambda a: a.has_min),
-              scale_bytes=each(lambda a: a.scale_bytes), act_block=np.int64(act_block),
-              isa=np.int64(ISAS[isa or "avx512_vnni"]))
+              scale_bytes=each(lambda a: a.scale_bytes), superblock=each(lambda a: a.superblock),
+              act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
     return tuple(y.reshape(lead + (a.N,)) for y, a in zip(ys, layouts))
