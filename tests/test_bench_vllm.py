@@ -105,10 +105,11 @@ def test_runs_through_a_stand_in(tmp_path, monkeypatch):
 
 
 def test_vllm_at_its_best_dtype_or_both(tmp_path, monkeypatch):
-    """--vllm-dtype best (the default): bfloat16 on AMX CPUs (oneDNN), float32 elsewhere; both: one run each,
-    labelled by dtype."""
+    """--vllm-dtype best (the default): bfloat16 on CPUs with bf16 units (AMX, AVX-512 BF16), float32
+    elsewhere; both: one run each, labelled by dtype."""
     assert vllm_peer.best_dtype(["avx512f", "avx512_bf16", "amx_bf16", "amx_tile"]) == "bfloat16"
-    assert vllm_peer.best_dtype(["avx512f", "avx512_bf16"]) == vllm_peer.best_dtype(["avx2"]) == "float32"
+    assert vllm_peer.best_dtype(["avx512f", "avx512_bf16"]) == "bfloat16"
+    assert vllm_peer.best_dtype(["avx512f", "avx2"]) == vllm_peer.best_dtype(["avx2"]) == "float32"
     model = _config_only(tmp_path / "m")
     log = use_stand_in(tmp_path, monkeypatch)
     out = throughput.main(_args(model, "--backend", "vllm", "--vllm-dtype", "both"))

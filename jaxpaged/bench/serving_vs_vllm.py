@@ -13,7 +13,7 @@ starts, so they never share the cores. The loads (streamed completions, `ignore_
 - `poisson`: the same requests arriving as a Poisson process at --request-rate per second.
 
 Servers: jaxpaged at its defaults (`--dtype auto`: the checkpoint's dtype where the CPU has bf16 units), plus
-`--dtype` when given; vLLM at --vllm-dtype (`best`: bfloat16 with AMX, float32 elsewhere; `both`), with
+`--dtype` when given; vLLM at --vllm-dtype (`best`: bfloat16 with AMX or AVX-512 BF16, float32 elsewhere; `both`), with
 `--max-num-seqs` and `--max-num-batched-tokens` alike for both and vLLM's threads bound as in the other
 peers (`OMP_NUM_THREADS`, `VLLM_CPU_OMP_THREADS_BIND`). The JSON has every run's full `bench serving`
 summary, the machine (CPU model and flags) and the ratios to the first vLLM run.

@@ -45,8 +45,8 @@ def add_args(ap, dtype: str | None = "best") -> None:
     g.add_argument("--vllm-cpu-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND (default 0-1)")
     g.add_argument("--vllm-dtype", default=dtype, choices=VLLM_DTYPES,
                    help=f"vLLM's dtype (default: {dtype or '--dtype'}); best: its fastest on this CPU (bfloat16 "
-                   "with AMX, whose oneDNN kernels make it 2.5x its float32 there; float32 elsewhere, where its "
-                   "bfloat16 is slower or does not start); both: float32 and bfloat16, one after the other")
+                   "with AMX or AVX-512 BF16 units: 2.5x its float32 with AMX, 1.6x on AVX-512 BF16; float32 "
+                   "elsewhere, where its bfloat16 is slower); both: float32 and bfloat16, one after the other")
     g.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's gpu_memory_utilization: on its CPU backend the fraction of host memory it "
                         "reserves (default 0.3: its 0.92 refuses to start beside other processes, and its "
@@ -54,8 +54,9 @@ def add_args(ap, dtype: str | None = "best") -> None:
 
 
 def best_dtype(cpu_flags) -> str:
-    """vLLM's fastest dtype on a CPU with these /proc/cpuinfo flags: bfloat16 with AMX, float32 without."""
-    return "bfloat16" if "amx_bf16" in cpu_flags else "float32"
+    """vLLM's fastest dtype on a CPU with these /proc/cpuinfo flags: bfloat16 with bf16 units (AMX or AVX-512
+    BF16; measured, docs/benchmarks.md), float32 without."""
+    return "bfloat16" if {"amx_bf16", "avx512_bf16"} & set(cpu_flags) else "float32"
 
 
 def dtypes(args) -> list[str]:
