@@ -6,6 +6,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from jaxpaged.checkpoints.gguf_quant import GGUF_QUANT_TYPES, gguf_codes
+from jaxpaged.testing.kernel_activations import int8_rounded
 
 # gguf-py quantizes these; the K-quant blocks are written from their layout (random codes, sane scales)
 QUANTIZED_BY_GGUF = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
@@ -143,9 +144,7 @@ def test_packed_layout_and_product_per_type(type_name, n, k):
         assert qp.blob.size * 8 / (k * 16 * qp.layout.tiles) == 4 + (2 * 8 + 2 * 2 * 8 / 8) / 32  # 4.625 bits
     np.testing.assert_array_equal(np.asarray(engine_matrix(qp.unpack())), want)
     x = np.random.default_rng(k).normal(0, 1, (5, k)).astype(np.float32)
-    xp = x.reshape(5, -1, 32)
-    dx = np.abs(xp).max(-1, keepdims=True) / 127
-    ref = (np.rint(xp / dx) * dx).reshape(5, k).astype(np.float64) @ want.astype(np.float64)
+    ref = int8_rounded(x).astype(np.float64) @ want.astype(np.float64)
     got = np.asarray(qpacked.matmul(jnp.asarray(x), qp))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     one = qpacked.pack(qa, scale_bytes=4, superblock=0)

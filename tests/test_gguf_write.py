@@ -13,6 +13,7 @@ from safetensors.numpy import save_file
 from jaxpaged import LLM, ModelConfig, SamplingParams
 from jaxpaged.models.qarray import QArray
 from jaxpaged.testing.gguf_kquant import quantize_q4_k
+from jaxpaged.testing.kernel_activations import int8_rounded
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 VOCAB = 300
@@ -126,9 +127,7 @@ def test_kept_codes_run_packed_on_the_quantized_kernel(q4k, kernel_run):
     # the product of layer 1's packed w_up: the float product of the int8-rounded activations (per 32 entries)
     # with the file's dequantized matrix (its codes, scales and minimums read back by unpack)
     x = np.random.default_rng(6).standard_normal((5, up.K)).astype(np.float32)
-    xp = x.reshape(5, -1, 32)
-    dx = np.abs(xp).max(-1, keepdims=True) / 127
-    want = (np.rint(xp / dx) * dx).reshape(5, -1) @ np.asarray(dequantize(up.unpack()))[1]
+    want = int8_rounded(x) @ np.asarray(dequantize(up.unpack()))[1]
     got = np.asarray(qpacked_matmul(jnp.asarray(x), up, layer=jnp.int32(1)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     _check_against_float(llm, gguf_model_dir(q4k[0]))

@@ -16,6 +16,7 @@ from jaxpaged.config import ModelConfig
 from jaxpaged.models import qpacked
 from jaxpaged.models.qarray import QArray, dequantize, quantize
 from jaxpaged.models.quant import ragged_dot
+from jaxpaged.testing.kernel_activations import int8_rounded
 from jaxpaged.testing.tiny_models import make_tiny_model
 from pallas_kernels.matmul import cpu_quant
 
@@ -117,10 +118,7 @@ def test_packed_round_trip_and_product(fmt, group, symmetric):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale)) + (() if symmetric else ((back.m, qa.m),)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        xp = np.pad(x, [(0, 0), (0, -K % 32)]).reshape(M, -1, 32)
-        dx = np.abs(xp).max(-1, keepdims=True) / 127
-        xq = (np.rint(xp / dx) * dx).reshape(M, -1)[:, :K]
-        ref = xq @ np.asarray(dequantize(qa))[1]
+        ref = int8_rounded(x) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

@@ -12,6 +12,7 @@ from test_quant_int4 import _check_against_float, q4_1_values
 from jaxpaged import LLM, EngineConfig
 from jaxpaged.models import qpacked
 from jaxpaged.models.qarray import dequantize, folded_minimum, quantize, restored
+from jaxpaged.testing.kernel_activations import int8_rounded
 from jaxpaged.testing.tiny_models import make_tiny_model
 from pallas_kernels.matmul import cpu_quant
 
@@ -91,10 +92,7 @@ def test_packed_round_trip_product_and_rows(group):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale), (back.m, qa.m)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        xp = np.pad(x, [(0, 0), (0, -K % 32)]).reshape(M, -1, 32)
-        dx = np.abs(xp).max(-1, keepdims=True) / 127
-        xq = (np.rint(xp / dx) * dx).reshape(M, -1)[:, :K]
-        ref = xq @ np.asarray(dequantize(qa))[1]
+        ref = int8_rounded(x) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     emb = quantize(rng.standard_normal((40, 64)).astype(np.float32), "int8", -1, "float32", group, symmetric=False)
