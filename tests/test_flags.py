@@ -119,22 +119,3 @@ def test_choices_are_the_validating_modules():
     from jaxpaged.models import qarray
     from jaxpaged.step import kv_cache
     assert (KV_CACHE_DTYPES, QUANTIZATIONS) == (kv_cache.KV_CACHE_DTYPES, qarray.QUANTIZATIONS)
-
-
-def test_serve_runs_async_scheduling_unless_asked_off_or_speculating():
-    """`jaxpaged serve` resolves async scheduling itself (serve/app.py): on, on a CPU too, where the plain engine
-    default is off; off when asked; left to the engine with speculative decoding, which refuses it."""
-    from serve.app import serve_engine_overrides
-    serve = _command("serve")
-    args = serve.parse_args(["--dtype", "float32"])
-    assert serve_engine_overrides(args) == {"async_scheduling": True}
-    assert engine_config(args, **serve_engine_overrides(args)).async_scheduling is True
-    assert engine_config(args).async_scheduling is False  # the engine's own default on this CPU
-    assert serve_engine_overrides(args, {"async_scheduling": False}) == {"async_scheduling": False}
-    off = serve.parse_args(["--dtype", "float32", "--no-async-scheduling"])
-    assert engine_config(off, **serve_engine_overrides(off)).async_scheduling is False
-    spec = serve.parse_args(["--dtype", "float32", "--speculative-config",
-                             json.dumps({"method": "ngram", "num_speculative_tokens": 2})])
-    cfg = engine_config(spec, **serve_engine_overrides(spec))  # no "not supported with async_scheduling"
-    assert (cfg.async_scheduling, cfg.speculative_config.num_speculative_tokens) == (False, 2)
-    assert "`jaxpaged serve`: on, on a CPU too" in " ".join(serve.format_help().split())
