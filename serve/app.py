@@ -152,24 +152,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the flags of `jaxpaged serve` to `parser`: the server's (ServerConfig) and the engine's
     (jaxpaged/args.py)."""
     add_server_args(parser)
-    add_engine_args(parser, helps={"async_scheduling": SERVE_ASYNC_HELP})
+    add_engine_args(parser)
     return parser
-
-
-SERVE_ASYNC_HELP = ("prepare step t+1 while step t runs on the device (default for `jaxpaged serve`: on, on a CPU "
-                    "too, unless --speculative-config; see docs/server.md)")
-
-
-def serve_engine_overrides(args: argparse.Namespace, engine_kwargs: dict | None = None) -> dict:
-    """The engine settings `jaxpaged serve` resolves its own way, then `engine_kwargs`: async scheduling is on
-    unless --no-async-scheduling or speculative decoding (which refuses it), on a CPU too. There the event loop
-    works on each step's outputs (SSE events, socket writes) while the next step computes, instead of taking
-    the GIL from the engine thread as it prepares that step (docs/server.md, "Async scheduling")."""
-    kwargs = dict(engine_kwargs or {})
-    spec = kwargs.get("speculative_config", args.speculative_config)
-    if kwargs.get("async_scheduling", args.async_scheduling) is None and spec is None:
-        kwargs["async_scheduling"] = True
-    return kwargs
 
 
 class _Server(uvicorn.Server):
@@ -218,7 +202,7 @@ def run_server(args: argparse.Namespace, *, max_body_bytes: int = DEFAULT_MAX_BO
     lora_modules = serve_lora.parse_modules(server.lora_modules, server.served_model_name)
     if (lora_modules or server.enable_runtime_lora_updating) and not args.enable_lora:
         raise ValueError("--lora-modules and --enable-runtime-lora-updating need --enable-lora")
-    cfg = engine_config(args, **serve_engine_overrides(args, engine_kwargs))  # multi-host: jax.distributed starts first
+    cfg = engine_config(args, **(engine_kwargs or {}))  # multi-host: jax.distributed starts first
     log.info("loading %s", args.model or f"the default model ({DEFAULT_MODEL_NAME})")
     t0 = time.perf_counter()
     engine = build_engine(cfg)
