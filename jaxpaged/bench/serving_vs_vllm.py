@@ -13,7 +13,9 @@ starts, so they never share the cores. The loads (streamed completions, `ignore_
 - `poisson`: the same requests arriving as a Poisson process at --request-rate per second.
 
 Servers: jaxpaged at its defaults (`--dtype auto`: the checkpoint's dtype where the CPU has bf16 units), plus
-`--dtype` when given; vLLM at --vllm-dtype (`best`: bfloat16 with AMX or AVX-512 BF16, float32 elsewhere; `both`), with
+`--dtype` when given, plus once per `--jaxpaged-args=FLAGS` with those `jaxpaged serve` flags added (an A/B of a
+server setting in one run, e.g. `--jaxpaged-args=--async-scheduling`); vLLM at --vllm-dtype (`best`: bfloat16
+with AMX or AVX-512 BF16, float32 elsewhere; `both`), with
 `--max-num-seqs` and `--max-num-batched-tokens` alike for both and vLLM's threads bound as in the other
 peers (`OMP_NUM_THREADS`, `VLLM_CPU_OMP_THREADS_BIND`). The JSON has every run's full `bench serving`
 summary, the machine (CPU model and flags) and the ratios to the first vLLM run.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -34,6 +37,9 @@ import httpx
 
 from jaxpaged.bench import common as bc
 from jaxpaged.bench import serving, vllm_peer
+
+OWN_FLAGS = {"--model", "--served-model-name", "--port", "--max-num-seqs", "--max-num-batched-tokens",
+             "--max-model-len", "--max-waiting"}  # what this bench sets on every jaxpaged server
 
 
 def _free_port() -> int:
@@ -120,24 +126,35 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warmups", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--startup-timeout", type=float, default=900)
+    ap.add_argument("--jaxpaged-args", action="append", default=[], metavar="FLAGS",
+                    help="also run jaxpaged at its defaults plus these `jaxpaged serve` flags, one string (repeatable; "
+                         "write --jaxpaged-args='--async-scheduling' with the = when they start with --)")
     ap.add_argument("--skip-vllm", action="store_true", help="jaxpaged only")
     ap.add_argument("--json", default=None)
     vllm_peer.add_args(ap)
     args = ap.parse_args(argv)
     if args.num_prompts < 1 or args.max_concurrency < 1 or args.request_rate < 0:
         ap.error("--num-prompts and --max-concurrency must be positive, --request-rate >= 0")
+    extras = [shlex.split(flags) for flags in args.jaxpaged_args]
+    for flags in extras:
+        own = sorted({f.split("=")[0] for f in flags} & OWN_FLAGS)
+        if not flags or own:
+            ap.error(f"--jaxpaged-args {' '.join(flags)!r}: " + (f"{', '.join(own)} is set by this bench" if own
+                                                                   else "no flags"))
     model_dir = bc.resolve_model(args.model)
     sizes = ["--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
              "--max-model-len", str(args.max_model_len)]
     log_dir = tempfile.mkdtemp(prefix="serving_vs_vllm-")
     runs = {}
-    ours = [None] + ([args.dtype] if args.dtype and args.dtype != "auto" else [])
-    for dtype in ours:
+    ours = [(None, [])] + ([(args.dtype, [])] if args.dtype and args.dtype != "auto" else [])
+    ours += [(None, flags) for flags in extras]
+    for i, (dtype, flags) in enumerate(ours):
         cmd = [sys.executable, "-m", "jaxpaged.cli", "serve", "--model", model_dir, "--served-model-name",
                args.served_model_name, *sizes, "--max-waiting", str(4 * args.num_prompts)]
-        cmd += ["--dtype", dtype] if dtype else []
-        runs[f"jaxpaged {dtype or 'auto'}"] = run_server(f"jaxpaged-{dtype or 'auto'}", cmd, dict(os.environ),
-                                                        args, log_dir)
+        cmd += (["--dtype", dtype] if dtype else []) + flags
+        name = f"jaxpaged {dtype or 'auto'}" + (f" {' '.join(flags)}" if flags else "")
+        runs[name] = run_server(f"jaxpaged-{dtype or 'auto'}" + (f"-extra{i}" if flags else ""), cmd,
+                                dict(os.environ), args, log_dir)
     why = None if not args.skip_vllm else "--skip-vllm"
     why = why or vllm_peer.unavailable(args)
     if why:
