@@ -47,12 +47,13 @@ inline __m512 ints16(const uint8_t* p) {
 // acc += the 4-byte dot products of u8 w and s8 x in each int32 lane (asm, as cpu_quant.cc's `dpbusd`).
 inline void dot4(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 
-// y[t] (16 columns each) = the row @ tile t0 + t, for t < NT. TWO: the two-level form (per stored group d and,
+// out[t] (16 columns each) = the row @ tile t0 + t, for t < NT. TWO: the two-level form (per stored group d and,
 // with MIN, dm, then int8 c and c' a scale group); MIN: a minimum term a scale group.
 template <int NT, bool TWO, bool MIN>
-void row4(const Args& a, __m512 (&y)[NT]) {
+void row4(const Args& a, __m512 (&out)[NT]) {
   const __m512i lo4 = _mm512_set1_epi8(0x0F), hi4 = _mm512_set1_epi8(static_cast<char>(0xF0));
   const int64_t tb = a.tile_bytes, sub = 16 * a.sb;
+  __m512 y[NT];  // in registers until the end (out may be memory the loop would store to every group)
   for (int t = 0; t < NT; ++t) y[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* codes = a.w + g * a.group_bytes + a.code_off;
@@ -98,6 +99,7 @@ void row4(const Args& a, __m512 (&y)[NT]) {
         y[t] = _mm512_fmadd_ps(dm, ym[t], _mm512_fmadd_ps(floats16(st, a.sb), ys[t], y[t]));
       }
   }
+  for (int t = 0; t < NT; ++t) out[t] = y[t];
 }
 
 }  // namespace jp_row4
