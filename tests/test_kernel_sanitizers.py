@@ -110,6 +110,19 @@ DRIVER = textwrap.dedent("""
         want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wt, two), np.float64)
         got = np.asarray(qmm(x, wt, scale_bytes=one(2), superblock=one(256)))
         assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        # a lone row over 5 tiles (the lone-row 4-bit loop: a unit of 4 tiles, then one), K past a superblock
+        u5 = rng.integers(0, 16, (300, 80), dtype=np.uint8)
+        x5 = jnp.asarray(rng.standard_normal((7, 300)), jnp.float32)
+        for lay in (cq.Layout(300, 80, 32, 4, 0, True, 2, 256), cq.Layout(300, 80, 32, 4, 8, False, 2)):
+            d5 = rng.uniform(1e-3, 1e-2, (lay.groups, 80)).astype(np.float16).astype(np.float32)
+            c5 = rng.integers(1, 64, (lay.scale_shape[0], 80)).astype(np.int8)
+            w5 = cq.pack(u5, (d5, c5), (d5, -c5), lay) if lay.superblock else cq.pack(u5, d5, None, lay)
+            call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((7, 80), jnp.float32))
+            got = np.asarray(call(x5, w5, jnp.int32(0), jnp.int32(1), **{**attrs, **dict(
+                K=np.int64(300), N=one(80), zero=one(lay.zero), has_min=one(int(lay.has_min)), scale_bytes=one(2),
+                superblock=one(lay.superblock))}))
+            want = np.asarray(x5[:1], np.float64) @ np.asarray(cq.dequantize(w5, lay), np.float64)
+            assert np.linalg.norm(got[:1] - want) <= 0.02 * np.linalg.norm(want) and not got[1:].any(), lay
         for args, change in (((x, w[:1]), {}), ((x[:, :64], w), {}), ((x, w[None], 1), {}), ((x, w, 0, 8), {}),
                              ((x, w, 0, 7, 5), {}), ((x, w), dict(bits=one(8))),
                              ((x, w), dict(scale_bytes=one(2))), ((x, wh), {}),

@@ -59,6 +59,9 @@
 #if JP_VNNI || JP_AVX2
 #include <immintrin.h>
 #endif
+#if JP_VNNI
+#include "cpu_quant_row4.h"
+#endif
 
 namespace {
 
@@ -460,6 +463,25 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
       _mm512_mask_storeu_ps(C.out + (r0 + r) * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[r][t]);
     }
 }
+
+// One row x NT tiles of 4-bit codes with scale groups and activation blocks of 32 k (`row4_fits`): the unrolled
+// lone-row loop of cpu_quant_row4.h.
+inline bool row4_fits(const Meta& P) { return P.bits == 4 && P.S == 32 && P.A == 32; }
+
+template <int NT, bool TWO, bool MIN>
+void vnni_row4(const Call& C, int64_t r, int64_t t0) {
+  const Meta& P = C.P;
+  const jp_row4::Args a{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.ng(), P.G / 32, P.code_off(),
+                        P.scale_off(), P.part_bytes(), P.sb, static_cast<int32_t>(P.zero),
+                        C.A.xq.data() + r * P.Ka(), C.A.dx.data() + r * (P.Ka() / 32), C.A.qsum.data() + r * P.nf(),
+                        C.A.xsum.data() + r * P.nsg()};
+  __m512 y[NT];
+  jp_row4::row4<NT, TWO, MIN>(a, y);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
+    _mm512_mask_storeu_ps(C.out + r * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
+  }
+}
 #endif
 
 // One work unit: columns tiles t0 .. t0 + nt, every row, on path `isa`.
@@ -479,6 +501,18 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
       for (int t = 0; t < nt; t += 2) big[b][t + 1 < nt](C, r, t0 + t);
     for (; r + 4 <= M; r += 4)
       for (int t = 0; t < nt; t += 2) four[b][t + 1 < nt](C, r, t0 + t);
+    static const Fn row4[2][2][2] = {  // [all tiles][two-level][minimum]
+        {{vnni_row4<1, false, false>, vnni_row4<1, false, true>}, {vnni_row4<1, true, false>, vnni_row4<1, true, true>}},
+        {{vnni_row4<UNIT_TILES, false, false>, vnni_row4<UNIT_TILES, false, true>},
+         {vnni_row4<UNIT_TILES, true, false>, vnni_row4<UNIT_TILES, true, true>}}};
+    for (; r < M && row4_fits(C.P); ++r) {
+      const Fn* f = row4[nt == UNIT_TILES][C.P.ns != 0];
+      if (nt == UNIT_TILES) {
+        f[C.P.has_min](C, r, t0);
+        continue;
+      }
+      for (int t = 0; t < nt; ++t) f[C.P.has_min](C, r, t0 + t);
+    }
     for (; r < M; ++r) {
       if (nt == UNIT_TILES) {
         one[b][1](C, r, t0);
