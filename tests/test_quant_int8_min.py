@@ -80,8 +80,9 @@ def test_the_minimum_folds_exactly_at_every_magnitude():
 @pytest.mark.parametrize("group", [32, 64, 0])
 def test_packed_round_trip_product_and_rows(group):
     """QArray -> QPacked -> QArray is exact (the folded minimum unfolded); the kernel's product of layer 1 of
-    a stack equals the float product of the int8-rounded activations with the dequantized matrix (K not a
-    multiple of the group, row and column tails); a tied embedding's rows read from the packed head."""
+    a stack equals the float product of the activations rounded to its act_bits (int16 codes: int8 weights'
+    default) with the dequantized matrix (K not a multiple of the group, row and column tails); a tied
+    embedding's rows read from the packed head."""
     rng = np.random.default_rng(group)
     for K, N, M in ((64, 48, 1), (100, 40, 5)):
         w = rng.standard_normal((3, K, N)).astype(np.float32) + 0.3
@@ -92,7 +93,8 @@ def test_packed_round_trip_product_and_rows(group):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale), (back.m, qa.m)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        ref = int8_rounded(x) @ np.asarray(dequantize(qa))[1]
+        assert qp.act_bits == 16
+        ref = int8_rounded(x, act_bits=16) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     emb = quantize(rng.standard_normal((40, 64)).astype(np.float32), "int8", -1, "float32", group, symmetric=False)
