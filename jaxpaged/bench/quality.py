@@ -43,6 +43,7 @@ from jaxpaged.testing.prompts import golden_prompts
 GOAL_INT8_WEIGHTS = 0.05  # mean |delta logprob| of int8 weights (issue 14)
 GOAL_INT4_WEIGHTS = 0.1  # mean |delta logprob| of int4 weights, groups of 32 (issue 44)
 GOAL_GREEDY_INT8 = 0.95  # greedy agreement of int8 weights over 64 tokens (issue 44)
+GOAL_INT8_DEFAULT = 0.02  # mean |delta logprob| of int8's default form (groups of 32, minimum; issue 44)
 GOAL_KV = {"bfloat16": 0.005, "int8": 0.02}  # mean |delta logprob| of the KV cache dtype, float32 weights
 
 
