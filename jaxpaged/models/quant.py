@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from jaxpaged.models import live_rows, qpacked
+from jaxpaged.models import live_rows, packed, qpacked
+from jaxpaged.models.packed import LAYER_MATRICES, Packed
 from jaxpaged.models.qarray import QArray, check_quantization, dequantize, dequantize_parts, quantize
 from jaxpaged.models.qpacked import QPacked
 from jaxpaged.step.batch_invariant import row_tiled
@@ -27,7 +28,7 @@ from pallas_kernels.matmul import cpu as cpu_matmul
 COLUMN_CHUNK = 4096  # columns of a wide quantized matrix widened at a time (see `dot`)
 # layer leaves that are quantized (with `embed` and `lm_head`: see `leaf_axis`); norms, biases and the
 # MoE router stay in the engine dtype
-QUANTIZED_LAYER_LEAVES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+QUANTIZED_LAYER_LEAVES = LAYER_MATRICES
 EMBED_GROUP = 32  # the int8 embedding / lm_head's group along the hidden axis (as GGUF's Q8_0; see leaf_format)
 
 
@@ -52,65 +53,12 @@ class LayerOf:
         return layer.unpack() if isinstance(layer, (Packed, QPacked)) else layer
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Packed:
-    """A bfloat16 matrix [.., K, N] kept in the CPU matmul kernel's tile order, `tiles` [.., N / 16, K / 32,
-    16, 32] (pallas_kernels/matmul/cpu.py `pack`): the kernel reads it without repacking it every step. The
-    runner keeps its layer matrices so when the step's products run on the kernel (`pack_layers`); `shape`
-    and `dtype` are the matrix's, so shape checks and weight updates see the matrix it stands for."""
-    tiles: jax.Array
-
-    @property
-    def shape(self) -> tuple:
-        t = self.tiles.shape
-        return (*t[:-4], t[-3] * 32, t[-4] * 16)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
-    @property
-    def dtype(self):
-        return self.tiles.dtype
-
-    @property
-    def sharding(self):
-        return self.tiles.sharding
-
-    def unpack(self) -> jax.Array:
-        return cpu_matmul.unpack(self.tiles)
-
-
-_pack = jax.jit(cpu_matmul.pack)
-_pack_owned = jax.jit(cpu_matmul.pack, donate_argnums=0)  # the plain matrix freed as its tiles are made
-_unpack = jax.jit(cpu_matmul.unpack)
-
-
-def packable(a) -> bool:
-    """A stacked plain bfloat16 layer matrix [L, K, N] the kernel can take packed."""
-    return (isinstance(a, (jax.Array, jax.ShapeDtypeStruct)) and a.ndim == 3 and a.dtype == jnp.bfloat16
-            and a.shape[-2] % 32 == 0 and a.shape[-1] % 16 == 0)
-
-
-def pack_layers(params: dict, owned: bool = False) -> dict:
-    """The parameters with their stacked plain bfloat16 layer matrices `Packed` (shapes only for abstract
-    leaves: `jax.ShapeDtypeStruct`s keep their sharding). owned: the plain matrices are the caller's alone
-    and are freed as they are packed (never a weight update's arrays: their owner may still use them)."""
-    def one(a):
-        if not packable(a):
-            return a
-        if isinstance(a, jax.ShapeDtypeStruct):
-            t = jax.eval_shape(cpu_matmul.pack, a)
-            return Packed(jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=a.sharding))
-        return Packed((_pack_owned if owned else _pack)(a))
-    layers = {k: one(a) if k in QUANTIZED_LAYER_LEAVES else a for k, a in params["layers"].items()}
-    return {**params, "layers": layers}
+_unpack = jax.jit(Packed.unpack)
 
 
 def unpack_layers(params: dict) -> dict:
-    """The inverse of `pack_layers` and `qpacked.pack_quantized`: every `Packed` leaf as the plain matrix it
-    stands for (a new array), every `QPacked` one as its QArray."""
+    """The inverse of `packed.pack_layers` and `qpacked.pack_quantized`: every `Packed` leaf as the plain
+    matrix it stands for (a new array), every `QPacked` one as its QArray."""
     def one(a):
         if isinstance(a, QPacked):
             return a.unpack() if isinstance(a.blob, jax.Array) else a
@@ -118,7 +66,7 @@ def unpack_layers(params: dict) -> dict:
             return a
         if isinstance(a.tiles, jax.ShapeDtypeStruct):  # an offloaded runner's: shapes only
             return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-        return _unpack(a.tiles)
+        return _unpack(a)
     return jax.tree.map(one, params, is_leaf=lambda a: isinstance(a, (Packed, QPacked)))
 
 
@@ -160,6 +108,9 @@ def dot(x, w, preferred_element_type=None, *, transpose: bool = False, row_tile:
             return cpu_matmul.cpu_matmul(x, w.stack, transpose, layer=w.index, rows=_live(x)).astype(out_dtype)
         w = w.get()
     if isinstance(w, Packed):
+        if transpose != w.transposed:
+            raise ValueError(f"dot: a packed {'embedding' if w.transposed else 'matrix'} multiplies with "
+                             f"transpose={w.transposed}, got transpose={transpose}")
         if kernel and x.dtype == jnp.bfloat16:
             return cpu_matmul.cpu_matmul(x, w.tiles, packed=True, rows=_live(x)).astype(out_dtype)
         w = w.unpack()
@@ -224,6 +175,8 @@ def take_rows(w, ids, dtype=None):
     in the engine dtype."""
     if isinstance(w, QPacked):
         return qpacked.take_rows(w, ids, dtype)
+    if isinstance(w, Packed):
+        return packed.take_rows(w, ids).astype(dtype or w.dtype)
     if not isinstance(w, QArray):
         return w[ids]
     m = None if w.m is None else w.m[ids]

@@ -33,8 +33,8 @@ from jaxpaged.core.scheduler import SchedulerOutput
 from jaxpaged.core.step_result import StepResult
 from jaxpaged.core.structured import StructuredOutputs
 from jaxpaged.lora.slots import LoRASlots
+from jaxpaged.models.packed import pack_layers
 from jaxpaged.models.qpacked import pack_quantized
-from jaxpaged.models.quant import pack_layers
 from jaxpaged.spec_decode.step import Verification
 from jaxpaged.step import kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
@@ -408,9 +408,9 @@ class ModelRunner:
         self.params = self._packed(params, like=self.params)
 
     def _packed(self, params, owned: bool = False, like=None):
-        """The layer matrices as the step's kernels read them, packed once: bfloat16 ones in the AMX kernel's
-        tile order (quant.Packed), int8 / int4 ones in the quantized kernel's (qpacked.QPacked; like: the
-        parameters they replace, whose packed layouts they keep)."""
+        """The layer matrices as the step's kernels read them, packed once: bfloat16 ones (and the head) in
+        the bfloat16 kernel's tile order (packed.Packed), int8 / int4 ones in the quantized kernel's
+        (qpacked.QPacked; like: the parameters they replace, whose packed layouts they keep)."""
         if self.step_cfg.cpu_matmul:
             params = pack_layers(params, owned=owned)
         return (pack_quantized(params, owned=owned, like=like, act_bits=self.cfg.quantization_activation_bits)
