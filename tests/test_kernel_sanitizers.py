@@ -89,7 +89,8 @@ DRIVER = textwrap.dedent("""
         x = jnp.asarray(rng.standard_normal((7, 100)), jnp.float32)
         one = lambda v: np.array([v], np.int64)  # the format attributes: one value a matrix
         attrs = dict(K=np.int64(100), N=one(40), group=one(32), bits=one(4), zero=one(0), has_min=one(1),
-                     scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), isa=np.int64(3))
+                     scale_bytes=one(4), superblock=one(0), act_block=np.int64(32),
+                     act_bits=np.int64(8), isa=np.int64(3))
         def qmm(x, w, layer=0, rows=7, m=7, **change):
             call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((m, 40), jnp.float32))
             return call(x, w, jnp.int32(layer), jnp.int32(rows), **{**attrs, **change})

@@ -1,8 +1,9 @@
 """The quantized CPU product (pallas_kernels/matmul/cpu_quant.cc) against numpy, on every path this build has.
 
-The reference dequantizes W = s * (u - zero) + m and quantizes x to int8 the way the kernel does (per row
-and block of act_block k, scale max|x| / 127, round half to even), so the kernel must match it to float32
-summation; a second check bounds the int8 activations' own error against the float product."""
+The reference dequantizes W = s * (u - zero) + m and quantizes x the way the kernel does (per row and block
+of act_block k, to int8: scale max|x| / 127, or int16 codes: max|x| / 16319; round half to even), so the
+kernel must match it to float32 summation; a second check bounds the activations' own error against the
+float product."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -34,15 +35,15 @@ def dense(u, s, m, layout):  # W [K, N] float64
     return w if m is None else w + m.astype(np.float64)[idx]
 
 
-def int8_activations(x, layout, act_block):  # what the kernel multiplies: x quantized then dequantized
-    K = layout.K
+def int8_activations(x, layout, act_block, act_bits=8):  # what the kernel multiplies: x quantized, dequantized
+    K, top = layout.K, np.float32(cq.ACT_BITS[act_bits])
     Ka = -(-layout.groups * layout.group_k // act_block) * act_block
     xp = np.zeros((x.shape[0], Ka), np.float32)
     xp[:, :K] = x
     b = xp.reshape(x.shape[0], -1, act_block)
     amax = np.abs(b).max(-1, keepdims=True)
-    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
-    return (np.rint(b * inv) * (amax / np.float32(127))).astype(np.float64).reshape(x.shape[0], Ka)[:, :K]
+    inv = np.where(amax > 0, top / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    return (np.rint(b * inv) * (amax / top)).astype(np.float64).reshape(x.shape[0], Ka)[:, :K]
 
 
 CASES = [  # M, K, N, group, bits, zero, has_min
@@ -63,7 +64,7 @@ HALF_CASES = [  # float16 scales and minima (scale_bytes 2)
 def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path, scale_bytes=4):
     """K not a multiple of the group (and of 16), N tails, row tails of every row block, G 16..128 and per
     column, 8- and 4-bit codes, with and without a minimum, float32 or bfloat16 x, activation blocks of 32
-    (and 128 on the best path)."""
+    (and 128 on the best path), int8 and int16 activations (the latter's error < 1/50 of int8's bound)."""
     rng = np.random.default_rng(M * K + N + bits)
     layout = cq.Layout(K, N, group, bits, zero, has_min, scale_bytes)
     u, s, m = weights(rng, layout)
@@ -71,13 +72,14 @@ def test_kernel_equals_reference(M, K, N, group, bits, zero, has_min, path, scal
     wd = dense(u, s, m, layout)
     x = jnp.asarray(rng.standard_normal((M, K)), (jnp.float32, jnp.bfloat16)[(M + N) % 2])
     xf = np.asarray(x, np.float32)
-    for act_block in (32, 128) if path == PATHS[-1] else (32,):
-        got = np.asarray(cq.cpu_quant_matmul(x, w, layout, act_block=act_block, isa=path))
-        want = int8_activations(xf, layout, act_block) @ wd
+    float_product = xf.astype(np.float64) @ wd
+    for act_bits, act_block in [(8, 32), (16, 32)] + ([(8, 128), (16, 128)] if path == PATHS[-1] else []):
+        got = np.asarray(cq.cpu_quant_matmul(x, w, layout, act_block=act_block, act_bits=act_bits, isa=path))
+        want = int8_activations(xf, layout, act_block, act_bits) @ wd
         assert got.dtype == np.float32 and got.shape == (M, N)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-        float_product = xf.astype(np.float64) @ wd
-        assert np.linalg.norm(got - float_product) <= 0.02 * np.linalg.norm(float_product)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(), err_msg=str(act_bits))
+        bound = 0.02 if act_bits == 8 else 4e-4
+        assert np.linalg.norm(got - float_product) <= bound * np.linalg.norm(float_product), act_bits
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -152,8 +154,9 @@ def test_nonfinite_activations_give_nan_rows():
     x = rng.standard_normal((3, 100)).astype(np.float32)
     x[1, 7], x[2, 99] = np.nan, np.inf
     for path in PATHS:
-        y = np.asarray(cq.cpu_quant_matmul(jnp.asarray(x), w, layout, isa=path))
-        assert np.isfinite(y[0]).all() and np.isnan(y[1:]).all(), path
+        for act_bits in cq.ACT_BITS:
+            y = np.asarray(cq.cpu_quant_matmul(jnp.asarray(x), w, layout, act_bits=act_bits, isa=path))
+            assert np.isfinite(y[0]).all() and np.isnan(y[1:]).all(), (path, act_bits)
 
 
 def test_bad_operands_are_named():
@@ -178,6 +181,7 @@ def test_bad_operands_are_named():
            (lambda: cq.cpu_quant_matmul(x, w.astype(jnp.int8), layout), "w must"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, layer=0), "w must"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, act_block=16), "act_block"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, act_bits=4), "act_bits"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, isa="sse"), "isa")]
     for call, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -185,11 +189,12 @@ def test_bad_operands_are_named():
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
     attrs = dict(K=np.int64(64), N=one(32), group=one(32), bits=one(4), zero=one(8), has_min=one(0),
-                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), isa=np.int64(3))
+                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), act_bits=np.int64(8), isa=np.int64(3))
     for change, match in ((dict(bits=one(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
                           (dict(scale_bytes=one(2)), "w must be the packed"),
                           (dict(scale_bytes=one(3)), "scale_bytes must be"),
                           (dict(group=one(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
+                          (dict(act_bits=np.int64(12)), "act_bits"),
                           (dict(zero=one(16)), "zero")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))

@@ -181,7 +181,10 @@ def test_step_hlo_widens_no_whole_matrix(tmp_path, engine_kwargs, monkeypatch, q
     # a bucket T unlike the matrices' sizes: the prompt-logprobs logits f32[T, V] must not pass for the head
     key = next(v for v in r.variants()[::-1] if v[0] not in (cfg.hidden_size, cfg.vocab_size))
     text = r.compiled_step(key).as_text()
-    stacked = {",".join(map(str, a.shape)) for a in jax.tree.leaves(r.params) if a.ndim == 3 and a.shape[1] > 1}
+    # the weights themselves (a QArray's codes; its scales and minima are float already)
+    weights = jax.tree.map(lambda a: a.q if isinstance(a, QArray) else a, r.params,
+                           is_leaf=lambda a: isinstance(a, QArray))
+    stacked = {",".join(map(str, a.shape)) for a in jax.tree.leaves(weights) if a.ndim == 3 and a.shape[1] > 1}
     whole = stacked | {f"{cfg.vocab_size},{cfg.hidden_size}", f"{cfg.hidden_size},{cfg.vocab_size}"}
     floats = set(re.findall(r"f32\[([\d,]+)\]", text))
     assert not floats & (whole if quantization else {f"3,1,{s[2:]}" for s in stacked}), floats & whole

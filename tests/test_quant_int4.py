@@ -106,19 +106,22 @@ def test_weights_round_trip_and_update(setup):
                                                  ("int4", 64, False), ("int4", 0, False)])
 def test_packed_round_trip_and_product(fmt, group, symmetric):
     """QArray -> QPacked -> QArray is exact; the kernel's product of layer 1 of a stack equals the float
-    product of the int8-rounded activations (per 32 entries) with the dequantized matrix (with a minimum
-    too); K not a multiple of the group, row and column tails included."""
+    product of the activations rounded (per 32 entries) to the packed matrix's `act_bits` (int16 codes for
+    int8 weights, int8 for int4, or as chosen) with the dequantized matrix (with a minimum too); K not a
+    multiple of the group, row and column tails included."""
     rng = np.random.default_rng(0)
     for K, N, M in ((64, 48, 1), (100, 40, 5), (256, 128, 9)):
         w = rng.standard_normal((3, K, N)).astype(np.float32)
         qa = quantize(w, fmt, -2, "float32", group, symmetric=symmetric)
-        qp = qpacked.pack(jax.tree.map(jnp.asarray, qa))
+        choice = (None, 8, 16)[K % 3]  # quantization_activation_bits: the default, int8, int16
+        qp = qpacked.pack(jax.tree.map(jnp.asarray, qa), act_bits=choice)
+        assert qp.act_bits == (choice or {8: 16, 4: 8}[qa.bits])
         back = qp.unpack()
         assert (back.m is None) == symmetric
         for a, b in ((back.q, qa.q), (back.scale, qa.scale)) + (() if symmetric else ((back.m, qa.m),)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        ref = int8_rounded(x) @ np.asarray(dequantize(qa))[1]
+        ref = int8_rounded(x, act_bits=qp.act_bits) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

@@ -11,7 +11,7 @@ from test_quant_int4 import _check_against_float, q4_1_values
 
 from jaxpaged import LLM, EngineConfig
 from jaxpaged.models import qpacked
-from jaxpaged.models.qarray import dequantize, folded_minimum, quantize, restored
+from jaxpaged.models.qarray import dequantize, folded_minimum, group_of, quantize, restored, symmetric_of
 from jaxpaged.testing.kernel_activations import int8_rounded
 from jaxpaged.testing.tiny_models import make_tiny_model
 from pallas_kernels.matmul import cpu_quant
@@ -80,8 +80,9 @@ def test_the_minimum_folds_exactly_at_every_magnitude():
 @pytest.mark.parametrize("group", [32, 64, 0])
 def test_packed_round_trip_product_and_rows(group):
     """QArray -> QPacked -> QArray is exact (the folded minimum unfolded); the kernel's product of layer 1 of
-    a stack equals the float product of the int8-rounded activations with the dequantized matrix (K not a
-    multiple of the group, row and column tails); a tied embedding's rows read from the packed head."""
+    a stack equals the float product of the activations rounded to its act_bits (int16 codes: int8 weights'
+    default) with the dequantized matrix (K not a multiple of the group, row and column tails); a tied
+    embedding's rows read from the packed head."""
     rng = np.random.default_rng(group)
     for K, N, M in ((64, 48, 1), (100, 40, 5)):
         w = rng.standard_normal((3, K, N)).astype(np.float32) + 0.3
@@ -92,7 +93,8 @@ def test_packed_round_trip_product_and_rows(group):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale), (back.m, qa.m)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        ref = int8_rounded(x) @ np.asarray(dequantize(qa))[1]
+        assert qp.act_bits == 16
+        ref = int8_rounded(x, act_bits=16) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     emb = quantize(rng.standard_normal((40, 64)).astype(np.float32), "int8", -1, "float32", group, symmetric=False)
@@ -115,9 +117,17 @@ def test_a_minimum_that_does_not_fold_is_refused():
 
 
 def test_engine_and_checkpoint_take_the_form():
-    """int8 takes quantization_symmetric=False (fp8 does not: named); a saved int8 matrix with its minimum
-    and form [group, 8, 128] restores as it was, a form with another zero and a minimum is refused."""
+    """int8 takes quantization_symmetric=False (fp8 does not: named), and has it by default, in groups of 32,
+    on int16 activations (quantization_activation_bits: 8 or 16, else named); a saved int8 matrix with its
+    minimum and form [group, 8, 128] restores as it was, a form with another zero and a minimum is refused."""
     assert EngineConfig(quantization="int8", quantization_symmetric=False).quantization_symmetric is False
+    assert (group_of("int8", None), symmetric_of("int8", None)) == (32, False)
+    assert (qpacked.act_bits_of(8), qpacked.act_bits_of(4), qpacked.act_bits_of(8, 8)) == (16, 8, 8)
+    for bad in (12, "16"):
+        with pytest.raises(ValueError, match="quantization_activation_bits must be"):
+            EngineConfig(quantization="int8", quantization_activation_bits=bad)
+        with pytest.raises(ValueError, match="quantization_activation_bits must be"):
+            qpacked.act_bits_of(8, bad)
     with pytest.raises(ValueError, match="takes quantization 'int4' or 'int8', not 'fp8'"):
         EngineConfig(quantization="fp8", quantization_symmetric=False)
     qa = quantize(np.random.default_rng(1).standard_normal((70, 16)).astype(np.float32), "int8", -2, group=32,
@@ -141,4 +151,5 @@ def test_engine_on_the_kernel_matches_its_dequantized_weights(tmp_path, compile_
     assert llm.engine.stats()["matmul_backend"].startswith("cpu_quant")
     w_up = llm.engine.runner.params["layers"]["w_up"]
     assert isinstance(w_up, qpacked.QPacked) and w_up.zero == 128 and w_up.has_min and w_up.layout.zero == 0
+    assert w_up.act_bits == 16  # int8 weights' default activations
     _check_against_float(llm, path)

@@ -2,15 +2,16 @@
 
 On one CPU device the runner packs its integer matrices (int8 / int4, any group, with or without a minimum:
 `packable`) into pallas_kernels/matmul/cpu_quant.py's layout: column tiles of 16, each a run of groups of
-codes then their scales (and minima), so a product reads the packed bytes once, in order, and multiplies
-them with int8-quantized activations (`quant.dot`). A stack [L, K, N] is packed whole and the kernel reads
-layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from), which
-`get_weights`, weight updates and the XLA reference use. A matrix whose scales and minima are all float16
-values (grouped int8 / int4 quantization makes them so, GGUF's legacy types store them so) keeps them in
-two bytes each (`scale_bytes` 2), any other in four. Scales that are a float per 256 k times small integers
-(GGUF's K-quants: d * a 6-bit sub-scale, generally no float16) take the kernel's two-level form
-(`superblock` 256: that float, and an int8 a group) where it is smaller. The choices are made from the
-values, so the packed matrix is always the QArray's exactly.
+codes then their scales (and minima), so a product reads the packed bytes once, in order, and multiplies them
+with integer-quantized activations (`quant.dot`; `act_bits_of`: int16 codes for 8-bit weights, int8 for 4-bit,
+unless the engine's `quantization_activation_bits` says otherwise). A stack [L, K, N] is packed whole and the
+kernel reads layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from),
+which `get_weights`, weight updates and the XLA reference use. A matrix whose scales and minima are all
+float16 values (grouped int8 / int4 quantization makes them so, GGUF's legacy types store them so) keeps them
+in two bytes each (`scale_bytes` 2), any other in four. Scales that are a float per 256 k times small integers
+(GGUF's K-quants: d * a 6-bit sub-scale, generally no float16) take the kernel's two-level form (`superblock`
+256: that float, and an int8 a group) where it is smaller. The choices are made from the values, so the packed
+matrix is always the QArray's exactly.
 """
 from __future__ import annotations
 
@@ -25,6 +26,23 @@ from jaxpaged.models import live_rows
 from jaxpaged.models.qarray import QArray, dequantize_parts
 from pallas_kernels.matmul import cpu_quant
 from pallas_kernels.matmul.two_level import two_level
+
+# The kernel's activation codes per weight-code width (`act_bits_of` with no choice). int8 weights take int16
+# activations: int8 ones, per 32 k, cost the default model's int8 (groups of 32 with a minimum) 0.036 mean
+# |delta logprob| against float32 where XLA's float product scores 0.002; int16 ones match it (issue 44's
+# goal: <= 0.02). At one row the product reads the same bytes (no slower); at 64 rows it runs twice the
+# integer dots (~1.5x its CPU time). int4 weights keep int8 activations (within int4's goal of 0.1).
+# docs/benchmarks.md, *Quantization and KV cache dtype: quality*.
+AUTO_ACT_BITS = {8: 16, 4: 8}
+
+
+def act_bits_of(bits: int, choice: int | None = None) -> int:
+    """The activation codes (8 or 16 bits) the kernel multiplies `bits`-bit weight codes with: `choice`
+    (the engine's quantization_activation_bits), None: AUTO_ACT_BITS."""
+    if choice not in (None, *cpu_quant.ACT_BITS):
+        raise ValueError(f"quantization_activation_bits must be one of {tuple(cpu_quant.ACT_BITS)} or None, "
+                         f"got {choice!r}")
+    return AUTO_ACT_BITS[bits] if choice is None else int(choice)
 
 
 @jax.tree_util.register_dataclass
@@ -46,6 +64,7 @@ class QPacked:
     transposed: bool = dataclasses.field(default=False, metadata=dict(static=True))  # a tied embedding [N, K]
     scale_bytes: int = dataclasses.field(default=4, metadata=dict(static=True))  # 2: float16 scales and minima
     superblock: int = dataclasses.field(default=0, metadata=dict(static=True))  # 256: the two-level scale form
+    act_bits: int = dataclasses.field(default=8, metadata=dict(static=True))  # the activations' codes: 8 or 16
 
     @property
     def layout(self) -> cpu_quant.Layout:
@@ -95,18 +114,19 @@ def _codes(a: QArray):
 
 
 def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes: int | None = None,
-         superblock: int | None = None) -> QPacked:
+         superblock: int | None = None, act_bits: int | None = None) -> QPacked:
     """An integer QArray (`packable`; with `transposed` an embedding [V, D] with row scales, packed as the
     head [D, V]) -> its QPacked (on a's devices). donate: a's arrays are freed. superblock: 256 (the
     two-level scale form) or 0; None: 256 exactly when the scales and minima have one (`two_level.two_level`)
     and it is the smaller blob. scale_bytes: 2 (float16) or 4 for the floats stored (the two-level form's
     d); None: 2 exactly when every one is a float16 value (`cpu_quant.half_exact`). A form the values do
-    not have is refused (ValueError)."""
+    not have is refused (ValueError). act_bits: the activations' codes its products take (`act_bits_of`)."""
     if transposed:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
     a = _folded(a)
-    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed)
+    spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
+                   act_bits=act_bits_of(a.bits, act_bits))
     s, m = a.scale, a.m
     two = _two_level(a, spec) if superblock != 0 else None
     if superblock == cpu_quant.SUPERBLOCK and two is None:
@@ -177,12 +197,12 @@ def _unpack(blob, layout, group: int, dtype: str, zero: int) -> QArray:
     return QArray(q, s, dtype, m, group, layout.bits, zero)
 
 
-def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
+def pack_abstract(a: QArray, transposed: bool = False, act_bits: int | None = None) -> QPacked:
     """Shapes only (an abstract runner's leaves): the QPacked that `pack` would make of the quantization at
     load (float16 scales when grouped: `qarray.quantize`), its sharding kept."""
     K, N = a.q.shape[-2:][::-1] if transposed else a.q.shape[-2:]
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
-                   2 if a.group else 4)
+                   2 if a.group else 4, act_bits=act_bits_of(a.bits, act_bits))
     shape = (*a.q.shape[:-2], *spec.layout.blob_shape)
     return dataclasses.replace(spec, blob=jax.ShapeDtypeStruct(shape, jnp.uint8,
                                                                 sharding=getattr(a.q, "sharding", None)))
@@ -190,40 +210,44 @@ def pack_abstract(a: QArray, transposed: bool = False) -> QPacked:
 
 def matmul(x, w: QPacked, layer=None):
     """x [..., K] @ the packed w (a stack read at `layer` when given) -> f32[..., N] on the kernel (x in
-    float32 or bfloat16; other float types are widened to float32). Inside a `live_rows` block of the step,
-    x [M, K]'s padding rows are skipped (zeros)."""
+    float32 or bfloat16; other float types are widened to float32), x quantized to w's `act_bits`. Inside a
+    `live_rows` block of the step, x [M, K]'s padding rows are skipped (zeros)."""
     return matmuls(x, (w,), layer)[0]
 
 
 def matmuls(x, ws, layer=None) -> tuple:
     """(matmul(x, w, layer) for w in ws) as one kernel call (`cpu_quant.cpu_quant_matmuls`: x quantized once,
     one fan-out over every matrix's columns), each product exactly as `matmul` gives it: a layer's q, k and
-    v, or gate and up, all stacks read at the same `layer` (or none)."""
+    v, or gate and up, all stacks read at the same `layer` (or none); x quantized once, to the widest
+    `act_bits` among them."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
     rows = live_rows.current() if x.ndim == 2 else None  # the step's live rows of x [M, K]
     ws = tuple(ws)
+    act_bits = max(w.act_bits for w in ws)
     if len(ws) == 1:
-        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows),)
-    return cpu_quant.cpu_quant_matmuls(x, [w.blob for w in ws], [w.layout for w in ws], layer=layer, rows=rows)
+        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows, act_bits=act_bits),)
+    return cpu_quant.cpu_quant_matmuls(x, [w.blob for w in ws], [w.layout for w in ws], layer=layer, rows=rows,
+                                       act_bits=act_bits)
 
 
-def pack_quantized(params: dict, owned: bool = False, like: dict | None = None) -> dict:
+def pack_quantized(params: dict, owned: bool = False, like: dict | None = None, act_bits: int | None = None) -> dict:
     """The parameters with their integer layer matrices and lm_head `QPacked` (a tied embedding packed as
     the head: `transposed`; shapes only for abstract leaves). owned: the QArrays are the caller's alone
     and are freed as they are packed. like: parameters packed before (a runner's, replaced by these):
     each matrix keeps the `scale_bytes` and `superblock` of its packed counterpart there, so the step's
-    shapes stay."""
+    shapes stay. act_bits: the engine's quantization_activation_bits (`act_bits_of`)."""
     def one(a, before, transposed=False):
         fits = (isinstance(a, QArray) and a.format in ("int8", "int4") and a.axis == -1 and a.q.ndim == 2
                 if transposed else packable(a))
         if not fits:
             return a
         if isinstance(a.q, jax.ShapeDtypeStruct):
-            return pack_abstract(a, transposed)
+            return pack_abstract(a, transposed, act_bits)
         if isinstance(before, QPacked):
-            return pack(a, owned, transposed, scale_bytes=before.scale_bytes, superblock=before.superblock)
-        return pack(a, donate=owned, transposed=transposed)
+            return pack(a, owned, transposed, scale_bytes=before.scale_bytes, superblock=before.superblock,
+                        act_bits=act_bits)
+        return pack(a, donate=owned, transposed=transposed, act_bits=act_bits)
 
     def prior(*path):
         tree = like or {}

@@ -12,9 +12,10 @@ weights read as stored or packed once, float32 accumulation. The choice is stati
 
 Integer-quantized matrices (`quantization` int8 / int4) run on `pallas_kernels/matmul/cpu_quant.py` on one
 CPU device where it builds (`resolve_quant_matmul`): the runner packs them at placement
-(jaxpaged/models/qpacked.py) and the kernel reads the packed bytes once a step, with int8-quantized
-activations. Elsewhere (GPU / TPU, several devices, `matmul_backend="xla"`) XLA dequantizes and multiplies
-(the reference). `matmul_name` says which, with the kernels' ISA paths, for `stats()`.
+(jaxpaged/models/qpacked.py) and the kernel reads the packed bytes once a step, with integer-quantized
+activations (int16 codes for int8 weights, int8 for int4: qpacked.act_bits_of). Elsewhere (GPU / TPU,
+several devices, `matmul_backend="xla"`) XLA dequantizes and multiplies (the reference). `matmul_name` says
+which, with the kernels' ISA paths, for `stats()`.
 """
 from __future__ import annotations
 

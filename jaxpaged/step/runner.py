@@ -413,7 +413,8 @@ class ModelRunner:
         (qpacked.QPacked; like: the parameters they replace, whose packed layouts they keep)."""
         if self.step_cfg.cpu_matmul:
             params = pack_layers(params, owned=owned)
-        return pack_quantized(params, owned=owned, like=like) if self.quant_matmul else params
+        return (pack_quantized(params, owned=owned, like=like, act_bits=self.cfg.quantization_activation_bits)
+                if self.quant_matmul else params)
 
     def device_arrays(self) -> list:
         """The device arrays the runner holds: parameters and KV pools (abstract leaves left out)."""

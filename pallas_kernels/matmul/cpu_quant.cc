@@ -70,11 +70,15 @@ using jp::bf16_to_f32;
 constexpr int ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 3;
 constexpr int BEST_ISA = JP_VNNI ? ISA_VNNI : JP_AVX2 ? ISA_AVX2 : ISA_SCALAR;
 constexpr int UNIT_TILES = 4;  // column tiles a work unit
+// The largest int16 activation code (act_bits 16): 127 * 128 + 63, so a code is an int8 high part times 128
+// plus an int8 low part, and each plane runs the int8 paths' instructions unchanged.
+constexpr float TOP16 = 16319.f;
 
 struct Meta {
   // G: a stored group's k (Gp: the superblock when two-level); S: a scale's k (G, or the group inside a superblock);
   // ns: int8 sub-scales a stored group (G / S two-level, else 0); sb: bytes a float scale
-  int64_t M, K, N, Kp, G, S, ns, bits, has_min, zero, A, sb;
+  // wide: the activations' codes are int16 ones (act_bits 16) held as two int8 planes
+  int64_t M, K, N, Kp, G, S, ns, bits, has_min, zero, A, sb, wide;
   int64_t ng() const { return Kp / G; }
   int64_t nsg() const { return Kp / S; }                  // scale groups (a row's minimum terms)
   int64_t code_bytes() const { return G * 16 * bits / 8; }
@@ -88,9 +92,10 @@ struct Meta {
   int64_t F() const { return std::min(S, A); }           // k per integer accumulation
   int64_t Ka() const { return (Kp + A - 1) / A * A; }     // a quantized row's length
   int64_t nf() const { return Ka() / F(); }
+  int64_t xrow() const { return Ka() * (1 + wide); }   // a quantized row's bytes (its planes)
 };
 
-// The quantized activations: xq [M, Ka], dx [M, Ka / A], qsum [M, nf] (sum of xq per F block),
+// The quantized activations: xq [M, xrow] (wide: the high plane [Ka] then the low one), dx [M, Ka / A], qsum [M, nf] (sum of xq per F block),
 // xsum [M, nsg] (sum of dx * xq per scale group: the minimum's term).
 struct Acts {
   std::vector<int8_t> xq;
@@ -135,9 +140,11 @@ inline void scales16(const uint8_t* p, const Meta& P, int64_t j, float* out) {
     for (int c = 0; c < 16; ++c) out[c] *= static_cast<float>(static_cast<int8_t>(p[16 * P.sb + 16 * j + c]));
 }
 
-// Row m of x [M, K] (float32, or bfloat16 when `bf16`) quantized to int8 over P.Ka() k, zeros past K: codes
-// q [Ka], one scale dx a block of P.A k (r: scratch of Ka floats). The row's blocks depend on K and A only,
-// so one quantization over the longest Ka serves every product of x (the others read its prefix).
+// Row m of x [M, K] (float32, or bfloat16 when `bf16`) quantized over P.Ka() k, zeros past K, one scale dx a
+// block of P.A k (r: scratch of Ka floats): int8 codes q [Ka] (dx = max|x| / 127), or wide, codes c within
+// +-TOP16 (dx = max|x| / TOP16) as two int8 planes, q [Ka] the high h = (c + 64) >> 7 (|h| <= 127) and
+// q + Ka the low c - 128 h (-64 .. 63). The row's blocks depend on K and A only, so one quantization over the
+// longest Ka serves every product of x (the others read its planes' prefixes).
 void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, int8_t* q, float* dx) {
   if (bf16) {
     const uint16_t* xr = static_cast<const uint16_t*>(x) + m * P.K;
@@ -167,25 +174,42 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
       amax = std::max(amax, a);
     }
 #endif
-    const float inv = amax > 0.f && !bad ? 127.f / amax : 0.f;
-    dx[b] = bad ? NAN : amax / 127.f;
+    const float top = P.wide ? TOP16 : 127.f;
+    const float inv = amax > 0.f && !bad ? top / amax : 0.f;
+    dx[b] = bad ? NAN : amax / top;
 #if JP_VNNI
-    for (int64_t k = 0; k < P.A; k += 16)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k),
-                       _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rb + k), _mm512_set1_ps(inv)))));
+    for (int64_t k = 0; k < P.A; k += 16) {
+      const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rb + k), _mm512_set1_ps(inv)));
+      if (!P.wide) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtsepi32_epi8(c));
+        continue;
+      }
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(64)), 7);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtsepi32_epi8(h));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + P.Ka() + k),
+                       _mm512_cvtsepi32_epi8(_mm512_sub_epi32(c, _mm512_slli_epi32(h, 7))));
+    }
 #else
-    for (int64_t k = 0; k < P.A; ++k) qb[k] = static_cast<int8_t>(std::nearbyint(rb[k] * inv));
+    for (int64_t k = 0; k < P.A; ++k) {
+      const int32_t c = static_cast<int32_t>(std::nearbyint(rb[k] * inv));
+      if (!P.wide) {
+        qb[k] = static_cast<int8_t>(c);
+        continue;
+      }
+      const int32_t h = (c + 64) >> 7;
+      qb[k] = static_cast<int8_t>(h), qb[P.Ka() + k] = static_cast<int8_t>(c - 128 * h);
+    }
 #endif
   }
 }
 
-// A quantized row's sums for the product of format P: qsum [nf] (sum of q per F block), xsum [nsg] (sum of
-// dx * q per scale group: the minimum's term).
+// A quantized row's sums for the product of format P: qsum [nf] (sum of the codes per F block; wide: of
+// 128 h + l), xsum [nsg] (sum of dx * code per scale group: the minimum's term).
 void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum) {
   const int64_t F = P.F();
   for (int64_t f = 0; f < P.nf(); ++f) {
     int32_t s = 0;
-    for (int64_t k = f * F; k < (f + 1) * F; ++k) s += q[k];
+    for (int64_t k = f * F; k < (f + 1) * F; ++k) s += P.wide ? 128 * q[k] + q[P.Ka() + k] : q[k];
     qsum[f] = s;
   }
   for (int64_t g = 0; g < P.nsg(); ++g) {
@@ -198,14 +222,15 @@ void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, fl
 // Pointers to the activations of rows r0 .. r0 + R.
 template <int R>
 struct Rows {
-  const int8_t* xq[R];
+  const int8_t* xq[R];  // the codes (wide: their high plane)
+  const int8_t* xl[R];  // wide: the low plane
   const float* dx[R];
   const float* xs[R];
   const int32_t* qs[R];
   Rows(const Call& C, int64_t r0) {
     const Meta& P = C.P;
     for (int r = 0; r < R; ++r) {
-      xq[r] = C.A.xq.data() + (r0 + r) * P.Ka();
+      xq[r] = C.A.xq.data() + (r0 + r) * P.xrow(), xl[r] = xq[r] + P.Ka();
       dx[r] = C.A.dx.data() + (r0 + r) * (P.Ka() / P.A);
       xs[r] = C.A.xsum.data() + (r0 + r) * P.nsg();
       qs[r] = C.A.qsum.data() + (r0 + r) * P.nf();
@@ -233,7 +258,8 @@ void scalar_tile(const Call& C, int64_t m, int64_t t) {
         scales16(gb + P.scale_off(), P, j, s);
         int32_t acc[16] = {};
         for (int64_t kk = f0; kk < f0 + F; ++kk) {
-          const int32_t xv = X.xq[0][g * P.G + kk];
+          const int64_t i = g * P.G + kk;
+          const int32_t xv = P.wide ? 128 * X.xq[0][i] + X.xl[0][i] : X.xq[0][i];
           for (int c = 0; c < 16; ++c) {
             const uint8_t b = P.bits == 8 ? gb[(kk / 4) * 64 + 4 * c + kk % 4] : gb[(kk / 8) * 64 + 4 * c + kk % 4];
             const int32_t u = P.bits == 8 ? b : (kk % 8 < 4 ? b & 15 : b >> 4);
@@ -270,12 +296,13 @@ inline __m256 scales8(const uint8_t* p, const Meta& P, int64_t j, int h) {
 }
 
 // ---- AVX2: R rows x one tile (two halves of 8 columns)
-template <int R, int BITS>
-inline void avx2_step(const __m256i* w, const Rows<R>& X, int64_t k, __m256i (*acc)[2], bool sign_trick) {
+// acc[r] += the dots of w with the int8 activations xq[r] at k (one plane)
+template <int R>
+inline void avx2_step(const __m256i* w, const int8_t* const* xq, int64_t k, __m256i (*acc)[2], bool sign_trick) {
   const __m256i ones = _mm256_set1_epi16(1);
   for (int r = 0; r < R; ++r) {
     int32_t xv;
-    std::memcpy(&xv, X.xq[r] + k, 4);
+    std::memcpy(&xv, xq[r] + k, 4);
     const __m256i xb = _mm256_set1_epi32(xv);
     for (int h = 0; h < 2; ++h) {
       const __m256i p = sign_trick ? _mm256_maddubs_epi16(_mm256_sign_epi8(w[h], w[h]), _mm256_sign_epi8(xb, w[h]))
@@ -285,7 +312,15 @@ inline void avx2_step(const __m256i* w, const Rows<R>& X, int64_t k, __m256i (*a
   }
 }
 
-template <int R, int BITS>
+// the step on each plane of the activations: wide, the low plane's dots into accl
+template <int R, bool WIDE>
+inline void avx2_planes(const __m256i* w, const Rows<R>& X, int64_t k, __m256i (*acc)[2], __m256i (*accl)[2],
+                        bool sign_trick) {
+  avx2_step<R>(w, X.xq, k, acc, sign_trick);
+  if constexpr (WIDE) avx2_step<R>(w, X.xl, k, accl, sign_trick);
+}
+
+template <int R, int BITS, bool WIDE>
 void avx2_tile(const Call& C, int64_t r0, int64_t t) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
@@ -298,8 +333,9 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
     const uint8_t* gb = base + g * P.group_bytes() + P.code_off();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        __m256i acc[R][2];
+        __m256i acc[R][2], accl[WIDE ? R : 1][2];
         for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        for (int r = 0; r < (WIDE ? R : 1); ++r) accl[r][0] = accl[r][1] = _mm256_setzero_si256();
         const int64_t k0 = g * P.G + f0;
         int32_t offset = -static_cast<int32_t>(P.zero);  // acc += offset * sum(xq): sum(xq * (u - z))
         if (BITS == 8) {
@@ -307,7 +343,7 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
             const uint8_t* p = gb + (f0 / 4 + q) * 64;
             const __m256i w[2] = {_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), flip),
                                   _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), flip)};
-            avx2_step<R, BITS>(w, X, k0 + 4 * q, acc, true);  // sum(xq * (u - 128))
+            avx2_planes<R, WIDE>(w, X, k0 + 4 * q, acc, accl, true);  // sum(xq * (u - 128))
           }
           offset += 128;
         } else {
@@ -318,10 +354,13 @@ void avx2_tile(const Call& C, int64_t r0, int64_t t) {
             const __m256i lo[2] = {_mm256_and_si256(a, lo4), _mm256_and_si256(b, lo4)};
             const __m256i hi[2] = {_mm256_and_si256(_mm256_srli_epi16(a, 4), lo4),
                                    _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4)};
-            avx2_step<R, BITS>(lo, X, k0 + 8 * o, acc, false);
-            avx2_step<R, BITS>(hi, X, k0 + 8 * o + 4, acc, false);
+            avx2_planes<R, WIDE>(lo, X, k0 + 8 * o, acc, accl, false);
+            avx2_planes<R, WIDE>(hi, X, k0 + 8 * o + 4, acc, accl, false);
           }
         }
+        if constexpr (WIDE)  // the codes' dots: 128 x the high plane's + the low plane's
+          for (int r = 0; r < R; ++r)
+            for (int h = 0; h < 2; ++h) acc[r][h] = _mm256_add_epi32(_mm256_slli_epi32(acc[r][h], 7), accl[r][h]);
         for (int r = 0; r < R; ++r) {
           const __m256i c = _mm256_set1_epi32(offset * X.qs[r][k0 / F]);
           acc[r][0] = _mm256_add_epi32(acc[r][0], c), acc[r][1] = _mm256_add_epi32(acc[r][1], c);
@@ -368,8 +407,9 @@ inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
   return P.ns ? _mm512_mul_ps(dv, sub16(p + 16 * P.sb + 16 * j)) : load16(p, P.sb);
 }
 
-// ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k
-template <int R, int NT, int BITS>
+// ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k (WIDE: each plane's
+// accumulators, joined as 128 x the high's + the low's before)
+template <int R, int NT, int BITS, bool WIDE>
 void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
   const Meta& P = C.P;
   const Rows<R> X(C, r0);
@@ -395,9 +435,12 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        __m512i acc[R][NT];
+        __m512i acc[R][NT], accl[WIDE ? R : 1][NT];
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
+        if constexpr (WIDE)
+          for (int r = 0; r < R; ++r)
+            for (int t = 0; t < NT; ++t) accl[r][t] = _mm512_setzero_si512();
         const int64_t k0 = g * P.G + f0;
         if (BITS == 8) {
           for (int64_t q = 0; q < F / 4; ++q) {
@@ -408,6 +451,11 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
               std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
               const __m512i xb = _mm512_set1_epi32(xv);
               for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+              if constexpr (WIDE) {
+                std::memcpy(&xv, X.xl[r] + k0 + 4 * q, 4);
+                const __m512i xl = _mm512_set1_epi32(xv);
+                for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], w[t], xl);
+              }
             }
           }
         } else {
@@ -424,9 +472,18 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
               std::memcpy(&xb, X.xq[r] + k0 + 8 * o + 4, 4);
               const __m512i va = _mm512_set1_epi32(xa), vb = _mm512_set1_epi32(xb);
               for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], lo[t], va), dpbusd(acc[r][t], hi[t], vb);
+              if constexpr (WIDE) {
+                std::memcpy(&xa, X.xl[r] + k0 + 8 * o, 4);
+                std::memcpy(&xb, X.xl[r] + k0 + 8 * o + 4, 4);
+                const __m512i la = _mm512_set1_epi32(xa), lb = _mm512_set1_epi32(xb);
+                for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], lo[t], la), dpbusd(accl[r][t], hi[t], lb);
+              }
             }
           }
         }
+        if constexpr (WIDE)
+          for (int r = 0; r < R; ++r)
+            for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(_mm512_slli_epi32(acc[r][t], 7), accl[r][t]);
         if (P.zero)
           for (int r = 0; r < R; ++r) {
             const __m512i zq = _mm512_set1_epi32(static_cast<int32_t>(P.zero) * X.qs[r][k0 / F]);
@@ -466,14 +523,14 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
 
 // One row x NT tiles of 4-bit codes with scale groups and activation blocks of 32 k (`row4_fits`): the unrolled
 // lone-row loop of cpu_quant_row4.h.
-inline bool row4_fits(const Meta& P) { return P.bits == 4 && P.S == 32 && P.A == 32; }
+inline bool row4_fits(const Meta& P) { return P.bits == 4 && P.S == 32 && P.A == 32 && !P.wide; }
 
 template <int NT, bool TWO, bool MIN>
 void vnni_row4(const Call& C, int64_t r, int64_t t0) {
   const Meta& P = C.P;
   const jp_row4::Args a{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.ng(), P.G / 32, P.code_off(),
                         P.scale_off(), P.part_bytes(), P.sb, static_cast<int32_t>(P.zero),
-                        C.A.xq.data() + r * P.Ka(), C.A.dx.data() + r * (P.Ka() / 32), C.A.qsum.data() + r * P.nf(),
+                        C.A.xq.data() + r * P.xrow(), C.A.dx.data() + r * (P.Ka() / 32), C.A.qsum.data() + r * P.nf(),
                         C.A.xsum.data() + r * P.nsg()};
   __m512 y[NT];
   jp_row4::row4<NT, TWO, MIN>(a, y);
@@ -490,17 +547,25 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
 #if JP_VNNI
   if (isa == ISA_VNNI) {
     using Fn = void (*)(const Call&, int64_t, int64_t);
-    const int b = C.P.bits == 8 ? 0 : 1;
-    const int64_t R = C.P.bits == 8 ? 8 : 6;
-    static const Fn big[2][2] = {{vnni_tiles<8, 1, 8>, vnni_tiles<8, 2, 8>}, {vnni_tiles<6, 1, 4>, vnni_tiles<6, 2, 4>}};
-    static const Fn four[2][2] = {{vnni_tiles<4, 1, 8>, vnni_tiles<4, 2, 8>}, {vnni_tiles<4, 1, 4>, vnni_tiles<4, 2, 4>}};
-    static const Fn one[2][2] = {{vnni_tiles<1, 1, 8>, vnni_tiles<1, UNIT_TILES, 8>},
-                                 {vnni_tiles<1, 1, 4>, vnni_tiles<1, UNIT_TILES, 4>}};
+    const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
+    // rows a block: int8 activations 8 (8-bit codes) / 6 (4-bit), then 4; wide (two planes' accumulators) 4, 2
+    const int64_t R = wd ? 4 : C.P.bits == 8 ? 8 : 6, R2 = wd ? 2 : 4;
+    static const Fn big[2][2][2] = {
+        {{vnni_tiles<8, 1, 8, false>, vnni_tiles<8, 2, 8, false>}, {vnni_tiles<6, 1, 4, false>, vnni_tiles<6, 2, 4, false>}},
+        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
+    static const Fn mid[2][2][2] = {
+        {{vnni_tiles<4, 1, 8, false>, vnni_tiles<4, 2, 8, false>}, {vnni_tiles<4, 1, 4, false>, vnni_tiles<4, 2, 4, false>}},
+        {{vnni_tiles<2, 1, 8, true>, vnni_tiles<2, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
+    static const Fn one[2][2][2] = {
+        {{vnni_tiles<1, 1, 8, false>, vnni_tiles<1, UNIT_TILES, 8, false>},
+         {vnni_tiles<1, 1, 4, false>, vnni_tiles<1, UNIT_TILES, 4, false>}},
+        {{vnni_tiles<1, 1, 8, true>, vnni_tiles<1, UNIT_TILES, 8, true>},
+         {vnni_tiles<1, 1, 4, true>, vnni_tiles<1, UNIT_TILES, 4, true>}}};
     int64_t r = 0;
     for (; r + R <= M; r += R)
-      for (int t = 0; t < nt; t += 2) big[b][t + 1 < nt](C, r, t0 + t);
-    for (; r + 4 <= M; r += 4)
-      for (int t = 0; t < nt; t += 2) four[b][t + 1 < nt](C, r, t0 + t);
+      for (int t = 0; t < nt; t += 2) big[wd][b][t + 1 < nt](C, r, t0 + t);
+    for (; r + R2 <= M; r += R2)
+      for (int t = 0; t < nt; t += 2) mid[wd][b][t + 1 < nt](C, r, t0 + t);
     static const Fn row4[2][2][2] = {  // [all tiles][two-level][minimum]
         {{vnni_row4<1, false, false>, vnni_row4<1, false, true>}, {vnni_row4<1, true, false>, vnni_row4<1, true, true>}},
         {{vnni_row4<UNIT_TILES, false, false>, vnni_row4<UNIT_TILES, false, true>},
@@ -515,21 +580,27 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
     }
     for (; r < M; ++r) {
       if (nt == UNIT_TILES) {
-        one[b][1](C, r, t0);
+        one[wd][b][1](C, r, t0);
         continue;
       }
-      for (int t = 0; t < nt; ++t) one[b][0](C, r, t0 + t);
+      for (int t = 0; t < nt; ++t) one[wd][b][0](C, r, t0 + t);
     }
     return;
   }
 #endif
 #if JP_AVX2
   if (isa == ISA_AVX2) {
-    const bool b8 = C.P.bits == 8;
+    using Fn = void (*)(const Call&, int64_t, int64_t);
+    const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
+    const int64_t R = wd ? 2 : 4;  // rows a block (wide: two planes' accumulators)
+    static const Fn big[2][2] = {{avx2_tile<4, 8, false>, avx2_tile<4, 4, false>},
+                                 {avx2_tile<2, 8, true>, avx2_tile<2, 4, true>}};
+    static const Fn one[2][2] = {{avx2_tile<1, 8, false>, avx2_tile<1, 4, false>},
+                                 {avx2_tile<1, 8, true>, avx2_tile<1, 4, true>}};
     for (int t = 0; t < nt; ++t) {
       int64_t r = 0;
-      for (; r + 4 <= M; r += 4) b8 ? avx2_tile<4, 8>(C, r, t0 + t) : avx2_tile<4, 4>(C, r, t0 + t);
-      for (; r < M; ++r) b8 ? avx2_tile<1, 8>(C, r, t0 + t) : avx2_tile<1, 4>(C, r, t0 + t);
+      for (; r + R <= M; r += R) big[wd][b](C, r, t0 + t);
+      for (; r < M; ++r) one[wd][b](C, r, t0 + t);
     }
     return;
   }
@@ -614,7 +685,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
                 ffi::RemainingRets more_out, int64_t K, ffi::Span<const int64_t> N, ffi::Span<const int64_t> group,
                 ffi::Span<const int64_t> bits, ffi::Span<const int64_t> zero, ffi::Span<const int64_t> has_min,
                 ffi::Span<const int64_t> scale_bytes, ffi::Span<const int64_t> superblock, int64_t act_block,
-                int64_t isa) {
+                int64_t act_bits, int64_t isa) {
   const size_t n = 1 + more_w.size();
   if (more_out.size() != more_w.size())
     return ffi::Error::InvalidArgument("cpu_quant_matmul: one out per w, got " + std::to_string(n) + " w and " +
@@ -631,6 +702,8 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     return ffi::Error::InvalidArgument("cpu_quant_matmul: x must be [M, K] with K the weights' K");
   if (act_block != 32 && act_block != 64 && act_block != 128)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
+  if (act_bits != 8 && act_bits != 16)
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: act_bits must be 8 or 16");
   if (layer.element_count() != 1)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be one int32");
   const int64_t M = xd[0];
@@ -655,14 +728,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
   const int64_t live = rows.typed_data()[0];
   for (Call& C : J->calls) {
     std::fill(C.out + live * C.P.N, C.out + M * C.P.N, 0.0f);
-    C.P.M = live;
+    C.P.M = live, C.P.wide = act_bits == 16;
   }
   if (live == 0) return ffi::Error::Success();
   J->widest = J->calls[0].P;
   for (Call& C : J->calls) {
     if (C.P.Ka() > J->widest.Ka()) J->widest = C.P;
     Acts& A = C.A;
-    A.xq.resize(live * C.P.Ka()), A.dx.resize(live * (C.P.Ka() / C.P.A)), A.qsum.resize(live * C.P.nf());
+    A.xq.resize(live * C.P.xrow()), A.dx.resize(live * (C.P.Ka() / C.P.A)), A.qsum.resize(live * C.P.nf());
     A.xsum.resize(live * C.P.nsg());
   }
   J->x = x.untyped_data(), J->bf16 = x.element_type() == ffi::DataType::BF16;
@@ -670,13 +743,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     const Meta& W = J->widest;
     thread_local std::vector<float> row, dx;
     thread_local std::vector<int8_t> q;
-    row.resize(W.Ka()), q.resize(W.Ka()), dx.resize(W.Ka() / W.A);
+    row.resize(W.Ka()), q.resize(W.xrow()), dx.resize(W.Ka() / W.A);
     quantize_row(W, J->x, J->bf16, m, row.data(), q.data(), dx.data());
-    for (Call& C : J->calls) {  // each product's own row: the prefix of its Ka, its own sums
+    for (Call& C : J->calls) {  // each product's own row: the prefix of its Ka (each plane's), its own sums
       const Meta& Q = C.P;
-      int8_t* cq = C.A.xq.data() + m * Q.Ka();
+      int8_t* cq = C.A.xq.data() + m * Q.xrow();
       float* cdx = C.A.dx.data() + m * (Q.Ka() / Q.A);
       std::memcpy(cq, q.data(), Q.Ka());
+      if (Q.wide) std::memcpy(cq + Q.Ka(), q.data() + W.Ka(), Q.Ka());
       std::memcpy(cdx, dx.data(), sizeof(float) * (Q.Ka() / Q.A));
       row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.nsg());
     }
@@ -719,6 +793,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Attr<ffi::Span<const int64_t>>("scale_bytes")
                                   .Attr<ffi::Span<const int64_t>>("superblock")
                                   .Attr<int64_t>("act_block")
+                                  .Attr<int64_t>("act_bits")
                                   .Attr<int64_t>("isa"));
 
 // The best path this build runs: 3 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 scalar loops.

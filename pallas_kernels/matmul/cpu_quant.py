@@ -22,8 +22,9 @@ always has them), so the product is the one-level layout's.
 uint8, column tiles of 16, each a run of stored groups of codes then scales), `unpack` inverts it exactly,
 `scales` gives the float32 s or m of either form and `dequantize` the float matrix.
 `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for float32 or bfloat16 x, with x
-quantized to int8 per row and block of `act_block` k inside the kernel (the product equals the float
-product of those dequantized activations with W, up to float32 summation).
+quantized per row and block of `act_block` k inside the kernel, to int8 (`act_bits` 8: scale max|x| / 127)
+or to int16 codes (16: max|x| / 16319, run as two int8 planes, twice the integer dots): the product equals
+the float product of those dequantized activations with W, up to float32 summation.
 `cpu_quant_matmuls(x, ws, layouts)` runs the products of one x with several matrices (a layer's q, k and v;
 gate and up; each its own Layout) as one call: x quantized once, one work list over all their columns.
 `isa()` names the best path this build runs ("avx512_vnni", "avx2", "scalar"); `isa=` caps it (tests).
@@ -44,6 +45,7 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_quant.cc"
 TARGET = "jaxpaged_cpu_quant_matmul"
 GROUPS = (16, 32, 64, 128)
 ACT_BLOCKS = (32, 64, 128)
+ACT_BITS = {8: 127, 16: 16319}  # the activations' code width -> their largest code (the scale is max|x| / it)
 ISAS = {"scalar": 0, "avx2": 1, "avx512_vnni": 3}
 SUPERBLOCK = 256  # k a two-level form's d spans
 _SCALE_DTYPES = {2: jnp.float16, 4: jnp.float32}  # Layout.scale_bytes -> the stored scales' type
@@ -257,16 +259,18 @@ def dequantize(w, layout: Layout):
     return out if m is None else out + scales(m, layout)[..., idx, :]
 
 
-def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: int = 32, isa: str | None = None):
+def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: int = 32, act_bits: int = 8,
+                     isa: str | None = None):
     """x [..., K] (float32 or bfloat16) @ the packed w ([T, ng, group_bytes], or a stack [L, ...] read at
     `layer`, an int32 scalar, traced or not) -> f32[..., N]. rows (an int32 scalar, traced or not; default
     all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token bucket and give
-    zeros, not computed. act_block: the k each activation scale covers (32, 64 or 128); isa: the most
-    capable path to run (default: the build's best)."""
-    return _products(x, (w,), (layout,), True, layer, rows, act_block, isa)[0]
+    zeros, not computed. act_block: the k each activation scale covers (32, 64 or 128); act_bits: the
+    activations' codes, int8 (8) or int16 (16: 128 times finer, up to twice the CPU time where the product
+    is compute-bound); isa: the most capable path to run (default: the build's best)."""
+    return _products(x, (w,), (layout,), True, layer, rows, act_block, act_bits, isa)[0]
 
 
-def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int = 32,
+def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int = 32, act_bits: int = 8,
                       isa: str | None = None) -> tuple:
     """(x @ w for w, layout in zip(ws, layouts)) in one call, each exactly as `cpu_quant_matmul` gives it: the
     products of one x (a layer's q, k and v; gate and up), x quantized once, the column tiles of every
@@ -277,10 +281,10 @@ def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int =
     if not ws or len(ws) != len(layouts):
         raise ValueError(f"cpu_quant_matmuls needs one layout a matrix, at least one: got {len(ws)} ws and "
                          f"{len(layouts)} layouts")
-    return _products(x, ws, layouts, False, layer, rows, act_block, isa)
+    return _products(x, ws, layouts, False, layer, rows, act_block, act_bits, isa)
 
 
-def _products(x, ws, layouts, single: bool, layer, rows, act_block, isa) -> tuple:
+def _products(x, ws, layouts, single: bool, layer, rows, act_block, act_bits, isa) -> tuple:
     """The kernel call of x with every (w, layout): operands checked first, errors naming them (w and layout
     when `single`, else ws[i] and layouts[i])."""
     stacked = layer is not None
@@ -303,6 +307,8 @@ def _products(x, ws, layouts, single: bool, layer, rows, act_block, isa) -> tupl
         raise ValueError(f"the stacks in ws must hold as many layers, got {[w.shape[0] for w in ws]}")
     if act_block not in ACT_BLOCKS:
         raise ValueError(f"act_block must be one of {ACT_BLOCKS}, got {act_block}")
+    if act_bits not in ACT_BITS:
+        raise ValueError(f"act_bits must be one of {tuple(ACT_BITS)}, got {act_bits!r}")
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
     if not available():
@@ -317,5 +323,5 @@ def _products(x, ws, layouts, single: bool, layer, rows, act_block, isa) -> tupl
     ys = call(x2, ws[0], index, live, *ws[1:], K=np.int64(K), N=each(lambda a: a.N), group=each(lambda a: a.group),
               bits=each(lambda a: a.bits), zero=each(lambda a: a.zero), has_min=each(lambda a: a.has_min),
               scale_bytes=each(lambda a: a.scale_bytes), superblock=each(lambda a: a.superblock),
-              act_block=np.int64(act_block), isa=np.int64(ISAS[isa or "avx512_vnni"]))
+              act_block=np.int64(act_block), act_bits=np.int64(act_bits), isa=np.int64(ISAS[isa or "avx512_vnni"]))
     return tuple(y.reshape(lead + (a.N,)) for y, a in zip(ys, layouts))
