@@ -94,7 +94,7 @@ def engine_checks(path: str, out: dict) -> None:
         out[f"tp{tp}"] = r
 
 
-def logits_checks(path: str, quantization: str | None = None) -> dict:
+def logits_checks(path: str, quantization: str | None = None, group_size: int | None = None) -> dict:
     """The pure forward (one prefill step of two sequences) at each TP: max |logits - logits at TP=1|."""
     import jax
     import jax.numpy as jnp
@@ -106,7 +106,7 @@ def logits_checks(path: str, quantization: str | None = None) -> dict:
     from jaxpaged.step.attention import make_attention
     from jaxpaged.step.mesh import POOL_SPEC, make_mesh, place_params, sharded_model_config
     mc = ModelConfig.from_dir(path)
-    params = load_params(path, mc, "float32", quantization=quantization)
+    params = load_params(path, mc, "float32", quantization=quantization, group_size=group_size)
     lens, bs = (13, 6), 8
     T = sum(lens)
     rng = np.random.default_rng(0)
@@ -155,7 +155,8 @@ def int8_checks(workdir: str) -> dict:
     path = make_tiny_model(os.path.join(workdir, "int8_qwen3"), "qwen3", num_heads=8, num_kv_heads=2,
                            head_dim=8, tie=True, seed=4)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    out = {"logits_rel_diff": logits_checks(path, "int8")}
+    # int8's default groups of 32: wo's 64 rows are 2 groups, split at TP=2, replicated at TP=4
+    out = {"logits_rel_diff": logits_checks(path, "int8"), "logits_rel_diff_channel": logits_checks(path, "int8", 0)}
     for tp in TPS:
         llm = LLM(model=path, **engine_kwargs(tensor_parallel_size=tp, quantization="int8", matmul_backend="xla",
                                                    warmup=False))  # XLA's product at every TP: QArray leaves

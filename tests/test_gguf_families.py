@@ -97,7 +97,7 @@ def test_keep_quantized_flag_reaches_the_loader(gguf_models):
     """The engine's loading of a .gguf: keep_quantized (the default) keeps the file's codes; False (and
     quantization, which re-quantizes the dequantized weights) does not."""
     from jaxpaged import EngineConfig, ModelConfig, loading
-    from jaxpaged.models.qarray import QArray
+    from jaxpaged.models.qarray import DEFAULT_GROUP, QArray
     path, _ = gguf_models["mixtral"]
     cfg = EngineConfig(model=path, dtype="float32", show_progress=False)
     d = loading.model_dir(cfg)
@@ -109,4 +109,4 @@ def test_keep_quantized_flag_reaches_the_loader(gguf_models):
     assert not isinstance(loading.load_weights(d, mc, cfg)[0]["layers"]["w_up"], QArray)
     cfg = EngineConfig(model=path, dtype="float32", show_progress=False, quantization="int8")
     requantized = loading.load_weights(d, mc, cfg)[0]["layers"]["w_up"]
-    assert isinstance(requantized, QArray) and requantized.group == 0
+    assert isinstance(requantized, QArray) and (requantized.bits, requantized.group) == (8, DEFAULT_GROUP["int8"])

@@ -62,7 +62,7 @@ def weight_bytes(cfg, tp: int, quantization: str | None = None) -> int:
     from jaxpaged.step.mesh import leaf_specs, param_partition_specs, sharded_model_config
     shapes = empty_params(sharded_model_config(cfg, tp), "bfloat16", quantization,
                           alloc=lambda shape, dt: jax.ShapeDtypeStruct(tuple(shape), dt))
-    specs = leaf_specs(param_partition_specs(cfg, tp), shapes)
+    specs = leaf_specs(param_partition_specs(cfg, tp), shapes, tp)
     sizes = jax.tree.map(lambda a, p: math.prod(a.shape) * a.dtype.itemsize // (tp if "model" in tuple(p) else 1),
                          shapes, specs)
     return sum(jax.tree.leaves(sizes))

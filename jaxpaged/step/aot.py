@@ -26,7 +26,7 @@ def abstract_params(cfg: ModelConfig, dtype: str, quantization: str | None, mesh
     tp = mesh.shape[MODEL_AXIS]
     shapes = empty_params(sharded_model_config(cfg, tp), dtype, quantization,
                           alloc=lambda shape, dt: jax.ShapeDtypeStruct(tuple(shape), dt))
-    specs = leaf_specs(param_partition_specs(cfg, tp), shapes)
+    specs = leaf_specs(param_partition_specs(cfg, tp), shapes, tp)
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
                         shapes, specs)
 

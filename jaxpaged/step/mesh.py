@@ -134,19 +134,21 @@ def place_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Numpy parameter pytree (as loaded) -> sharded device arrays (KV heads replicated as needed)."""
     tp = mesh.shape[MODEL_AXIS]
     params = replicate_kv_heads(params, cfg, kv_head_replication(cfg, tp))
-    specs = leaf_specs(param_partition_specs(cfg, tp), params)
+    specs = leaf_specs(param_partition_specs(cfg, tp), params, tp)
     return jax.tree.map(lambda a, s: place(np.asarray(a), mesh, s), params, specs)
 
 
-def leaf_specs(specs: dict, params: dict) -> dict:
+def leaf_specs(specs: dict, params: dict, tp: int = 1) -> dict:
     """`param_partition_specs` matched leaf for leaf to `params`: a QArray's q takes its matrix's spec
     and its scale the same spec with None on the scale's size-1 (reduced) axis, so every scale lives
-    on the devices holding its columns (or rows, for the embedding)."""
+    on the devices holding its columns (or rows, for the embedding). A grouped scale's group axis is split
+    with its matrix's rows when its groups divide among the `tp` devices, else replicated (a group then
+    spans two devices' rows: XLA's dequantize still sees every scale it needs)."""
     def one(spec, a):
         if not isinstance(a, QArray):
             return spec
         full = tuple(spec) + (None,) * (a.q.ndim - len(spec))
-        scale = P(*(None if n == 1 else ax for n, ax in zip(a.scale.shape, full)))
+        scale = P(*(None if n == 1 or (ax is not None and n % tp) else ax for n, ax in zip(a.scale.shape, full)))
         return dataclasses.replace(a, q=spec, scale=scale, m=None if a.m is None else scale)
     return jax.tree.map(one, specs, params, is_leaf=lambda x: isinstance(x, P))
 
