@@ -138,7 +138,7 @@ def place_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     return jax.tree.map(lambda a, s: place(np.asarray(a), mesh, s), params, specs)
 
 
-def leaf_specs(specs: dict, params: dict, tp: int = 1) -> dict:
+def leaf_specs(specs: dict, params: dict, tp: int) -> dict:
     """`param_partition_specs` matched leaf for leaf to `params`: a QArray's q takes its matrix's spec
     and its scale the same spec with None on the scale's size-1 (reduced) axis, so every scale lives
     on the devices holding its columns (or rows, for the embedding). A grouped scale's group axis is split

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-TOP = {8: 127, 16: 16319}  # pallas_kernels/matmul/cpu_quant.py ACT_BITS: the largest code of each width
+from pallas_kernels.matmul.cpu_quant import ACT_BITS  # the largest code of each width
 
 
 def int8_rounded(x: np.ndarray, block: int = 32, act_bits: int = 8) -> np.ndarray:
@@ -13,5 +13,5 @@ def int8_rounded(x: np.ndarray, block: int = 32, act_bits: int = 8) -> np.ndarra
     steps of `act_bits`-bit codes."""
     M, K = x.shape
     xp = np.pad(x, [(0, 0), (0, -K % block)]).reshape(M, -1, block)
-    dx = np.abs(xp).max(-1, keepdims=True) / TOP[act_bits]
+    dx = np.abs(xp).max(-1, keepdims=True) / ACT_BITS[act_bits]
     return (np.rint(xp / dx) * dx).reshape(M, -1)[:, :K]
