@@ -144,7 +144,7 @@ def test_packed_layout_and_product_per_type(type_name, n, k):
         assert qp.blob.size * 8 / (k * 16 * qp.layout.tiles) == 4 + (2 * 8 + 2 * 2 * 8 / 8) / 32  # 4.625 bits
     np.testing.assert_array_equal(np.asarray(engine_matrix(qp.unpack())), want)
     x = np.random.default_rng(k).normal(0, 1, (5, k)).astype(np.float32)
-    ref = int8_rounded(x, act_bits=qp.act_bits).astype(np.float64) @ want.astype(np.float64)
+    ref = int8_rounded(x, act_bits=qp.act_bits, outlier=qp.act_outlier).astype(np.float64) @ want.astype(np.float64)
     got = np.asarray(qpacked.matmul(jnp.asarray(x), qp))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     one = qpacked.pack(qa, scale_bytes=4, superblock=0)

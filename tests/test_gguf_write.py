@@ -127,7 +127,7 @@ def test_kept_codes_run_packed_on_the_quantized_kernel(q4k, kernel_run):
     # the product of layer 1's packed w_up: the float product of the activations rounded (per 32, to its act_bits)
     # with the file's dequantized matrix (its codes, scales and minimums read back by unpack)
     x = np.random.default_rng(6).standard_normal((5, up.K)).astype(np.float32)
-    want = int8_rounded(x, act_bits=up.act_bits) @ np.asarray(dequantize(up.unpack()))[1]
+    want = int8_rounded(x, act_bits=up.act_bits, outlier=up.act_outlier) @ np.asarray(dequantize(up.unpack()))[1]
     got = np.asarray(qpacked_matmul(jnp.asarray(x), up, layer=jnp.int32(1)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     _check_against_float(llm, gguf_model_dir(q4k[0]))

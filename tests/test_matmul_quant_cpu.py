@@ -182,6 +182,9 @@ def test_bad_operands_are_named():
            (lambda: cq.cpu_quant_matmul(x, w, layout, layer=0), "w must"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, act_block=16), "act_block"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, act_bits=4), "act_bits"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, act_bits=16, act_outlier=-1.0), "act_outlier"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, act_bits=16, act_outlier=float("nan")), "act_outlier"),
+           (lambda: cq.cpu_quant_matmul(x, w, layout, act_outlier=1.5), "act_outlier"),
            (lambda: cq.cpu_quant_matmul(x, w, layout, isa="sse"), "isa")]
     for call, match in bad:
         with pytest.raises(ValueError, match=match):
@@ -189,12 +192,15 @@ def test_bad_operands_are_named():
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
     attrs = dict(K=np.int64(64), N=one(32), group=one(32), bits=one(4), zero=one(8), has_min=one(0),
-                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), act_bits=np.int64(8), isa=np.int64(3))
+                 scale_bytes=one(4), superblock=one(0), act_block=np.int64(32), act_bits=np.int64(8),
+                 act_outlier=np.float32(0), isa=np.int64(3))
     for change, match in ((dict(bits=one(8)), "w must be the packed"), (dict(K=np.int64(96)), "x must be"),
                           (dict(scale_bytes=one(2)), "w must be the packed"),
                           (dict(scale_bytes=one(3)), "scale_bytes must be"),
                           (dict(group=one(48)), "group"), (dict(act_block=np.int64(16)), "act_block"),
                           (dict(act_bits=np.int64(12)), "act_bits"),
+                          (dict(act_outlier=np.float32(1.5)), "act_outlier"),
+                          (dict(act_bits=np.int64(16), act_outlier=np.float32(np.inf)), "act_outlier"),
                           (dict(zero=one(16)), "zero")):
         with pytest.raises(Exception, match=match):
             np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **{**attrs, **change}))

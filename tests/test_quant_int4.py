@@ -121,7 +121,7 @@ def test_packed_round_trip_and_product(fmt, group, symmetric):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale)) + (() if symmetric else ((back.m, qa.m),)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        ref = int8_rounded(x, act_bits=qp.act_bits) @ np.asarray(dequantize(qa))[1]
+        ref = int8_rounded(x, act_bits=qp.act_bits, outlier=qp.act_outlier) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

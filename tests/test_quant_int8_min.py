@@ -93,8 +93,8 @@ def test_packed_round_trip_product_and_rows(group):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale), (back.m, qa.m)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        assert qp.act_bits == 16
-        ref = int8_rounded(x, act_bits=16) @ np.asarray(dequantize(qa))[1]
+        assert qp.act_bits == 16 and qp.act_outlier == qpacked.AUTO_ACT_OUTLIER[8]
+        ref = int8_rounded(x, act_bits=16, outlier=qp.act_outlier) @ np.asarray(dequantize(qa))[1]
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     emb = quantize(rng.standard_normal((40, 64)).astype(np.float32), "int8", -1, "float32", group, symmetric=False)

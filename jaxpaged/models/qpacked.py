@@ -3,8 +3,9 @@
 On one CPU device the runner packs its integer matrices (int8 / int4, any group, with or without a minimum:
 `packable`) into pallas_kernels/matmul/cpu_quant.py's layout: column tiles of 16, each a run of groups of
 codes then their scales (and minima), so a product reads the packed bytes once, in order, and multiplies them
-with integer-quantized activations (`quant.dot`; `act_bits_of`: int16 codes for 8-bit weights, int8 for 4-bit,
-unless the engine's `quantization_activation_bits` says otherwise). A stack [L, K, N] is packed whole and the
+with integer-quantized activations (`quant.dot`; `act_bits_of`: for 8-bit weights int16 codes in each row's
+outlier blocks and int8 in the others, int8 for 4-bit, unless the engine's `quantization_activation_bits`
+says otherwise). A stack [L, K, N] is packed whole and the
 kernel reads layer i in place (`quant.LayerOf`). `unpack` is the exact inverse (the QArray it was made from),
 which `get_weights`, weight updates and the XLA reference use. A matrix whose scales and minima are all
 float16 values (grouped int8 / int4 quantization makes them so, GGUF's legacy types store them so) keeps them
@@ -28,12 +29,14 @@ from pallas_kernels.matmul import cpu_quant
 from pallas_kernels.matmul.two_level import two_level
 
 # The kernel's activation codes per weight-code width (`act_bits_of` with no choice). int8 weights take int16
-# activations: int8 ones, per 32 k, cost the default model's int8 (groups of 32 with a minimum) 0.036 mean
-# |delta logprob| against float32 where XLA's float product scores 0.002; int16 ones match it (issue 44's
-# goal: <= 0.02). At one row the product reads the same bytes (no slower); at 64 rows it runs twice the
-# integer dots (~1.5x its CPU time). int4 weights keep int8 activations (within int4's goal of 0.1).
-# docs/benchmarks.md, *Quantization and KV cache dtype: quality*.
+# activations in a row's outlier blocks (AUTO_ACT_OUTLIER: max|x| above 1.5 times the mean of the row's block
+# maxima; ~14% of the default model's blocks) and int8 in the others: int8 codes everywhere, per 32 k, cost the
+# default model's int8 (groups of 32 with a minimum) 0.036 mean |delta logprob| against float32, int16
+# everywhere 0.002 (XLA's float product's) but twice the integer dots at many rows; the outlier blocks alone
+# 0.017 (issue 44's goal: <= 0.02) at close to int8's dots. int4 weights keep int8 activations (within int4's
+# goal of 0.1). docs/benchmarks.md, *Quantization and KV cache dtype: quality*.
 AUTO_ACT_BITS = {8: 16, 4: 8}
+AUTO_ACT_OUTLIER = {8: 1.5, 4: 0.0}
 
 
 def act_bits_of(bits: int, choice: int | None = None) -> int:
@@ -43,6 +46,13 @@ def act_bits_of(bits: int, choice: int | None = None) -> int:
         raise ValueError(f"quantization_activation_bits must be one of {tuple(cpu_quant.ACT_BITS)} or None, "
                          f"got {choice!r}")
     return AUTO_ACT_BITS[bits] if choice is None else int(choice)
+
+
+def act_outlier_of(bits: int, choice: int | None = None) -> float:
+    """The outlier cut (`cpu_quant_matmul`'s act_outlier) with `act_bits_of(bits, choice)`: AUTO_ACT_OUTLIER
+    with no choice, 0 (one code width in every block) for a chosen width."""
+    act_bits_of(bits, choice)
+    return AUTO_ACT_OUTLIER[bits] if choice is None else 0.0
 
 
 @jax.tree_util.register_dataclass
@@ -65,6 +75,7 @@ class QPacked:
     scale_bytes: int = dataclasses.field(default=4, metadata=dict(static=True))  # 2: float16 scales and minima
     superblock: int = dataclasses.field(default=0, metadata=dict(static=True))  # 256: the two-level scale form
     act_bits: int = dataclasses.field(default=8, metadata=dict(static=True))  # the activations' codes: 8 or 16
+    act_outlier: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # 16 only in outlier blocks
 
     @property
     def layout(self) -> cpu_quant.Layout:
@@ -120,13 +131,14 @@ def pack(a: QArray, donate: bool = False, transposed: bool = False, scale_bytes:
     two-level scale form) or 0; None: 256 exactly when the scales and minima have one (`two_level.two_level`)
     and it is the smaller blob. scale_bytes: 2 (float16) or 4 for the floats stored (the two-level form's
     d); None: 2 exactly when every one is a float16 value (`cpu_quant.half_exact`). A form the values do
-    not have is refused (ValueError). act_bits: the activations' codes its products take (`act_bits_of`)."""
+    not have is refused (ValueError). act_bits: the activations' codes its products take (`act_bits_of`,
+    `act_outlier_of`)."""
     if transposed:
         a = _transposed(a)
     K, N = a.q.shape[-2:]
     a = _folded(a)
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
-                   act_bits=act_bits_of(a.bits, act_bits))
+                   act_bits=act_bits_of(a.bits, act_bits), act_outlier=act_outlier_of(a.bits, act_bits))
     s, m = a.scale, a.m
     two = _two_level(a, spec) if superblock != 0 else None
     if superblock == cpu_quant.SUPERBLOCK and two is None:
@@ -202,7 +214,8 @@ def pack_abstract(a: QArray, transposed: bool = False, act_bits: int | None = No
     load (float16 scales when grouped: `qarray.quantize`), its sharding kept."""
     K, N = a.q.shape[-2:][::-1] if transposed else a.q.shape[-2:]
     spec = QPacked(None, K, N, a.group, a.bits, a.zero, a.m is not None, a.dtype, transposed,
-                   2 if a.group else 4, act_bits=act_bits_of(a.bits, act_bits))
+                   2 if a.group else 4, act_bits=act_bits_of(a.bits, act_bits),
+                   act_outlier=act_outlier_of(a.bits, act_bits))
     shape = (*a.q.shape[:-2], *spec.layout.blob_shape)
     return dataclasses.replace(spec, blob=jax.ShapeDtypeStruct(shape, jnp.uint8,
                                                                 sharding=getattr(a.q, "sharding", None)))
@@ -219,16 +232,18 @@ def matmuls(x, ws, layer=None) -> tuple:
     """(matmul(x, w, layer) for w in ws) as one kernel call (`cpu_quant.cpu_quant_matmuls`: x quantized once,
     one fan-out over every matrix's columns), each product exactly as `matmul` gives it: a layer's q, k and
     v, or gate and up, all stacks read at the same `layer` (or none); x quantized once, to the widest
-    `act_bits` among them."""
+    `act_bits` among them (int16: with the smallest outlier cut of the matrices that ask for int16)."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
     rows = live_rows.current() if x.ndim == 2 else None  # the step's live rows of x [M, K]
     ws = tuple(ws)
     act_bits = max(w.act_bits for w in ws)
+    outlier = min(w.act_outlier for w in ws if w.act_bits == act_bits) if act_bits == 16 else 0.0
     if len(ws) == 1:
-        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows, act_bits=act_bits),)
+        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows, act_bits=act_bits,
+                                           act_outlier=outlier),)
     return cpu_quant.cpu_quant_matmuls(x, [w.blob for w in ws], [w.layout for w in ws], layer=layer, rows=rows,
-                                       act_bits=act_bits)
+                                       act_bits=act_bits, act_outlier=outlier)
 
 
 def pack_quantized(params: dict, owned: bool = False, like: dict | None = None, act_bits: int | None = None) -> dict:

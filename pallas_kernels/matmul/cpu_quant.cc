@@ -28,7 +28,12 @@
 // dx = max|x| / 127, round to nearest even); per column the integer dot sum(xq * (u - z)) over F = min(Gp, A)
 // k, then y += s * dx * dot; with m, y += m * sum(dx * xq) per group. So y is exactly (up to float32
 // summation) the product of the dequantized activations with W; a block of x holding a NaN or an infinity
-// makes its row's outputs NaN. Paths, compiled where -march allows, the best one run unless `isa` caps it:
+// makes its row's outputs NaN. act_bits 16: int16 codes (dx = max|x| / 16319) as two int8 planes, each run
+// through the same dots (8-bit codes: the high plane's sums times 128, then the low plane's, into the same
+// accumulators); with `act_outlier` tau > 0 only a row's outlier blocks (max|x| * the row's blocks > tau * the
+// sum of its block maxima) take int16 codes, the others int8 ones as the high plane (dx = max|x| / (127 * 128),
+// low plane 0), and the low plane's dots of a block are skipped for a run of rows whose low codes there are all
+// zero: a row's codes and outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
@@ -78,7 +83,9 @@ struct Meta {
   // G: a stored group's k (Gp: the superblock when two-level); S: a scale's k (G, or the group inside a superblock);
   // ns: int8 sub-scales a stored group (G / S two-level, else 0); sb: bytes a float scale
   // wide: the activations' codes are int16 ones (act_bits 16) held as two int8 planes
+  // tau: wide, the outlier cut (`quantize_row`; 0: int16 codes in every block)
   int64_t M, K, N, Kp, G, S, ns, bits, has_min, zero, A, sb, wide;
+  float tau;
   int64_t ng() const { return Kp / G; }
   int64_t nsg() const { return Kp / S; }                  // scale groups (a row's minimum terms)
   int64_t code_bytes() const { return G * 16 * bits / 8; }
@@ -101,6 +108,7 @@ struct Acts {
   std::vector<int8_t> xq;
   std::vector<float> dx, xsum;
   std::vector<int32_t> qsum;
+  std::vector<uint8_t> lowf;  // wide: [M, nf], 1 where the F block's low plane holds a nonzero code
 };
 
 struct Call {
@@ -145,7 +153,7 @@ inline void scales16(const uint8_t* p, const Meta& P, int64_t j, float* out) {
 // +-TOP16 (dx = max|x| / TOP16) as two int8 planes, q [Ka] the high h = (c + 64) >> 7 (|h| <= 127) and
 // q + Ka the low c - 128 h (-64 .. 63). The row's blocks depend on K and A only, so one quantization over the
 // longest Ka serves every product of x (the others read its planes' prefixes).
-void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, int8_t* q, float* dx) {
+void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, int8_t* q, float* dx, float* mx) {
   if (bf16) {
     const uint16_t* xr = static_cast<const uint16_t*>(x) + m * P.K;
     for (int64_t k = 0; k < P.K; ++k) r[k] = bf16_to_f32(xr[k]);
@@ -153,35 +161,46 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
     std::memcpy(r, static_cast<const float*>(x) + m * P.K, 4 * P.K);
   }
   std::fill(r + P.K, r + P.Ka(), 0.f);
-  for (int64_t b = 0; b < P.Ka() / P.A; ++b) {
+  const int64_t nb = P.Ka() / P.A, nx = (P.K + P.A - 1) / P.A;  // blocks; those holding x
+  for (int64_t b = 0; b < nb; ++b) {  // each block's max|x|, NaN where it holds a NaN or an infinity
     const float* rb = r + b * P.A;
-    int8_t* qb = q + b * P.A;
-    float amax = 0.f;
-    bool bad = false;
 #if JP_VNNI
-    __m512 mx = _mm512_setzero_ps();
+    __m512 v = _mm512_setzero_ps();
     __mmask16 nonfinite = 0;
     for (int64_t k = 0; k < P.A; k += 16) {
       const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(rb + k));
       nonfinite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
-      mx = _mm512_max_ps(mx, a);
+      v = _mm512_max_ps(v, a);
     }
-    amax = _mm512_reduce_max_ps(mx), bad = nonfinite != 0;
+    mx[b] = nonfinite ? NAN : _mm512_reduce_max_ps(v);
 #else
+    float amax = 0.f;
+    bool bad = false;
     for (int64_t k = 0; k < P.A; ++k) {
       const float a = std::fabs(rb[k]);
       bad |= !(a < INFINITY);
       amax = std::max(amax, a);
     }
+    mx[b] = bad ? NAN : amax;
 #endif
-    const float top = P.wide ? TOP16 : 127.f;
+  }
+  float total = 0.f;  // outlier blocks (wide, tau > 0): max|x| * nx > tau * the sum of the maxima (in block order)
+  for (int64_t b = 0; b < nx; ++b) total += mx[b];
+  const float cut = P.tau * total, nxf = static_cast<float>(nx);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* rb = r + b * P.A;
+    int8_t* qb = q + b * P.A;
+    const float amax = mx[b];
+    const bool bad = std::isnan(amax), wide16 = P.wide && (P.tau <= 0.f || amax * nxf > cut);
+    const float top = wide16 ? TOP16 : 127.f;
     const float inv = amax > 0.f && !bad ? top / amax : 0.f;
-    dx[b] = bad ? NAN : amax / top;
+    dx[b] = bad ? NAN : P.wide && !wide16 ? amax / (127.f * 128.f) : amax / top;  // int8 codes as high planes
 #if JP_VNNI
     for (int64_t k = 0; k < P.A; k += 16) {
       const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rb + k), _mm512_set1_ps(inv)));
-      if (!P.wide) {
+      if (!wide16) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtsepi32_epi8(c));
+        if (P.wide) _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + P.Ka() + k), _mm_setzero_si128());
         continue;
       }
       const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(64)), 7);
@@ -192,8 +211,9 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
 #else
     for (int64_t k = 0; k < P.A; ++k) {
       const int32_t c = static_cast<int32_t>(std::nearbyint(rb[k] * inv));
-      if (!P.wide) {
+      if (!wide16) {
         qb[k] = static_cast<int8_t>(c);
+        if (P.wide) qb[P.Ka() + k] = 0;
         continue;
       }
       const int32_t h = (c + 64) >> 7;
@@ -205,12 +225,17 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
 
 // A quantized row's sums for the product of format P: qsum [nf] (sum of the codes per F block; wide: of
 // 128 h + l), xsum [nsg] (sum of dx * code per scale group: the minimum's term).
-void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum) {
+void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum, uint8_t* lowf) {
   const int64_t F = P.F();
   for (int64_t f = 0; f < P.nf(); ++f) {
     int32_t s = 0;
-    for (int64_t k = f * F; k < (f + 1) * F; ++k) s += P.wide ? 128 * q[k] + q[P.Ka() + k] : q[k];
+    bool low = false;
+    for (int64_t k = f * F; k < (f + 1) * F; ++k) {
+      s += P.wide ? 128 * q[k] + q[P.Ka() + k] : q[k];
+      low |= P.wide && q[P.Ka() + k] != 0;
+    }
     qsum[f] = s;
+    lowf[f] = low;
   }
   for (int64_t g = 0; g < P.nsg(); ++g) {
     float s = 0.f;
@@ -227,6 +252,7 @@ struct Rows {
   const float* dx[R];
   const float* xs[R];
   const int32_t* qs[R];
+  const uint8_t* lf[R];  // wide: the F blocks' low-plane flags
   Rows(const Call& C, int64_t r0) {
     const Meta& P = C.P;
     for (int r = 0; r < R; ++r) {
@@ -234,6 +260,7 @@ struct Rows {
       dx[r] = C.A.dx.data() + (r0 + r) * (P.Ka() / P.A);
       xs[r] = C.A.xsum.data() + (r0 + r) * P.nsg();
       qs[r] = C.A.qsum.data() + (r0 + r) * P.nf();
+      lf[r] = C.A.lowf.data() + (r0 + r) * P.nf();
     }
   }
 };
@@ -407,6 +434,23 @@ inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
   return P.ns ? _mm512_mul_ps(dv, sub16(p + 16 * P.sb + 16 * j)) : load16(p, P.sb);
 }
 
+// acc[r][t] += the dots of one plane of R rows' int8 activations (x[r] from k0) with NT tiles' 8-bit codes
+// (tile t's at w + t * tb, from the block's first vector) over F k.
+template <int R, int NT>
+inline void vnni_plane8(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, const int8_t* const* x, int64_t k0,
+                        int64_t F) {
+  for (int64_t q = 0; q < F / 4; ++q) {
+    __m512i wv[NT];
+    for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_si512(w + t * tb + q * 64);
+    for (int r = 0; r < R; ++r) {
+      int32_t xv;
+      std::memcpy(&xv, x[r] + k0 + 4 * q, 4);
+      const __m512i xb = _mm512_set1_epi32(xv);
+      for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], wv[t], xb);
+    }
+  }
+}
+
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k (WIDE: each plane's
 // accumulators, joined as 128 x the high's + the low's before)
 template <int R, int NT, int BITS, bool WIDE>
@@ -435,28 +479,22 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        __m512i acc[R][NT], accl[WIDE ? R : 1][NT];
+        constexpr bool WIDE4 = WIDE && BITS == 4;  // 4-bit wide: the low plane's own accumulators
+        __m512i acc[R][NT], accl[WIDE4 ? R : 1][NT];
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-        if constexpr (WIDE)
+        if constexpr (WIDE4)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) accl[r][t] = _mm512_setzero_si512();
         const int64_t k0 = g * P.G + f0;
         if (BITS == 8) {
-          for (int64_t q = 0; q < F / 4; ++q) {
-            __m512i w[NT];
-            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
-            for (int r = 0; r < R; ++r) {
-              int32_t xv;
-              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
-              const __m512i xb = _mm512_set1_epi32(xv);
-              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
-              if constexpr (WIDE) {
-                std::memcpy(&xv, X.xl[r] + k0 + 4 * q, 4);
-                const __m512i xl = _mm512_set1_epi32(xv);
-                for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], w[t], xl);
-              }
-            }
+          vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xq, k0, F);
+          if constexpr (WIDE) {  // acc = 128 x the high plane's dots + the low plane's, its dots skipped where
+            for (int r = 0; r < R; ++r)  // every row's low codes are zero in this block
+              for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_slli_epi32(acc[r][t], 7);
+            bool low = false;
+            for (int r = 0; r < R; ++r) low |= X.lf[r][k0 / F] != 0;
+            if (low) vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xl, k0, F);
           }
         } else {
           for (int64_t o = 0; o < F / 8; ++o) {
@@ -481,7 +519,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
             }
           }
         }
-        if constexpr (WIDE)
+        if constexpr (WIDE4)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(_mm512_slli_epi32(acc[r][t], 7), accl[r][t]);
         if (P.zero)
@@ -548,14 +586,15 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
   if (isa == ISA_VNNI) {
     using Fn = void (*)(const Call&, int64_t, int64_t);
     const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
-    // rows a block: int8 activations 8 (8-bit codes) / 6 (4-bit), then 4; wide (two planes' accumulators) 4, 2
-    const int64_t R = wd ? 4 : C.P.bits == 8 ? 8 : 6, R2 = wd ? 2 : 4;
+    // rows a block: 8-bit codes 8, then 4 (wide: the planes one after the other into the same accumulators);
+    // 4-bit 6, then 4 (wide: two planes' accumulators, 4, then 2)
+    const int64_t R = C.P.bits == 8 ? 8 : wd ? 4 : 6, R2 = C.P.bits == 8 || !wd ? 4 : 2;
     static const Fn big[2][2][2] = {
         {{vnni_tiles<8, 1, 8, false>, vnni_tiles<8, 2, 8, false>}, {vnni_tiles<6, 1, 4, false>, vnni_tiles<6, 2, 4, false>}},
-        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
+        {{vnni_tiles<8, 1, 8, true>, vnni_tiles<8, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
     static const Fn mid[2][2][2] = {
         {{vnni_tiles<4, 1, 8, false>, vnni_tiles<4, 2, 8, false>}, {vnni_tiles<4, 1, 4, false>, vnni_tiles<4, 2, 4, false>}},
-        {{vnni_tiles<2, 1, 8, true>, vnni_tiles<2, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
+        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
     static const Fn one[2][2][2] = {
         {{vnni_tiles<1, 1, 8, false>, vnni_tiles<1, UNIT_TILES, 8, false>},
          {vnni_tiles<1, 1, 4, false>, vnni_tiles<1, UNIT_TILES, 4, false>}},
@@ -685,7 +724,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
                 ffi::RemainingRets more_out, int64_t K, ffi::Span<const int64_t> N, ffi::Span<const int64_t> group,
                 ffi::Span<const int64_t> bits, ffi::Span<const int64_t> zero, ffi::Span<const int64_t> has_min,
                 ffi::Span<const int64_t> scale_bytes, ffi::Span<const int64_t> superblock, int64_t act_block,
-                int64_t act_bits, int64_t isa) {
+                int64_t act_bits, float act_outlier, int64_t isa) {
   const size_t n = 1 + more_w.size();
   if (more_out.size() != more_w.size())
     return ffi::Error::InvalidArgument("cpu_quant_matmul: one out per w, got " + std::to_string(n) + " w and " +
@@ -704,6 +743,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     return ffi::Error::InvalidArgument("cpu_quant_matmul: act_block must be 32, 64 or 128");
   if (act_bits != 8 && act_bits != 16)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: act_bits must be 8 or 16");
+  if (!(act_outlier >= 0.f && act_outlier < INFINITY) || (act_outlier > 0.f && act_bits != 16))
+    return ffi::Error::InvalidArgument("cpu_quant_matmul: act_outlier must be a finite number >= 0, and 0 unless "
+                                       "act_bits is 16");
   if (layer.element_count() != 1)
     return ffi::Error::InvalidArgument("cpu_quant_matmul: the layer index must be one int32");
   const int64_t M = xd[0];
@@ -728,7 +770,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
   const int64_t live = rows.typed_data()[0];
   for (Call& C : J->calls) {
     std::fill(C.out + live * C.P.N, C.out + M * C.P.N, 0.0f);
-    C.P.M = live, C.P.wide = act_bits == 16;
+    C.P.M = live, C.P.wide = act_bits == 16, C.P.tau = act_outlier;
   }
   if (live == 0) return ffi::Error::Success();
   J->widest = J->calls[0].P;
@@ -736,15 +778,15 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     if (C.P.Ka() > J->widest.Ka()) J->widest = C.P;
     Acts& A = C.A;
     A.xq.resize(live * C.P.xrow()), A.dx.resize(live * (C.P.Ka() / C.P.A)), A.qsum.resize(live * C.P.nf());
-    A.xsum.resize(live * C.P.nsg());
+    A.xsum.resize(live * C.P.nsg()), A.lowf.resize(live * C.P.nf());
   }
   J->x = x.untyped_data(), J->bf16 = x.element_type() == ffi::DataType::BF16;
   jp::parallel_for(pool, live, live, [J](int64_t m) {
     const Meta& W = J->widest;
-    thread_local std::vector<float> row, dx;
+    thread_local std::vector<float> row, dx, mx;
     thread_local std::vector<int8_t> q;
-    row.resize(W.Ka()), q.resize(W.xrow()), dx.resize(W.Ka() / W.A);
-    quantize_row(W, J->x, J->bf16, m, row.data(), q.data(), dx.data());
+    row.resize(W.Ka()), q.resize(W.xrow()), dx.resize(W.Ka() / W.A), mx.resize(W.Ka() / W.A);
+    quantize_row(W, J->x, J->bf16, m, row.data(), q.data(), dx.data(), mx.data());
     for (Call& C : J->calls) {  // each product's own row: the prefix of its Ka (each plane's), its own sums
       const Meta& Q = C.P;
       int8_t* cq = C.A.xq.data() + m * Q.xrow();
@@ -752,7 +794,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
       std::memcpy(cq, q.data(), Q.Ka());
       if (Q.wide) std::memcpy(cq + Q.Ka(), q.data() + W.Ka(), Q.Ka());
       std::memcpy(cdx, dx.data(), sizeof(float) * (Q.Ka() / Q.A));
-      row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.nsg());
+      row_sums(Q, cq, cdx, C.A.qsum.data() + m * Q.nf(), C.A.xsum.data() + m * Q.nsg(), C.A.lowf.data() + m * Q.nf());
     }
   });
   J->path = std::min<int>(static_cast<int>(isa), BEST_ISA);
@@ -794,6 +836,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuQuantMatmul, Impl,
                                   .Attr<ffi::Span<const int64_t>>("superblock")
                                   .Attr<int64_t>("act_block")
                                   .Attr<int64_t>("act_bits")
+                                  .Attr<float>("act_outlier")
                                   .Attr<int64_t>("isa"));
 
 // The best path this build runs: 3 AVX-512 VNNI, 1 AVX2 + FMA + F16C, 0 scalar loops.

@@ -24,7 +24,11 @@ uint8, column tiles of 16, each a run of stored groups of codes then scales), `u
 `cpu_quant_matmul(x, w, layout)` is x [..., K] @ W -> f32[..., N] for float32 or bfloat16 x, with x
 quantized per row and block of `act_block` k inside the kernel, to int8 (`act_bits` 8: scale max|x| / 127)
 or to int16 codes (16: max|x| / 16319, run as two int8 planes, twice the integer dots): the product equals
-the float product of those dequantized activations with W, up to float32 summation.
+the float product of those dequantized activations with W, up to float32 summation. With `act_outlier` tau > 0
+(act_bits 16) only a row's outlier blocks keep int16 codes: those whose max|x| times the row's count of blocks
+exceeds tau times the sum of its block maxima (float32, in block order); the others take int8 codes
+(max|x| / 127) as the high plane, their low plane zero, and the kernel skips a block's second plane of dots
+for a run of rows whose low planes are all zero there. A row's codes depend on that row alone.
 `cpu_quant_matmuls(x, ws, layouts)` runs the products of one x with several matrices (a layer's q, k and v;
 gate and up; each its own Layout) as one call: x quantized once, one work list over all their columns.
 `isa()` names the best path this build runs ("avx512_vnni", "avx2", "scalar"); `isa=` caps it (tests).
@@ -260,18 +264,21 @@ def dequantize(w, layout: Layout):
 
 
 def cpu_quant_matmul(x, w, layout: Layout, *, layer=None, rows=None, act_block: int = 32, act_bits: int = 8,
-                     isa: str | None = None):
+                     act_outlier: float = 0.0, isa: str | None = None):
     """x [..., K] (float32 or bfloat16) @ the packed w ([T, ng, group_bytes], or a stack [L, ...] read at
     `layer`, an int32 scalar, traced or not) -> f32[..., N]. rows (an int32 scalar, traced or not; default
     all): how many leading rows of x (flattened to [M, K]) are live; the others pad a token bucket and give
     zeros, not computed. act_block: the k each activation scale covers (32, 64 or 128); act_bits: the
     activations' codes, int8 (8) or int16 (16: 128 times finer, up to twice the CPU time where the product
-    is compute-bound); isa: the most capable path to run (default: the build's best)."""
-    return _products(x, (w,), (layout,), True, layer, rows, act_block, act_bits, isa)[0]
+    is compute-bound); act_outlier: with act_bits 16, tau > 0 keeps int16 codes only in a row's outlier
+    blocks (max|x| above tau times the mean of the row's block maxima) and gives the others int8 codes,
+    whose second plane of integer dots is then skipped (0: int16 codes in every block); isa: the most
+    capable path to run (default: the build's best)."""
+    return _products(x, (w,), (layout,), True, layer, rows, act_block, act_bits, act_outlier, isa)[0]
 
 
 def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int = 32, act_bits: int = 8,
-                      isa: str | None = None) -> tuple:
+                      act_outlier: float = 0.0, isa: str | None = None) -> tuple:
     """(x @ w for w, layout in zip(ws, layouts)) in one call, each exactly as `cpu_quant_matmul` gives it: the
     products of one x (a layer's q, k and v; gate and up), x quantized once, the column tiles of every
     matrix one work list for the threads. Each w has its own Layout (the same K: group, bits, zero,
@@ -281,10 +288,10 @@ def cpu_quant_matmuls(x, ws, layouts, *, layer=None, rows=None, act_block: int =
     if not ws or len(ws) != len(layouts):
         raise ValueError(f"cpu_quant_matmuls needs one layout a matrix, at least one: got {len(ws)} ws and "
                          f"{len(layouts)} layouts")
-    return _products(x, ws, layouts, False, layer, rows, act_block, act_bits, isa)
+    return _products(x, ws, layouts, False, layer, rows, act_block, act_bits, act_outlier, isa)
 
 
-def _products(x, ws, layouts, single: bool, layer, rows, act_block, act_bits, isa) -> tuple:
+def _products(x, ws, layouts, single: bool, layer, rows, act_block, act_bits, act_outlier, isa) -> tuple:
     """The kernel call of x with every (w, layout): operands checked first, errors naming them (w and layout
     when `single`, else ws[i] and layouts[i])."""
     stacked = layer is not None
@@ -309,6 +316,10 @@ def _products(x, ws, layouts, single: bool, layer, rows, act_block, act_bits, is
         raise ValueError(f"act_block must be one of {ACT_BLOCKS}, got {act_block}")
     if act_bits not in ACT_BITS:
         raise ValueError(f"act_bits must be one of {tuple(ACT_BITS)}, got {act_bits!r}")
+    finite = isinstance(act_outlier, (int, float, np.floating)) and 0 <= act_outlier < float("inf")
+    if not finite or (act_outlier and act_bits != 16):
+        raise ValueError(f"act_outlier must be a finite number >= 0, and 0 unless act_bits is 16; got "
+                         f"{act_outlier!r} (act_bits {act_bits})")
     if isa is not None and isa not in ISAS:
         raise ValueError(f"isa must be one of {tuple(ISAS)} or None, got {isa!r}")
     if not available():
@@ -323,5 +334,6 @@ def _products(x, ws, layouts, single: bool, layer, rows, act_block, act_bits, is
     ys = call(x2, ws[0], index, live, *ws[1:], K=np.int64(K), N=each(lambda a: a.N), group=each(lambda a: a.group),
               bits=each(lambda a: a.bits), zero=each(lambda a: a.zero), has_min=each(lambda a: a.has_min),
               scale_bytes=each(lambda a: a.scale_bytes), superblock=each(lambda a: a.superblock),
-              act_block=np.int64(act_block), act_bits=np.int64(act_bits), isa=np.int64(ISAS[isa or "avx512_vnni"]))
+              act_block=np.int64(act_block), act_bits=np.int64(act_bits), act_outlier=np.float32(act_outlier),
+              isa=np.int64(ISAS[isa or "avx512_vnni"]))
     return tuple(y.reshape(lead + (a.N,)) for y, a in zip(ys, layouts))
