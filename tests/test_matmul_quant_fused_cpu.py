@@ -90,7 +90,8 @@ def test_fused_bad_operands_are_named():
         call = jax.ffi.ffi_call(cq.TARGET, [jax.ShapeDtypeStruct((2, n), jnp.float32) for n in outs])
         each = {f: np.array([getattr(a, f) for a in los], np.int64)
                 for f in ("N", "group", "bits", "zero", "has_min", "scale_bytes", "superblock")}
-        attrs = dict(K=np.int64(K), **each, act_block=np.int64(32), act_bits=np.int64(8), isa=np.int64(3))
+        attrs = dict(K=np.int64(K), **each, act_block=np.int64(32), act_bits=np.int64(8), act_outlier=np.float32(0),
+                     isa=np.int64(3))
         return [np.asarray(y) for y in call(x, ws[0], jnp.int32(layer), jnp.int32(2), *ws[1:], **{**attrs, **change})]
     assert all(y.shape == (2, a.N) for y, a in zip(direct(ws), layouts))  # the handler called right
     for args, change, match in (
