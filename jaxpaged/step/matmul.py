@@ -13,7 +13,8 @@ weights read as stored or packed once, float32 accumulation. The choice is stati
 Integer-quantized matrices (`quantization` int8 / int4) run on `pallas_kernels/matmul/cpu_quant.py` on one
 CPU device where it builds (`resolve_quant_matmul`): the runner packs them at placement
 (jaxpaged/models/qpacked.py) and the kernel reads the packed bytes once a step, with integer-quantized
-activations (int16 codes for int8 weights, int8 for int4: qpacked.act_bits_of). Elsewhere (GPU / TPU,
+activations (int8 weights: int16 codes in a row's outlier blocks, int8 elsewhere; int8 for int4:
+qpacked.act_bits_of, act_outlier_of). Elsewhere (GPU / TPU,
 several devices, `matmul_backend="xla"`) XLA dequantizes and multiplies (the reference). `matmul_name` says
 which, with the kernels' ISA paths, for `stats()`.
 """
