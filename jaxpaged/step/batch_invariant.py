@@ -8,6 +8,8 @@ Every computation of the step is made row-local with a fixed reduction order:
   contracted axis) from its shapes: on CPU a [64, 576] x [576, 1536] product rounds row 0 differently
   from a [16, 576] one. With `ModelConfig.row_tile` set, `quant.dot` runs every product over tiles of
   ROW_TILE rows (zero-padded), one tile at a time in a loop: the same product on every tile of every step.
+  The quantized CPU kernel rounds each row's activations by that row alone (int8 weights' int16 codes in a
+  row's outlier blocks included: pallas_kernels/matmul/cpu_quant.py), and its integer dots are exact.
 - **Attention.** `invariant_attention` gives every query row its own one-row tile and visits its keys in
   chunks of CHUNK_KEYS positions aligned at position 0, merging them into a running softmax in order, one
   chunk a trip for every row at once (rows past their context see nothing, which leaves their sums
