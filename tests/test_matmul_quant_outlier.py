@@ -83,3 +83,15 @@ def test_a_row_alone_and_among_others_is_the_same(path):
         np.testing.assert_array_equal(run(x[r:r + 1])[0], together[r], err_msg=f"row {r}")
     want = int8_rounded(x, 32, 16, TAU).astype(np.float64) @ wd
     np.testing.assert_allclose(together, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_packer_gives_int8_weights_the_outlier_rule():
+    """int8 weights with no chosen width: int16 codes at AUTO_ACT_OUTLIER's cut; a chosen width (the engine's
+    quantization_activation_bits) one width everywhere; int4 int8 codes; bad choices named."""
+    from jaxpaged.models import qpacked
+    assert qpacked.AUTO_ACT_OUTLIER[8] > 0 and qpacked.AUTO_ACT_OUTLIER[4] == 0
+    for bits, choice, want in ((8, None, (16, qpacked.AUTO_ACT_OUTLIER[8])), (8, 16, (16, 0.0)), (8, 8, (8, 0.0)),
+                               (4, None, (8, 0.0)), (4, 16, (16, 0.0))):
+        assert (qpacked.act_bits_of(bits, choice), qpacked.act_outlier_of(bits, choice)) == want, (bits, choice)
+    with pytest.raises(ValueError, match="quantization_activation_bits"):
+        qpacked.act_outlier_of(8, 12)
