@@ -29,11 +29,11 @@
 // k, then y += s * dx * dot; with m, y += m * sum(dx * xq) per group. So y is exactly (up to float32
 // summation) the product of the dequantized activations with W; a block of x holding a NaN or an infinity
 // makes its row's outputs NaN. act_bits 16: int16 codes (dx = max|x| / 16319) as two int8 planes, each run
-// through the same dots (8-bit codes: the high plane's sums times 128, then the low plane's, into the same
-// accumulators); with `act_outlier` tau > 0 only a row's outlier blocks (max|x| * the row's blocks > tau * the
-// sum of its block maxima) take int16 codes, the others int8 ones as the high plane (dx = max|x| / (127 * 128),
-// low plane 0), and the low plane's dots of a block are skipped for a run of rows whose low codes there are all
-// zero: a row's codes and outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
+// through the same dots, their sums joined as 128 x the high's + the low's; with `act_outlier` tau > 0 only a
+// row's outlier blocks (max|x| * the row's blocks > tau * the sum of its block maxima) take int16 codes, the
+// others int8 ones as the high plane (dx = max|x| / (127 * 128), low plane 0), and on AVX-512 the low plane's
+// dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
+// outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
@@ -435,7 +435,7 @@ inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
 }
 
 // acc[r][t] += the dots of one plane of R rows' int8 activations (x[r] from k0) with NT tiles' 8-bit codes
-// (tile t's at w + t * tb, from the block's first vector) over F k.
+// (tile t's at w + t * tb, from the block's first vector) over F k: int8 codes, or int16 ones' high plane alone.
 template <int R, int NT>
 inline void vnni_plane8(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, const int8_t* const* x, int64_t k0,
                         int64_t F) {
@@ -479,22 +479,33 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        constexpr bool WIDE4 = WIDE && BITS == 4;  // 4-bit wide: the low plane's own accumulators
-        __m512i acc[R][NT], accl[WIDE4 ? R : 1][NT];
+        __m512i acc[R][NT], accl[WIDE ? R : 1][NT];
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-        if constexpr (WIDE4)
+        if constexpr (WIDE)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) accl[r][t] = _mm512_setzero_si512();
         const int64_t k0 = g * P.G + f0;
-        if (BITS == 8) {
+        bool low = WIDE;  // wide 8-bit: the low plane's dots skipped where every row's low codes are zero
+        if (WIDE && BITS == 8) {
+          low = false;
+          for (int r = 0; r < R; ++r) low |= X.lf[r][k0 / F] != 0;
+        }
+        if (BITS == 8 && !low) {
           vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xq, k0, F);
-          if constexpr (WIDE) {  // acc = 128 x the high plane's dots + the low plane's, its dots skipped where
-            for (int r = 0; r < R; ++r)  // every row's low codes are zero in this block
-              for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_slli_epi32(acc[r][t], 7);
-            bool low = false;
-            for (int r = 0; r < R; ++r) low |= X.lf[r][k0 / F] != 0;
-            if (low) vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xl, k0, F);
+        } else if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            __m512i w[NT];
+            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
+            for (int r = 0; r < R; ++r) {
+              int32_t xv;
+              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
+              const __m512i xb = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+              std::memcpy(&xv, X.xl[r] + k0 + 4 * q, 4);
+              const __m512i xl = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], w[t], xl);
+            }
           }
         } else {
           for (int64_t o = 0; o < F / 8; ++o) {
@@ -519,7 +530,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
             }
           }
         }
-        if constexpr (WIDE4)
+        if constexpr (WIDE)  // 128 x the high plane's sums + the low plane's (zero where skipped)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(_mm512_slli_epi32(acc[r][t], 7), accl[r][t]);
         if (P.zero)
@@ -586,15 +597,14 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
   if (isa == ISA_VNNI) {
     using Fn = void (*)(const Call&, int64_t, int64_t);
     const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
-    // rows a block: 8-bit codes 8, then 4 (wide: the planes one after the other into the same accumulators);
-    // 4-bit 6, then 4 (wide: two planes' accumulators, 4, then 2)
-    const int64_t R = C.P.bits == 8 ? 8 : wd ? 4 : 6, R2 = C.P.bits == 8 || !wd ? 4 : 2;
+    // rows a block: int8 activations 8 (8-bit codes) / 6 (4-bit), then 4; wide (two planes' accumulators) 4, 2
+    const int64_t R = wd ? 4 : C.P.bits == 8 ? 8 : 6, R2 = wd ? 2 : 4;
     static const Fn big[2][2][2] = {
         {{vnni_tiles<8, 1, 8, false>, vnni_tiles<8, 2, 8, false>}, {vnni_tiles<6, 1, 4, false>, vnni_tiles<6, 2, 4, false>}},
-        {{vnni_tiles<8, 1, 8, true>, vnni_tiles<8, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
+        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
     static const Fn mid[2][2][2] = {
         {{vnni_tiles<4, 1, 8, false>, vnni_tiles<4, 2, 8, false>}, {vnni_tiles<4, 1, 4, false>, vnni_tiles<4, 2, 4, false>}},
-        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
+        {{vnni_tiles<2, 1, 8, true>, vnni_tiles<2, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
     static const Fn one[2][2][2] = {
         {{vnni_tiles<1, 1, 8, false>, vnni_tiles<1, UNIT_TILES, 8, false>},
          {vnni_tiles<1, 1, 4, false>, vnni_tiles<1, UNIT_TILES, 4, false>}},
