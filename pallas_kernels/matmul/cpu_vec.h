@@ -47,8 +47,10 @@ constexpr int64_t ROWS_T = 32;
 #if JP_BF16
 inline __m512bh pairs(int32_t v) { return (__m512bh)_mm512_set1_epi32(v); }
 
-// out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows @ the NT tiles at b (tile t at b + t * stride).
-template <int R, int NT>
+// out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows @ the NT tiles at b (tile t at b + t * stride). PF: the NT
+// tiles after them (the next ones this unit or the next reads) are fetched into L2 alongside, one line per
+// tile per k pair, so the first rows to read a panel from memory keep 2 NT streams in flight, not NT.
+template <int R, int NT, bool PF = false>
 void bf16_block(const Problem& P, const uint16_t* b, int64_t stride, int64_t m0, int64_t n0) {
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
@@ -57,6 +59,8 @@ void bf16_block(const Problem& P, const uint16_t* b, int64_t stride, int64_t m0,
   for (int64_t p = 0; p < P.K / 2; ++p) {  // k pair p: row p % 16 of K tile p / 16, 32 elements each
     __m512bh w[NT];
     for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + t * stride + p * 32);
+    if constexpr (PF)  // a prefetch never faults, so the tiles past the matrix's last are no harm
+      for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(b + (NT + t) * stride + p * 32), _MM_HINT_T1);
     for (int r = 0; r < R; ++r) {
       int32_t v;
       std::memcpy(&v, x + r * P.K + 2 * p, 4);
@@ -207,9 +211,10 @@ void unit(const Problem& P, const float* xf, int64_t u) {
   int64_t m = 0;
   if constexpr (AVX512) {
 #if JP_BF16
-    for (; m + 8 <= M; m += 8)
+    for (; m + 8 <= M; m += 8)  // the first rows read the panel from memory, the rest from L2
       for (int64_t t = 0; t < nt; t += 2)
-        (t + 1 < nt ? bf16_block<8, 2> : bf16_block<8, 1>)(P, b + t * stride, stride, m, n0 + t * 16);
+        (t + 1 < nt ? (m ? bf16_block<8, 2> : bf16_block<8, 2, true>) : bf16_block<8, 1>)(
+            P, b + t * stride, stride, m, n0 + t * 16);
     for (; m + 4 <= M; m += 4)
       for (int64_t t = 0; t < nt; t += 2)
         (t + 1 < nt ? bf16_block<4, 2> : bf16_block<4, 1>)(P, b + t * stride, stride, m, n0 + t * 16);
