@@ -244,6 +244,21 @@ def test_bench_step_parts(common, out_dir):
     assert saved["machine"]["cpu_flags"] and saved["load_average"] and saved["command"].startswith("jaxpaged bench")
 
 
+def test_bench_step_parts_prefill(common):
+    """bench_step_parts --prefill: the step in which 2 new prompts join 0 and 2 decoding requests, after the
+    decode row of 2; each such step computes the prompts' tokens beside the decodes, and is split like one."""
+    from jaxpaged.bench import step_parts as bench_step_parts
+    out = bench_step_parts.main([*common, "--running", "0", "2", "--prefill", "2", "--context", "8", "--steps", "2",
+                                 "--repeats", "1"])
+    rows = out["results"]
+    assert [(r["running"], r.get("prefill")) for r in rows] == [(0, 2), (2, None), (2, 2)]
+    assert rows[0]["tokens"] == 2 * 8 and rows[2]["tokens"] == 2 + 2 * 8
+    for r in rows:
+        assert r["step_ms"] > 0 and r["products_ms"] > 0 and r["attention_ms"] > 0
+        assert r["sum_ms"] == pytest.approx(sum(r[f"{p}_ms"] for p in bench_step_parts.PARTS))
+    assert bench_step_parts.label(rows[2]) == "2 running + 2 prompts"
+
+
 def test_step_profile_kinds_and_shares():
     """step_profile: a dot inside a scanned fusion is a product, the loop a container; an instant shared by
     two running thunks counts half for each, an instant with none counts as between."""

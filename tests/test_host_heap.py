@@ -1,4 +1,4 @@
-"""The host heap's settings (jaxpaged/step/host_heap.py): with EngineConfig made before JAX starts, a compiled
+"""One heap (jaxpaged/step/host_malloc.py `one_heap`): with EngineConfig made before JAX starts, a compiled
 call's temporaries over 64 MB are reused from call to call (no page faults), where a process that
 started JAX first maps them fresh every call. Each case runs in a fresh process (the settings must precede
 XLA's CPU client)."""
@@ -32,6 +32,8 @@ if sys.argv[1] == "jax_first":
     import jax; jax.devices()
 from jaxpaged.config import EngineConfig
 EngineConfig(dtype="float32")
+from jaxpaged.step.host_malloc import keep_freed_memory
+keep_freed_memory()  # as a CPU engine's runner does
 import jax, jax.numpy as jnp
 f = jax.jit(lambda x, w: (x.reshape(-1, 16) @ w)[::4096].sum())
 x, w, faults = jnp.zeros(20 << 20, jnp.float32), jnp.eye(16), []

@@ -324,3 +324,18 @@ def test_every_path_row_alone_bit_for_bit(isa):
         for m in range(7):
             alone = np.asarray(cpu_matmul.cpu_matmul(x[m:m + 1], w, isa=isa, **kw))
             np.testing.assert_array_equal(alone[0], full[m], err_msg=f"{kw} row {m}")
+
+
+@pytest.mark.parametrize("isa", list(cpu_matmul.ISAS))
+def test_every_path_many_rows_in_pieces(isa):
+    """A prefill's many rows over packed weights (shared by the threads in pieces of rows per panel, cpu_vec.h
+    ROW_CHUNK): 300 rows (two whole pieces and a partial one with a 4-row and a lone-row tail) over a partial
+    panel equal numpy, and the rows past the first piece equal them multiplied alone, bit for bit."""
+    _run_path_or_skip(isa)
+    rng = np.random.default_rng(300)
+    x, w = _bf16(rng, (300, 64)), _bf16(rng, (64, 272))
+    tiles = cpu_matmul.pack(w)
+    got = np.asarray(cpu_matmul.cpu_matmul(x, tiles, packed=True, isa=isa))
+    np.testing.assert_allclose(got, _want(x, w, False), rtol=1e-5, atol=1e-3)
+    alone = np.asarray(cpu_matmul.cpu_matmul(x[128:], tiles, packed=True, isa=isa))
+    np.testing.assert_array_equal(alone, got[128:])

@@ -21,6 +21,14 @@ Page faults are printed beside them: per step, and their estimated ms (count x t
 fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
 the page).
 read_all_weights_ms: a pass that only reads every parameter once, the bound a step's weight reads set.
+
+--prefill P adds a row after each count N: the step in which P new requests of --context random prompt
+tokens join the N decoding ones (their prompts chunked within --max-num-batched-tokens beside the decodes:
+P = 4 of 128 tokens at N = 0 is a 512-token prefill step, at N = 32 a serving wave's mixed step), timed
+over --steps fresh sets of prompts (each set aborted after its step), captured and split the same way;
+`tokens` is the tokens such a step computes.
+
+    jaxpaged bench step_parts --dtype bfloat16 --running 0 32 --prefill 4 --steps 3 --repeats 3
 """
 from __future__ import annotations
 
@@ -85,9 +93,9 @@ def fill(eng, n: int, context: int, max_tokens: int, seed: int) -> list[str]:
     return ids
 
 
-def engine_steps(eng, steps: int) -> dict:
+def engine_steps(eng, steps: int, before=None, after=None) -> dict:
     """Median wall ms per step, ms of its compiled call, host ms (the difference) and minor faults per
-    step, over `steps` decode steps of the engine."""
+    step, over `steps` decode steps of the engine (`before` / `after`: called around each one, untimed)."""
     calls: list[float] = []
 
     def timed(key, compiled):
@@ -103,10 +111,14 @@ def engine_steps(eng, steps: int) -> dict:
     walls, faults = [], []
     try:
         for _ in range(steps):
+            if before:
+                before()
             f, t = minor_faults(), time.perf_counter()
             eng.step()
             walls.append(time.perf_counter() - t)
             faults.append(minor_faults() - f)
+            if after:
+                after()
     finally:
         eng.runner.wrap_steps(None)
     if len(calls) != steps:
@@ -140,23 +152,64 @@ def replayed(eng, repeats: int) -> dict:
                 **profile_step(step, text, module, repeats))
 
 
-def measure(eng, n: int, args) -> dict:
-    """One row: the parts of a decode step at n running requests."""
+def measure(eng, n: int, args) -> list[dict]:
+    """The rows of n running requests: the parts of a decode step (n >= 1), then of the step in which
+    --prefill new prompts join them (measure_prefill)."""
     ids = fill(eng, n, args.context, args.max_tokens, args.seed)
-    for _ in range(2):
+    for _ in range(2 if n else 0):
         eng.step()
-    row = dict(running=n, **engine_steps(eng, args.steps), **replayed(eng, args.repeats))
+    rows = [dict(running=n, **engine_steps(eng, args.steps), **replayed(eng, args.repeats))] if n else []
+    if args.prefill:
+        rows.append(measure_prefill(eng, n, args))
     if len(eng.scheduler.running) != n:
         raise SystemExit(f"running={n}: requests finished during the timed steps; raise --max-model-len")
     for rid in ids:
         eng.abort_request(rid)
     while eng.has_unfinished_requests():
         eng.step()
-    row["sum_ms"] = sum(row[f"{p}_ms"] for p in PARTS)
-    row["gap_ms"] = row["step_ms"] - row["sum_ms"]
-    row["gap_pct"] = 100 * row["gap_ms"] / row["step_ms"]
-    row["fault_ms"] = row["faults_per_step"] * args.fault_cost_us / 1e3
-    bc.say(f"running={n}: step {row['step_ms']:.2f} ms, parts {row['sum_ms']:.2f} ms, gap {row['gap_pct']:+.1f} %")
+    for row in rows:
+        row["sum_ms"] = sum(row[f"{p}_ms"] for p in PARTS)
+        row["gap_ms"] = row["step_ms"] - row["sum_ms"]
+        row["gap_pct"] = 100 * row["gap_ms"] / row["step_ms"]
+        row["fault_ms"] = row["faults_per_step"] * args.fault_cost_us / 1e3
+        bc.say(f"{label(row)}: step {row['step_ms']:.2f} ms, parts {row['sum_ms']:.2f} ms, gap {row['gap_pct']:+.1f} %")
+    return rows
+
+
+def label(row: dict) -> str:
+    """A row's name: its running count, and the prompts that join them."""
+    return f"{row['running']} running" + (f" + {row['prefill']} prompts" if "prefill" in row else "")
+
+
+def computed(eng) -> int:
+    """Tokens with K/V in the pool, over every running request."""
+    return sum(r.num_computed_tokens for r in eng.scheduler.running)
+
+
+def measure_prefill(eng, n: int, args) -> dict:
+    """A row: the step in which args.prefill new prompts join the n decoding requests (module docstring)."""
+    from jaxpaged import SamplingParams
+    rng = np.random.default_rng(args.seed + 1)
+    sp = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    sets, ids, tokens = iter(range(args.steps + 1)), [], []
+
+    def add():  # a set of fresh random prompts (no prefix-cache hit between sets)
+        i = next(sets)
+        ids[:] = [f"prefill-{n}-{i}-{j}" for j in range(args.prefill)]
+        for rid in ids:
+            eng.add_request(rid, {"prompt_token_ids": [int(t) for t in rng.integers(3, eng.model_config.vocab_size,
+                                                                                      args.context)]}, sp)
+        tokens.append(computed(eng))
+
+    def drop():  # the tokens the step computed; the set aborted, the n decoding requests go on
+        tokens[-1] = computed(eng) - tokens[-1]
+        for rid in ids:
+            eng.abort_request(rid)
+    row = dict(running=n, prefill=args.prefill, **engine_steps(eng, args.steps, before=add, after=drop))
+    add()
+    row.update(replayed(eng, args.repeats))
+    drop()
+    row["tokens"] = statistics.median(tokens)
     return row
 
 
@@ -169,7 +222,7 @@ def report(rows: list[dict]) -> str:
     lines.append(["page faults (inside)", *faults])
     lines.append(["replay untraced", *[c for r in rows for c in (r["replay_ms"], "")]])
     lines.append(["replay traced", *[c for r in rows for c in (r["window_ms"], "")]])
-    return bc.table(lines, ["ms per step", *[h for r in rows for h in (f"{r['running']} running", "share")]])
+    return bc.table(lines, ["ms per step", *[h for r in rows for h in (label(r), "share")]])
 
 
 def main(argv=None) -> dict:
@@ -178,20 +231,26 @@ def main(argv=None) -> dict:
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
     ap.add_argument("--steps", type=int, default=20, help="engine decode steps timed per row")
     ap.add_argument("--repeats", type=int, default=10, help="replays of the captured step, untraced and traced")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also the step in which this many new prompts join each running count (0: none)")
     bc.add_engine_args(ap, max_num_batched_tokens=512)
     args = ap.parse_args(argv)
-    if min(args.running) < 1 or args.steps < 1 or args.repeats < 1 or args.context < 1:
-        raise SystemExit("--running, --steps, --repeats and --context must be >= 1")
+    if min(args.running) < (0 if args.prefill else 1) or args.steps < 1 or args.repeats < 1 or args.context < 1:
+        raise SystemExit("--steps, --repeats, --context and --running must be >= 1 (--running >= 0 with --prefill)")
+    if args.prefill < 0:
+        raise SystemExit(f"--prefill must be >= 0, got {args.prefill}")
     top = max(args.running)
     budget = max(args.max_num_batched_tokens, 2 * top)
-    args.max_tokens = top * args.context // max(budget - top, 1) + args.steps + 16  # the fill, 2 + steps + capture
+    # the fill, 2 + steps + capture, and the prefill row's steps + capture
+    args.max_tokens = top * args.context // max(budget - top, 1) + 2 * args.steps + 16
     max_len = args.max_model_len or args.context + args.max_tokens + args.block_size
-    blocks = args.num_kv_blocks or top * -(-max_len // args.block_size) + 1
+    blocks = args.num_kv_blocks or top * -(-max_len // args.block_size) + args.prefill * -(
+        -(args.context + 2) // args.block_size) + 1
     args.fault_cost_us = fault_cost_us()
-    llm = bc.build_llm(bc.resolve_model(args.model), args, max_num_seqs=max(args.max_num_seqs, top),
+    llm = bc.build_llm(bc.resolve_model(args.model), args, max_num_seqs=max(args.max_num_seqs, top + args.prefill),
                        max_num_batched_tokens=budget, max_model_len=max_len, num_kv_blocks=blocks)
     eng = llm.engine
-    rows = [measure(eng, n, args) for n in args.running]
+    rows = [row for n in args.running for row in measure(eng, n, args)]
     import jax
     out = dict(**bc.run_info("step_parts", argv), results=rows, model=args.model or "default", dtype=args.dtype,
                quantization=args.quantization, matmul_backend=eng.runner.matmul_backend,

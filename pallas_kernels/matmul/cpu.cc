@@ -13,7 +13,8 @@
 //   1 AVX2 + FMA: the tiles widened to float32 by bit operations (cpu_vec.h);
 //   0 scalar loops (any shape).
 // The vector paths need K % 32 == 0 and N % 16 == 0 (what matmul/cpu.py `supported` admits); other shapes
-// run the scalar loops. Units (column panels, or row blocks of w when transposed) are shared by the XLA
+// run the scalar loops. Units (column panels, on the vector paths in pieces of x's rows when w is packed;
+// or row blocks of w when transposed) are shared by the XLA
 // FFI's intra-op thread pool (ffi_common.h: jp::parallel_for); the calling thread works too. One call may
 // take several matrices of one x (a layer's q, k and v; gate and up), each with its own out: their units
 // are one list, so a layer's products are fewer fan-outs with more units each to share.
@@ -125,7 +126,8 @@ struct Units {
   }
 };
 
-// The units of one product: row pairs of 32 w rows (transposed), else column panels.
+// The units of one product on the AMX path: row pairs of 32 w rows (transposed), else column panels (the
+// vector paths': jp_vec::units).
 int64_t units_of(const Problem& P) { return P.transpose ? (P.N + 31) / 32 : (P.N + jp_mm::PANEL - 1) / jp_mm::PANEL; }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer layer, ffi::AnyBuffer rows,
@@ -150,19 +152,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::A
       rows.typed_data<int32_t>()[0] < 0 || rows.typed_data<int32_t>()[0] > Ps[0].M)
     return jp::bad_operand("cpu_matmul", "rows", "one int32 in [0, M = " + std::to_string(Ps[0].M) + "]", rows);
   const int64_t live = rows.typed_data<int32_t>()[0];
+  // the path of the narrowest product (a shape the tiles do not fit takes the scalar loops for all)
+  int path = ISA_AMX;
+  for (const Problem& Q : Ps) path = std::min(path, path_for(isa, Q.K, Q.N));
   Units U{{0}};
   for (Problem& P : Ps) {
     // Rows past `rows` pad the step's token bucket: zeros, nothing of them read or computed.
     std::fill(P.out + live * P.N, P.out + P.M * P.N, 0.0f);
     P.M = live;
-    U.first.push_back(U.first.back() + (P.M == 0 ? 0 : units_of(P)));
+    U.first.push_back(U.first.back() + (P.M == 0 ? 0 : path == ISA_AMX ? units_of(P) : jp_vec::units(P)));
   }
   const int64_t units = U.first.back();
   if (units == 0) return ffi::Error::Success();
   const Problem& P = Ps[0];  // x, K and M are every product's; N each one's own
-  // the path of the narrowest product (a shape the tiles do not fit takes the scalar loops for all)
-  int path = ISA_AMX;
-  for (const Problem& Q : Ps) path = std::min(path, path_for(isa, Q.K, Q.N));
 #if JP_AMX
   if (path == ISA_AMX) {
     const int64_t m_tiles = (P.M + 15) / 16, KB = P.K / 32;

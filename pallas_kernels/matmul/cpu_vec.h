@@ -4,9 +4,10 @@
 //   AVX2 + FMA: the same tile rows, 8 columns per 256 bits, widened by bit operations (a pair's low half
 //     shifted up 16 bits is its first bfloat16 as a float32, the high half masked its second), x widened
 //     once per call; two FMAs per pair.
-// transpose 0: a unit is PANEL columns; rows of x in blocks of R (8 / 4 / 1 on AVX-512, 4 / 1 on AVX2)
-//   against NT column tiles at once (2, or 4 for lone rows: several weight streams in flight, the weights
-//   read at the memory's rate).
+// transpose 0: a unit is PANEL columns of up to ROW_CHUNK rows of x (packed weights); rows of x in blocks
+//   of R (8 / 4 / 1 on AVX-512, 4 / 1 on AVX2) against NT column tiles at once (2, or 4 for lone rows:
+//   several weight streams in flight, the weights read at the memory's rate; blocks of 8 fetch the next
+//   tiles into L2 as they go).
 // transpose 1 (w [N, K] read in place): a unit is 32 rows of w; each result is the dot of a w row and an x
 //   row, accumulated in 16 (8) float32 lanes of 32 (16) k per instruction pair and summed at the end, for
 //   blocks of RN w rows x RM x rows (AVX-512: 4 x 4, 8 x 1; AVX2: 4 x 2, 8 x 1).
@@ -43,12 +44,30 @@ using jp_mm::TILE;
 
 // Rows of a transposed unit (transpose 1).
 constexpr int64_t ROWS_T = 32;
+// Rows of x a unit takes (transpose 0): a prefill's hundreds of rows are shared by the threads in pieces of
+// this many per panel, so no thread is left alone at the end of a call with a whole panel of every row.
+// A multiple of 8 (the row blocks), so the blocks and every sum are the same whatever the pieces.
+constexpr int64_t ROW_CHUNK = 128;
+
+// The pieces of x's rows of one panel: 1 for the transposed form, and for weights not packed ahead (each
+// unit interleaves its panel, which pieces would repeat).
+inline int64_t row_chunks(const Problem& P) {
+  return P.transpose || !P.packed ? 1 : std::max<int64_t>(1, (P.M + ROW_CHUNK - 1) / ROW_CHUNK);
+}
+
+// The units of a product on the vector paths: per column panel its row pieces (transpose 0), else rows
+// of w (transpose 1).
+inline int64_t units(const Problem& P) {
+  return P.transpose ? (P.N + ROWS_T - 1) / ROWS_T : (P.N + PANEL - 1) / PANEL * row_chunks(P);
+}
 
 #if JP_BF16
 inline __m512bh pairs(int32_t v) { return (__m512bh)_mm512_set1_epi32(v); }
 
-// out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows @ the NT tiles at b (tile t at b + t * stride).
-template <int R, int NT>
+// out[m0 .. m0 + R, n0 .. n0 + 16 NT] = x rows @ the NT tiles at b (tile t at b + t * stride). PF: the NT
+// tiles after them (the next ones this unit or the next reads) are fetched into L2 alongside, one line per
+// tile per k pair, so the first rows to read a panel from memory keep 2 NT streams in flight, not NT.
+template <int R, int NT, bool PF = false>
 void bf16_block(const Problem& P, const uint16_t* b, int64_t stride, int64_t m0, int64_t n0) {
   __m512 acc[R][NT];
   for (int r = 0; r < R; ++r)
@@ -57,6 +76,8 @@ void bf16_block(const Problem& P, const uint16_t* b, int64_t stride, int64_t m0,
   for (int64_t p = 0; p < P.K / 2; ++p) {  // k pair p: row p % 16 of K tile p / 16, 32 elements each
     __m512bh w[NT];
     for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + t * stride + p * 32);
+    if constexpr (PF)  // a prefetch never faults, so the tiles past the matrix's last are no harm
+      for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(b + (NT + t) * stride + p * 32), _MM_HINT_T1);
     for (int r = 0; r < R; ++r) {
       int32_t v;
       std::memcpy(&v, x + r * P.K + 2 * p, 4);
@@ -202,18 +223,20 @@ void unit(const Problem& P, const float* xf, int64_t u) {
     return;
   }
   thread_local std::vector<uint16_t> buf;
-  const int64_t n0 = u * PANEL, nt = std::min<int64_t>(PANEL / 16, (P.N - n0) / 16);
+  const int64_t chunks = row_chunks(P), m0 = u % chunks * ROW_CHUNK, M1 = std::min(M, m0 + ROW_CHUNK);
+  const int64_t n0 = u / chunks * PANEL, nt = std::min<int64_t>(PANEL / 16, (P.N - n0) / 16);
   const uint16_t* b = jp_mm::panel(P, n0, nt, buf);
-  int64_t m = 0;
+  int64_t m = m0;
   if constexpr (AVX512) {
 #if JP_BF16
-    for (; m + 8 <= M; m += 8)
+    for (; m + 8 <= M1; m += 8)  // the first rows read the panel from memory, the rest from L2
       for (int64_t t = 0; t < nt; t += 2)
-        (t + 1 < nt ? bf16_block<8, 2> : bf16_block<8, 1>)(P, b + t * stride, stride, m, n0 + t * 16);
-    for (; m + 4 <= M; m += 4)
+        (t + 1 < nt ? (m > m0 ? bf16_block<8, 2> : bf16_block<8, 2, true>) : bf16_block<8, 1>)(
+            P, b + t * stride, stride, m, n0 + t * 16);
+    for (; m + 4 <= M1; m += 4)
       for (int64_t t = 0; t < nt; t += 2)
         (t + 1 < nt ? bf16_block<4, 2> : bf16_block<4, 1>)(P, b + t * stride, stride, m, n0 + t * 16);
-    for (; m < M; ++m) {
+    for (; m < M1; ++m) {
       int64_t t = 0;
       for (; t + 4 <= nt; t += 4) bf16_block<1, 4>(P, b + t * stride, stride, m, n0 + t * 16);
       for (; t < nt; ++t) bf16_block<1, 1>(P, b + t * stride, stride, m, n0 + t * 16);
@@ -221,9 +244,9 @@ void unit(const Problem& P, const float* xf, int64_t u) {
 #endif
   } else {
 #if JP_AVX2
-    for (; m + 4 <= M; m += 4)
+    for (; m + 4 <= M1; m += 4)
       for (int64_t t = 0; t < nt; ++t) avx2_block<4, 1>(P, xf, b + t * stride, stride, m, n0 + t * 16);
-    for (; m < M; ++m) {
+    for (; m < M1; ++m) {
       int64_t t = 0;
       for (; t + 2 <= nt; t += 2) avx2_block<1, 2>(P, xf, b + t * stride, stride, m, n0 + t * 16);
       for (; t < nt; ++t) avx2_block<1, 1>(P, xf, b + t * stride, stride, m, n0 + t * 16);
