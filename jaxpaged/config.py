@@ -267,6 +267,8 @@ class EngineConfig:
     show_progress: bool = option(True, COMPILATION, "progress bars (compilation at start-up, LLM.generate)")
 
     def __post_init__(self):
+        from jaxpaged.step.host_malloc import one_heap
+        one_heap()  # before the first jax.default_backend() starts XLA's CPU client and its threads
         def positive(name):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -6,9 +6,10 @@ each of its paths against XLA's dot, and against the time this machine takes to 
 Per preset (jaxpaged/bench/common.py PRESETS) and row count M (`--rows`), the products a decode step runs:
 q / o [D, D], k / v [D, KV], gate / up [D, I], down [I, D], each a stack of the model's L layers read one
 layer after another in one jitted loop (as the step's layer loop reads them: every matrix from memory, not
-from the caches), and the tied lm_head [V, D] read transposed, once. XLA multiplies the plain stack as the
-engine does without the kernel (`quant.dot` of a layer of the stack, float32 accumulation); the kernel
-reads the stack packed once (`pack`, as the runner keeps it) at its layer index, on every path of `--isa`
+from the caches), and the tied lm_head, once. XLA multiplies the plain stack as the engine does without the
+kernel (`quant.dot` of a layer of the stack, float32 accumulation; the embedding [V, D] read transposed);
+the kernel reads the stack packed once (`pack`, as the runner keeps it) at its layer index, and the
+embedding packed as the head [D, V] (as jaxpaged/models/packed.py keeps a tied head), on every path of `--isa`
 (default: the build's best down to AVX2; a path above the build's best runs the best, so it is left out).
 Times are per matrix (the loop's time / L), medians of `--repeats` samples taken in rounds (every
 backend once per round), the load average recorded per row. `read ms` is the matrix's bytes over the
@@ -27,17 +28,17 @@ from jaxpaged.bench import roofline, timing
 
 
 def shapes(preset: str) -> list[tuple[str, int, int, int, bool]]:
-    """(name, layers, K, N, transpose) of the preset's bfloat16 products."""
+    """(name, layers, K, N, transpose) of the preset's bfloat16 products; transpose: the tied embedding [N, K]."""
     c = bc.PRESETS[preset]
     D, hd = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
     L, KV, I, V = c["num_hidden_layers"], c["num_key_value_heads"] * hd, c["intermediate_size"], c["vocab_size"]
     return [("q/o", L, D, D, False), ("k/v", L, D, KV, False), ("gate/up", L, D, I, False),
-            ("down", L, I, D, False), ("lm_head (tied, transposed)", 1, D, V, True)]
+            ("down", L, I, D, False), ("lm_head (tied)", 1, D, V, True)]
 
 
 def products(L: int, transpose: bool, isas: list[str]):
     """name -> jitted f(x, w) summing every layer's product (w: the stack, or its packed tiles for the
-    kernel; the lm_head one matrix [N, K])."""
+    kernel; the lm_head one matrix: the embedding [N, K] for XLA, its transpose's tiles for the kernel)."""
     import jax
     import jax.numpy as jnp
 
@@ -57,8 +58,7 @@ def products(L: int, transpose: bool, isas: list[str]):
 
     fns = {"xla": loop(lambda x, w, l: dot(x, w if l is None else LayerOf(w, l), jnp.float32, transpose=transpose))}
     for isa in isas:
-        fns[isa] = loop(lambda x, w, l, isa=isa: cpu_matmul.cpu_matmul(x, w, transpose, layer=l,
-                                                                       packed=not transpose, isa=isa))
+        fns[isa] = loop(lambda x, w, l, isa=isa: cpu_matmul.cpu_matmul(x, w, layer=l, packed=True, isa=isa))
     return fns
 
 
@@ -72,7 +72,7 @@ def measure(preset: str, rows: list[int], isas: list[str], repeats: int, read_by
     for name, L, K, N, transpose in shapes(preset):
         key = jax.random.key(len(out))
         w = jax.random.normal(key, (N, K) if transpose else (L, K, N), jnp.bfloat16)
-        packed = w if transpose else jax.jit(cpu_matmul.pack)(w)
+        packed = jax.jit(lambda w: cpu_matmul.pack(w.T if transpose else w))(w)
         fns = products(L, transpose, isas)
         for M in rows:
             x = jax.random.normal(jax.random.key(M), (M, K), jnp.bfloat16)

@@ -36,7 +36,7 @@ from jaxpaged.lora.slots import LoRASlots
 from jaxpaged.models.packed import pack_layers
 from jaxpaged.models.qpacked import pack_quantized
 from jaxpaged.spec_decode.step import Verification
-from jaxpaged.step import kv_cache
+from jaxpaged.step import host_malloc, huge_pages, kv_cache
 from jaxpaged.step.attention import DECODE_KERNELS, make_attention, resolve_backend, shard_heads, target_platform
 from jaxpaged.step.batch_invariant import ROW_TILE, invariant_attention
 from jaxpaged.step.features import GrammarMask, LogitBias, LoRAIndex, Sampling, StepFeature, add_logprobs
@@ -163,6 +163,10 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
         self.params = self._packed(self.params, owned=not abstract)  # placed just now: the runner's own
+        if self.quant_matmul:  # the quantized kernel reads them nearer the read rate from huge pages (huge_pages.py)
+            huge_pages.collapse(a for a in jax.tree.leaves(self.params) if isinstance(a, jax.Array))
+        if self.platform == "cpu" and not abstract:  # a step's buffers reused, not faulted in afresh (host_malloc.py)
+            host_malloc.keep_freed_memory()
         self.lora = LoRASlots(model_cfg, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, cfg.dtype, self.mesh,
                               abstract) if cfg.enable_lora else None
         self._replicated = NamedSharding(self.mesh, REPLICATED)
