@@ -90,7 +90,7 @@ DRIVER = textwrap.dedent("""
         one = lambda v: np.array([v], np.int64)  # the format attributes: one value a matrix
         attrs = dict(K=np.int64(100), N=one(40), group=one(32), bits=one(4), zero=one(0), has_min=one(1),
                      scale_bytes=one(4), superblock=one(0), act_block=np.int64(32),
-                     act_bits=np.int64(8), isa=np.int64(3))
+                     act_bits=np.int64(16), act_outlier=np.float32(1.5), isa=np.int64(3))  # int16 in outlier blocks
         def qmm(x, w, layer=0, rows=7, m=7, **change):
             call = jax.ffi.ffi_call("asan_quant", jax.ShapeDtypeStruct((m, 40), jnp.float32))
             return call(x, w, jnp.int32(layer), jnp.int32(rows), **{**attrs, **change})

@@ -132,7 +132,8 @@ def test_two_level_bad_operands_are_named():
     call = jax.ffi.ffi_call(cq.TARGET, jax.ShapeDtypeStruct((2, 32), jnp.float32))
     one = lambda v: np.array([v], np.int64)  # noqa: E731 (the format attributes hold one value a matrix)
     attrs = dict(K=np.int64(256), N=one(32), group=one(32), bits=one(4), zero=one(0), has_min=one(1),
-                 scale_bytes=one(4), superblock=one(256), act_block=np.int64(32), act_bits=np.int64(8), isa=np.int64(3))
+                 scale_bytes=one(4), superblock=one(256), act_block=np.int64(32), act_bits=np.int64(8),
+                 act_outlier=np.float32(0), isa=np.int64(3))
     np.testing.assert_array_equal(np.asarray(call(x, w, jnp.int32(0), jnp.int32(2), **attrs)), 0)
     for change, match in ((dict(superblock=one(0)), "w must be the packed"),
                           (dict(superblock=one(128)), "superblock must be"),
