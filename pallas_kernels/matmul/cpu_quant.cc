@@ -34,7 +34,8 @@
 // others int8 ones as the high plane (dx = max|x| / (127 * 128), low plane 0), and on AVX-512 the low plane's
 // dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
 // outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
-//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
+//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles,
+//     lone rows by cpu_quant_row4.h / cpu_quant_row8.h where their formats fit;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
 // One call may take several matrices of one x (a layer's q, k and v; gate and up), each with its own format
@@ -66,6 +67,7 @@
 #endif
 #if JP_VNNI
 #include "cpu_quant_row4.h"
+#include "cpu_quant_row8.h"
 #endif
 
 namespace {
@@ -588,6 +590,26 @@ void vnni_row4(const Call& C, int64_t r, int64_t t0) {
     _mm512_mask_storeu_ps(C.out + r * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
   }
 }
+
+// One row x NT tiles of 8-bit codes, one-level, activation blocks of 32 k and scale groups of a multiple of 32
+// (`row8_fits`): the unrolled lone-row loop of cpu_quant_row8.h.
+inline bool row8_fits(const Meta& P) { return P.bits == 8 && P.A == 32 && !P.ns && P.S % 32 == 0; }
+
+template <int NT, bool WIDE, bool MIN>
+void vnni_row8(const Call& C, int64_t r, int64_t t0) {
+  const Meta& P = C.P;
+  const int8_t* xq = C.A.xq.data() + r * P.xrow();
+  const jp_row8::Args a{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.ng(), P.G / 32,
+                        P.scale_off(), P.part_bytes(), P.sb, static_cast<int32_t>(P.zero), xq, xq + P.Ka(),
+                        C.A.dx.data() + r * (P.Ka() / 32), C.A.qsum.data() + r * P.nf(), C.A.xsum.data() + r * P.nsg(),
+                        C.A.lowf.data() + r * P.nf()};
+  __m512 y[NT];
+  jp_row8::row8<NT, WIDE, MIN>(a, y);
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
+    _mm512_mask_storeu_ps(C.out + r * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
+  }
+}
 #endif
 
 // One work unit: columns tiles t0 .. t0 + nt, every row, on path `isa`.
@@ -626,6 +648,14 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
         continue;
       }
       for (int t = 0; t < nt; ++t) f[C.P.has_min](C, r, t0 + t);
+    }
+    static const Fn row8[2][2][2] = {  // [all tiles][wide][minimum]
+        {{vnni_row8<1, false, false>, vnni_row8<1, false, true>}, {vnni_row8<1, true, false>, vnni_row8<1, true, true>}},
+        {{vnni_row8<UNIT_TILES, false, false>, vnni_row8<UNIT_TILES, false, true>},
+         {vnni_row8<UNIT_TILES, true, false>, vnni_row8<UNIT_TILES, true, true>}}};
+    for (; r < M && row8_fits(C.P); ++r) {
+      const Fn f = row8[nt == UNIT_TILES][wd][C.P.has_min != 0];
+      for (int t = 0; t < nt; t += (nt == UNIT_TILES ? UNIT_TILES : 1)) f(C, r, t0 + t);
     }
     for (; r < M; ++r) {
       if (nt == UNIT_TILES) {
