@@ -2,8 +2,8 @@
 // activations against NT column tiles, for the one-level formats whose activation block is 32 k and whose scale
 // group is a multiple of it (int8 grouped 32 / 64 / 128 or per column, with or without a minimum; GGUF Q8_0,
 // Q5_0 / Q5_1 as 8-bit codes). A block of 32 k is 8 code vectors a tile (64 bytes: 16 columns x 4 k), unrolled,
-// its dots in two accumulator chains a tile (even and odd vectors), its float work once after it; a stored
-// group's scales (and minima) are widened once for its blocks.
+// its dots in two accumulator chains a tile (even and odd vectors), its float work once after it (the scales
+// read after the codes, so each tile is one ascending run of cache lines for the hardware prefetcher).
 // WIDE (int16 activation codes as two int8 planes, `act_outlier`): the high plane's dots in every block, the low
 // plane's (a third chain a tile) only in the blocks where the row's low codes are not all zero (`lowf`), then
 // 128 x the high sums + the low ones. At most 27 vector registers live for NT 4: no spills, no division.
@@ -44,6 +44,14 @@ inline __m512 floats16(const uint8_t* p, int64_t sb) {
 // acc += the 4-byte dot products of u8 w and s8 x in each int32 lane (asm, as cpu_quant.cc's `dpbusd`).
 inline void dot4(__m512i& acc, __m512i w, __m512i x) { __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x)); }
 
+// The 64 code bytes at p (asm volatile: kept in program order, so GCC does not hoist a block's 32 loads ahead of
+// their dots and spill them).
+inline __m512i codes64(const uint8_t* p) {
+  __m512i v;
+  __asm__ volatile("vmovdqu64 %1, %0" : "=v"(v) : "m"(*reinterpret_cast<const char(*)[64]>(p)));
+  return v;
+}
+
 // The 4 int8 activations at p in every int32 lane.
 inline __m512i bcast4(const int8_t* p) {
   int32_t v;
@@ -60,8 +68,6 @@ void row8(const Args& a, __m512 (&out)[NT]) {
   for (int t = 0; t < NT; ++t) y[t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < a.groups; ++g) {
     const uint8_t* codes = a.w + g * a.group_bytes;
-    __m512 s[NT];
-    for (int t = 0; t < NT; ++t) s[t] = floats16(codes + t * tb + a.scale_off, a.sb);
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t f = g * a.blocks + b;  // the block of 32 k
       const int8_t* x = a.xq + 32 * f;
@@ -75,7 +81,7 @@ void row8(const Args& a, __m512 (&out)[NT]) {
         for (int q = 0; q < 8; ++q) {
           const __m512i xh = bcast4(x + 4 * q), xw = bcast4(xl + 4 * q);
           for (int t = 0; t < NT; ++t) {
-            const __m512i c = _mm512_loadu_si512(v + t * tb + 64 * q);
+            const __m512i c = codes64(v + t * tb + 64 * q);
             dot4(q & 1 ? h1[t] : h0[t], c, xh);
             dot4(lo[t], c, xw);
           }
@@ -84,7 +90,7 @@ void row8(const Args& a, __m512 (&out)[NT]) {
       } else {
         for (int q = 0; q < 8; ++q) {
           const __m512i xh = bcast4(x + 4 * q);
-          for (int t = 0; t < NT; ++t) dot4(q & 1 ? h1[t] : h0[t], _mm512_loadu_si512(v + t * tb + 64 * q), xh);
+          for (int t = 0; t < NT; ++t) dot4(q & 1 ? h1[t] : h0[t], codes64(v + t * tb + 64 * q), xh);
         }
         for (int t = 0; t < NT; ++t) {
           h0[t] = _mm512_add_epi32(h0[t], h1[t]);
@@ -95,7 +101,8 @@ void row8(const Args& a, __m512 (&out)[NT]) {
       const __m512i zq = _mm512_set1_epi32(a.zero * a.qs[f]);
       for (int t = 0; t < NT; ++t) {
         const __m512i acc = MIN ? h0[t] : _mm512_sub_epi32(h0[t], zq);
-        y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s[t], d), y[t]);
+        const __m512 s = floats16(codes + t * tb + a.scale_off, a.sb);  // read after the codes: one ascending run
+        y[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_mul_ps(s, d), y[t]);
       }
     }
     if (MIN)
