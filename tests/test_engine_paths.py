@@ -43,7 +43,7 @@ def test_preemption_keeps_outputs(tiny_models, engine_kwargs, baseline):
 
 def test_chunked_prefill_keeps_outputs(tiny_models, engine_kwargs, baseline):
     toks, llm = _run(tiny_models["llama"], engine_kwargs, max_num_batched_tokens=16)
-    assert llm.engine.runner.buckets == [8, 16]  # every prompt over 16 tokens was chunked
+    assert llm.engine.runner.buckets == [1, 8, 16]  # every prompt over 16 tokens was chunked
     assert toks == baseline
 
 
@@ -97,3 +97,18 @@ def test_pallas_backend_matches_reference(tiny_models, engine_kwargs):
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants()) > len(llm.engine.runner.buckets)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_lone_requests_take_the_one_token_bucket(tiny_models, engine_kwargs, baseline):
+    """On a CPU without speculation a lone request's decode steps run the 1-token bucket
+    (runner.has_lone_bucket), and its tokens are those it gets beside the others."""
+    llm = LLM(model=tiny_models["llama"], **engine_kwargs)
+    runner = llm.engine.runner
+    assert runner.buckets[:2] == [1, 8]
+    taken = []
+    runner.wrap_steps(lambda key, compiled: (taken.append(key[0]), compiled())[1])
+    prompts = _workload()[::3]  # prompts of 1, 16, 70 and 49 tokens, each alone
+    toks = [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert toks == baseline[::3]
+    # every decode step (the first token comes from the prefill), and the 1-token prompt's prefill
+    assert taken.count(1) == len(prompts) * (GREEDY.max_tokens - 1) + 1
