@@ -4,6 +4,7 @@ import pytest
 from oracle import hf_greedy
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.step.runner import has_lone_bucket, token_buckets
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -112,3 +113,12 @@ def test_lone_requests_take_the_one_token_bucket(tiny_models, engine_kwargs, bas
     assert toks == baseline[::3]
     # every decode step (the first token comes from the prefill), and the 1-token prompt's prefill
     assert taken.count(1) == len(prompts) * (GREEDY.max_tokens - 1) + 1
+
+
+def test_lone_bucket_only_for_the_cpus_own_plain_steps():
+    assert has_lone_bucket("cpu", "cpu", False) and has_lone_bucket("cpu", "reference", False)
+    assert not has_lone_bucket("cpu", "cpu", True)  # speculation: the proposals fill bucket 8's padding
+    assert not has_lone_bucket("cpu", "triton", False)  # an accelerator's kernel, interpreted
+    assert not has_lone_bucket("tpu", "mosaic_tpu", False) and not has_lone_bucket("gpu", "triton", False)
+    assert token_buckets(512, lone=True) == [1, 8, 16, 32, 64, 128, 256, 512] and token_buckets(512)[0] == 8
+    assert token_buckets(4, lone=True) == [1, 4] and token_buckets(1, lone=True) == [1]

@@ -74,13 +74,14 @@ def token_buckets(max_tokens: int, smallest: int = 8, lone: bool = False) -> lis
     return out + [max_tokens]
 
 
-def has_lone_bucket(platform: str, speculative: bool) -> bool:
+def has_lone_bucket(platform: str, backend: str, speculative: bool) -> bool:
     """Whether the step has a 1-token bucket, for a lone decoding request. On a CPU every op but the
     products (norms, RoPE, the KV writes, attention, the head's logits, the sampler) runs over every row of
     the bucket, padding included: in bucket 8 a lone request's step of a 1B-class int8 model spent ~2 ms of
     its ~60 ms of CPU time on 7 padding rows, for one compilation more. Not with speculative decoding (its
-    proposals fill bucket 8's padding), nor on accelerators (padding rows run in parallel there)."""
-    return platform == "cpu" and not speculative
+    proposals fill bucket 8's padding), nor on accelerators (padding rows run in parallel there), nor with
+    an accelerator's attention kernel interpreted on a CPU (`backend` in DECODE_KERNELS: tests)."""
+    return platform == "cpu" and backend not in DECODE_KERNELS and not speculative
 
 
 @dataclass
@@ -196,8 +197,8 @@ class ModelRunner:
             self.k_pool = self.v_pool = shapes
         else:
             self.k_pool, self.v_pool = zeros(), zeros()
-        self.buckets = token_buckets(cfg.max_num_batched_tokens,
-                                     lone=has_lone_bucket(self.platform, cfg.speculative_config is not None))
+        self.buckets = token_buckets(cfg.max_num_batched_tokens, lone=has_lone_bucket(
+            self.platform, self.backend, cfg.speculative_config is not None))
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
         self._compiled: dict[tuple[int, bool, bool], object] = {}  # (T, decode_only, verify) -> executable
         self.compiler_options = step_compiler_options(self.dtype, cfg.kv_cache_dtype, self.platform)
