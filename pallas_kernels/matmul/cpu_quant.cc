@@ -47,6 +47,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi_common.h"
@@ -65,6 +66,7 @@
 #include <immintrin.h>
 #endif
 #if JP_VNNI
+#include "cpu_quant_blocks.h"
 #include "cpu_quant_row4.h"
 #endif
 
@@ -109,6 +111,11 @@ struct Acts {
   std::vector<float> dx, xsum;
   std::vector<int32_t> qsum;
   std::vector<uint8_t> lowf;  // wide: [M, nf], 1 where the F block's low plane holds a nonzero code
+  // the many-row path (`blocks_fit`): each full block of R rows interleaved (jp_blocks::Block, one after another)
+  std::vector<int8_t> bq, bl;
+  std::vector<float> bdx, bxs;
+  std::vector<int32_t> bqs;
+  std::vector<uint8_t> blf;
 };
 
 struct Call {
@@ -451,6 +458,24 @@ inline void vnni_plane8(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, con
   }
 }
 
+// acc[r][t] += the low plane's dots of row r (`vnni_plane8`) for each of the R rows whose low codes in the F k
+// from k0 are not all zero (one row at a time: its NT accumulators stay in registers).
+template <int NT>
+inline void low_row(__m512i (&acc)[NT], bool on, const uint8_t* w, int64_t tb, const int8_t* x, int64_t k0, int64_t F) {
+  if (!on) return;
+  for (int64_t q = 0; q < F / 4; ++q) {
+    int32_t xv;
+    std::memcpy(&xv, x + k0 + 4 * q, 4);
+    const __m512i xb = _mm512_set1_epi32(xv);
+    for (int t = 0; t < NT; ++t) dpbusd(acc[t], _mm512_loadu_si512(w + t * tb + q * 64), xb);
+  }
+}
+template <int R, int NT, size_t... I>
+inline void low_rows(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, const Rows<R>& X, int64_t k0, int64_t F,
+                     std::index_sequence<I...>) {
+  (low_row<NT>(acc[I], X.lf[I][k0 / F] != 0, w, tb, X.xl[I], k0, F), ...);
+}
+
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k (WIDE: each plane's
 // accumulators, joined as 128 x the high's + the low's before)
 template <int R, int NT, int BITS, bool WIDE>
@@ -479,32 +504,27 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        __m512i acc[R][NT], accl[WIDE ? R : 1][NT];
+        constexpr bool WIDE4 = WIDE && BITS == 4;  // 4-bit wide: the low plane's own accumulators
+        __m512i acc[R][NT], accl[WIDE4 ? R : 1][NT];
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-        if constexpr (WIDE)
+        if constexpr (WIDE4)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) accl[r][t] = _mm512_setzero_si512();
         const int64_t k0 = g * P.G + f0;
-        bool low = WIDE;  // wide 8-bit: the low plane's dots skipped where every row's low codes are zero
-        if (WIDE && BITS == 8) {
-          low = false;
-          for (int r = 0; r < R; ++r) low |= X.lf[r][k0 / F] != 0;
-        }
-        if (BITS == 8 && !low) {
-          vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xq, k0, F);
-        } else if (BITS == 8) {
-          for (int64_t q = 0; q < F / 4; ++q) {
-            __m512i w[NT];
-            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
+        if (BITS == 8) {
+          const uint8_t* wq = gb + (f0 / 4) * 64;
+          vnni_plane8<R, NT>(acc, wq, tb, X.xq, k0, F);
+          if constexpr (WIDE) {  // acc = 128 x the high plane's dots + the low plane's, run for the rows whose
+            int nlow = 0;         // low codes here are not all zero (every row's at once when all are)
             for (int r = 0; r < R; ++r) {
-              int32_t xv;
-              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
-              const __m512i xb = _mm512_set1_epi32(xv);
-              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
-              std::memcpy(&xv, X.xl[r] + k0 + 4 * q, 4);
-              const __m512i xl = _mm512_set1_epi32(xv);
-              for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], w[t], xl);
+              nlow += X.lf[r][k0 / F] != 0;
+              for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_slli_epi32(acc[r][t], 7);
+            }
+            if (nlow == R) {
+              vnni_plane8<R, NT>(acc, wq, tb, X.xl, k0, F);
+            } else if (nlow) {
+              low_rows<R, NT>(acc, wq, tb, X, k0, F, std::make_index_sequence<R>());
             }
           }
         } else {
@@ -530,7 +550,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
             }
           }
         }
-        if constexpr (WIDE)  // 128 x the high plane's sums + the low plane's (zero where skipped)
+        if constexpr (WIDE4)  // 128 x the high plane's sums + the low plane's
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(_mm512_slli_epi32(acc[r][t], 7), accl[r][t]);
         if (P.zero)
@@ -590,6 +610,42 @@ void vnni_row4(const Call& C, int64_t r, int64_t t0) {
 }
 #endif
 
+#if JP_VNNI
+// The many-row path (cpu_quant_blocks.h) takes one-level formats of scale group and activation block 32 (wide:
+// 8-bit codes), rows in blocks of 8 (8-bit codes) or 6 (4-bit: their two code registers a tile).
+inline bool blocks_fit(const Meta& P) { return P.S == 32 && P.A == 32 && !P.ns && (!P.wide || P.bits == 8); }
+constexpr int RB8 = 6, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
+inline int64_t block_rows(const Meta& P) { return P.bits == 8 ? RB8 : RB4; }
+
+// Block b's rows (b * R ..) interleaved (jp_blocks::interleave) into C's block arrays.
+template <int R>
+void interleave_block(Call& C, int64_t b) {
+  const Meta& P = C.P;
+  Acts& A = C.A;
+  const int64_t ng = P.ng(), r0 = b * R;
+  jp_blocks::interleave<R>(ng, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(), A.dx.data() + r0 * ng, ng,
+                           A.xsum.data() + r0 * ng, A.qsum.data() + r0 * ng, A.lowf.data() + r0 * ng,
+                           A.bq.data() + b * R * P.Ka(), P.wide ? A.bl.data() + b * R * P.Ka() : nullptr,
+                           A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
+                           A.blf.data() + b * ng);
+}
+
+// Rows of block b x NT tiles from t0 on the many-row path.
+template <int R, int NT, int BITS, bool WIDE>
+void vnni_blocks(const Call& C, int64_t b, int64_t t0) {
+  const Meta& P = C.P;
+  const Acts& A = C.A;
+  const int64_t ng = P.ng();
+  const jp_blocks::Tiles T{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.scale_off(), P.part_bytes(),
+                           P.sb, static_cast<int32_t>(P.zero), P.has_min != 0, ng};
+  const jp_blocks::Block<R> X{A.bq.data() + b * R * P.Ka(), WIDE ? A.bl.data() + b * R * P.Ka() : nullptr,
+                              A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
+                              A.blf.data() + b * ng};
+  const int last = static_cast<int>(std::min<int64_t>(16, P.N - (t0 + NT - 1) * 16));  // the last tile's columns
+  jp_blocks::tiles<R, NT, BITS, WIDE>(T, X, C.out + b * R * P.N + t0 * 16, P.N, last);
+}
+#endif
+
 // One work unit: columns tiles t0 .. t0 + nt, every row, on path `isa`.
 void unit(const Call& C, int isa, int64_t t0, int nt) {
   const int64_t M = C.P.M;
@@ -598,19 +654,31 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
     using Fn = void (*)(const Call&, int64_t, int64_t);
     const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
     // rows a block: int8 activations 8 (8-bit codes) / 6 (4-bit), then 4; wide (two planes' accumulators) 4, 2
-    const int64_t R = wd ? 4 : C.P.bits == 8 ? 8 : 6, R2 = wd ? 2 : 4;
+    const int64_t R = C.P.bits == 8 ? 8 : wd ? 4 : 6, R2 = C.P.bits == 8 || !wd ? 4 : 2;
     static const Fn big[2][2][2] = {
         {{vnni_tiles<8, 1, 8, false>, vnni_tiles<8, 2, 8, false>}, {vnni_tiles<6, 1, 4, false>, vnni_tiles<6, 2, 4, false>}},
-        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
+        {{vnni_tiles<8, 1, 8, true>, vnni_tiles<8, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
     static const Fn mid[2][2][2] = {
         {{vnni_tiles<4, 1, 8, false>, vnni_tiles<4, 2, 8, false>}, {vnni_tiles<4, 1, 4, false>, vnni_tiles<4, 2, 4, false>}},
-        {{vnni_tiles<2, 1, 8, true>, vnni_tiles<2, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
+        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
     static const Fn one[2][2][2] = {
         {{vnni_tiles<1, 1, 8, false>, vnni_tiles<1, UNIT_TILES, 8, false>},
          {vnni_tiles<1, 1, 4, false>, vnni_tiles<1, UNIT_TILES, 4, false>}},
         {{vnni_tiles<1, 1, 8, true>, vnni_tiles<1, UNIT_TILES, 8, true>},
          {vnni_tiles<1, 1, 4, true>, vnni_tiles<1, UNIT_TILES, 4, true>}}};
     int64_t r = 0;
+    if (blocks_fit(C.P)) {  // full blocks of rows on the many-row path
+      static const Fn blocks[3][2] = {{vnni_blocks<RB8, 1, 8, false>, vnni_blocks<RB8, BT8, 8, false>},
+                                      {vnni_blocks<RB8, 1, 8, true>, vnni_blocks<RB8, BT8, 8, true>},
+                                      {vnni_blocks<RB4, 1, 4, false>, vnni_blocks<RB4, BT4, 4, false>}};
+      const int64_t RB = block_rows(C.P), BT = C.P.bits == 8 ? BT8 : BT4;
+      const Fn* f = blocks[b ? 2 : wd];
+      for (; r + RB <= M; r += RB) {
+        int64_t t = 0;
+        for (; t + BT <= nt; t += BT) f[1](C, r / RB, t0 + t);
+        for (; t < nt; ++t) f[0](C, r / RB, t0 + t);
+      }
+    }
     for (; r + R <= M; r += R)
       for (int t = 0; t < nt; t += 2) big[wd][b][t + 1 < nt](C, r, t0 + t);
     for (; r + R2 <= M; r += R2)
@@ -723,6 +791,7 @@ struct Job {
   const void* x;
   bool bf16;
   std::vector<Work> work;
+  std::vector<std::pair<size_t, int64_t>> blocks;  // the many-row path's row blocks to interleave: (product, block)
   int path;
 };
 
@@ -808,6 +877,25 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     }
   });
   J->path = std::min<int>(static_cast<int>(isa), BEST_ISA);
+#if JP_VNNI
+  if (J->path == ISA_VNNI) {  // the many-row path's interleaved blocks of rows, one list over every product
+    for (size_t i = 0; i < n; ++i) {
+      Call& C = J->calls[i];
+      if (!blocks_fit(C.P)) continue;
+      const int64_t RB = block_rows(C.P), nb = live / RB, ng = C.P.ng();
+      Acts& A = C.A;
+      A.bq.resize(nb * RB * C.P.Ka()), A.bl.resize(C.P.wide ? nb * RB * C.P.Ka() : 0);
+      A.bdx.resize(nb * RB * ng), A.bxs.resize(nb * RB * ng), A.bqs.resize(nb * RB * ng), A.blf.resize(nb * ng);
+      for (int64_t b = 0; b < nb; ++b) J->blocks.emplace_back(i, b);
+    }
+    const int64_t nblocks = static_cast<int64_t>(J->blocks.size());
+    jp::parallel_for(pool, nblocks, nblocks, [J](int64_t u) {
+      Call& C = J->calls[J->blocks[u].first];
+      if (C.P.bits == 8) interleave_block<RB8>(C, J->blocks[u].second);
+      else interleave_block<RB4>(C, J->blocks[u].second);
+    });
+  }
+#endif
   for (size_t i = 0; i < n; ++i) {
     const Meta& P = J->calls[i].P;
     for (int64_t t0 = 0; t0 < P.tiles(); t0 += UNIT_TILES) {
