@@ -458,24 +458,6 @@ inline void vnni_plane8(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, con
   }
 }
 
-// acc[r][t] += the low plane's dots of row r (`vnni_plane8`) for each of the R rows whose low codes in the F k
-// from k0 are not all zero (one row at a time: its NT accumulators stay in registers).
-template <int NT>
-inline void low_row(__m512i (&acc)[NT], bool on, const uint8_t* w, int64_t tb, const int8_t* x, int64_t k0, int64_t F) {
-  if (!on) return;
-  for (int64_t q = 0; q < F / 4; ++q) {
-    int32_t xv;
-    std::memcpy(&xv, x + k0 + 4 * q, 4);
-    const __m512i xb = _mm512_set1_epi32(xv);
-    for (int t = 0; t < NT; ++t) dpbusd(acc[t], _mm512_loadu_si512(w + t * tb + q * 64), xb);
-  }
-}
-template <int R, int NT, size_t... I>
-inline void low_rows(__m512i (&acc)[R][NT], const uint8_t* w, int64_t tb, const Rows<R>& X, int64_t k0, int64_t F,
-                     std::index_sequence<I...>) {
-  (low_row<NT>(acc[I], X.lf[I][k0 / F] != 0, w, tb, X.xl[I], k0, F), ...);
-}
-
 // ---- AVX-512 VNNI: R rows x NT tiles; int32 accumulators flushed to float32 every F k (WIDE: each plane's
 // accumulators, joined as 128 x the high's + the low's before)
 template <int R, int NT, int BITS, bool WIDE>
@@ -504,27 +486,32 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     for (int t = 0; t < NT; ++t) ys[t] = ym[t] = _mm512_setzero_ps();
     for (int64_t j = 0; j < nj; ++j) {  // the stored group's scale groups
       for (int64_t f0 = j * P.S; f0 < (j + 1) * P.S; f0 += F) {
-        constexpr bool WIDE4 = WIDE && BITS == 4;  // 4-bit wide: the low plane's own accumulators
-        __m512i acc[R][NT], accl[WIDE4 ? R : 1][NT];
+        __m512i acc[R][NT], accl[WIDE ? R : 1][NT];
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_si512();
-        if constexpr (WIDE4)
+        if constexpr (WIDE)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) accl[r][t] = _mm512_setzero_si512();
         const int64_t k0 = g * P.G + f0;
-        if (BITS == 8) {
-          const uint8_t* wq = gb + (f0 / 4) * 64;
-          vnni_plane8<R, NT>(acc, wq, tb, X.xq, k0, F);
-          if constexpr (WIDE) {  // acc = 128 x the high plane's dots + the low plane's, run for the rows whose
-            int nlow = 0;         // low codes here are not all zero (every row's at once when all are)
+        bool low = WIDE;  // wide 8-bit: the low plane's dots skipped where every row's low codes are zero
+        if (WIDE && BITS == 8) {
+          low = false;
+          for (int r = 0; r < R; ++r) low |= X.lf[r][k0 / F] != 0;
+        }
+        if (BITS == 8 && !low) {
+          vnni_plane8<R, NT>(acc, gb + (f0 / 4) * 64, tb, X.xq, k0, F);
+        } else if (BITS == 8) {
+          for (int64_t q = 0; q < F / 4; ++q) {
+            __m512i w[NT];
+            for (int t = 0; t < NT; ++t) w[t] = _mm512_loadu_si512(gb + t * tb + (f0 / 4 + q) * 64);
             for (int r = 0; r < R; ++r) {
-              nlow += X.lf[r][k0 / F] != 0;
-              for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_slli_epi32(acc[r][t], 7);
-            }
-            if (nlow == R) {
-              vnni_plane8<R, NT>(acc, wq, tb, X.xl, k0, F);
-            } else if (nlow) {
-              low_rows<R, NT>(acc, wq, tb, X, k0, F, std::make_index_sequence<R>());
+              int32_t xv;
+              std::memcpy(&xv, X.xq[r] + k0 + 4 * q, 4);
+              const __m512i xb = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(acc[r][t], w[t], xb);
+              std::memcpy(&xv, X.xl[r] + k0 + 4 * q, 4);
+              const __m512i xl = _mm512_set1_epi32(xv);
+              for (int t = 0; t < NT; ++t) dpbusd(accl[r][t], w[t], xl);
             }
           }
         } else {
@@ -550,7 +537,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
             }
           }
         }
-        if constexpr (WIDE4)  // 128 x the high plane's sums + the low plane's
+        if constexpr (WIDE)  // 128 x the high plane's sums + the low plane's (zero where skipped)
           for (int r = 0; r < R; ++r)
             for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_add_epi32(_mm512_slli_epi32(acc[r][t], 7), accl[r][t]);
         if (P.zero)
@@ -612,9 +599,10 @@ void vnni_row4(const Call& C, int64_t r, int64_t t0) {
 
 #if JP_VNNI
 // The many-row path (cpu_quant_blocks.h) takes one-level formats of scale group and activation block 32 (wide:
-// 8-bit codes), rows in blocks of 8 (8-bit codes) or 6 (4-bit: their two code registers a tile).
+// 8-bit codes), rows in blocks of 7 (8-bit codes) or 6 (4-bit: their two code registers a tile), 2 tiles a call:
+// every sum of a call in registers (measured: 8 rows x 2 tiles, sums spilled, or 4 x 4 are slower).
 inline bool blocks_fit(const Meta& P) { return P.S == 32 && P.A == 32 && !P.ns && (!P.wide || P.bits == 8); }
-constexpr int RB8 = 6, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
+constexpr int RB8 = 7, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
 inline int64_t block_rows(const Meta& P) { return P.bits == 8 ? RB8 : RB4; }
 
 // Block b's rows (b * R ..) interleaved (jp_blocks::interleave) into C's block arrays.
@@ -654,13 +642,13 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
     using Fn = void (*)(const Call&, int64_t, int64_t);
     const int b = C.P.bits == 8 ? 0 : 1, wd = C.P.wide ? 1 : 0;
     // rows a block: int8 activations 8 (8-bit codes) / 6 (4-bit), then 4; wide (two planes' accumulators) 4, 2
-    const int64_t R = C.P.bits == 8 ? 8 : wd ? 4 : 6, R2 = C.P.bits == 8 || !wd ? 4 : 2;
+    const int64_t R = wd ? 4 : C.P.bits == 8 ? 8 : 6, R2 = wd ? 2 : 4;
     static const Fn big[2][2][2] = {
         {{vnni_tiles<8, 1, 8, false>, vnni_tiles<8, 2, 8, false>}, {vnni_tiles<6, 1, 4, false>, vnni_tiles<6, 2, 4, false>}},
-        {{vnni_tiles<8, 1, 8, true>, vnni_tiles<8, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
+        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<4, 1, 4, true>, vnni_tiles<4, 2, 4, true>}}};
     static const Fn mid[2][2][2] = {
         {{vnni_tiles<4, 1, 8, false>, vnni_tiles<4, 2, 8, false>}, {vnni_tiles<4, 1, 4, false>, vnni_tiles<4, 2, 4, false>}},
-        {{vnni_tiles<4, 1, 8, true>, vnni_tiles<4, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
+        {{vnni_tiles<2, 1, 8, true>, vnni_tiles<2, 2, 8, true>}, {vnni_tiles<2, 1, 4, true>, vnni_tiles<2, 2, 4, true>}}};
     static const Fn one[2][2][2] = {
         {{vnni_tiles<1, 1, 8, false>, vnni_tiles<1, UNIT_TILES, 8, false>},
          {vnni_tiles<1, 1, 4, false>, vnni_tiles<1, UNIT_TILES, 4, false>}},
