@@ -34,7 +34,8 @@
 // others int8 ones as the high plane (dx = max|x| / (127 * 128), low plane 0), and on AVX-512 the low plane's
 // dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
 // outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
-//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles;
+//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles
+//     (one-level formats of group and activation block 32: blocks of 7 / 6 rows on cpu_quant_blocks.h's loop);
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
 // One call may take several matrices of one x (a layer's q, k and v; gate and up), each with its own format
