@@ -104,6 +104,15 @@ DRIVER = textwrap.dedent("""
         want = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(wh, half), np.float64)
         got = np.asarray(qmm(x, wh, scale_bytes=one(2)))
         assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        # the many-row path: 4-bit codes with int8 activations (a block of 6 rows and a tail), 8-bit ones (7 rows)
+        got = np.asarray(qmm(x, wh, scale_bytes=one(2), act_bits=np.int64(8), act_outlier=np.float32(0)))
+        assert np.linalg.norm(got - want) <= 0.02 * np.linalg.norm(want)
+        l8 = cq.Layout(100, 40, 32, 8, 0, True, 2)
+        w8 = cq.pack(rng.integers(0, 256, (100, 40), dtype=np.uint8), s.astype(np.float16).astype(np.float32),
+                     m.astype(np.float16).astype(np.float32), l8)
+        want8 = np.asarray(x, np.float64) @ np.asarray(cq.dequantize(w8, l8), np.float64)
+        got = np.asarray(qmm(x, w8, bits=one(8), scale_bytes=one(2)))
+        assert np.linalg.norm(got - want8) <= 0.02 * np.linalg.norm(want8)
         two = cq.Layout(100, 40, 32, 4, 0, True, 2, superblock=256)  # K-quants' form: d per 256 k, int8 c a group
         d = rng.uniform(1e-3, 1e-2, (1, 40)).astype(np.float16).astype(np.float32)
         c = [rng.integers(lo, 64, two.scale_shape).astype(np.int8) for lo in (0, -63)]

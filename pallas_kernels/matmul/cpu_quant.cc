@@ -34,7 +34,8 @@
 // others int8 ones as the high plane (dx = max|x| / (127 * 128), low plane 0), and on AVX-512 the low plane's
 // dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
 // outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
-//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles,
+//   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles
+//     (one-level formats of group and activation block 32: blocks of 7 / 6 rows on cpu_quant_blocks.h's loop),
 //     lone rows by cpu_quant_row4.h / cpu_quant_row8.h where their formats fit;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
@@ -48,6 +49,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ffi_common.h"
@@ -66,6 +68,7 @@
 #include <immintrin.h>
 #endif
 #if JP_VNNI
+#include "cpu_quant_blocks.h"
 #include "cpu_quant_row4.h"
 #include "cpu_quant_row8.h"
 #endif
@@ -111,6 +114,11 @@ struct Acts {
   std::vector<float> dx, xsum;
   std::vector<int32_t> qsum;
   std::vector<uint8_t> lowf;  // wide: [M, nf], 1 where the F block's low plane holds a nonzero code
+  // the many-row path (`blocks_fit`): each full block of R rows interleaved (jp_blocks::Block, one after another)
+  std::vector<int8_t> bq, bl;
+  std::vector<float> bdx, bxs;
+  std::vector<int32_t> bqs;
+  std::vector<uint8_t> blf;
 };
 
 struct Call {
@@ -612,6 +620,43 @@ void vnni_row8(const Call& C, int64_t r, int64_t t0) {
 }
 #endif
 
+#if JP_VNNI
+// The many-row path (cpu_quant_blocks.h) takes one-level formats of scale group and activation block 32 (wide:
+// 8-bit codes), rows in blocks of 7 (8-bit codes) or 6 (4-bit: their two code registers a tile), 2 tiles a call:
+// every sum of a call in registers (measured: 8 rows x 2 tiles, sums spilled, or 4 x 4 are slower).
+inline bool blocks_fit(const Meta& P) { return P.S == 32 && P.A == 32 && !P.ns && (!P.wide || P.bits == 8); }
+constexpr int RB8 = 7, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
+inline int64_t block_rows(const Meta& P) { return P.bits == 8 ? RB8 : RB4; }
+
+// Block b's rows (b * R ..) interleaved (jp_blocks::interleave) into C's block arrays.
+template <int R>
+void interleave_block(Call& C, int64_t b) {
+  const Meta& P = C.P;
+  Acts& A = C.A;
+  const int64_t ng = P.ng(), r0 = b * R;
+  jp_blocks::interleave<R>(ng, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(), A.dx.data() + r0 * ng, ng,
+                           A.xsum.data() + r0 * ng, A.qsum.data() + r0 * ng, A.lowf.data() + r0 * ng,
+                           A.bq.data() + b * R * P.Ka(), P.wide ? A.bl.data() + b * R * P.Ka() : nullptr,
+                           A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
+                           A.blf.data() + b * ng);
+}
+
+// Rows of block b x NT tiles from t0 on the many-row path.
+template <int R, int NT, int BITS, bool WIDE>
+void vnni_blocks(const Call& C, int64_t b, int64_t t0) {
+  const Meta& P = C.P;
+  const Acts& A = C.A;
+  const int64_t ng = P.ng();
+  const jp_blocks::Tiles T{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.scale_off(), P.part_bytes(),
+                           P.sb, static_cast<int32_t>(P.zero), P.has_min != 0, ng};
+  const jp_blocks::Block<R> X{A.bq.data() + b * R * P.Ka(), WIDE ? A.bl.data() + b * R * P.Ka() : nullptr,
+                              A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
+                              A.blf.data() + b * ng};
+  const int last = static_cast<int>(std::min<int64_t>(16, P.N - (t0 + NT - 1) * 16));  // the last tile's columns
+  jp_blocks::tiles<R, NT, BITS, WIDE>(T, X, C.out + b * R * P.N + t0 * 16, P.N, last);
+}
+#endif
+
 // One work unit: columns tiles t0 .. t0 + nt, every row, on path `isa`.
 void unit(const Call& C, int isa, int64_t t0, int nt) {
   const int64_t M = C.P.M;
@@ -633,6 +678,18 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
         {{vnni_tiles<1, 1, 8, true>, vnni_tiles<1, UNIT_TILES, 8, true>},
          {vnni_tiles<1, 1, 4, true>, vnni_tiles<1, UNIT_TILES, 4, true>}}};
     int64_t r = 0;
+    if (blocks_fit(C.P)) {  // full blocks of rows on the many-row path
+      static const Fn blocks[3][2] = {{vnni_blocks<RB8, 1, 8, false>, vnni_blocks<RB8, BT8, 8, false>},
+                                      {vnni_blocks<RB8, 1, 8, true>, vnni_blocks<RB8, BT8, 8, true>},
+                                      {vnni_blocks<RB4, 1, 4, false>, vnni_blocks<RB4, BT4, 4, false>}};
+      const int64_t RB = block_rows(C.P), BT = C.P.bits == 8 ? BT8 : BT4;
+      const Fn* f = blocks[b ? 2 : wd];
+      for (; r + RB <= M; r += RB) {
+        int64_t t = 0;
+        for (; t + BT <= nt; t += BT) f[1](C, r / RB, t0 + t);
+        for (; t < nt; ++t) f[0](C, r / RB, t0 + t);
+      }
+    }
     for (; r + R <= M; r += R)
       for (int t = 0; t < nt; t += 2) big[wd][b][t + 1 < nt](C, r, t0 + t);
     for (; r + R2 <= M; r += R2)
@@ -753,6 +810,7 @@ struct Job {
   const void* x;
   bool bf16;
   std::vector<Work> work;
+  std::vector<std::pair<size_t, int64_t>> blocks;  // the many-row path's row blocks to interleave: (product, block)
   int path;
 };
 
@@ -838,6 +896,25 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     }
   });
   J->path = std::min<int>(static_cast<int>(isa), BEST_ISA);
+#if JP_VNNI
+  if (J->path == ISA_VNNI) {  // the many-row path's interleaved blocks of rows, one list over every product
+    for (size_t i = 0; i < n; ++i) {
+      Call& C = J->calls[i];
+      if (!blocks_fit(C.P)) continue;
+      const int64_t RB = block_rows(C.P), nb = live / RB, ng = C.P.ng();
+      Acts& A = C.A;
+      A.bq.resize(nb * RB * C.P.Ka()), A.bl.resize(C.P.wide ? nb * RB * C.P.Ka() : 0);
+      A.bdx.resize(nb * RB * ng), A.bxs.resize(nb * RB * ng), A.bqs.resize(nb * RB * ng), A.blf.resize(nb * ng);
+      for (int64_t b = 0; b < nb; ++b) J->blocks.emplace_back(i, b);
+    }
+    const int64_t nblocks = static_cast<int64_t>(J->blocks.size());
+    jp::parallel_for(pool, nblocks, nblocks, [J](int64_t u) {
+      Call& C = J->calls[J->blocks[u].first];
+      if (C.P.bits == 8) interleave_block<RB8>(C, J->blocks[u].second);
+      else interleave_block<RB4>(C, J->blocks[u].second);
+    });
+  }
+#endif
   for (size_t i = 0; i < n; ++i) {
     const Meta& P = J->calls[i].P;
     for (int64_t t0 = 0; t0 < P.tiles(); t0 += UNIT_TILES) {
