@@ -387,6 +387,8 @@ inline void values_group(const float* p, int bsp, const float* alpha, float* acc
   }
 }
 
+#include "cpu_dpbf16.h"  // JP_DPBF16: the logits of a bfloat16 pool by vdpbf16ps
+
 #define JP_GROUPS(F, BF, ni, ...)          \
   switch (ni) {                            \
     case 1: F<BF, 1>(__VA_ARGS__); break;  \
@@ -424,11 +426,20 @@ void attend_vector(const Problem& P, const Unit& u) {
   thread_local std::vector<float> buf;
   const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head, row, g)
   const size_t W = static_cast<size_t>(nc) * L;    // a query vector's floats, zero-padded
-  buf.resize(QV * (2 * W + 2) + static_cast<size_t>(R) * (bsp + 1) + 16);
-  // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries
+#if JP_DPBF16
+  const int nb = (D + BH - 1) / BH, db = D - BH * (nb - 1);  // bfloat16 vectors of a row, the last one's values
+  const size_t W2 = static_cast<size_t>(nb) * BH;             // a split query's bfloat16 values, zero-padded
+#else
+  const size_t W2 = 0;
+#endif
+  buf.resize(QV * (2 * W + W2 + 2) + static_cast<size_t>(R) * (bsp + 1) + 16);
+  // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries, then (bfloat16 pools on
+  // AVX-512 BF16) [QV, W2] their hi and [QV, W2] their lo bfloat16 halves
   float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   float* qb = acc + QV * W;
-  float* m = qb + QV * W;                           // [QV] running max
+  uint16_t* qhi = reinterpret_cast<uint16_t*>(qb + QV * W);
+  uint16_t* qlo = qhi + QV * W2;
+  float* m = qb + QV * (W + W2);                    // [QV] running max
   float* l = m + QV;                                // [QV] running sum
   float* s = l + QV;                                // [R, bsp] one head's logits, then probabilities, of a block
   float* alpha = s + static_cast<size_t>(R) * bsp;  // [R]
@@ -448,6 +459,11 @@ void attend_vector(const Problem& P, const Unit& u) {
     for (int i = 0; i < R; ++i)
       std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W, P.q + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D,
                   sizeof(float) * D);
+#if JP_DPBF16
+  bool with_lo = false;  // some query is not bfloat16-exact: its logits take the lo halves too
+  if constexpr (BF16)
+    for (size_t i = 0; i < QV; ++i) with_lo |= split_query(qb + i * W, D, nb, qhi + i * W2, qlo + i * W2);
+#endif
   const size_t elt = BF16 ? 2 : 4;
   const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
   const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
@@ -469,9 +485,18 @@ void attend_vector(const Problem& P, const Unit& u) {
       const char* vh = vblock + static_cast<size_t>(h) * D * elt;
       if (knext != nullptr) prefetch_head(knext, vnext, static_cast<size_t>(h) * D * elt, D * elt, key_stride, bs);
       // logits s[i, j] = q_i . k_j, i = (row, g)
-      for (int i0 = 0; i0 < R; i0 += GROUP)
+      for (int i0 = 0; i0 < R; i0 += GROUP) {
+#if JP_DPBF16
+        if constexpr (BF16) {
+          const size_t at = (static_cast<size_t>(h) * R + i0) * W2;
+          logits_bh_group(R - i0, with_lo, qhi + at, qlo + at, nb, db, kh, key_stride, n,
+                          s + static_cast<size_t>(i0) * bsp, bsp);
+          continue;
+        }
+#endif
         JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
                   s + static_cast<size_t>(i0) * bsp, bsp)
+      }
       // the block's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
