@@ -414,6 +414,10 @@ inline void prefetch_head(const char* k, const char* v, size_t head, size_t span
 }
 
 constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
+// Keys of one softmax update (a tile of whole blocks, at least one): the update's fixed work per query vector
+// (the maximum, a scalar exp, the sum, the rescale of the accumulators) spread over more keys than a block.
+constexpr int TILE_KEYS = 64;
+constexpr int MAX_TILE = std::max(TILE_KEYS, MAX_BLOCK);  // a tile's logits a query vector, at most (cb * bsp)
 
 // One unit: rows u.row0..u.row0+u.rows of slot u.slot, every KV head, over the slot's keys.
 template <bool BF16>
@@ -432,7 +436,9 @@ void attend_vector(const Problem& P, const Unit& u) {
 #else
   const size_t W2 = 0;
 #endif
-  buf.resize(QV * (2 * W + W2 + 2) + static_cast<size_t>(R) * (bsp + 1) + 16);
+  const int cb = std::max(1, TILE_KEYS / bsp);  // blocks of a tile: the keys of one softmax update
+  const int sp = cb * bsp;                      // a tile's logits a query vector
+  buf.resize(QV * (2 * W + W2 + 2) + static_cast<size_t>(R) * (sp + 2) + 16);
   // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries, then (bfloat16 pools on
   // AVX-512 BF16) [QV, W2] their hi and [QV, W2] their lo bfloat16 halves
   float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
@@ -441,8 +447,10 @@ void attend_vector(const Problem& P, const Unit& u) {
   uint16_t* qlo = qhi + QV * W2;
   float* m = qb + QV * (W + W2);                    // [QV] running max
   float* l = m + QV;                                // [QV] running sum
-  float* s = l + QV;                                // [R, bsp] one head's logits, then probabilities, of a block
-  float* alpha = s + static_cast<size_t>(R) * bsp;  // [R]
+  float* s = l + QV;                                // [R, sp] one head's logits, then probabilities, of a tile
+  float* alpha = s + static_cast<size_t>(R) * sp;   // [R]
+  float* ones = alpha + R;                          // [R] ones: the rescale of a tile's later blocks
+  std::fill(ones, ones + R, 1.f);
   std::fill(acc, acc + 2 * QV * W, 0.f);
   std::fill(m, m + QV, NEG);
   std::fill(l, l + QV, 0.f);
@@ -467,81 +475,96 @@ void attend_vector(const Problem& P, const Unit& u) {
   const size_t elt = BF16 ? 2 : 4;
   const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
   const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
-  for (int64_t b = (hi < 0 ? 1 : lo / bs), last = hi / bs; hi >= 0 && b <= last; ++b) {
-    int64_t id = P.tables[u.slot * P.B + std::min<int64_t>(b, P.B - 1)];
-    id = std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1);  // the reference's gathers clip
-    const int n = static_cast<int>(std::min<int64_t>(bs, hi + 1 - b * bs));  // keys of the block <= hi
-    const size_t bytes = static_cast<size_t>(bs) * key_stride;              // a block of one pool
-    const char* kblock = P.k + static_cast<size_t>(id) * bytes;
-    const char* vblock = P.v + static_cast<size_t>(id) * bytes;
-    const char *knext = nullptr, *vnext = nullptr;  // the next block, prefetched a head at a time
-    if (b < last) {
-      int64_t nid = P.tables[u.slot * P.B + std::min<int64_t>(b + 1, P.B - 1)];
-      const size_t off = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(nid, 0), P.NB - 1)) * bytes;
-      knext = P.k + off, vnext = P.v + off;
+  const int64_t first = hi < 0 ? 1 : lo / bs, last = hi / bs;  // the blocks the unit reads
+  const size_t bytes = static_cast<size_t>(bs) * key_stride;       // a block of one pool
+  // The pool offset of block b of the slot (the reference's gathers clip the id).
+  auto block_at = [&](int64_t b) {
+    const int64_t id = P.tables[u.slot * P.B + std::min<int64_t>(b, P.B - 1)];
+    return static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1)) * bytes;
+  };
+  const size_t head_bytes = static_cast<size_t>(D) * elt;
+  if (hi >= 0)  // the first tile, all at once; later tiles are prefetched a block and head at a time, a tile ahead
+    for (int64_t b = first; b < std::min(first + cb, last + 1); ++b)
+      for (int h = 0; h < Hkv; ++h) prefetch_head(P.k + block_at(b), P.v + block_at(b), h * head_bytes, head_bytes,
+                                                  key_stride, bs);
+  for (int64_t b0 = first; hi >= 0 && b0 <= last; b0 += cb) {
+    const int nblk = static_cast<int>(std::min<int64_t>(cb, last + 1 - b0));  // blocks of this tile
+    size_t off[MAX_TILE / L], ahead[MAX_TILE / L];  // the tile's blocks; the next tile's, + 1 (0: none)
+    int nk[MAX_TILE / L];                           // keys of each block <= hi
+    for (int t = 0; t < nblk; ++t) {
+      off[t] = block_at(b0 + t);
+      ahead[t] = b0 + cb + t <= last ? block_at(b0 + cb + t) + 1 : 0;
+      nk[t] = static_cast<int>(std::min<int64_t>(bs, hi + 1 - (b0 + t) * bs));
     }
     for (int h = 0; h < Hkv; ++h) {
-      const char* kh = kblock + static_cast<size_t>(h) * D * elt;
-      const char* vh = vblock + static_cast<size_t>(h) * D * elt;
-      if (knext != nullptr) prefetch_head(knext, vnext, static_cast<size_t>(h) * D * elt, D * elt, key_stride, bs);
-      // logits s[i, j] = q_i . k_j, i = (row, g)
-      for (int i0 = 0; i0 < R; i0 += GROUP) {
+      // logits s[i, t * bsp + j] = q_i . k_j of block t, i = (row, g)
+      for (int t = 0; t < nblk; ++t) {
+        const char* kh = P.k + off[t] + h * head_bytes;
+        if (ahead[t]) prefetch_head(P.k + ahead[t] - 1, P.v + ahead[t] - 1, h * head_bytes, head_bytes, key_stride, bs);
+        for (int i0 = 0; i0 < R; i0 += GROUP) {
 #if JP_DPBF16
-        if constexpr (BF16) {
-          const size_t at = (static_cast<size_t>(h) * R + i0) * W2;
-          logits_bh_group(R - i0, with_lo, qhi + at, qlo + at, nb, db, kh, key_stride, n,
-                          s + static_cast<size_t>(i0) * bsp, bsp);
-          continue;
-        }
+          if constexpr (BF16) {
+            const size_t at = (static_cast<size_t>(h) * R + i0) * W2;
+            logits_bh_group(R - i0, with_lo, qhi + at, qlo + at, nb, db, kh, key_stride, nk[t],
+                            s + static_cast<size_t>(i0) * sp + t * bsp, sp);
+            continue;
+          }
 #endif
-        JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
-                  s + static_cast<size_t>(i0) * bsp, bsp)
+          JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride,
+                    nk[t], s + static_cast<size_t>(i0) * sp + t * bsp, sp)
+        }
       }
-      // the block's softmax update, L keys at a time; alpha rescales the old sums
+      // the tile's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
         const F p_lo = Lanes::set1(P.window > 0 ? static_cast<float>(pos[r] - P.window) : -1.f);
         for (int g = 0; g < G; ++g) {
           const int i = r * G + g;
           const size_t qi = static_cast<size_t>(h) * R + i;
-          float* si = s + static_cast<size_t>(i) * bsp;
+          float* si = s + static_cast<size_t>(i) * sp;
           F mx = Lanes::set1(NEG);
-          M seen[MAX_BLOCK / L];
-          for (int c = 0; c * L < n; ++c) {
-            const F kp = Lanes::add(Lanes::set1(static_cast<float>(b * bs + L * c)), lane);
-            seen[c] = Lanes::both(Lanes::both(Lanes::le(kp, p_hi), Lanes::gt(kp, p_lo)), Lanes::first(n - L * c));
-            F x = Lanes::mul(Lanes::loadu(si + L * c), scale);
-            if (P.softcap > 0.f) {
-              alignas(64) float t[L];
-              Lanes::store(t, x);
-              for (float& e : t) e = P.softcap * std::tanh(e / P.softcap);
-              x = Lanes::load(t);
+          M seen[MAX_TILE / L];
+          for (int t = 0, c = 0; t < nblk; ++t)
+            for (int j = 0; j < nk[t]; j += L, ++c) {  // c: the vector at t * bsp + j
+              const F kp = Lanes::add(Lanes::set1(static_cast<float>((b0 + t) * bs + j)), lane);
+              seen[c] = Lanes::both(Lanes::both(Lanes::le(kp, p_hi), Lanes::gt(kp, p_lo)), Lanes::first(nk[t] - j));
+              F x = Lanes::mul(Lanes::loadu(si + t * bsp + j), scale);
+              if (P.softcap > 0.f) {
+                alignas(64) float e[L];
+                Lanes::store(e, x);
+                for (float& y : e) y = P.softcap * std::tanh(y / P.softcap);
+                x = Lanes::load(e);
+              }
+              Lanes::storeu(si + t * bsp + j, x);
+              mx = Lanes::max_where(seen[c], mx, x);
             }
-            Lanes::storeu(si + L * c, x);
-            mx = Lanes::max_where(seen[c], mx, x);
-          }
           const float mb = Lanes::hmax(mx);
-          if (mb <= NEG) {  // this query sees none of the block: its sums stay as they are
+          if (mb <= NEG) {  // this query sees none of the tile: its sums stay as they are
             alpha[i] = 1.f;
-            std::fill(si, si + n, 0.f);
+            std::fill(si, si + sp, 0.f);
             continue;
           }
           const float m_new = std::max(m[qi], mb);
           alpha[i] = std::exp(m[qi] - m_new);
           F sum = Lanes::zero();
-          for (int c = 0; c * L < n; ++c) {
-            const F p = Lanes::keep(seen[c], vexp(Lanes::sub(Lanes::loadu(si + L * c), Lanes::set1(m_new))));
-            Lanes::storeu(si + L * c, p);
-            sum = Lanes::add(sum, p);
-          }
+          for (int t = 0, c = 0; t < nblk; ++t)
+            for (int j = 0; j < nk[t]; j += L, ++c) {
+              const F p = Lanes::keep(seen[c], vexp(Lanes::sub(Lanes::loadu(si + t * bsp + j), Lanes::set1(m_new))));
+              Lanes::storeu(si + t * bsp + j, p);
+              sum = Lanes::add(sum, p);
+            }
           m[qi] = m_new;
           l[qi] = l[qi] * alpha[i] + Lanes::hsum(sum);
         }
       }
-      // values: acc_i = alpha_i acc_i + sum_j p_ij v_j
-      for (int i0 = 0; i0 < R; i0 += GROUP)
-        JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * bsp, bsp, alpha + i0,
-                  acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride, n)
+      // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
+      for (int t = 0; t < nblk; ++t) {
+        const char* vh = P.v + off[t] + h * head_bytes;
+        for (int i0 = 0; i0 < R; i0 += GROUP)
+          JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * sp + t * bsp, sp,
+                    (t == 0 ? alpha : ones) + i0, acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride,
+                    nk[t])
+      }
     }
   }
   for (int h = 0; h < Hkv; ++h) {
