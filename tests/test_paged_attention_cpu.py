@@ -76,6 +76,19 @@ def test_contexts_off_the_key_tile(dtype, bs):
     _check(_case(rng, n_rows, lens, 3, 3, 64, bs, dtype), dtype)
 
 
+@pytest.mark.parametrize("D", [64, 40])
+def test_float32_queries_on_a_bfloat16_pool(D):
+    """float32 queries that are not bfloat16 values over a bfloat16 pool: the logits use all of each query (on
+    AVX-512 BF16 split into a bfloat16 hi and lo, cpu_dpbf16.h), to float32's tolerance, not bfloat16's."""
+    rng = np.random.default_rng(D)
+    q, k_pool, v_pool, *rest = _case(rng, [1, 1, 1, 6], [5, 17, 300, 70], 3, 3, D, 16, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * 3  # logits of a few units: a rounded q shows
+    args = (q, k_pool, v_pool, *rest)
+    got = np.asarray(jax.jit(cpu_attention.cpu_ragged_paged_attention)(*args))
+    want = np.asarray(ragged_paged_attention_reference(*args))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
 OPTIONS = [{}, {"window": 20}, {"softcap": 3.0}, {"window": 33, "softcap": 10.0, "scale": 0.2}]
 
 
