@@ -681,3 +681,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuPagedAttention, Impl,
 
 // The vector path's float32 lanes in this build (16: AVX-512, 8: AVX2 + FMA), 0 without it.
 extern "C" int JaxpagedCpuAttentionVectorized() { return JP_AVX512 ? 16 : JP_AVX2 ? 8 : 0; }
+
+// 1 where this build takes a bfloat16 pool's logits by vdpbf16ps (AVX-512 BF16, cpu_dpbf16.h), else 0.
+extern "C" int JaxpagedCpuAttentionBf16Dots() {
+#if JP_AVX512 || JP_AVX2
+  return JP_DPBF16;
+#else
+  return 0;
+#endif
+}
