@@ -8,11 +8,13 @@
 // Two implementations of one contract, chosen when the source is compiled (-march=native):
 // - AVX-512 (F, BW, VL): a work unit is (slot, tile of up to TILE_ROWS query rows) over every KV head, so a
 //   unit walks its slot's blocks once and reads each block's K and V rows of all heads, contiguous in the
-//   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer). Per block and KV
-//   head: the logits of the G x rows query vectors (16-lane dots, the dots of 16 keys summed transposed into
-//   one vector of logits), then the softmax over the block's keys 16 at a time (masking, max, a vector exp)
-//   and the values weighted into float32 accumulators (online softmax merged once a block). The next
-//   block's rows of each head are prefetched into L2 while the head is worked on.
+//   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer; on AVX-512 BF16 a
+//   bfloat16 pool's logits take its rows as they are, by vdpbf16ps: cpu_dpbf16.h). The blocks go in tiles
+//   of whole blocks (TILE_KEYS keys, at least a block). Per tile and KV head: the logits of the G x rows query
+//   vectors (16-lane dots, the dots of 16 keys summed transposed into one vector of logits), then the
+//   softmax over the tile's keys 16 at a time (masking, max, a vector exp) and the values weighted into
+//   float32 accumulators (online softmax merged once a tile). The next tile's rows of each block and head are
+//   prefetched into L2 while that block and head are worked on.
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
