@@ -440,7 +440,7 @@ void attend_vector(const Problem& P, const Unit& u) {
 #endif
   const int cb = std::max(1, TILE_KEYS / bsp);  // blocks of a tile: the keys of one softmax update
   const int sp = cb * bsp;                      // a tile's logits a query vector
-  buf.resize(QV * (2 * W + W2 + 2) + static_cast<size_t>(R) * (sp + 2) + 16);
+  buf.resize(QV * (2 * W + W2 + 4 + sp) + 16);
   // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries, then (bfloat16 pools on
   // AVX-512 BF16) [QV, W2] their hi and [QV, W2] their lo bfloat16 halves
   float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
@@ -449,10 +449,10 @@ void attend_vector(const Problem& P, const Unit& u) {
   uint16_t* qlo = qhi + QV * W2;
   float* m = qb + QV * (W + W2);                    // [QV] running max
   float* l = m + QV;                                // [QV] running sum
-  float* s = l + QV;                                // [R, sp] one head's logits, then probabilities, of a tile
-  float* alpha = s + static_cast<size_t>(R) * sp;   // [R]
-  float* ones = alpha + R;                          // [R] ones: the rescale of a tile's later blocks
-  std::fill(ones, ones + R, 1.f);
+  float* s = l + QV;                                // [QV, sp] the logits, then probabilities, of a tile
+  float* alpha = s + QV * sp;                       // [QV] the rescale of the old sums by a tile
+  float* ones = alpha + QV;                         // [QV] ones: the rescale of a tile's later blocks
+  std::fill(ones, ones + QV, 1.f);
   std::fill(acc, acc + 2 * QV * W, 0.f);
   std::fill(m, m + QV, NEG);
   std::fill(l, l + QV, 0.f);
@@ -485,37 +485,37 @@ void attend_vector(const Problem& P, const Unit& u) {
     return static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1)) * bytes;
   };
   const size_t head_bytes = static_cast<size_t>(D) * elt;
-  if (hi >= 0)  // the first tile, all at once; later tiles are prefetched a block and head at a time, a tile ahead
-    for (int64_t b = first; b < std::min(first + cb, last + 1); ++b)
-      for (int h = 0; h < Hkv; ++h) prefetch_head(P.k + block_at(b), P.v + block_at(b), h * head_bytes, head_bytes,
-                                                  key_stride, bs);
   for (int64_t b0 = first; hi >= 0 && b0 <= last; b0 += cb) {
     const int nblk = static_cast<int>(std::min<int64_t>(cb, last + 1 - b0));  // blocks of this tile
-    size_t off[MAX_TILE / L], ahead[MAX_TILE / L];  // the tile's blocks; the next tile's, + 1 (0: none)
+    size_t off[MAX_TILE / L];                       // the tile's blocks
     int nk[MAX_TILE / L];                           // keys of each block <= hi
     for (int t = 0; t < nblk; ++t) {
       off[t] = block_at(b0 + t);
-      ahead[t] = b0 + cb + t <= last ? block_at(b0 + cb + t) + 1 : 0;
       nk[t] = static_cast<int>(std::min<int64_t>(bs, hi + 1 - (b0 + t) * bs));
     }
-    for (int h = 0; h < Hkv; ++h) {
-      // logits s[i, t * bsp + j] = q_i . k_j of block t, i = (row, g)
-      for (int t = 0; t < nblk; ++t) {
+    // logits s[h, i, t * bsp + j] = q_i . k_j of block t, i = (row, g), a block's heads after each other (its
+    // rows are contiguous); the next block's rows of a head prefetched while the head is worked on
+    for (int t = 0; t < nblk; ++t) {
+      const size_t next = b0 + t < last ? block_at(b0 + t + 1) : 0;
+      for (int h = 0; h < Hkv; ++h) {
         const char* kh = P.k + off[t] + h * head_bytes;
-        if (ahead[t]) prefetch_head(P.k + ahead[t] - 1, P.v + ahead[t] - 1, h * head_bytes, head_bytes, key_stride, bs);
+        if (b0 + t < last) prefetch_head(P.k + next, P.v + next, h * head_bytes, head_bytes, key_stride, bs);
+        float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
         for (int i0 = 0; i0 < R; i0 += GROUP) {
 #if JP_DPBF16
           if constexpr (BF16) {
             const size_t at = (static_cast<size_t>(h) * R + i0) * W2;
             logits_bh_group(R - i0, with_lo, qhi + at, qlo + at, nb, db, kh, key_stride, nk[t],
-                            s + static_cast<size_t>(i0) * sp + t * bsp, sp);
+                            sh + static_cast<size_t>(i0) * sp, sp);
             continue;
           }
 #endif
           JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride,
-                    nk[t], s + static_cast<size_t>(i0) * sp + t * bsp, sp)
+                    nk[t], sh + static_cast<size_t>(i0) * sp, sp)
         }
       }
+    }
+    for (int h = 0; h < Hkv; ++h) {
       // the tile's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
@@ -523,7 +523,7 @@ void attend_vector(const Problem& P, const Unit& u) {
         for (int g = 0; g < G; ++g) {
           const int i = r * G + g;
           const size_t qi = static_cast<size_t>(h) * R + i;
-          float* si = s + static_cast<size_t>(i) * sp;
+          float* si = s + (static_cast<size_t>(h) * R + i) * sp;
           F mx = Lanes::set1(NEG);
           M seen[MAX_TILE / L];
           for (int t = 0, c = 0; t < nblk; ++t)
@@ -542,12 +542,12 @@ void attend_vector(const Problem& P, const Unit& u) {
             }
           const float mb = Lanes::hmax(mx);
           if (mb <= NEG) {  // this query sees none of the tile: its sums stay as they are
-            alpha[i] = 1.f;
+            alpha[qi] = 1.f;
             std::fill(si, si + sp, 0.f);
             continue;
           }
           const float m_new = std::max(m[qi], mb);
-          alpha[i] = std::exp(m[qi] - m_new);
+          alpha[qi] = std::exp(m[qi] - m_new);
           F sum = Lanes::zero();
           for (int t = 0, c = 0; t < nblk; ++t)
             for (int j = 0; j < nk[t]; j += L, ++c) {
@@ -556,18 +556,20 @@ void attend_vector(const Problem& P, const Unit& u) {
               sum = Lanes::add(sum, p);
             }
           m[qi] = m_new;
-          l[qi] = l[qi] * alpha[i] + Lanes::hsum(sum);
+          l[qi] = l[qi] * alpha[qi] + Lanes::hsum(sum);
         }
       }
-      // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
-      for (int t = 0; t < nblk; ++t) {
-        const char* vh = P.v + off[t] + h * head_bytes;
-        for (int i0 = 0; i0 < R; i0 += GROUP)
-          JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * sp + t * bsp, sp,
-                    (t == 0 ? alpha : ones) + i0, acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride,
-                    nk[t])
-      }
     }
+    // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
+    for (int t = 0; t < nblk; ++t)
+      for (int h = 0; h < Hkv; ++h) {
+        const char* vh = P.v + off[t] + h * head_bytes;
+        const float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
+        for (int i0 = 0; i0 < R; i0 += GROUP)
+          JP_GROUPS(values_group, BF16, R - i0, sh + static_cast<size_t>(i0) * sp, sp,
+                    (t == 0 ? alpha : ones) + h * R + i0, acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh,
+                    key_stride, nk[t])
+      }
   }
   for (int h = 0; h < Hkv; ++h) {
     for (int i = 0; i < R; ++i) {
