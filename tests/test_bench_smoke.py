@@ -220,6 +220,7 @@ def test_latency(common, out_dir):
     assert set(rows) == {(f"jaxpaged {n}", k) for n in ("float32", "int8") for k in (1, 2)}
     for r in rows.values():
         assert r["ms_per_token"] > 0 and r["ttft_ms"] > 0 and r["weight_read_ms"] > 0 and r["x_weight_read"] > 0
+        assert r["cpu_ms_per_step"] > 0
     assert rows["jaxpaged int8", 1]["weight_bytes"] < 0.5 * rows["jaxpaged float32", 1]["weight_bytes"]
     assert ("llama-cpp" in out["missing"]) != any(r["backend"].startswith("llama.cpp") for r in out["rows"])
     assert out["peaks"]["memcpy_bytes_per_s"] > 0 and "cpu_flags" in out["machine"]

@@ -4,6 +4,7 @@ import pytest
 from oracle import hf_greedy
 
 from jaxpaged import LLM, SamplingParams
+from jaxpaged.step.runner import has_lone_bucket, token_buckets
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -97,3 +98,34 @@ def test_pallas_backend_matches_reference(tiny_models, engine_kwargs):
     assert llm.stats()["num_compilations"] == len(llm.engine.runner.variants()) > len(llm.engine.runner.buckets)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_lone_requests_take_the_one_token_bucket(tiny_models, engine_kwargs):
+    """On a CPU whose products are its kernels (bfloat16 weights here), without speculation, a lone request's
+    decode steps run the 1-token bucket (runner.has_lone_bucket), with the tokens and logprobs of bucket 8."""
+    llm = LLM(model=tiny_models["llama"], **{**engine_kwargs, "dtype": "bfloat16", "enable_prefix_caching": False})
+    runner = llm.engine.runner
+    assert runner.buckets[:2] == [1, 8] and llm.stats()["matmul_backend"].startswith("cpu")
+    taken = []
+    runner.wrap_steps(lambda key, compiled: (taken.append(key[0]), compiled())[1])
+    prompts = _workload()[::3]  # prompts of 1, 16, 70 and 49 tokens, each alone
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+
+    def lone(prompt):
+        o = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        return o.token_ids, [{t: lp[t] for t in lp} for lp in o.logprobs]
+    got = [lone(p) for p in prompts]
+    # every decode step (the first token comes from the prefill), and the 1-token prompt's prefill
+    assert taken.count(1) == len(prompts) * (params.max_tokens - 1) + 1
+    runner.buckets = runner.buckets[1:]  # bucket 8 for the same requests
+    assert [lone(p) for p in prompts] == got
+
+
+def test_lone_bucket_only_for_the_cpus_own_plain_steps():
+    assert has_lone_bucket("cpu", "cpu", False, True) and has_lone_bucket("cpu", "reference", False, True)
+    assert not has_lone_bucket("cpu", "cpu", False, False)  # XLA's dots: a 1-row product rounds otherwise
+    assert not has_lone_bucket("cpu", "cpu", True, True)  # speculation: the proposals fill bucket 8's padding
+    assert not has_lone_bucket("cpu", "triton", False, True)  # an accelerator's kernel, interpreted
+    assert not has_lone_bucket("tpu", "mosaic_tpu", False, True) and not has_lone_bucket("gpu", "triton", False, True)
+    assert token_buckets(512, lone=True) == [1, 8, 16, 32, 64, 128, 256, 512] and token_buckets(512)[0] == 8
+    assert token_buckets(4, lone=True) == [1, 4] and token_buckets(1, lone=True) == [1]

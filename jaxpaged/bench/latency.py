@@ -23,8 +23,11 @@ timed in the same rounds: an A/B of the products; each row records `stats()["mat
 Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
 greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
 token) / (output tokens - 1); a row gives the median over the requests and the repeats, with the time to
-first token. The jaxpaged engines run interleaved (repeat r: every engine at every N, then r + 1), so a
-change of the machine's load falls on all of them alike; the load average is recorded beside each row.
+first token, and `cpu_ms_per_step`: the process's CPU time (all threads) per engine step, the median over the
+repeats; the machine's other load moves it far less than the wall time (a step that waits for a core costs
+wall time, not CPU time), so it tells an engine's own extra work (e.g. beside the other engines of this
+process) from a busier machine. The jaxpaged engines run interleaved (repeat r: every engine at every N, then
+r + 1), so a change of the machine's load falls on all of them alike; the load average is recorded beside each row.
 vLLM (a subprocess per N) is timed by elapsed time only: (t(output-len) - t(1)) / (output-len - 1).
 
 Weight-read time per row: the bytes of parameters a decode step reads (every matrix as stored, once; an
@@ -63,17 +66,27 @@ def weight_bytes(engine, n: int) -> float:
     return roofline.step_model(engine, n, 0)["weight_bytes"]
 
 
+def process_cpu_s() -> float:
+    """CPU seconds this process has run (all its threads, user and system)."""
+    t = os.times()
+    return t.user + t.system
+
+
 def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
-    """The prompts at once; per-request decode ms per token and time to first token."""
+    """The prompts at once; per-request decode ms per token and time to first token, and the process's CPU ms
+    per engine step of the call (all threads: a figure the machine's other load moves far less than the wall
+    time, since it counts the engine's work and not its waits for a core)."""
     from jaxpaged import SamplingParams
     sp = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    cpu0 = process_cpu_s()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    cpu_ms_per_step = 1e3 * (process_cpu_s() - cpu0) / output_len  # output_len steps: the prefill, then decodes
     per_token, ttft = [], []
     for o in outs:
         m, n = o.metrics, len(o.outputs[0].token_ids)
         per_token.append(1e3 * (m["finished_time"] - m["first_token_time"]) / (n - 1))
         ttft.append(1e3 * (m["first_token_time"] - m["arrival_time"]))
-    return dict(ms_per_token=per_token, ttft_ms=ttft)
+    return dict(ms_per_token=per_token, ttft_ms=ttft, cpu_ms_per_step=cpu_ms_per_step)
 
 
 def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list[list[int]]) -> dict:
@@ -91,7 +104,8 @@ def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list
                 got["load"] = os.getloadavg()[0]
                 runs[name, n].append(got)
                 bc.say(f"repeat {r + 1}/{args.repeats} {name} N={n}: "
-                       f"{statistics.median(got['ms_per_token']):.1f} ms/token (load {got['load']:.1f})")
+                       f"{statistics.median(got['ms_per_token']):.1f} ms/token, {got['cpu_ms_per_step']:.1f} CPU ms "
+                       f"a step (load {got['load']:.1f})")
     out = {}
     for name in names:
         eng = llms[name].engine
@@ -101,6 +115,7 @@ def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list
             out[f"jaxpaged {name}", n] = dict(
                 ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token,
                 ttft_ms=statistics.median([statistics.median(g["ttft_ms"]) for g in rs]),
+                cpu_ms_per_step=statistics.median(g["cpu_ms_per_step"] for g in rs),
                 load=[g["load"] for g in rs], weight_bytes=weight_bytes(eng, n),
                 compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets),
                 matmul_backend=llms[name].stats().get("matmul_backend"))

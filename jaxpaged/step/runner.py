@@ -64,12 +64,27 @@ from jaxpaged.step.traced import Variant, traced_step
 from pallas_kernels.argmax import cpu as cpu_argmax
 
 
-def token_buckets(max_tokens: int, smallest: int = 8) -> list[int]:
-    out, b = [], smallest
+def token_buckets(max_tokens: int, smallest: int = 8, lone: bool = False) -> list[int]:
+    """The step's token counts T: smallest, doubling, below max_tokens, then max_tokens; with `lone`
+    (`has_lone_bucket`), a 1-token bucket first."""
+    out, b = [1] if lone and 1 < min(smallest, max_tokens) else [], smallest
     while b < max_tokens:
         out.append(b)
         b *= 2
     return out + [max_tokens]
+
+
+def has_lone_bucket(platform: str, backend: str, speculative: bool, kernel_products: bool) -> bool:
+    """Whether the step has a 1-token bucket, for a lone decoding request. On a CPU every op but the
+    products (norms, RoPE, the KV writes, attention, the head's logits, the sampler) runs over every row of
+    the bucket, padding included: in bucket 8 a lone request's step of a 1B-class int8 model spent ~2 ms of
+    its ~60 ms of CPU time on 7 padding rows, for one compilation more. Only where the weight products are
+    the CPU kernels (`kernel_products`: bfloat16 or quantized weights), which compute a live row alike in
+    any bucket (the 1B int8 model's tokens and logprobs at T = 1 equal bucket 8's bit for bit); XLA's
+    float32 dot rounds a 1-row product unlike an 8-row one. Not with speculative decoding (its proposals
+    fill bucket 8's padding), nor on accelerators (padding rows run in parallel there), nor with an
+    accelerator's attention kernel interpreted on a CPU (`backend` in DECODE_KERNELS: tests)."""
+    return platform == "cpu" and backend not in DECODE_KERNELS and not speculative and kernel_products
 
 
 @dataclass
@@ -185,7 +200,9 @@ class ModelRunner:
             self.k_pool = self.v_pool = shapes
         else:
             self.k_pool, self.v_pool = zeros(), zeros()
-        self.buckets = token_buckets(cfg.max_num_batched_tokens)
+        self.buckets = token_buckets(cfg.max_num_batched_tokens, lone=has_lone_bucket(
+            self.platform, self.backend, cfg.speculative_config is not None,
+            self.step_cfg.cpu_matmul or self.quant_matmul))
         self.num_logprobs = min(cfg.max_logprobs, model_cfg.vocab_size)
         self._compiled: dict[tuple[int, bool, bool], object] = {}  # (T, decode_only, verify) -> executable
         self.compiler_options = step_compiler_options(self.dtype, cfg.kv_cache_dtype, self.platform)
