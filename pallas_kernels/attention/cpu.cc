@@ -13,8 +13,8 @@
 //   of whole blocks (TILE_KEYS keys, at least a block). Per tile and KV head: the logits of the G x rows query
 //   vectors (16-lane dots, the dots of 16 keys summed transposed into one vector of logits), then the
 //   softmax over the tile's keys 16 at a time (masking, max, a vector exp) and the values weighted into
-//   float32 accumulators (online softmax merged once a tile). The next tile's rows of each block and head are
-//   prefetched into L2 while that block and head are worked on.
+//   float32 accumulators (online softmax merged once a tile); a tile's blocks in order, each block's heads in
+//   turn, the next block's rows of a head prefetched into L2 while the head is worked on.
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
