@@ -76,6 +76,19 @@ def test_contexts_off_the_key_tile(dtype, bs):
     _check(_case(rng, n_rows, lens, 3, 3, 64, bs, dtype), dtype)
 
 
+@pytest.mark.parametrize("D", [64, 40])
+def test_float32_queries_on_a_bfloat16_pool(D):
+    """float32 queries that are not bfloat16 values over a bfloat16 pool: the logits use all of each query (on
+    AVX-512 BF16 split into a bfloat16 hi and lo, cpu_dpbf16.h), to float32's tolerance, not bfloat16's."""
+    rng = np.random.default_rng(D)
+    q, k_pool, v_pool, *rest = _case(rng, [1, 1, 1, 6], [5, 17, 300, 70], 3, 3, D, 16, jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal(q.shape), jnp.float32) * 3  # logits of a few units: a rounded q shows
+    args = (q, k_pool, v_pool, *rest)
+    got = np.asarray(jax.jit(cpu_attention.cpu_ragged_paged_attention)(*args))
+    want = np.asarray(ragged_paged_attention_reference(*args))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
 OPTIONS = [{}, {"window": 20}, {"softcap": 3.0}, {"window": 33, "softcap": 10.0, "scale": 0.2}]
 
 
@@ -172,8 +185,10 @@ def test_tensor_parallel_two_devices():
 
 def test_native_build_has_the_widest_vector_path():
     """-march=native on a CPU with AVX-512 F, BW and VL builds the 16-lane path (which every other test of this
-    module then runs); with AVX2 + FMA only, the 8-lane one."""
+    module then runs), with AVX-512 BF16 too its bfloat16-pool logits by vdpbf16ps; with AVX2 + FMA only, the
+    8-lane one."""
     flags = set(loader.cpu_flags().split())
+    assert cpu_attention.bf16_dots() == ({"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags)
     if {"avx512f", "avx512bw", "avx512vl"} <= flags:
         assert cpu_attention.vector_lanes() == 16
     elif {"avx2", "fma"} <= flags:
@@ -189,6 +204,7 @@ ISA_CHECK = textwrap.dedent("""
     from pallas_kernels.attention import cpu as cpu_attention
     from pallas_kernels.attention.reference import ragged_paged_attention_reference as ref
     assert cpu_attention.vector_lanes() == int(sys.argv[1]), cpu_attention.vector_lanes()
+    assert not cpu_attention.bf16_dots()
     rng = np.random.default_rng(0)
     cases = ((jnp.float32, 2e-5, 64, 16), (jnp.bfloat16, 2e-2, 40, 8), (jnp.float32, 2e-5, 20, 32))
     for dtype, tol, D, bs in cases:
@@ -207,13 +223,16 @@ ISA_CHECK = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("march,lanes", [("haswell", 8), ("x86-64", 0)])
+@pytest.mark.parametrize("march,lanes", [("skylake-avx512", 16), ("haswell", 8), ("x86-64", 0)])
 def test_isa_build_equals_the_reference(march, lanes):
     """The kernel built for another ISA in a subprocess (its own build and registration) against the
-    reference: haswell, AVX2 + FMA (the 8-lane vector path of CPUs without AVX-512); x86-64, SSE2 only (the
-    plain-loop `attend()` of CPUs without AVX2). The native build (AVX-512 here) is every other test's."""
+    reference: skylake-avx512, AVX-512 without BF16 (16 lanes, a bfloat16 pool's rows widened for the logits);
+    haswell, AVX2 + FMA (the 8-lane vector path of CPUs without AVX-512); x86-64, SSE2 only (the plain-loop
+    `attend()` of CPUs without AVX2). The native build (AVX-512 + BF16 here) is every other test's."""
     if platform.machine() != "x86_64":
         pytest.skip(f"-march={march} builds for x86-64; this machine is {platform.machine()}")
+    if lanes == 16 and not {"avx512f", "avx512bw", "avx512vl"} <= set(loader.cpu_flags().split()):
+        pytest.skip(f"-march={march} needs AVX-512 F, BW and VL to run; this CPU has not all of them")
     env = {**os.environ, "JAXPAGED_CPU_KERNEL_MARCH": march, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", ISA_CHECK, str(lanes)], capture_output=True, text=True, env=env,
                           timeout=600)

@@ -8,11 +8,13 @@
 // Two implementations of one contract, chosen when the source is compiled (-march=native):
 // - AVX-512 (F, BW, VL): a work unit is (slot, tile of up to TILE_ROWS query rows) over every KV head, so a
 //   unit walks its slot's blocks once and reads each block's K and V rows of all heads, contiguous in the
-//   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer). Per block and KV
-//   head: the logits of the G x rows query vectors (16-lane dots, the dots of 16 keys summed transposed into
-//   one vector of logits), then the softmax over the block's keys 16 at a time (masking, max, a vector exp)
-//   and the values weighted into float32 accumulators (online softmax merged once a block). The next
-//   block's rows of each head are prefetched into L2 while the head is worked on.
+//   pool, straight from the pool into registers (bfloat16 widened by a shift, no buffer; on AVX-512 BF16 a
+//   bfloat16 pool's logits take its rows as they are, by vdpbf16ps: cpu_dpbf16.h). The blocks go in tiles
+//   of whole blocks (TILE_KEYS keys, at least a block). Per tile and KV head: the logits of the G x rows query
+//   vectors (16-lane dots, the dots of 16 keys summed transposed into one vector of logits), then the
+//   softmax over the tile's keys 16 at a time (masking, max, a vector exp) and the values weighted into
+//   float32 accumulators (online softmax merged once a tile); a tile's blocks in order, each block's heads in
+//   turn, the next block's rows of a head prefetched into L2 while the head is worked on.
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
@@ -387,6 +389,8 @@ inline void values_group(const float* p, int bsp, const float* alpha, float* acc
   }
 }
 
+#include "cpu_dpbf16.h"  // JP_DPBF16: the logits of a bfloat16 pool by vdpbf16ps
+
 #define JP_GROUPS(F, BF, ni, ...)          \
   switch (ni) {                            \
     case 1: F<BF, 1>(__VA_ARGS__); break;  \
@@ -412,6 +416,10 @@ inline void prefetch_head(const char* k, const char* v, size_t head, size_t span
 }
 
 constexpr int MAX_BLOCK = 128;  // block_size on the vector path (the caller falls back beyond)
+// Keys of one softmax update (a tile of whole blocks, at least one): the update's fixed work per query vector
+// (the maximum, a scalar exp, the sum, the rescale of the accumulators) spread over more keys than a block.
+constexpr int TILE_KEYS = 64;
+constexpr int MAX_TILE = std::max(TILE_KEYS, MAX_BLOCK);  // a tile's logits a query vector, at most (cb * bsp)
 
 // One unit: rows u.row0..u.row0+u.rows of slot u.slot, every KV head, over the slot's keys.
 template <bool BF16>
@@ -424,14 +432,27 @@ void attend_vector(const Problem& P, const Unit& u) {
   thread_local std::vector<float> buf;
   const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head, row, g)
   const size_t W = static_cast<size_t>(nc) * L;    // a query vector's floats, zero-padded
-  buf.resize(QV * (2 * W + 2) + static_cast<size_t>(R) * (bsp + 1) + 16);
-  // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries
+#if JP_DPBF16
+  const int nb = (D + BH - 1) / BH, db = D - BH * (nb - 1);  // bfloat16 vectors of a row, the last one's values
+  const size_t W2 = static_cast<size_t>(nb) * BH;             // a split query's bfloat16 values, zero-padded
+#else
+  const size_t W2 = 0;
+#endif
+  const int cb = std::max(1, TILE_KEYS / bsp);  // blocks of a tile: the keys of one softmax update
+  const int sp = cb * bsp;                      // a tile's logits a query vector
+  buf.resize(QV * (2 * W + W2 + 4 + sp) + 16);
+  // [QV, W] weighted values, 64-byte aligned, then [QV, W] the unit's queries, then (bfloat16 pools on
+  // AVX-512 BF16) [QV, W2] their hi and [QV, W2] their lo bfloat16 halves
   float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t{63});
   float* qb = acc + QV * W;
-  float* m = qb + QV * W;                           // [QV] running max
+  uint16_t* qhi = reinterpret_cast<uint16_t*>(qb + QV * W);
+  uint16_t* qlo = qhi + QV * W2;
+  float* m = qb + QV * (W + W2);                    // [QV] running max
   float* l = m + QV;                                // [QV] running sum
-  float* s = l + QV;                                // [R, bsp] one head's logits, then probabilities, of a block
-  float* alpha = s + static_cast<size_t>(R) * bsp;  // [R]
+  float* s = l + QV;                                // [QV, sp] the logits, then probabilities, of a tile
+  float* alpha = s + QV * sp;                       // [QV] the rescale of the old sums by a tile
+  float* ones = alpha + QV;                         // [QV] ones: the rescale of a tile's later blocks
+  std::fill(ones, ones + QV, 1.f);
   std::fill(acc, acc + 2 * QV * W, 0.f);
   std::fill(m, m + QV, NEG);
   std::fill(l, l + QV, 0.f);
@@ -448,76 +469,107 @@ void attend_vector(const Problem& P, const Unit& u) {
     for (int i = 0; i < R; ++i)
       std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W, P.q + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D,
                   sizeof(float) * D);
+#if JP_DPBF16
+  bool with_lo = false;  // some query is not bfloat16-exact: its logits take the lo halves too
+  if constexpr (BF16)
+    for (size_t i = 0; i < QV; ++i) with_lo |= split_query(qb + i * W, D, nb, qhi + i * W2, qlo + i * W2);
+#endif
   const size_t elt = BF16 ? 2 : 4;
   const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
   const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
-  for (int64_t b = (hi < 0 ? 1 : lo / bs), last = hi / bs; hi >= 0 && b <= last; ++b) {
-    int64_t id = P.tables[u.slot * P.B + std::min<int64_t>(b, P.B - 1)];
-    id = std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1);  // the reference's gathers clip
-    const int n = static_cast<int>(std::min<int64_t>(bs, hi + 1 - b * bs));  // keys of the block <= hi
-    const size_t bytes = static_cast<size_t>(bs) * key_stride;              // a block of one pool
-    const char* kblock = P.k + static_cast<size_t>(id) * bytes;
-    const char* vblock = P.v + static_cast<size_t>(id) * bytes;
-    const char *knext = nullptr, *vnext = nullptr;  // the next block, prefetched a head at a time
-    if (b < last) {
-      int64_t nid = P.tables[u.slot * P.B + std::min<int64_t>(b + 1, P.B - 1)];
-      const size_t off = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(nid, 0), P.NB - 1)) * bytes;
-      knext = P.k + off, vnext = P.v + off;
+  const int64_t first = hi < 0 ? 1 : lo / bs, last = hi / bs;  // the blocks the unit reads
+  const size_t bytes = static_cast<size_t>(bs) * key_stride;       // a block of one pool
+  // The pool offset of block b of the slot (the reference's gathers clip the id).
+  auto block_at = [&](int64_t b) {
+    const int64_t id = P.tables[u.slot * P.B + std::min<int64_t>(b, P.B - 1)];
+    return static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(id, 0), P.NB - 1)) * bytes;
+  };
+  const size_t head_bytes = static_cast<size_t>(D) * elt;
+  for (int64_t b0 = first; hi >= 0 && b0 <= last; b0 += cb) {
+    const int nblk = static_cast<int>(std::min<int64_t>(cb, last + 1 - b0));  // blocks of this tile
+    size_t off[MAX_TILE / L];                       // the tile's blocks
+    int nk[MAX_TILE / L];                           // keys of each block <= hi
+    for (int t = 0; t < nblk; ++t) {
+      off[t] = block_at(b0 + t);
+      nk[t] = static_cast<int>(std::min<int64_t>(bs, hi + 1 - (b0 + t) * bs));
+    }
+    // logits s[h, i, t * bsp + j] = q_i . k_j of block t, i = (row, g), a block's heads after each other (its
+    // rows are contiguous); the next block's rows of a head prefetched while the head is worked on
+    for (int t = 0; t < nblk; ++t) {
+      const size_t next = b0 + t < last ? block_at(b0 + t + 1) : 0;
+      for (int h = 0; h < Hkv; ++h) {
+        const char* kh = P.k + off[t] + h * head_bytes;
+        if (b0 + t < last) prefetch_head(P.k + next, P.v + next, h * head_bytes, head_bytes, key_stride, bs);
+        float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
+        for (int i0 = 0; i0 < R; i0 += GROUP) {
+#if JP_DPBF16
+          if constexpr (BF16) {
+            const size_t at = (static_cast<size_t>(h) * R + i0) * W2;
+            logits_bh_group(R - i0, with_lo, qhi + at, qlo + at, nb, db, kh, key_stride, nk[t],
+                            sh + static_cast<size_t>(i0) * sp, sp);
+            continue;
+          }
+#endif
+          JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride,
+                    nk[t], sh + static_cast<size_t>(i0) * sp, sp)
+        }
+      }
     }
     for (int h = 0; h < Hkv; ++h) {
-      const char* kh = kblock + static_cast<size_t>(h) * D * elt;
-      const char* vh = vblock + static_cast<size_t>(h) * D * elt;
-      if (knext != nullptr) prefetch_head(knext, vnext, static_cast<size_t>(h) * D * elt, D * elt, key_stride, bs);
-      // logits s[i, j] = q_i . k_j, i = (row, g)
-      for (int i0 = 0; i0 < R; i0 += GROUP)
-        JP_GROUPS(logits_group, BF16, R - i0, qb + (static_cast<size_t>(h) * R + i0) * W, nc, dv, kh, key_stride, n,
-                  s + static_cast<size_t>(i0) * bsp, bsp)
-      // the block's softmax update, L keys at a time; alpha rescales the old sums
+      // the tile's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
         const F p_lo = Lanes::set1(P.window > 0 ? static_cast<float>(pos[r] - P.window) : -1.f);
         for (int g = 0; g < G; ++g) {
           const int i = r * G + g;
           const size_t qi = static_cast<size_t>(h) * R + i;
-          float* si = s + static_cast<size_t>(i) * bsp;
+          float* si = s + (static_cast<size_t>(h) * R + i) * sp;
           F mx = Lanes::set1(NEG);
-          M seen[MAX_BLOCK / L];
-          for (int c = 0; c * L < n; ++c) {
-            const F kp = Lanes::add(Lanes::set1(static_cast<float>(b * bs + L * c)), lane);
-            seen[c] = Lanes::both(Lanes::both(Lanes::le(kp, p_hi), Lanes::gt(kp, p_lo)), Lanes::first(n - L * c));
-            F x = Lanes::mul(Lanes::loadu(si + L * c), scale);
-            if (P.softcap > 0.f) {
-              alignas(64) float t[L];
-              Lanes::store(t, x);
-              for (float& e : t) e = P.softcap * std::tanh(e / P.softcap);
-              x = Lanes::load(t);
+          M seen[MAX_TILE / L];
+          for (int t = 0, c = 0; t < nblk; ++t)
+            for (int j = 0; j < nk[t]; j += L, ++c) {  // c: the vector at t * bsp + j
+              const F kp = Lanes::add(Lanes::set1(static_cast<float>((b0 + t) * bs + j)), lane);
+              seen[c] = Lanes::both(Lanes::both(Lanes::le(kp, p_hi), Lanes::gt(kp, p_lo)), Lanes::first(nk[t] - j));
+              F x = Lanes::mul(Lanes::loadu(si + t * bsp + j), scale);
+              if (P.softcap > 0.f) {
+                alignas(64) float e[L];
+                Lanes::store(e, x);
+                for (float& y : e) y = P.softcap * std::tanh(y / P.softcap);
+                x = Lanes::load(e);
+              }
+              Lanes::storeu(si + t * bsp + j, x);
+              mx = Lanes::max_where(seen[c], mx, x);
             }
-            Lanes::storeu(si + L * c, x);
-            mx = Lanes::max_where(seen[c], mx, x);
-          }
           const float mb = Lanes::hmax(mx);
-          if (mb <= NEG) {  // this query sees none of the block: its sums stay as they are
-            alpha[i] = 1.f;
-            std::fill(si, si + n, 0.f);
+          if (mb <= NEG) {  // this query sees none of the tile: its sums stay as they are
+            alpha[qi] = 1.f;
+            std::fill(si, si + sp, 0.f);
             continue;
           }
           const float m_new = std::max(m[qi], mb);
-          alpha[i] = std::exp(m[qi] - m_new);
+          alpha[qi] = std::exp(m[qi] - m_new);
           F sum = Lanes::zero();
-          for (int c = 0; c * L < n; ++c) {
-            const F p = Lanes::keep(seen[c], vexp(Lanes::sub(Lanes::loadu(si + L * c), Lanes::set1(m_new))));
-            Lanes::storeu(si + L * c, p);
-            sum = Lanes::add(sum, p);
-          }
+          for (int t = 0, c = 0; t < nblk; ++t)
+            for (int j = 0; j < nk[t]; j += L, ++c) {
+              const F p = Lanes::keep(seen[c], vexp(Lanes::sub(Lanes::loadu(si + t * bsp + j), Lanes::set1(m_new))));
+              Lanes::storeu(si + t * bsp + j, p);
+              sum = Lanes::add(sum, p);
+            }
           m[qi] = m_new;
-          l[qi] = l[qi] * alpha[i] + Lanes::hsum(sum);
+          l[qi] = l[qi] * alpha[qi] + Lanes::hsum(sum);
         }
       }
-      // values: acc_i = alpha_i acc_i + sum_j p_ij v_j
-      for (int i0 = 0; i0 < R; i0 += GROUP)
-        JP_GROUPS(values_group, BF16, R - i0, s + static_cast<size_t>(i0) * bsp, bsp, alpha + i0,
-                  acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh, key_stride, n)
     }
+    // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
+    for (int t = 0; t < nblk; ++t)
+      for (int h = 0; h < Hkv; ++h) {
+        const char* vh = P.v + off[t] + h * head_bytes;
+        const float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
+        for (int i0 = 0; i0 < R; i0 += GROUP)
+          JP_GROUPS(values_group, BF16, R - i0, sh + static_cast<size_t>(i0) * sp, sp,
+                    (t == 0 ? alpha : ones) + h * R + i0, acc + (static_cast<size_t>(h) * R + i0) * W, nc, dv, vh,
+                    key_stride, nk[t])
+      }
   }
   for (int h = 0; h < Hkv; ++h) {
     for (int i = 0; i < R; ++i) {
@@ -633,3 +685,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxpagedCpuPagedAttention, Impl,
 
 // The vector path's float32 lanes in this build (16: AVX-512, 8: AVX2 + FMA), 0 without it.
 extern "C" int JaxpagedCpuAttentionVectorized() { return JP_AVX512 ? 16 : JP_AVX2 ? 8 : 0; }
+
+// 1 where this build takes a bfloat16 pool's logits by vdpbf16ps (AVX-512 BF16, cpu_dpbf16.h), else 0.
+extern "C" int JaxpagedCpuAttentionBf16Dots() {
+#if JP_AVX512 || JP_AVX2
+  return JP_DPBF16;
+#else
+  return 0;
+#endif
+}

@@ -45,6 +45,13 @@ def vector_lanes() -> int:
     return int(lib.JaxpagedCpuAttentionVectorized()) if lib is not None else 0
 
 
+def bf16_dots() -> bool:
+    """The kernel takes a bfloat16 pool's logits by AVX-512 BF16 dot products here (vdpbf16ps, queries split
+    into bfloat16 hi + lo); False: the pool's rows widened to float32 lanes (or the kernel is not available)."""
+    lib = _library()
+    return lib is not None and bool(lib.JaxpagedCpuAttentionBf16Dots())
+
+
 def vectorized() -> bool:
     """The kernel has its vector path here: the one `attention_backend="auto"` picks on CPU targets."""
     return vector_lanes() > 0
