@@ -176,7 +176,8 @@ def main(argv=None) -> int:
                          f"{s['median_tpot_ms']:.1f}", f"{ratio:.2f}x" if ratio else "-"])
     print(bc.table(rows, ["server", "load", "output tok/s", "median TTFT ms", "median TPOT ms",
                           f"tok/s vs {peer or '-'}"]))
-    bc.write_json(args.json, {"machine": bc.machine_info(), "peer": peer, "runs": runs, "logs": log_dir,
+    bc.write_json(args.json, {**bc.run_info("serving_vs_vllm", argv), "machine": bc.machine_info(), "peer": peer,
+                              "runs": runs, "logs": log_dir,
                               "settings": {k: v for k, v in vars(args).items() if k != "json"}})
     return 0
 
