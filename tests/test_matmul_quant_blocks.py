@@ -5,6 +5,7 @@ product of a multi-matrix call the same as alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_matmul_quant_outlier import packed
 
 from jaxpaged.testing.kernel_activations import int8_rounded
 from pallas_kernels.matmul import cpu_quant as cq
@@ -18,15 +19,6 @@ CASES = [  # M, K, N, bits, zero, has_min, scale_bytes, act_bits, tau: row tails
     (64, 512, 48, 8, 0, True, 2, 16, TAU), (15, 130, 24, 8, 0, True, 4, 8, 0.0), (6, 64, 16, 4, 0, True, 2, 8, 0.0),
     (13, 200, 100, 4, 8, False, 4, 8, 0.0), (20, 288, 40, 4, 0, True, 2, 8, 0.0),
 ]
-
-
-def packed(rng, layout):
-    """A random packed matrix of the layout and the float64 matrix it stands for."""
-    u = rng.integers(0, 2 ** layout.bits, (layout.K, layout.N), dtype=np.uint8)
-    s = rng.uniform(1e-3, 2e-2, layout.scale_shape).astype(np.float16).astype(np.float32)
-    m = rng.normal(0, 0.05, s.shape).astype(np.float16).astype(np.float32) if layout.has_min else None
-    w = cq.pack(u, s, m, layout)
-    return w, np.asarray(cq.dequantize(w, layout), np.float64)
 
 
 def activations(rng, M, K):

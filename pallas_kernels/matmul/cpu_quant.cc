@@ -444,6 +444,15 @@ inline __m512 scales16v(const uint8_t* p, const Meta& P, int64_t j, __m512 dv) {
   return P.ns ? _mm512_mul_ps(dv, sub16(p + 16 * P.sb + 16 * j)) : load16(p, P.sb);
 }
 
+// Row m's outputs of NT tiles from t0 (the last tile's columns past N left unwritten).
+template <int NT>
+inline void store_tiles(const Call& C, int64_t m, int64_t t0, const __m512* y) {
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, C.P.N - n0);
+    _mm512_mask_storeu_ps(C.out + m * C.P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
+  }
+}
+
 // acc[r][t] += the dots of one plane of R rows' int8 activations (x[r] from k0) with NT tiles' 8-bit codes
 // (tile t's at w + t * tb, from the block's first vector) over F k: int8 codes, or int16 ones' high plane alone.
 template <int R, int NT>
@@ -573,11 +582,7 @@ void vnni_tiles(const Call& C, int64_t r0, int64_t t0) {
     if (split)
       for (int t = 0; t < NT; ++t) y[0][t] = _mm512_fmadd_ps(dmv[t], ym[t], _mm512_fmadd_ps(dv[t], ys[t], y[0][t]));
   }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) {
-      const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
-      _mm512_mask_storeu_ps(C.out + (r0 + r) * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[r][t]);
-    }
+  for (int r = 0; r < R; ++r) store_tiles<NT>(C, r0 + r, t0, y[r]);
 }
 
 // One row x NT tiles of 4-bit codes with scale groups and activation blocks of 32 k (`row4_fits`): the unrolled
@@ -593,10 +598,7 @@ void vnni_row4(const Call& C, int64_t r, int64_t t0) {
                         C.A.xsum.data() + r * P.nsg()};
   __m512 y[NT];
   jp_row4::row4<NT, TWO, MIN>(a, y);
-  for (int t = 0; t < NT; ++t) {
-    const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
-    _mm512_mask_storeu_ps(C.out + r * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
-  }
+  store_tiles<NT>(C, r, t0, y);
 }
 
 // One row x NT tiles of 8-bit codes, one-level, activation blocks of 32 k and scale groups of a multiple of 32
@@ -613,10 +615,7 @@ void vnni_row8(const Call& C, int64_t r, int64_t t0) {
                         C.A.lowf.data() + r * P.nf()};
   __m512 y[NT];
   jp_row8::row8<NT, WIDE, MIN>(a, y);
-  for (int t = 0; t < NT; ++t) {
-    const int64_t n0 = (t0 + t) * 16, nn = std::min<int64_t>(16, P.N - n0);
-    _mm512_mask_storeu_ps(C.out + r * P.N + n0, static_cast<__mmask16>((1u << nn) - 1), y[t]);
-  }
+  store_tiles<NT>(C, r, t0, y);
 }
 #endif
 
