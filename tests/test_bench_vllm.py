@@ -132,3 +132,18 @@ def test_converted_model_exported_for_vllm(tmp_path):
     cfg = ModelConfig.from_dir(src)
     a, b = load_params(src, cfg, "float32"), load_params(out, cfg, "float32")
     np.testing.assert_array_equal(a["layers"]["wq"], b["layers"]["wq"])
+
+
+def test_vllm_w8a8_beside_its_plain_weights(tmp_path, monkeypatch):
+    """--vllm-quantization none --vllm-quantization w8a8: one run each, the second on the compressed-tensors
+    copy (jaxpaged/bench/w8a8.py), labelled and recorded."""
+    src = make_tiny_model(str(tmp_path / "hf"), "llama", vocab_size=300)
+    log = use_stand_in(tmp_path, monkeypatch)
+    out = throughput.main(_args(src, "--backend", "vllm", "--vllm-dtype", "bfloat16",
+                                "--vllm-quantization", "none", "--vllm-quantization", "w8a8"))
+    assert set(out["results"]) == {"vllm", "vllm-w8a8"}
+    assert out["results"]["vllm-w8a8"]["vllm_quantization"] == "w8a8"
+    inits = [json.loads(line)["init"]["model"] for line in log.read_text().splitlines() if "init" in line]
+    assert inits == [src, src + "-w8a8"]
+    cfg = json.load(open(os.path.join(src + "-w8a8", "config.json")))
+    assert cfg["quantization_config"]["format"] == "int-quantized"

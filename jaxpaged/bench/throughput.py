@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
                     "fast CPU dtype against transformers' usual one)")
     bc.add_workload_args(ap, num_prompts=128, prompt_len=(32, 256), output_len=(16, 256))
     bc.add_engine_args(ap, exclude=("tensor_parallel_size", "data_parallel_size"))  # repeatable here, below
-    vllm_peer.add_args(ap)
+    vllm_peer.add_args(ap, quantization=True)
     ap.add_argument("--json-fraction", type=float, default=0.0,
                     help="also run jaxpaged with this fraction of requests JSON-schema constrained")
     ap.add_argument("--tensor-parallel-size", type=int, action="append", metavar="N",
@@ -165,9 +165,8 @@ def main(argv=None) -> dict:
         if skipped["vllm"] is None:
             from jaxpaged.config import default_cache_dir
             export = os.path.join(default_cache_dir(), "bench-models", "vllm-export")
-            for d in vllm_peer.dtypes(args):  # each labelled by its dtype when there are two
-                name = "vllm" if len(vllm_peer.dtypes(args)) == 1 else f"vllm-{d}"
-                run(name, lambda d=d: vllm_peer.run_vllm(model_dir, wl, args, export, d))
+            for name, d, q in vllm_peer.configurations(args):  # labelled by what differs between them
+                run(name, lambda d=d, q=q: vllm_peer.run_vllm(model_dir, wl, args, export, d, q))
         else:
             bc.say(skipped["vllm"])
     engine_dtypes = list(dict.fromkeys(args.jaxpaged_dtype or [args.dtype]))

@@ -35,9 +35,9 @@ import time
 VLLM_DTYPES = ("best", "both", "float32", "bfloat16", "float16")
 
 
-def add_args(ap, dtype: str | None = "best") -> None:
+def add_args(ap, dtype: str | None = "best", quantization: bool = False) -> None:
     """The vLLM options; `dtype`: --vllm-dtype's default ("best": vLLM's fastest dtype on this CPU, None:
-    follow --dtype)."""
+    follow --dtype); `quantization`: offer --vllm-quantization (the benches whose runs take it)."""
     g = ap.add_argument_group("vllm backend")
     g.add_argument("--vllm-python", default=sys.executable,
                    help="interpreter that can `import vllm` (e.g. a separate venv's bin/python)")
@@ -47,6 +47,11 @@ def add_args(ap, dtype: str | None = "best") -> None:
                    help=f"vLLM's dtype (default: {dtype or '--dtype'}); best: its fastest on this CPU (bfloat16 "
                    "with AMX or AVX-512 BF16 units: 2.5x its float32 with AMX, 1.6x on AVX-512 BF16; float32 "
                    "elsewhere, where its bfloat16 is slower); both: float32 and bfloat16, one after the other")
+    if quantization:
+        g.add_argument("--vllm-quantization", action="append", choices=("none", "w8a8"), default=None,
+                       help="vLLM's weights (repeatable: one run each): none (the model as it is, default) or "
+                            "w8a8 (its int8 weights with int8 per-token activations, from a compressed-tensors "
+                            "copy the bench writes: jaxpaged/bench/w8a8.py)")
     g.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.3,
                    help="vLLM's gpu_memory_utilization: on its CPU backend the fraction of host memory it "
                         "reserves (default 0.3: its 0.92 refuses to start beside other processes, and its "
@@ -66,6 +71,22 @@ def dtypes(args) -> list[str]:
     if asked == "best":
         return [best_dtype(bc.cpu_info().get("cpu_flags", ()))]
     return ["float32", "bfloat16"] if asked == "both" else [asked]
+
+
+def quantizations(args) -> list[str]:
+    """vLLM's weight formats, from --vllm-quantization (default: none)."""
+    return list(dict.fromkeys(getattr(args, "vllm_quantization", None) or ["none"]))
+
+
+def configurations(args) -> list[tuple[str, str, str]]:
+    """(label, dtype, quantization) of each vLLM run: "vllm" alone, else labelled by what differs."""
+    ds, qs = dtypes(args), quantizations(args)
+    out = []
+    for q in qs:
+        for d in ds:
+            label = "vllm" + (f"-{d}" if len(ds) > 1 else "") + (f"-{q}" if len(qs) > 1 and q != "none" else "")
+            out.append((label, d, q))
+    return out
 
 
 def vllm_env(args) -> dict:
@@ -130,19 +151,25 @@ def call_worker(args, job: dict, export_root: str, script: str = __file__) -> di
             return json.load(f)
 
 
-def run_vllm(model_dir: str, wl, args, export_root: str, dtype: str | None = None) -> dict:
-    """Run the workload through vLLM in a subprocess, in `dtype` (default: the first of `dtypes(args)`); the
-    summary as the other backends give it."""
+def run_vllm(model_dir: str, wl, args, export_root: str, dtype: str | None = None,
+             quantization: str = "none") -> dict:
+    """Run the workload through vLLM in a subprocess, in `dtype` (default: the first of `dtypes(args)`), its
+    weights as they are or (`quantization` "w8a8") its own int8 W8A8; the summary as the other backends give it."""
     from jaxpaged.bench import common as bc
     dtype = dtype or dtypes(args)[0]
-    job = dict(model=hf_dir_for(model_dir, export_root), dtype=dtype, max_num_seqs=args.max_num_seqs,
+    model = hf_dir_for(model_dir, export_root)
+    if quantization == "w8a8":
+        from jaxpaged.bench.w8a8 import w8a8_dir
+        model = w8a8_dir(model)
+    job = dict(model=model, dtype=dtype, max_num_seqs=args.max_num_seqs,
                max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
     got = call_worker(args, job, export_root)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
-    return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, omp_num_threads=args.vllm_threads,
+    return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, vllm_quantization=quantization,
+                omp_num_threads=args.vllm_threads,
                 gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                 cpu_bind=args.vllm_cpu_bind, note="all requests submitted at once to vllm.LLM.generate; "
                 "no per-request times")
