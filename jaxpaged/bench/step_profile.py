@@ -8,12 +8,13 @@ instruction of the compiled program to a kind by its HLO text:
 - `attention`: a custom call whose target is an attention kernel;
 - `xla_own`: every other thunk (norms, RoPE, the KV writes, gathers, the sampler, copies);
 - while / conditional / call thunks hold others: they are not counted themselves.
-`profile_step` calls the step in pairs, one untraced (timed) and one traced in a session of its own, inside
-an annotation (the call's window), and shares each instant of the traced window of median length among the
-thunks running then (two at once: half each), so the kinds and `between` (no thunk running: dispatch, waits,
-thread-pool wake-ups) add up to that window. The tracer's own cost, `profiler_ms`, is that window less the
-untraced call of the same rank: it lies inside the kinds and `between` (each thunk's record is made and named
-around its span, some of it inside the spans of the custom calls), in shares the trace cannot tell.
+`profile_step` calls the step in pairs, one untraced (timed) and one traced in a session of its own inside
+an annotation (the call's window), each right after an untimed call, and shares each instant of the traced
+window of median length among the thunks running then (two at once: half each), so the kinds and `between`
+(no thunk running: dispatch, waits, thread-pool wake-ups) add up to that window. The tracer's own cost,
+`profiler_ms`, is that window less the untraced call of the same rank: it lies inside the kinds and
+`between` in shares the trace cannot tell (not only in `between`: the thunks' summed spans can exceed the
+untraced call).
 """
 from __future__ import annotations
 
@@ -151,17 +152,18 @@ def trace_once(step, module: str, kind_of: dict) -> dict:
 
 def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
     """`reps` pairs of calls of step() (each waits for its result), one untraced and timed, one traced in its
-    own session (trace_once), the pair's order alternating. Returns the ms per kind (KINDS and 'between') of
-    the traced call of median window ('window_ms', which they add up to), the untraced call of the same rank
-    ('replay_ms'), the tracer's own cost ('profiler_ms' = window_ms - replay_ms), minor page faults per
-    untraced call, thunks per call and the ten instructions with the most time in that window outside the
-    products and attention ('top_xla_own')."""
+    own session (trace_once), the pair's order alternating, each after an untimed call. Returns the ms per
+    kind (KINDS and 'between') of the traced call of median window ('window_ms', which they add up to), the
+    untraced call of the same rank ('replay_ms'), the tracer's own cost ('profiler_ms' = window_ms -
+    replay_ms), minor page faults per untraced call, thunks per call and the ten instructions with the most
+    time in that window outside the products and attention ('top_xla_own')."""
     kind_of = kinds(hlo_text)
     step()  # not timed: compiled and warm
     untraced, traced, faults = [], [], 0
 
-    def plain():
+    def plain():  # an untimed call first, as in trace_once: each timed call follows a call of the step
         nonlocal faults
+        step()
         f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         step()
         untraced.append(time.perf_counter() - t)
