@@ -178,8 +178,10 @@ def measure(eng, n: int, args) -> list[dict]:
         row["gap_ms"] = row["step_ms"] - row["sum_ms"]  # = call_ms - replay_ms
         row["gap_pct"] = 100 * row["gap_ms"] / row["step_ms"]
         row["fault_ms"] = row["faults_per_step"] * args.fault_cost_us / 1e3
+        ratios = sorted(w / u for u, w in row["pairs_ms"])  # traced / untraced replay, pair by pair
         bc.say(f"{label(row)}: step {row['step_ms']:.2f} ms, parts less profiler {row['sum_ms']:.2f} ms "
-               f"(profiler {row['profiler_ms']:.2f} ms), gap {row['gap_pct']:+.1f} %")
+               f"(profiler {row['profiler_ms']:.2f} ms; traced / untraced replay, pair by pair: median "
+               f"{statistics.median(ratios):.3f}, {ratios[0]:.3f}-{ratios[-1]:.3f}), gap {row['gap_pct']:+.1f} %")
     return rows
 
 

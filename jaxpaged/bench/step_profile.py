@@ -155,8 +155,9 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
     own session (trace_once), the pair's order alternating, each after an untimed call. Returns the ms per
     kind (KINDS and 'between') of the traced call of median window ('window_ms', which they add up to), the
     untraced call of the same rank ('replay_ms'), the tracer's own cost ('profiler_ms' = window_ms -
-    replay_ms), minor page faults per untraced call, thunks per call and the ten instructions with the most
-    time in that window outside the products and attention ('top_xla_own')."""
+    replay_ms), each pair's [untraced, traced] ms ('pairs_ms'), minor page faults per untraced call, thunks
+    per call and the ten instructions with the most time in that window outside the products and attention
+    ('top_xla_own')."""
     kind_of = kinds(hlo_text)
     step()  # not timed: compiled and warm
     untraced, traced, faults = [], [], 0
@@ -181,7 +182,8 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
     out = {f"{k}_ms": parts.get(k, 0.0) / 1e6 for k in (*KINDS, "between")}
     window_ms, replay_ms = (t1 - t0) / 1e6, 1e3 * sorted(untraced)[rank]
     top = sorted(chosen["per_op"].items(), key=lambda kv: -kv[1])[:10]
-    out.update(window_ms=window_ms, replay_ms=replay_ms, profiler_ms=window_ms - replay_ms,
+    pairs = [[1e3 * u, (r["window"][1] - r["window"][0]) / 1e6] for u, r in zip(untraced, traced)]
+    out.update(window_ms=window_ms, replay_ms=replay_ms, profiler_ms=window_ms - replay_ms, pairs_ms=pairs,
                replay_faults=faults / reps, thunks_per_step=len(spans),
                top_xla_own=[dict(op=op, ms=ns / 1e6) for op, ns in top])
     return out
