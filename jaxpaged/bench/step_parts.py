@@ -6,7 +6,8 @@ One engine (max_num_seqs = the largest --running; any engine flag, e.g. --quanti
 count N, N requests of --context random prompt tokens run until all of them decode; then --steps decode
 steps are timed one by one (`LLMEngine.step`), the compiled call's own time read through the timing seam
 (`ModelRunner.wrap_steps`; the call waits for its result), with the process's minor page faults per step
-(getrusage). The step of median wall time gives step_ms, and its own call and host (step = host + call).
+(getrusage). The step of median wall time gives step_ms, and its own call and host (step = host + call;
+with --async-scheduling on, the wait inside the call takes away the overlap the engine would have).
 The next step is captured and replayed on its inputs (as the engine passes them: the packed buffer from
 the host), --repeats pairs of one untraced replay and one under `jax.profiler` (a session each, the pair's
 order alternating; jaxpaged/bench/step_profile.py). The parts (ms per step):
