@@ -24,9 +24,9 @@ host is measured outside the compiled call, between inside it: nothing is counte
 parts less the profiler; gap_ms = step_ms - sum_ms (gap_pct of the step), which by the above is exactly the
 engine's compiled call less the untraced replay: how far the replay differs from the engine's own call
 (noise; the engine's call runs right after its host work, a replay after a replay). Nothing is scaled to
-fit. Page faults are printed beside
-them: per step, and their estimated ms (count x the cost of one fault on fresh memory, measured here);
-that time is already inside the parts (taken by the kernel that touches the page).
+fit. Page faults are printed beside them: per step, and their estimated ms (count x the cost of one fault
+on fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
+the page).
 read_all_weights_ms: a pass that only reads every parameter once, the bound a step's weight reads set.
 
 --prefill P adds a row after each count N: the step in which P new requests of --context random prompt
