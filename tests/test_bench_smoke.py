@@ -228,7 +228,10 @@ def test_latency(common, out_dir):
 
 
 def test_bench_step_parts(common, out_dir):
-    """bench_step_parts: at 1 and 4 running, each part measured, their sum and the gap to the step."""
+    """bench_step_parts: at 1 and 4 running, each part measured, their sum less the profiler's own cost and the
+    gap to the step; the accounting closes: the step is its host and its compiled call (the same engine step),
+    the device parts are the traced replay, the profiler that less the untraced one, so the gap is exactly the
+    engine's call less the untraced replay of the same step (nothing counted twice, nothing left out)."""
     from jaxpaged.bench import step_parts as bench_step_parts
     path = out_dir / "parts.json"
     out = bench_step_parts.main([*common, "--running", "1", "4", "--context", "8", "--steps", "3", "--repeats", "2",
@@ -237,9 +240,15 @@ def test_bench_step_parts(common, out_dir):
     for r in out["results"]:
         parts = [r[f"{p}_ms"] for p in bench_step_parts.PARTS]
         assert r["step_ms"] > 0 and r["products_ms"] > 0 and r["attention_ms"] > 0 and r["host_ms"] > 0
-        assert min(parts) >= 0 and r["sum_ms"] == pytest.approx(sum(parts))
+        assert min(parts) >= 0 and r["sum_ms"] == pytest.approx(sum(parts) - r["profiler_ms"])
         assert r["gap_ms"] == pytest.approx(r["step_ms"] - r["sum_ms"]) and r["thunks_per_step"] > 0
+        assert r["step_ms"] == pytest.approx(r["host_ms"] + r["call_ms"])
+        device = sum(r[f"{k}_ms"] for k in (*bench_step_parts.KINDS, "between"))
+        assert device == pytest.approx(r["window_ms"]) and r["replay_ms"] > 0
+        assert r["profiler_ms"] == pytest.approx(r["window_ms"] - r["replay_ms"])
+        assert r["gap_ms"] == pytest.approx(r["call_ms"] - r["replay_ms"], abs=1e-9)
         assert r["faults_per_step"] >= 0 and r["fault_ms"] >= 0 and r["top_xla_own"]
+        assert r["replay_host_inputs"] >= 1  # the packed inputs go from the host, as in the engine
     assert out["fault_cost_us"] > 0 and out["read_all_weights_ms"] > 0 and out["weight_bytes"] > 0
     saved = json.load(open(path))
     assert saved["machine"]["cpu_flags"] and saved["load_average"] and saved["command"].startswith("jaxpaged bench")
@@ -256,8 +265,31 @@ def test_bench_step_parts_prefill(common):
     assert rows[0]["tokens"] == 2 * 8 and rows[2]["tokens"] == 2 + 2 * 8
     for r in rows:
         assert r["step_ms"] > 0 and r["products_ms"] > 0 and r["attention_ms"] > 0
-        assert r["sum_ms"] == pytest.approx(sum(r[f"{p}_ms"] for p in bench_step_parts.PARTS))
+        assert r["sum_ms"] == pytest.approx(sum(r[f"{p}_ms"] for p in bench_step_parts.PARTS) - r["profiler_ms"])
+        assert r["gap_ms"] == pytest.approx(r["call_ms"] - r["replay_ms"], abs=1e-9)
     assert bench_step_parts.label(rows[2]) == "2 running + 2 prompts"
+
+
+def test_step_profile_one_call_per_window():
+    """step_profile.profile_step on a two-thunk program (a product fusion, then a loop fusion): the window holds
+    one call's thunks (not the session's untimed first call's), its kinds and between add up to it, and the
+    profiler's cost is that window less the untraced call of the same rank."""
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxpaged.bench.step_profile import KINDS, profile_step
+    a = jnp.ones((64, 64), jnp.float32)  # [64, 64]
+    fn = jax.jit(lambda x, y: jnp.tanh(x @ y) + 1).lower(a, a).compile()
+    text = fn.as_text()
+    entry = re.search(r"^ENTRY .*?^}", text, re.M | re.S).group(0)
+    thunks = len(re.findall(r"= \S+ fusion\(", entry))
+    out = profile_step(lambda: jax.block_until_ready(fn(a, a)), text, re.match(r"HloModule ([^\s,]+)", text).group(1),
+                       reps=3)
+    assert thunks == 2 and out["thunks_per_step"] == thunks and out["products_ms"] > 0
+    assert sum(out[f"{k}_ms"] for k in (*KINDS, "between")) == pytest.approx(out["window_ms"])
+    assert out["profiler_ms"] == pytest.approx(out["window_ms"] - out["replay_ms"]) and out["replay_ms"] > 0
 
 
 def test_step_profile_kinds_and_shares():

@@ -24,7 +24,7 @@ COMMANDS = {  # WHAT -> what it measures (the module's docstring says how)
     "prefix": "a shared system prompt: TTFT and throughput with prefix caching on and off",
     "host": "host overhead per decode step, and decode efficiency against a plain matmul",
     "kv_cache": "decode step time by kv_cache_dtype, A/B in one run",
-    "step_parts": "where a decode step goes at 1 and 64 running: products, attention, XLA's own, host, faults",
+    "step_parts": "a decode step's parts at 1 and 64 running: products, attention, XLA's own, host, profiler, faults",
     "step_message": "bytes the multi-host leader sends per step",
     "grammar": "grammar mask cost on the host: xgrammar vs llguidance, and the per-step mask fill",
     "research": "what the research hooks cost, and how long update_weights takes",

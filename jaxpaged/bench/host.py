@@ -65,14 +65,16 @@ class Timed:
 
 def capture_next_step(runner) -> dict:
     """Make the runner's steps record their compiled function and inputs (ModelRunner.wrap_steps) until
-    `runner.wrap_steps()` is called again; return the record, filled by the next step."""
+    `runner.wrap_steps()` is called again; return the record, filled by the next step: fn, inputs (host
+    copies) and on_device (per input: whether the step was given it on the device, not from the host)."""
     captured = {}
 
     def capture(key, compiled):
         def step(params, k, v, *inputs):
             import jax
             fn = compiled()
-            captured.update(fn=fn, inputs=jax.tree.map(np.array, inputs))
+            captured.update(fn=fn, inputs=jax.tree.map(np.array, inputs),
+                            on_device=jax.tree.map(lambda a: isinstance(a, jax.Array), inputs))
             return fn(params, k, v, *inputs)
         return step
 

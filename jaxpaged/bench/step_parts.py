@@ -6,19 +6,26 @@ One engine (max_num_seqs = the largest --running; any engine flag, e.g. --quanti
 count N, N requests of --context random prompt tokens run until all of them decode; then --steps decode
 steps are timed one by one (`LLMEngine.step`), the compiled call's own time read through the timing seam
 (`ModelRunner.wrap_steps`; the call waits for its result), with the process's minor page faults per step
-(getrusage). The next step is captured and replayed on its inputs, already on the device, --repeats
-times untraced, then --repeats times under `jax.profiler` (jaxpaged/bench/step_profile.py). The parts,
-each measured on its own (ms per step, medians):
+(getrusage). The step of median wall time gives step_ms, and its own call and host (step = host + call;
+with --async-scheduling on, the wait inside the call takes away the overlap the engine would have).
+The next step is captured and replayed on its inputs (as the engine passes them: the packed buffer from
+the host), --repeats pairs of one untraced replay and one under `jax.profiler` (a session each, the pair's
+order alternating; jaxpaged/bench/step_profile.py). The parts (ms per step):
   products    the weight products (XLA's dots, the AMX or the quantized C++ kernel), lm_head included
   attention   the paged-attention kernel of every layer
   xla_own     XLA's other thunks: norms, RoPE, the KV writes, gathers, the sampler, copies
-  between     no thunk running inside the compiled call: its dispatch, waits, thread-pool wake-ups
+  between     no thunk running inside the compiled call: its dispatch, the input copy, waits, wake-ups
   host        the engine step less its compiled call: scheduling, the inputs, reading back, the outputs
-The first four split the wall time of the traced replay of median length (step_profile.share); host
-comes from the engine's steps. sum_ms is their sum, gap_ms = step_ms - sum_ms (gap_pct of the step): what
-the parts miss or add (the tracer's own cost, the replay differing from the compiled call in the engine).
-Page faults are printed beside them: per step, and their estimated ms (count x the cost of one fault on
-fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
+  profiler    the tracer's own cost, printed negative: the traced replay of median length less the untraced
+              replay of the same rank. It is inside the first four, which split that traced replay whole
+              (step_profile.share), in shares the trace cannot tell (a cost per thunk: thunks_per_step
+              says how many), so each of them is too high by at most the profiler's line.
+host is measured outside the compiled call, between inside it: nothing is counted twice. sum_ms = the five
+parts less the profiler; gap_ms = step_ms - sum_ms (gap_pct of the step), which by the above is exactly the
+engine's compiled call less the untraced replay: how far the replay differs from the engine's own call
+(noise; the engine's call runs right after its host work, a replay after a replay). Nothing is scaled to
+fit. Page faults are printed beside them: per step, and their estimated ms (count x the cost of one fault
+on fresh memory, measured here); that time is already inside the parts (taken by the kernel that touches
 the page).
 read_all_weights_ms: a pass that only reads every parameter once, the bound a step's weight reads set.
 
@@ -94,8 +101,9 @@ def fill(eng, n: int, context: int, max_tokens: int, seed: int) -> list[str]:
 
 
 def engine_steps(eng, steps: int, before=None, after=None) -> dict:
-    """Median wall ms per step, ms of its compiled call, host ms (the difference) and minor faults per
-    step, over `steps` decode steps of the engine (`before` / `after`: called around each one, untimed)."""
+    """Over `steps` decode steps of the engine (`before` / `after`: called around each one, untimed): the step
+    of median wall time, whole: its wall ms, its compiled call's ms and its host ms (the difference); the
+    median minor faults per step."""
     calls: list[float] = []
 
     def timed(key, compiled):
@@ -123,14 +131,15 @@ def engine_steps(eng, steps: int, before=None, after=None) -> dict:
         eng.runner.wrap_steps(None)
     if len(calls) != steps:
         raise RuntimeError(f"{steps} engine steps ran {len(calls)} compiled calls")
-    return dict(step_ms=1e3 * statistics.median(walls), call_ms=1e3 * statistics.median(calls),
-                host_ms=1e3 * statistics.median(w - c for w, c in zip(walls, calls)),
+    i = sorted(range(steps), key=walls.__getitem__)[(steps - 1) // 2]  # host and call of the same step
+    return dict(step_ms=1e3 * walls[i], call_ms=1e3 * calls[i], host_ms=1e3 * (walls[i] - calls[i]),
                 faults_per_step=statistics.median(faults))
 
 
 def replayed(eng, repeats: int) -> dict:
-    """The next decode step captured, then replayed alone: untraced (device ms, faults per replay), then
-    traced (its parts: step_profile.profile_step)."""
+    """The next decode step captured, then replayed alone on its inputs (those the engine passed from the host
+    passed from the host again: the compiled call copies them in, as in the engine): `repeats` pairs of an
+    untraced and a traced replay (step_profile.profile_step: the parts, the tracer's own cost)."""
     import jax
     runner = eng.runner
     captured = capture_next_step(runner)
@@ -138,18 +147,16 @@ def replayed(eng, repeats: int) -> dict:
         eng.step()
     finally:
         runner.wrap_steps(None)
-    fn, inputs = captured["fn"], jax.device_put(captured["inputs"])
+    fn = captured["fn"]
+    inputs = jax.tree.map(lambda a, dev: jax.device_put(a) if dev else a, captured["inputs"], captured["on_device"])
 
     def step():  # the same K/V written again: the engine's state is unchanged
         out, runner.k_pool, runner.v_pool = fn(runner.step_params, runner.k_pool, runner.v_pool, *inputs)
         jax.block_until_ready(out)
-    f = minor_faults()
-    device = timing.samples(step, reps=repeats)
-    faults = (minor_faults() - f) / (repeats + 1)  # the warm-up call included
     text = fn.as_text()
     module = re.match(r"HloModule ([^\s,]+)", text).group(1)
-    return dict(replay_ms=1e3 * statistics.median(device), replay_faults=faults,
-                **profile_step(step, text, module, repeats))
+    host_inputs = sum(not dev for dev in jax.tree.leaves(captured["on_device"]))
+    return dict(replay_host_inputs=host_inputs, **profile_step(step, text, module, repeats))
 
 
 def measure(eng, n: int, args) -> list[dict]:
@@ -168,11 +175,14 @@ def measure(eng, n: int, args) -> list[dict]:
     while eng.has_unfinished_requests():
         eng.step()
     for row in rows:
-        row["sum_ms"] = sum(row[f"{p}_ms"] for p in PARTS)
-        row["gap_ms"] = row["step_ms"] - row["sum_ms"]
+        row["sum_ms"] = sum(row[f"{p}_ms"] for p in PARTS) - row["profiler_ms"]
+        row["gap_ms"] = row["step_ms"] - row["sum_ms"]  # = call_ms - replay_ms
         row["gap_pct"] = 100 * row["gap_ms"] / row["step_ms"]
         row["fault_ms"] = row["faults_per_step"] * args.fault_cost_us / 1e3
-        bc.say(f"{label(row)}: step {row['step_ms']:.2f} ms, parts {row['sum_ms']:.2f} ms, gap {row['gap_pct']:+.1f} %")
+        ratios = sorted(w / u for u, w in row["pairs_ms"])  # traced / untraced replay, pair by pair
+        bc.say(f"{label(row)}: step {row['step_ms']:.2f} ms, parts less profiler {row['sum_ms']:.2f} ms "
+               f"(profiler {row['profiler_ms']:.2f} ms; traced / untraced replay, pair by pair: median "
+               f"{statistics.median(ratios):.3f}, {ratios[0]:.3f}-{ratios[-1]:.3f}), gap {row['gap_pct']:+.1f} %")
     return rows
 
 
@@ -214,14 +224,17 @@ def measure_prefill(eng, n: int, args) -> dict:
 
 
 def report(rows: list[dict]) -> str:
-    """The parts as rows, one ms and % of the step column pair per running count."""
-    lines = [["step", *[c for r in rows for c in (r["step_ms"], "100%")]]]
-    for p in (*PARTS, "sum", "gap"):
-        lines.append([p, *[c for r in rows for c in (r[f"{p}_ms"], f"{100 * r[f'{p}_ms'] / r['step_ms']:.1f}%")]])
+    """The parts as rows, one ms and % of the step column pair per running count; the profiler's line is
+    negative: its cost is inside the four parts before host, and the sum leaves it out."""
+    def line(name, key, sign=1, share=True):
+        return [name, *[c for r in rows for c in (sign * r[key], f"{100 * sign * r[key] / r['step_ms']:.1f}%"
+                                                   if share else "")]]
+    lines = [line("step", "step_ms"), *[line(p, f"{p}_ms") for p in PARTS],
+             line("profiler (inside the above)", "profiler_ms", -1), line("sum", "sum_ms"), line("gap", "gap_ms")]
     faults = [c for r in rows for c in (r["fault_ms"], f"{r['faults_per_step']:.0f}/step")]
     lines.append(["page faults (inside)", *faults])
-    lines.append(["replay untraced", *[c for r in rows for c in (r["replay_ms"], "")]])
-    lines.append(["replay traced", *[c for r in rows for c in (r["window_ms"], "")]])
+    lines += [line("call in the engine", "call_ms", share=False), line("replay untraced", "replay_ms", share=False),
+              line("replay traced", "window_ms", share=False)]
     return bc.table(lines, ["ms per step", *[h for r in rows for h in (label(r), "share")]])
 
 
@@ -258,7 +271,8 @@ def main(argv=None) -> dict:
                read_all_weights_ms=read_all_weights_ms(eng.runner.params, args.repeats),
                weight_bytes=int(sum(a.nbytes for a in jax.tree.leaves(eng.runner.params))),
                load_average=os.getloadavg(), machine=bc.machine_info(),
-               note="parts measured apart: the traced replay split by kernel kind, the host from the engine's steps")
+               note="step = host + call in the engine; products + attention + xla_own + between = the traced replay; "
+                    "profiler = traced less untraced replay; sum = the parts less profiler; gap = call less replay")
     print(report(rows))
     print(f"read all weights once: {out['read_all_weights_ms']:.2f} ms; one page fault: {args.fault_cost_us:.2f} us")
     bc.write_json(args.json, out)

@@ -8,15 +8,21 @@ instruction of the compiled program to a kind by its HLO text:
 - `attention`: a custom call whose target is an attention kernel;
 - `xla_own`: every other thunk (norms, RoPE, the KV writes, gathers, the sampler, copies);
 - while / conditional / call thunks hold others: they are not counted themselves.
-`profile_step` traces `reps` replays, each inside its own annotation (the replay's window), and shares each
-instant of the window of median wall time among the thunks running then (two at once: half each), so the
-kinds and `between` (no thunk running: dispatch, waits, thread-pool wake-ups) add up to that window.
+`profile_step` calls the step in pairs, one untraced (timed) and one traced in a session of its own inside
+an annotation (the call's window), each right after an untimed call, and shares each instant of the traced
+window of median length among the thunks running then (two at once: half each), so the kinds and `between`
+(no thunk running: dispatch, waits, thread-pool wake-ups) add up to that window. The tracer's own cost,
+`profiler_ms`, is that window less the untraced call of the same rank: it lies inside the kinds and
+`between` in shares the trace cannot tell (not only in `between`: the thunks' summed spans can exceed the
+untraced call).
 """
 from __future__ import annotations
 
 import glob
 import re
+import resource
 import tempfile
+import time
 from collections import defaultdict
 
 KINDS = ("products", "attention", "xla_own")
@@ -102,30 +108,27 @@ def share(spans: list[tuple[int, int, str]], start: int, end: int) -> dict[str, 
     return dict(out)
 
 
-def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
-    """Trace `reps` calls of step() (each waits for its result); return the ms per kind (KINDS and 'between')
-    of the call of median wall time ('window_ms', which they add up to), thunks per call, and the ten
-    instructions with the most time per call outside the products and attention ('top_xla_own')."""
+def trace_once(step, module: str, kind_of: dict) -> dict:
+    """One `jax.profiler` session: an untimed call (the tracer's first-call costs), then one call inside the
+    WINDOW annotation; its window (ns), the spans (t0, t1, kind) of its thunks and ns per xla_own instruction."""
     import jax
     from jax.profiler import ProfileData
-    kind_of = kinds(hlo_text)
-    step()  # not traced: compiled and warm
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 0  # Python functions untraced: they would slow the dispatch in the window
     options.enable_hlo_proto = False
     with tempfile.TemporaryDirectory(prefix="jaxpaged-step-profile-") as d:
         jax.profiler.start_trace(d, profiler_options=options)
         try:
-            for _ in range(reps):
-                with jax.profiler.TraceAnnotation(WINDOW):
-                    step()
+            step()
+            with jax.profiler.TraceAnnotation(WINDOW):
+                step()
         finally:
             jax.profiler.stop_trace()
         files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
         if not files:
             raise RuntimeError(f"the profiler wrote no trace under {d}")
         trace = ProfileData.from_file(files[0])
-    windows, spans, per_op = [], [], defaultdict(float)
+    windows, events = [], []
     for plane in trace.planes:
         for line in plane.lines:
             for e in line.events:
@@ -136,16 +139,51 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
                 op = stats.get("hlo_op")
                 if op is None or stats.get("hlo_module") != module or kind_of.get(op, "container") == "container":
                     continue
-                spans.append((e.start_ns, e.start_ns + e.duration_ns, kind_of[op]))
-                if kind_of[op] == "xla_own":
-                    per_op[op] += e.duration_ns
-    if len(windows) != reps:
-        raise RuntimeError(f"the trace holds {len(windows)} step windows, not {reps}")
-    # the call of median wall time, whole: its parts add up to its window (medians of each part would not)
-    t0, t1 = sorted(windows, key=lambda w: w[1] - w[0])[(reps - 1) // 2]
-    parts = share(spans, t0, t1)
+                events.append((e.start_ns, e.start_ns + e.duration_ns, op))
+    if len(windows) != 1:
+        raise RuntimeError(f"the trace holds {len(windows)} step windows, not 1")
+    (t0, t1), per_op = windows[0], defaultdict(float)
+    spans = [(a, b, kind_of[op]) for a, b, op in events if a < t1 and b > t0]  # the warm-up call's left out
+    for a, b, op in events:
+        if a < t1 and b > t0 and kind_of[op] == "xla_own":
+            per_op[op] += min(b, t1) - max(a, t0)
+    return dict(window=(t0, t1), spans=spans, per_op=per_op)
+
+
+def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
+    """`reps` pairs of calls of step() (each waits for its result), one untraced and timed, one traced in its
+    own session (trace_once), the pair's order alternating, each after an untimed call. Returns the ms per
+    kind (KINDS and 'between') of the traced call of median window ('window_ms', which they add up to), the
+    untraced call of the same rank ('replay_ms'), the tracer's own cost ('profiler_ms' = window_ms -
+    replay_ms), each pair's [untraced, traced] ms ('pairs_ms'), minor page faults per untraced call, thunks
+    per call and the ten instructions with the most time in that window outside the products and attention
+    ('top_xla_own')."""
+    kind_of = kinds(hlo_text)
+    step()  # not timed: compiled and warm
+    untraced, traced, faults = [], [], 0
+
+    def plain():  # an untimed call first, as in trace_once: each timed call follows a call of the step
+        nonlocal faults
+        step()
+        f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        step()
+        untraced.append(time.perf_counter() - t)
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
+
+    def trace():
+        traced.append(trace_once(step, module, kind_of))
+    for i in range(reps):  # untraced, traced, traced, untraced, ...: a drift of the machine's speed cancels
+        for call in ((plain, trace) if i % 2 == 0 else (trace, plain)):
+            call()
+    rank = (reps - 1) // 2  # the same rank of both: median(traced) - median(untraced) is the tracer's cost
+    chosen = sorted(traced, key=lambda r: r["window"][1] - r["window"][0])[rank]
+    (t0, t1), spans = chosen["window"], chosen["spans"]
+    parts = share(spans, t0, t1)  # the call of median window, whole: its parts add up to it
     out = {f"{k}_ms": parts.get(k, 0.0) / 1e6 for k in (*KINDS, "between")}
-    top = sorted(per_op.items(), key=lambda kv: -kv[1])[:10]
-    out.update(window_ms=(t1 - t0) / 1e6, thunks_per_step=len(spans) / reps,
-               top_xla_own=[dict(op=op, ms=ns / reps / 1e6) for op, ns in top])
+    window_ms, replay_ms = (t1 - t0) / 1e6, 1e3 * sorted(untraced)[rank]
+    top = sorted(chosen["per_op"].items(), key=lambda kv: -kv[1])[:10]
+    pairs = [[1e3 * u, (r["window"][1] - r["window"][0]) / 1e6] for u, r in zip(untraced, traced)]
+    out.update(window_ms=window_ms, replay_ms=replay_ms, profiler_ms=window_ms - replay_ms, pairs_ms=pairs,
+               replay_faults=faults / reps, thunks_per_step=len(spans),
+               top_xla_own=[dict(op=op, ms=ns / 1e6) for op, ns in top])
     return out
