@@ -4,6 +4,7 @@ and anything but a jax.Array is refused by name."""
 import re
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,3 +50,22 @@ def test_collapse_backs_what_it_reports_and_keeps_the_values():
 def test_anything_but_a_jax_array_is_refused_by_name():
     with pytest.raises(ValueError, match=r"arrays\[1\] must be a jax.Array, got ndarray"):
         huge_pages.collapse([jnp.zeros(3), np.zeros(3)])
+
+
+@pytest.mark.parametrize("dtype, matmul_backend, collapsed", [("bfloat16", "cpu", True), ("bfloat16", "xla", False)])
+def test_the_runner_collapses_the_weights_a_cpu_kernel_reads(tiny_models, engine_kwargs, monkeypatch, dtype,
+                                                            matmul_backend, collapsed):
+    """bfloat16 products on the C++ kernel: every placed weight array goes to `collapse` once (its lone-row
+    reads run faster from huge pages); XLA's dot: none."""
+    from jaxpaged import LLM
+    from jaxpaged.step import runner
+    from pallas_kernels.matmul import cpu as cpu_matmul
+    if matmul_backend == "cpu" and not cpu_matmul.available():
+        pytest.skip("the C++ matmul kernel is not built here (no compiler)")
+    seen = []
+    monkeypatch.setattr(runner.huge_pages, "collapse", lambda arrays: seen.append(list(arrays)) or 0)
+    llm = LLM(model=tiny_models["llama"], **{**engine_kwargs, "dtype": dtype, "matmul_backend": matmul_backend})
+    r = llm.engine.runner
+    assert r.step_cfg.cpu_matmul == collapsed
+    params = [id(a) for a in jax.tree.leaves(r.params) if isinstance(a, jax.Array)]
+    assert [[id(a) for a in arrays] for arrays in seen] == ([params] if collapsed else [])

@@ -178,7 +178,7 @@ class ModelRunner:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.params = params if abstract else place_params(params, model_cfg, self.mesh)
         self.params = self._packed(self.params, owned=not abstract)  # placed just now: the runner's own
-        if self.quant_matmul:  # the quantized kernel reads them nearer the read rate from huge pages (huge_pages.py)
+        if self.step_cfg.cpu_matmul or self.quant_matmul:  # the CPU kernels read them faster from huge pages
             huge_pages.collapse(a for a in jax.tree.leaves(self.params) if isinstance(a, jax.Array))
         if self.platform == "cpu" and not abstract:  # a step's buffers reused, not faulted in afresh (host_malloc.py)
             host_malloc.keep_freed_memory()
