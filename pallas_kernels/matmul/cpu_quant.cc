@@ -170,14 +170,18 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
   } else {
     std::memcpy(r, static_cast<const float*>(x) + m * P.K, 4 * P.K);
   }
-  std::fill(r + P.K, r + P.Ka(), 0.f);
-  const int64_t nb = P.Ka() / P.A, nx = (P.K + P.A - 1) / P.A;  // blocks; those holding x
+  // the format's sizes read once (stores through the int8 codes may alias P, so a loop would reload them)
+  const int64_t Ka = P.Ka(), A = P.A;
+  const bool wide = P.wide;
+  const float tau = P.tau;
+  std::fill(r + P.K, r + Ka, 0.f);
+  const int64_t nb = Ka / A, nx = (P.K + A - 1) / A;  // blocks; those holding x
   for (int64_t b = 0; b < nb; ++b) {  // each block's max|x|, NaN where it holds a NaN or an infinity
-    const float* rb = r + b * P.A;
+    const float* rb = r + b * A;
 #if JP_VNNI
     __m512 v = _mm512_setzero_ps();
     __mmask16 nonfinite = 0;
-    for (int64_t k = 0; k < P.A; k += 16) {
+    for (int64_t k = 0; k < A; k += 16) {
       const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(rb + k));
       nonfinite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
       v = _mm512_max_ps(v, a);
@@ -186,7 +190,7 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
 #else
     float amax = 0.f;
     bool bad = false;
-    for (int64_t k = 0; k < P.A; ++k) {
+    for (int64_t k = 0; k < A; ++k) {
       const float a = std::fabs(rb[k]);
       bad |= !(a < INFINITY);
       amax = std::max(amax, a);
@@ -196,38 +200,38 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
   }
   float total = 0.f;  // outlier blocks (wide, tau > 0): max|x| * nx > tau * the sum of the maxima (in block order)
   for (int64_t b = 0; b < nx; ++b) total += mx[b];
-  const float cut = P.tau * total, nxf = static_cast<float>(nx);
+  const float cut = tau * total, nxf = static_cast<float>(nx);
   for (int64_t b = 0; b < nb; ++b) {
-    const float* rb = r + b * P.A;
-    int8_t* qb = q + b * P.A;
+    const float* rb = r + b * A;
+    int8_t* qb = q + b * A;
     const float amax = mx[b];
-    const bool bad = std::isnan(amax), wide16 = P.wide && (P.tau <= 0.f || amax * nxf > cut);
+    const bool bad = std::isnan(amax), wide16 = wide && (tau <= 0.f || amax * nxf > cut);
     const float top = wide16 ? TOP16 : 127.f;
     const float inv = amax > 0.f && !bad ? top / amax : 0.f;
-    dx[b] = bad ? NAN : P.wide && !wide16 ? amax / (127.f * 128.f) : amax / top;  // int8 codes as high planes
+    dx[b] = bad ? NAN : wide && !wide16 ? amax / (127.f * 128.f) : amax / top;  // int8 codes as high planes
 #if JP_VNNI
-    for (int64_t k = 0; k < P.A; k += 16) {
+    for (int64_t k = 0; k < A; k += 16) {
       const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(rb + k), _mm512_set1_ps(inv)));
       if (!wide16) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtsepi32_epi8(c));
-        if (P.wide) _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + P.Ka() + k), _mm_setzero_si128());
+        if (wide) _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + Ka + k), _mm_setzero_si128());
         continue;
       }
       const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(c, _mm512_set1_epi32(64)), 7);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtsepi32_epi8(h));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + P.Ka() + k),
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + Ka + k),
                        _mm512_cvtsepi32_epi8(_mm512_sub_epi32(c, _mm512_slli_epi32(h, 7))));
     }
 #else
-    for (int64_t k = 0; k < P.A; ++k) {
+    for (int64_t k = 0; k < A; ++k) {
       const int32_t c = static_cast<int32_t>(std::nearbyint(rb[k] * inv));
       if (!wide16) {
         qb[k] = static_cast<int8_t>(c);
-        if (P.wide) qb[P.Ka() + k] = 0;
+        if (wide) qb[Ka + k] = 0;
         continue;
       }
       const int32_t h = (c + 64) >> 7;
-      qb[k] = static_cast<int8_t>(h), qb[P.Ka() + k] = static_cast<int8_t>(c - 128 * h);
+      qb[k] = static_cast<int8_t>(h), qb[Ka + k] = static_cast<int8_t>(c - 128 * h);
     }
 #endif
   }
@@ -236,20 +240,36 @@ void quantize_row(const Meta& P, const void* x, bool bf16, int64_t m, float* r, 
 // A quantized row's sums for the product of format P: qsum [nf] (sum of the codes per F block; wide: of
 // 128 h + l), xsum [nsg] (sum of dx * code per scale group: the minimum's term).
 void row_sums(const Meta& P, const int8_t* q, const float* dx, int32_t* qsum, float* xsum, uint8_t* lowf) {
-  const int64_t F = P.F();
-  for (int64_t f = 0; f < P.nf(); ++f) {
+  // the format's sizes read once (stores through the int8 outputs may alias P, so a loop would reload them)
+  const int64_t F = P.F(), nf = P.nf(), Ka = P.Ka(), A = P.A, S = P.S, nsg = P.nsg();
+  const bool wide = P.wide;
+  for (int64_t f = 0; f < nf; ++f) {
     int32_t s = 0;
     bool low = false;
-    for (int64_t k = f * F; k < (f + 1) * F; ++k) {
-      s += P.wide ? 128 * q[k] + q[P.Ka() + k] : q[k];
-      low |= P.wide && q[P.Ka() + k] != 0;
+#if JP_VNNI  // F is a multiple of 16: each plane's codes summed 16 lanes at a time (the same integers)
+    __m512i sh = _mm512_setzero_si512(), sl = _mm512_setzero_si512();
+    __m128i any = _mm_setzero_si128();  // wide: the low plane's codes or-ed
+    for (int64_t k = f * F; k < (f + 1) * F; k += 16) {
+      sh = _mm512_add_epi32(sh, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k))));
+      if (!wide) continue;
+      const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + Ka + k));
+      sl = _mm512_add_epi32(sl, _mm512_cvtepi8_epi32(l));
+      any = _mm_or_si128(any, l);
     }
+    s = (wide ? 128 : 1) * _mm512_reduce_add_epi32(sh) + _mm512_reduce_add_epi32(sl);
+    low = !_mm_testz_si128(any, any);
+#else
+    for (int64_t k = f * F; k < (f + 1) * F; ++k) {
+      s += wide ? 128 * q[k] + q[Ka + k] : q[k];
+      low |= wide && q[Ka + k] != 0;
+    }
+#endif
     qsum[f] = s;
     lowf[f] = low;
   }
-  for (int64_t g = 0; g < P.nsg(); ++g) {
+  for (int64_t g = 0; g < nsg; ++g) {
     float s = 0.f;
-    for (int64_t f = g * P.S / F; f < (g + 1) * P.S / F; ++f) s += dx[f * F / P.A] * static_cast<float>(qsum[f]);
+    for (int64_t f = g * S / F; f < (g + 1) * S / F; ++f) s += dx[f * F / A] * static_cast<float>(qsum[f]);
     xsum[g] = s;
   }
 }
