@@ -43,7 +43,6 @@ import argparse
 import mmap
 import os
 import re
-import resource
 import statistics
 import time
 
@@ -52,14 +51,10 @@ import numpy as np
 from jaxpaged.bench import common as bc
 from jaxpaged.bench import timing
 from jaxpaged.bench.host import capture_next_step
-from jaxpaged.bench.step_profile import KINDS, profile_step
+from jaxpaged.bench.step_profile import KINDS, minor_faults, profile_step
 
 PARTS = (*KINDS, "between", "host")
 PAGE = 4096
-
-
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def fault_cost_us(mib: int = 64, reps: int = 3) -> float:
@@ -138,7 +133,7 @@ def engine_steps(eng, steps: int, before=None, after=None) -> dict:
 
 def replayed(eng, repeats: int) -> dict:
     """The next decode step captured, then replayed alone on its inputs (those the engine passed from the host
-    passed from the host again: the compiled call copies them in, as in the engine): `repeats` pairs of an
+    passed from the host again, so the compiled call copies them in as in the engine): `repeats` pairs of an
     untraced and a traced replay (step_profile.profile_step: the parts, the tracer's own cost)."""
     import jax
     runner = eng.runner

@@ -108,6 +108,11 @@ def share(spans: list[tuple[int, int, str]], start: int, end: int) -> dict[str, 
     return dict(out)
 
 
+def minor_faults() -> int:
+    """This process's minor page faults so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def trace_once(step, module: str, kind_of: dict) -> dict:
     """One `jax.profiler` session: an untimed call (the tracer's first-call costs), then one call inside the
     WINDOW annotation; its window (ns), the spans (t0, t1, kind) of its thunks and ns per xla_own instruction."""
@@ -142,10 +147,12 @@ def trace_once(step, module: str, kind_of: dict) -> dict:
                 events.append((e.start_ns, e.start_ns + e.duration_ns, op))
     if len(windows) != 1:
         raise RuntimeError(f"the trace holds {len(windows)} step windows, not 1")
-    (t0, t1), per_op = windows[0], defaultdict(float)
-    spans = [(a, b, kind_of[op]) for a, b, op in events if a < t1 and b > t0]  # the warm-up call's left out
+    (t0, t1), spans, per_op = windows[0], [], defaultdict(float)
     for a, b, op in events:
-        if a < t1 and b > t0 and kind_of[op] == "xla_own":
+        if a >= t1 or b <= t0:  # the untimed first call's
+            continue
+        spans.append((a, b, kind_of[op]))
+        if kind_of[op] == "xla_own":
             per_op[op] += min(b, t1) - max(a, t0)
     return dict(window=(t0, t1), spans=spans, per_op=per_op)
 
@@ -165,10 +172,10 @@ def profile_step(step, hlo_text: str, module: str, reps: int) -> dict:
     def plain():  # an untimed call first, as in trace_once: each timed call follows a call of the step
         nonlocal faults
         step()
-        f, t = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+        f, t = minor_faults(), time.perf_counter()
         step()
         untraced.append(time.perf_counter() - t)
-        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f
+        faults += minor_faults() - f
 
     def trace():
         traced.append(trace_once(step, module, kind_of))
