@@ -106,7 +106,8 @@ def test_weights_round_trip_and_update(setup):
                                                  ("int4", 64, False), ("int4", 0, False)])
 def test_packed_round_trip_and_product(fmt, group, symmetric):
     """QArray -> QPacked -> QArray is exact; the kernel's product of layer 1 of a stack equals the float
-    product of the activations rounded (per 32 entries) to the packed matrix's `act_bits` (int16 codes for
+    product of the activations rounded (per block of `act_block` entries: 32, 128 for one scale a column) to
+    the packed matrix's `act_bits` (int16 codes for
     int8 weights, int8 for int4, or as chosen) with the dequantized matrix (with a minimum too); K not a
     multiple of the group, row and column tails included."""
     rng = np.random.default_rng(0)
@@ -121,7 +122,8 @@ def test_packed_round_trip_and_product(fmt, group, symmetric):
         for a, b in ((back.q, qa.q), (back.scale, qa.scale)) + (() if symmetric else ((back.m, qa.m),)):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
-        ref = int8_rounded(x, act_bits=qp.act_bits, outlier=qp.act_outlier) @ np.asarray(dequantize(qa))[1]
+        ref = (int8_rounded(x, qp.layout.act_block, act_bits=qp.act_bits, outlier=qp.act_outlier)
+               @ np.asarray(dequantize(qa))[1])
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 

@@ -81,7 +81,8 @@ def test_the_minimum_folds_exactly_at_every_magnitude():
 def test_packed_round_trip_product_and_rows(group):
     """QArray -> QPacked -> QArray is exact (the folded minimum unfolded); the kernel's product of layer 1 of
     a stack equals the float product of the activations rounded to its act_bits (int16 codes: int8 weights'
-    default) with the dequantized matrix (K not a multiple of the group, row and column tails); a tied
+    default) per block of the group's k (up to 128: one scale a column takes blocks of 128) with the
+    dequantized matrix (K not a multiple of the group, row and column tails); a tied
     embedding's rows read from the packed head."""
     rng = np.random.default_rng(group)
     for K, N, M in ((64, 48, 1), (100, 40, 5)):
@@ -94,7 +95,9 @@ def test_packed_round_trip_product_and_rows(group):
             np.testing.assert_array_equal(np.asarray(a), b)
         x = rng.standard_normal((M, K)).astype(np.float32)
         assert qp.act_bits == 16 and qp.act_outlier == qpacked.AUTO_ACT_OUTLIER[8]
-        ref = int8_rounded(x, act_bits=16, outlier=qp.act_outlier) @ np.asarray(dequantize(qa))[1]
+        assert qp.layout.act_block == (group or {64: 64, 100: 128}[K])  # one scale a column: K=64 is a group
+        ref = (int8_rounded(x, qp.layout.act_block, act_bits=16, outlier=qp.act_outlier)
+               @ np.asarray(dequantize(qa))[1])
         got = np.asarray(qpacked.matmul(jnp.asarray(x), qp, layer=jnp.int32(1)))
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     emb = quantize(rng.standard_normal((40, 64)).astype(np.float32), "int8", -1, "float32", group, symmetric=False)

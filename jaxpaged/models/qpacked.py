@@ -239,11 +239,12 @@ def matmuls(x, ws, layer=None) -> tuple:
     ws = tuple(ws)
     act_bits = max(w.act_bits for w in ws)
     outlier = min(w.act_outlier for w in ws if w.act_bits == act_bits) if act_bits == 16 else 0.0
+    block = min(w.layout.act_block for w in ws)  # the finest any of them needs (each divides the larger ones)
     if len(ws) == 1:
-        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows, act_bits=act_bits,
-                                           act_outlier=outlier),)
+        return (cpu_quant.cpu_quant_matmul(x, ws[0].blob, ws[0].layout, layer=layer, rows=rows, act_block=block,
+                                           act_bits=act_bits, act_outlier=outlier),)
     return cpu_quant.cpu_quant_matmuls(x, [w.blob for w in ws], [w.layout for w in ws], layer=layer, rows=rows,
-                                       act_bits=act_bits, act_outlier=outlier)
+                                       act_block=block, act_bits=act_bits, act_outlier=outlier)
 
 
 def pack_quantized(params: dict, owned: bool = False, like: dict | None = None, act_bits: int | None = None) -> dict:

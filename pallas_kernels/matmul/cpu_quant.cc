@@ -35,7 +35,8 @@
 // dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
 // outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles
-//     (one-level formats of group and activation block 32: blocks of 7 / 6 rows on cpu_quant_blocks.h's loop),
+//     (one-level formats whose scale group is a multiple of the activation block: blocks of 7 / 6 rows on
+//     cpu_quant_blocks.h's loop),
 //     lone rows by cpu_quant_row4.h / cpu_quant_row8.h where their formats fit;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
@@ -640,10 +641,11 @@ void vnni_row8(const Call& C, int64_t r, int64_t t0) {
 #endif
 
 #if JP_VNNI
-// The many-row path (cpu_quant_blocks.h) takes one-level formats of scale group and activation block 32 (wide:
-// 8-bit codes), rows in blocks of 7 (8-bit codes) or 6 (4-bit: their two code registers a tile), 2 tiles a call:
-// every sum of a call in registers (measured: 8 rows x 2 tiles, sums spilled, or 4 x 4 are slower).
-inline bool blocks_fit(const Meta& P) { return P.S == 32 && P.A == 32 && !P.ns && (!P.wide || P.bits == 8); }
+// The many-row path (cpu_quant_blocks.h) takes one-level formats whose scale group is a multiple of the activation
+// block (blocks of F = A k; wide: 8-bit codes), rows in blocks of 7 (8-bit codes) or 6 (4-bit: their two code
+// registers a tile), 2 tiles a call: every sum of a call in registers (measured: 8 rows x 2 tiles, sums spilled, or
+// 4 x 4 are slower).
+inline bool blocks_fit(const Meta& P) { return !P.ns && P.S % P.A == 0 && (!P.wide || P.bits == 8); }
 constexpr int RB8 = 7, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
 inline int64_t block_rows(const Meta& P) { return P.bits == 8 ? RB8 : RB4; }
 
@@ -652,12 +654,12 @@ template <int R>
 void interleave_block(Call& C, int64_t b) {
   const Meta& P = C.P;
   Acts& A = C.A;
-  const int64_t ng = P.ng(), r0 = b * R;
-  jp_blocks::interleave<R>(ng, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(), A.dx.data() + r0 * ng, ng,
-                           A.xsum.data() + r0 * ng, A.qsum.data() + r0 * ng, A.lowf.data() + r0 * ng,
-                           A.bq.data() + b * R * P.Ka(), P.wide ? A.bl.data() + b * R * P.Ka() : nullptr,
-                           A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
-                           A.blf.data() + b * ng);
+  const int64_t nf = P.nf(), nsg = P.nsg(), r0 = b * R;
+  jp_blocks::interleave<R>(nf, P.F(), nsg, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(),
+                           A.dx.data() + r0 * nf, A.xsum.data() + r0 * nsg, A.qsum.data() + r0 * nf,
+                           A.lowf.data() + r0 * nf, A.bq.data() + b * R * P.Ka(),
+                           P.wide ? A.bl.data() + b * R * P.Ka() : nullptr, A.bdx.data() + b * R * nf,
+                           A.bxs.data() + b * R * nsg, A.bqs.data() + b * R * nf, A.blf.data() + b * nf);
 }
 
 // Rows of block b x NT tiles from t0 on the many-row path.
@@ -665,12 +667,12 @@ template <int R, int NT, int BITS, bool WIDE>
 void vnni_blocks(const Call& C, int64_t b, int64_t t0) {
   const Meta& P = C.P;
   const Acts& A = C.A;
-  const int64_t ng = P.ng();
+  const int64_t nf = P.nf(), nsg = P.nsg();
   const jp_blocks::Tiles T{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.scale_off(), P.part_bytes(),
-                           P.sb, static_cast<int32_t>(P.zero), P.has_min != 0, ng};
+                           P.sb, static_cast<int32_t>(P.zero), P.has_min != 0, P.ng(), P.F(), P.G / P.F()};
   const jp_blocks::Block<R> X{A.bq.data() + b * R * P.Ka(), WIDE ? A.bl.data() + b * R * P.Ka() : nullptr,
-                              A.bdx.data() + b * R * ng, A.bxs.data() + b * R * ng, A.bqs.data() + b * R * ng,
-                              A.blf.data() + b * ng};
+                              A.bdx.data() + b * R * nf, A.bxs.data() + b * R * nsg, A.bqs.data() + b * R * nf,
+                              A.blf.data() + b * nf};
   const int last = static_cast<int>(std::min<int64_t>(16, P.N - (t0 + NT - 1) * 16));  // the last tile's columns
   jp_blocks::tiles<R, NT, BITS, WIDE>(T, X, C.out + b * R * P.N + t0 * 16, P.N, last);
 }
@@ -920,10 +922,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     for (size_t i = 0; i < n; ++i) {
       Call& C = J->calls[i];
       if (!blocks_fit(C.P)) continue;
-      const int64_t RB = block_rows(C.P), nb = live / RB, ng = C.P.ng();
+      const int64_t RB = block_rows(C.P), nb = live / RB, nf = C.P.nf(), nsg = C.P.nsg();
       Acts& A = C.A;
       A.bq.resize(nb * RB * C.P.Ka()), A.bl.resize(C.P.wide ? nb * RB * C.P.Ka() : 0);
-      A.bdx.resize(nb * RB * ng), A.bxs.resize(nb * RB * ng), A.bqs.resize(nb * RB * ng), A.blf.resize(nb * ng);
+      A.bdx.resize(nb * RB * nf), A.bxs.resize(nb * RB * nsg), A.bqs.resize(nb * RB * nf), A.blf.resize(nb * nf);
       for (int64_t b = 0; b < nb; ++b) J->blocks.emplace_back(i, b);
     }
     const int64_t nblocks = static_cast<int64_t>(J->blocks.size());

@@ -92,6 +92,15 @@ class Layout:
         return self.superblock or (self.group if self.group in GROUPS else -(-self.K // 128) * 128)
 
     @property
+    def act_block(self) -> int:
+        """The activation block that matches this format's scales (`cpu_quant_matmul`'s act_block for it): the
+        largest of ACT_BLOCKS dividing a scale's k (`group`, or K rounded up to 128 for one scale a column), so
+        the integer sums run a whole block between float steps on the many-row path; 32 for the two-level form
+        and groups of 16 (their scales span 16 or 32 k)."""
+        k = self.group_k if not self.superblock else self.group
+        return max((a for a in ACT_BLOCKS if k % a == 0), default=ACT_BLOCKS[0])
+
+    @property
     def subgroups(self) -> int:
         """Groups a stored group holds, each with its int8 sub-scale: 256 / group for the two-level form, else 0."""
         return self.superblock // self.group
