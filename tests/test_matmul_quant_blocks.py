@@ -1,7 +1,8 @@
 """The quantized CPU product's many-row path (pallas_kernels/matmul/cpu_quant_blocks.h: blocks of 7 rows of
 8-bit codes / 6 of 4-bit, one-level formats whose scale group is a multiple of the activation block: groups of
-32, 64, 128 and one scale a column, blocks of 32 to 128 k; int8 or int16 activation codes) against numpy, a row's outputs the same bits alone (the lone-row path) and in a block of rows, and each
-product of a multi-matrix call the same as alone."""
+32, 64, 128 and one scale a column, blocks of 32 to 128 k; int8 or int16 activation codes) against numpy, a
+row's outputs the same bits alone (the lone-row path) and in a block of rows, and each product of a
+multi-matrix call the same as alone."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
