@@ -644,37 +644,49 @@ void vnni_row8(const Call& C, int64_t r, int64_t t0) {
 // The many-row path (cpu_quant_blocks.h) takes one-level formats whose scale group is a multiple of the activation
 // block (blocks of F = A k; wide: 8-bit codes), rows in blocks of 7 (8-bit codes) or 6 (4-bit: their two code
 // registers a tile), 2 tiles a call: every sum of a call in registers (measured: 8 rows x 2 tiles, sums spilled, or
-// 4 x 4 are slower).
+// 4 x 4 are slower). M rows are cut into blocks of RB and RB - 1 rows where that covers them all (64 rows: 4 x 7 +
+// 6 x 6, not 9 x 7 and a lone row that reads every weight again for itself), else into blocks of RB and a tail.
 inline bool blocks_fit(const Meta& P) { return !P.ns && P.S % P.A == 0 && (!P.wide || P.bits == 8); }
 constexpr int RB8 = 7, BT8 = 2, RB4 = 6, BT4 = 2;  // rows a block and tiles a call: 8-bit, 4-bit codes
-inline int64_t block_rows(const Meta& P) { return P.bits == 8 ? RB8 : RB4; }
 
-// Block b's rows (b * R ..) interleaved (jp_blocks::interleave) into C's block arrays.
-template <int R>
-void interleave_block(Call& C, int64_t b) {
-  const Meta& P = C.P;
-  Acts& A = C.A;
-  const int64_t nf = P.nf(), nsg = P.nsg(), r0 = b * R;
-  jp_blocks::interleave<R>(nf, P.F(), nsg, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(),
-                           A.dx.data() + r0 * nf, A.xsum.data() + r0 * nsg, A.qsum.data() + r0 * nf,
-                           A.lowf.data() + r0 * nf, A.bq.data() + b * R * P.Ka(),
-                           P.wide ? A.bl.data() + b * R * P.Ka() : nullptr, A.bdx.data() + b * R * nf,
-                           A.bxs.data() + b * R * nsg, A.bqs.data() + b * R * nf, A.blf.data() + b * nf);
+struct Plan {
+  int64_t RB, nb, big;  // rows a full block, blocks, and how many of them (the first) have RB rows, the rest RB - 1
+  int64_t rows(int64_t b) const { return b < big ? RB : RB - 1; }
+  int64_t start(int64_t b) const { return b * (RB - 1) + std::min(b, big); }
+  int64_t covered() const { return start(nb); }
+};
+inline Plan block_plan(const Meta& P) {
+  const int64_t RB = P.bits == 8 ? RB8 : RB4, nb = (P.M + RB - 1) / RB;
+  if (P.M >= (RB - 1) * nb) return {RB, nb, P.M - (RB - 1) * nb};
+  return {RB, P.M / RB, P.M / RB};
 }
 
-// Rows of block b x NT tiles from t0 on the many-row path.
+// Block b's R rows (from plan.start(b)) interleaved (jp_blocks::interleave) into C's block arrays.
+template <int R>
+void interleave_block(Call& C, int64_t b, int64_t r0) {
+  const Meta& P = C.P;
+  Acts& A = C.A;
+  const int64_t nf = P.nf(), nsg = P.nsg();
+  jp_blocks::interleave<R>(nf, P.F(), nsg, P.wide, A.xq.data() + r0 * P.xrow(), P.xrow(), P.Ka(),
+                           A.dx.data() + r0 * nf, A.xsum.data() + r0 * nsg, A.qsum.data() + r0 * nf,
+                           A.lowf.data() + r0 * nf, A.bq.data() + r0 * P.Ka(),
+                           P.wide ? A.bl.data() + r0 * P.Ka() : nullptr, A.bdx.data() + r0 * nf,
+                           A.bxs.data() + r0 * nsg, A.bqs.data() + r0 * nf, A.blf.data() + b * nf);
+}
+
+// Block b's R rows (from r0) x NT tiles from t0 on the many-row path.
 template <int R, int NT, int BITS, bool WIDE>
-void vnni_blocks(const Call& C, int64_t b, int64_t t0) {
+void vnni_blocks(const Call& C, int64_t b, int64_t r0, int64_t t0) {
   const Meta& P = C.P;
   const Acts& A = C.A;
   const int64_t nf = P.nf(), nsg = P.nsg();
   const jp_blocks::Tiles T{C.w + t0 * P.tile_bytes(), P.tile_bytes(), P.group_bytes(), P.scale_off(), P.part_bytes(),
                            P.sb, static_cast<int32_t>(P.zero), P.has_min != 0, P.ng(), P.F(), P.G / P.F()};
-  const jp_blocks::Block<R> X{A.bq.data() + b * R * P.Ka(), WIDE ? A.bl.data() + b * R * P.Ka() : nullptr,
-                              A.bdx.data() + b * R * nf, A.bxs.data() + b * R * nsg, A.bqs.data() + b * R * nf,
+  const jp_blocks::Block<R> X{A.bq.data() + r0 * P.Ka(), WIDE ? A.bl.data() + r0 * P.Ka() : nullptr,
+                              A.bdx.data() + r0 * nf, A.bxs.data() + r0 * nsg, A.bqs.data() + r0 * nf,
                               A.blf.data() + b * nf};
   const int last = static_cast<int>(std::min<int64_t>(16, P.N - (t0 + NT - 1) * 16));  // the last tile's columns
-  jp_blocks::tiles<R, NT, BITS, WIDE>(T, X, C.out + b * R * P.N + t0 * 16, P.N, last);
+  jp_blocks::tiles<R, NT, BITS, WIDE>(T, X, C.out + r0 * P.N + t0 * 16, P.N, last);
 }
 #endif
 
@@ -699,17 +711,25 @@ void unit(const Call& C, int isa, int64_t t0, int nt) {
         {{vnni_tiles<1, 1, 8, true>, vnni_tiles<1, UNIT_TILES, 8, true>},
          {vnni_tiles<1, 1, 4, true>, vnni_tiles<1, UNIT_TILES, 4, true>}}};
     int64_t r = 0;
-    if (blocks_fit(C.P)) {  // full blocks of rows on the many-row path
-      static const Fn blocks[3][2] = {{vnni_blocks<RB8, 1, 8, false>, vnni_blocks<RB8, BT8, 8, false>},
-                                      {vnni_blocks<RB8, 1, 8, true>, vnni_blocks<RB8, BT8, 8, true>},
-                                      {vnni_blocks<RB4, 1, 4, false>, vnni_blocks<RB4, BT4, 4, false>}};
-      const int64_t RB = block_rows(C.P), BT = C.P.bits == 8 ? BT8 : BT4;
-      const Fn* f = blocks[b ? 2 : wd];
-      for (; r + RB <= M; r += RB) {
+    if (blocks_fit(C.P)) {  // blocks of rows on the many-row path ([blocks of RB, of RB - 1][1 tile, BT tiles])
+      using Bn = void (*)(const Call&, int64_t, int64_t, int64_t);
+      static const Bn blocks[3][2][2] = {
+          {{vnni_blocks<RB8, 1, 8, false>, vnni_blocks<RB8, BT8, 8, false>},
+           {vnni_blocks<RB8 - 1, 1, 8, false>, vnni_blocks<RB8 - 1, BT8, 8, false>}},
+          {{vnni_blocks<RB8, 1, 8, true>, vnni_blocks<RB8, BT8, 8, true>},
+           {vnni_blocks<RB8 - 1, 1, 8, true>, vnni_blocks<RB8 - 1, BT8, 8, true>}},
+          {{vnni_blocks<RB4, 1, 4, false>, vnni_blocks<RB4, BT4, 4, false>},
+           {vnni_blocks<RB4 - 1, 1, 4, false>, vnni_blocks<RB4 - 1, BT4, 4, false>}}};
+      const Plan plan = block_plan(C.P);
+      const int64_t BT = C.P.bits == 8 ? BT8 : BT4;
+      for (int64_t bk = 0; bk < plan.nb; ++bk) {
+        const Bn* f = blocks[b ? 2 : wd][plan.rows(bk) < plan.RB];
+        const int64_t r0 = plan.start(bk);
         int64_t t = 0;
-        for (; t + BT <= nt; t += BT) f[1](C, r / RB, t0 + t);
-        for (; t < nt; ++t) f[0](C, r / RB, t0 + t);
+        for (; t + BT <= nt; t += BT) f[1](C, bk, r0, t0 + t);
+        for (; t < nt; ++t) f[0](C, bk, r0, t0 + t);
       }
+      r = plan.covered();
     }
     for (; r + R <= M; r += R)
       for (int t = 0; t < nt; t += 2) big[wd][b][t + 1 < nt](C, r, t0 + t);
@@ -922,17 +942,21 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     for (size_t i = 0; i < n; ++i) {
       Call& C = J->calls[i];
       if (!blocks_fit(C.P)) continue;
-      const int64_t RB = block_rows(C.P), nb = live / RB, nf = C.P.nf(), nsg = C.P.nsg();
+      const Plan plan = block_plan(C.P);
+      const int64_t rows = plan.covered(), nf = C.P.nf(), nsg = C.P.nsg();
       Acts& A = C.A;
-      A.bq.resize(nb * RB * C.P.Ka()), A.bl.resize(C.P.wide ? nb * RB * C.P.Ka() : 0);
-      A.bdx.resize(nb * RB * nf), A.bxs.resize(nb * RB * nsg), A.bqs.resize(nb * RB * nf), A.blf.resize(nb * nf);
-      for (int64_t b = 0; b < nb; ++b) J->blocks.emplace_back(i, b);
+      A.bq.resize(rows * C.P.Ka()), A.bl.resize(C.P.wide ? rows * C.P.Ka() : 0);
+      A.bdx.resize(rows * nf), A.bxs.resize(rows * nsg), A.bqs.resize(rows * nf), A.blf.resize(plan.nb * nf);
+      for (int64_t b = 0; b < plan.nb; ++b) J->blocks.emplace_back(i, b);
     }
     const int64_t nblocks = static_cast<int64_t>(J->blocks.size());
     jp::parallel_for(pool, nblocks, nblocks, [J](int64_t u) {
       Call& C = J->calls[J->blocks[u].first];
-      if (C.P.bits == 8) interleave_block<RB8>(C, J->blocks[u].second);
-      else interleave_block<RB4>(C, J->blocks[u].second);
+      const Plan plan = block_plan(C.P);
+      const int64_t b = J->blocks[u].second, r0 = plan.start(b);
+      const bool full = plan.rows(b) == plan.RB;
+      if (C.P.bits == 8) full ? interleave_block<RB8>(C, b, r0) : interleave_block<RB8 - 1>(C, b, r0);
+      else full ? interleave_block<RB4>(C, b, r0) : interleave_block<RB4 - 1>(C, b, r0);
     });
   }
 #endif
