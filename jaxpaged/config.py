@@ -181,9 +181,10 @@ class EngineConfig:
                                                  "-127..127, or 0..255 plus a minimum; fp8 is symmetric "
                                                  "(default: int4 and int8 with a minimum)")
     quantization_activation_bits: int | None = option(None, MODEL, "int8 / int4 weights on the quantized CPU "
-                                                      "kernel: the codes it rounds the activations to per 32 "
-                                                      "inputs, 16 (int16 everywhere: the float product's "
-                                                      "quality) or 8 (int8: up to ~1.8x faster products at many "
+                                                      "kernel: the codes it rounds the activations to per block "
+                                                      "of inputs (32, or the scale group up to 128: one scale "
+                                                      "per channel takes 128), 16 (int16 everywhere: the float "
+                                                      "product's quality) or 8 (int8: up to ~1.8x faster products at many "
                                                       "rows, more error); default for 8-bit weight codes int16 "
                                                       "in each row's outlier blocks and int8 elsewhere "
                                                       "(qpacked.AUTO_ACT_OUTLIER), 8 for 4-bit")

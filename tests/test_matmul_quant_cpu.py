@@ -132,6 +132,15 @@ def test_pack_round_trip(lead, group, bits, has_min, scale_bytes):
                                atol=1e-6 * np.abs(want).max())
 
 
+def test_act_block_follows_the_scale_group():
+    """A layout's activation block is the largest of 32 / 64 / 128 dividing its scales' k: groups of 16 and 32
+    take 32, groups of 64 / 128 their own, one scale a column (K rounded up to 128) 128, the two-level form 32."""
+    blocks = {(100, 16, 0): 32, (100, 32, 0): 32, (256, 64, 0): 64, (300, 128, 0): 128, (300, 300, 0): 128,
+              (64, 64, 0): 64, (512, 32, 256): 32, (512, 16, 256): 32}
+    for (K, group, superblock), want in blocks.items():
+        assert cq.Layout(K, 16, group, 4, 8, superblock=superblock).act_block == want, (K, group, superblock)
+
+
 def test_stacked_layer_and_leading_axes():
     """A stack [L, ...] read at a (traced) layer index, x with leading axes."""
     import jax
