@@ -184,10 +184,10 @@ class EngineConfig:
                                                       "kernel: the codes it rounds the activations to per block "
                                                       "of inputs (32, or the scale group up to 128: one scale "
                                                       "per channel takes 128), 16 (int16 everywhere: the float "
-                                                      "product's quality) or 8 (int8: up to ~1.8x faster products at many "
-                                                      "rows, more error); default for 8-bit weight codes int16 "
-                                                      "in each row's outlier blocks and int8 elsewhere "
-                                                      "(qpacked.AUTO_ACT_OUTLIER), 8 for 4-bit")
+                                                      "product's quality) or 8 (int8: up to ~1.8x faster "
+                                                      "products at many rows, more error); default for 8-bit "
+                                                      "weight codes int16 in each row's outlier blocks and int8 "
+                                                      "elsewhere (qpacked.AUTO_ACT_OUTLIER), 8 for 4-bit")
     keep_quantized: bool = option(True, MODEL, "a GGUF model (--model x.gguf): its Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                   "Q4_K, Q5_K, Q6_K matrices stay quantized, exactly (dtype then sets the "
                                   "activations and the float tensors), as do the quantized matrices of a "
