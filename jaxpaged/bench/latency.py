@@ -6,8 +6,9 @@ time it takes this machine to read the weights once, with the peers side by side
     jaxpaged bench latency --model random:llama-1b-smol-q4_k --backend jaxpaged-bfloat16 --backend llama-cpp \
         --concurrency 1 --llama-python ~/llama-venv/bin/python
 
-Backends (`--backend`, default all): jaxpaged in float32, bfloat16, and bfloat16 activations with int8
-(per output channel) or int4 (groups of 32) layer weights (each its own engine in this process,
+Backends (`--backend`, default all but int8-channel): jaxpaged in float32, bfloat16, and bfloat16 activations
+with int8 or int4 layer weights (their defaults: groups of 32 with a minimum; `jaxpaged-int8-channel`: int8
+with one scale a column) (each its own engine in this process,
 `max_num_seqs` 64 as `LLM()`; a KV pool just large enough for the largest N at `--max-model-len`, so the
 engines fit beside each other), vLLM's CPU build (`--vllm-python`, jaxpaged/bench/vllm_peer.py) and
 llama.cpp (`--llama-python`, jaxpaged/bench/llama_cpp_peer.py) on `--gguf` (default: the model's own file
@@ -52,7 +53,9 @@ from jaxpaged.bench import roofline, timing
 
 CONCURRENCY = (1, 2, 4, 8)
 JAXPAGED = {"float32": dict(dtype="float32"), "bfloat16": dict(dtype="bfloat16"),
-            "int8": dict(dtype="bfloat16", quantization="int8"), "int4": dict(dtype="bfloat16", quantization="int4")}
+            "int8": dict(dtype="bfloat16", quantization="int8"), "int4": dict(dtype="bfloat16", quantization="int4"),
+            "int8-channel": dict(dtype="bfloat16", quantization="int8", quantization_group_size=0)}
+DEFAULT_JAXPAGED = ("float32", "bfloat16", "int8", "int4")  # the backends run when none is named
 
 
 def memcpy_bytes_per_s(mib: int = 256, reps: int = 5) -> float:
@@ -226,7 +229,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.num_kv_blocks is None:  # room for the largest N at max_model_len, not the engine's 2 GB default
         args.num_kv_blocks = max(args.concurrency) * -(-args.max_model_len // args.block_size) + 1
-    backends = args.backend or [f"jaxpaged-{n}" for n in JAXPAGED] + ["vllm", "llama-cpp"]
+    backends = args.backend or [f"jaxpaged-{n}" for n in DEFAULT_JAXPAGED] + ["vllm", "llama-cpp"]
     model_dir = bc.resolve_model(args.model)
     vocab, tok = bc.model_vocab_and_tokenizer(model_dir)
     rng = np.random.default_rng(args.seed)
