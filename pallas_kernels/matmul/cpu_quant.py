@@ -94,9 +94,9 @@ class Layout:
     @property
     def act_block(self) -> int:
         """The activation block that matches this format's scales (`cpu_quant_matmul`'s act_block for it): the
-        largest of ACT_BLOCKS dividing a scale's k (`group`, or K rounded up to 128 for one scale a column), so
-        the integer sums run a whole block between float steps on the many-row path; 32 for the two-level form
-        and groups of 16 (their scales span 16 or 32 k)."""
+        largest of ACT_BLOCKS dividing a scale's k (`group`, the two-level form's too, or K rounded up to 128 for
+        one scale a column), so the integer sums run a whole scale group between float steps; groups of 16 take
+        32 (GGUF's K-quants, groups of 16 / 32: 32)."""
         k = self.group_k if not self.superblock else self.group
         return max((a for a in ACT_BLOCKS if k % a == 0), default=ACT_BLOCKS[0])
 
