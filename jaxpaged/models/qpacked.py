@@ -232,7 +232,9 @@ def matmuls(x, ws, layer=None) -> tuple:
     """(matmul(x, w, layer) for w in ws) as one kernel call (`cpu_quant.cpu_quant_matmuls`: x quantized once,
     one fan-out over every matrix's columns), each product exactly as `matmul` gives it: a layer's q, k and
     v, or gate and up, all stacks read at the same `layer` (or none); x quantized once, to the widest
-    `act_bits` among them (int16: with the smallest outlier cut of the matrices that ask for int16)."""
+    `act_bits` among them (int16: with the smallest outlier cut of the matrices that ask for int16), per the
+    smallest activation block among their layouts (`cpu_quant.Layout.act_block`: a block per scale group, up to
+    128 k)."""
     if jnp.dtype(x.dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
         x = x.astype(jnp.float32)
     rows = live_rows.current() if x.ndim == 2 else None  # the step's live rows of x [M, K]
