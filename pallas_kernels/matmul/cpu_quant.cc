@@ -35,8 +35,8 @@
 // dots of an 8-bit block are skipped for a run of rows whose low codes there are all zero: a row's codes and
 // outputs depend on that row alone. Paths, compiled where -march allows, the best one run unless `isa` caps it:
 //   3 AVX-512 VNNI: vpdpbusd (u8 codes x s8 activations), rows in blocks of 8 (8-bit) / 6 (4-bit) x 2 tiles
-//     (one-level formats whose scale group is a multiple of the activation block: blocks of 7 / 6 rows on
-//     cpu_quant_blocks.h's loop),
+//     (one-level formats whose scale group is a multiple of the activation block: blocks of 7 and 6 rows, 4-bit 6
+//     and 5, on cpu_quant_blocks.h's loop),
 //     lone rows by cpu_quant_row4.h / cpu_quant_row8.h where their formats fit;
 //   1 AVX2 + FMA + F16C: vpmaddubsw + vpmaddwd, 8-bit codes as u - 128 with the sign trick (no pair saturates);
 //   0 scalar loops. The integer dots are exact on every path.
@@ -943,10 +943,10 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
       Call& C = J->calls[i];
       if (!blocks_fit(C.P)) continue;
       const Plan plan = block_plan(C.P);
-      const int64_t rows = plan.covered(), nf = C.P.nf(), nsg = C.P.nsg();
+      const int64_t covered = plan.covered(), nf = C.P.nf(), nsg = C.P.nsg();  // (`rows` is the operand)
       Acts& A = C.A;
-      A.bq.resize(rows * C.P.Ka()), A.bl.resize(C.P.wide ? rows * C.P.Ka() : 0);
-      A.bdx.resize(rows * nf), A.bxs.resize(rows * nsg), A.bqs.resize(rows * nf), A.blf.resize(plan.nb * nf);
+      A.bq.resize(covered * C.P.Ka()), A.bl.resize(C.P.wide ? covered * C.P.Ka() : 0);
+      A.bdx.resize(covered * nf), A.bxs.resize(covered * nsg), A.bqs.resize(covered * nf), A.blf.resize(plan.nb * nf);
       for (int64_t b = 0; b < plan.nb; ++b) J->blocks.emplace_back(i, b);
     }
     const int64_t nblocks = static_cast<int64_t>(J->blocks.size());
