@@ -84,3 +84,88 @@ def _param_count(c: dict) -> int:
     D, F, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
     kv = D // c["num_attention_heads"] * c["num_key_value_heads"]
     return V * D + L * (2 * D * D + 2 * D * kv + 3 * D * F)
+
+
+# A stand-in for llama-cpp-python, importable by the peer's worker through PYTHONPATH: it logs each load and
+# generation to $FAKE_LLAMA_LOG and fails where $FAKE_LLAMA_FAIL says ("load", or "gen N": the N-th generation).
+FAKE_LLAMA_CPP = '''
+import os, time
+__version__ = "fake-0"
+def _log(what):
+    with open(os.environ["FAKE_LLAMA_LOG"], "a") as f:
+        f.write(what + "\\n")
+def llama_print_system_info():
+    return b"FAKE = 1"
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, verbose):
+        if os.environ.get("FAKE_LLAMA_FAIL") == "load":
+            raise ValueError(f"fake: cannot load {model_path}")
+        self.gens = 0
+        _log(f"load {os.path.basename(model_path)} threads={n_threads}")
+    def reset(self):
+        pass
+    def generate(self, prompt, temp, reset):
+        self.gens += 1
+        if os.environ.get("FAKE_LLAMA_FAIL") == f"gen {self.gens}":
+            raise RuntimeError("fake: generation failed")
+        _log(f"gen {self.gens}")
+        n = 0
+        while True:
+            n += 1
+            time.sleep(0.001)
+            yield 100 + n
+'''
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch):
+    """(latency's args for the llama.cpp peer run by this interpreter on the stand-in, the log of its calls)."""
+    import argparse
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE_LLAMA_CPP)
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(log))
+    monkeypatch.delenv("FAKE_LLAMA_FAIL", raising=False)
+    return argparse.Namespace(llama_python=sys.executable, llama_threads=2, output_len=6), log
+
+
+def _calls(log) -> list[str]:
+    return log.read_text().split("\n")[:-1] if log.exists() else []
+
+
+def test_llama_cpp_in_the_same_rounds(fake_llama, tmp_path):
+    """The peer loads the file once and warms it up (one generation) before any repeat, then times one
+    generation a repeat when asked: its row holds one figure a repeat, with the worker's identity."""
+    from jaxpaged.bench.latency import LlamaCpp
+    args, log = fake_llama
+    peer = LlamaCpp(args, str(tmp_path / "m.gguf"), [[1, 2, 3]])
+    try:
+        assert peer.why is None and _calls(log) == ["load m.gguf threads=2", "gen 1"]
+        assert peer.peer.info["version"] == "fake-0" and peer.peer.info["system_info"] == "FAKE = 1"
+        for r in range(3):
+            peer.repeat(r)
+            assert _calls(log)[-1] == f"gen {r + 2}"  # one timed generation a repeat, when asked
+        assert len(peer.runs) == 3 and all(len(g["ms_per_token_runs"]) == 1 for g in peer.runs)
+        assert all(g["ms_per_token_runs"][0] > 0 and g["ttft_ms_runs"][0] > 0 for g in peer.runs)
+    finally:
+        peer.close()
+    assert peer.peer is None
+
+
+@pytest.mark.parametrize("fail, match", [("load", "fake: cannot load"), ("gen 3", "fake: generation failed")])
+def test_llama_cpp_failure_is_named(fake_llama, tmp_path, monkeypatch, fail, match):
+    """A worker that fails to load the file, or in a later repeat, leaves no llama.cpp row and says why (its
+    stderr); the caller's other rows are not its business (latency.main keeps them)."""
+    from jaxpaged.bench.latency import LlamaCpp
+    args, log = fake_llama
+    monkeypatch.setenv("FAKE_LLAMA_FAIL", fail)
+    peer = LlamaCpp(args, str(tmp_path / "m.gguf"), [[1, 2, 3]])
+    try:
+        for r in range(3):
+            peer.repeat(r)  # the warm-up is generation 1: "gen 3" fails in the second repeat
+        assert peer.why and "llama-cpp worker failed" in peer.why and match in peer.why
+        assert peer.rows() == {} and peer.peer is None
+    finally:
+        peer.close()

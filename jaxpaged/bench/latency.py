@@ -29,6 +29,8 @@ repeats; the machine's other load moves it far less than the wall time (a step t
 wall time, not CPU time), so it tells an engine's own extra work (e.g. beside the other engines of this
 process) from a busier machine. The jaxpaged engines run interleaved (repeat r: every engine at every N, then
 r + 1), so a change of the machine's load falls on all of them alike; the load average is recorded beside each row.
+llama.cpp runs in the same rounds: loaded once in its worker process and warmed up as the engines are, it takes
+its repeat r at the start of round r.
 vLLM (a subprocess per N) is timed by elapsed time only: (t(output-len) - t(1)) / (output-len - 1).
 
 Weight-read time per row: the bytes of parameters a decode step reads (every matrix as stored, once; an
@@ -93,8 +95,10 @@ def run_once(llm, prompts: list[list[int]], output_len: int) -> dict:
     return dict(ms_per_token=per_token, ttft_ms=ttft, cpu_ms_per_step=cpu_ms_per_step)
 
 
-def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list[list[int]]) -> dict:
-    """names: row name -> the engine's keyword arguments over the flags'."""
+def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list[list[int]],
+                     each_repeat=None) -> dict:
+    """names: row name -> the engine's keyword arguments over the flags'. each_repeat(r): called at the start of
+    repeat r, after the engines are built (the llama.cpp peer's repeat, in the same rounds)."""
     llms = {}
     for name, over in names.items():
         llm = bc.build_llm(model_dir, args, **over)
@@ -102,6 +106,8 @@ def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list
         llms[name] = llm
     runs = {(name, n): [] for name in names for n in args.concurrency}
     for r in range(args.repeats):
+        if each_repeat:
+            each_repeat(r)
         for name in names:
             for n in args.concurrency:
                 got = run_once(llms[name], prompts[:n], args.output_len)
@@ -145,24 +151,49 @@ def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, 
     return out, None
 
 
-def measure_llama_cpp(args, path: str | None, prompts: list[list[int]]) -> tuple[dict, str | None]:
-    """llama.cpp on GGUF file `path`, one sequence (jaxpaged/bench/llama_cpp_peer.py)."""
-    from jaxpaged.bench import llama_cpp_peer
-    if path is None:
-        return {}, "no GGUF file (pass --gguf)"
-    why = llama_cpp_peer.unavailable(args)
-    if why:
-        return {}, why
-    try:
-        got = llama_cpp_peer.run_llama_cpp(args, path, prompts[0], args.output_len, args.repeats)
-    except RuntimeError as e:  # the worker failed on this file: the other rows still count
-        return {}, str(e)
-    info = gguf_info(path)
-    row = dict(ms_per_token=statistics.median(got["ms_per_token_runs"]), ms_per_token_runs=got["ms_per_token_runs"],
-               ttft_ms=statistics.median(got["ttft_ms_runs"]), load=[os.getloadavg()[0]],
-               weight_bytes=float(info["tensor_bytes"]), note="one sequence", gguf_types=info["types"],
-               llama_cpp=dict(version=got["version"], n_threads=got["n_threads"], system_info=got["system_info"]))
-    return {(f"llama.cpp ({os.path.basename(path)})", 1): row}, None
+class LlamaCpp:
+    """llama.cpp on GGUF file `path`, one sequence (jaxpaged/bench/llama_cpp_peer.py), loaded once and timed a
+    repeat at a time (`repeat`), between the jaxpaged engines' repeats; `why` says why it is not there (not
+    installed, no file, or its worker failed: its rows are dropped, the others still count)."""
+
+    def __init__(self, args, path: str | None, prompts: list[list[int]]):
+        from jaxpaged.bench import llama_cpp_peer
+        self.path, self.runs, self.peer = path, [], None
+        self.why = "no GGUF file (pass --gguf)" if path is None else llama_cpp_peer.unavailable(args)
+        if self.why is None:
+            try:
+                self.peer = llama_cpp_peer.Peer(args, path, prompts[0], args.output_len)
+            except RuntimeError as e:  # the worker failed on this file
+                self.why = str(e)
+
+    def repeat(self, r: int) -> None:
+        if self.peer is None:
+            return
+        try:
+            got = self.peer.run(1)
+        except RuntimeError as e:
+            self.why, self.runs = str(e), []
+            self.close()
+            return
+        self.runs.append(got)
+        bc.say(f"repeat {r + 1} llama.cpp N=1: {got['ms_per_token_runs'][0]:.1f} ms/token (load "
+               f"{os.getloadavg()[0]:.1f})")
+
+    def rows(self) -> dict:
+        if self.peer is None or not self.runs:
+            return {}
+        info, per_token = gguf_info(self.path), [g["ms_per_token_runs"][0] for g in self.runs]
+        row = dict(ms_per_token=statistics.median(per_token), ms_per_token_runs=per_token,
+                   ttft_ms=statistics.median(g["ttft_ms_runs"][0] for g in self.runs), load=[os.getloadavg()[0]],
+                   weight_bytes=float(info["tensor_bytes"]), note="one sequence", gguf_types=info["types"],
+                   llama_cpp=dict(version=self.peer.info["version"], n_threads=self.peer.info["n_threads"],
+                                  system_info=self.peer.info["system_info"]))
+        return {(f"llama.cpp ({os.path.basename(self.path)})", 1): row}
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
 
 
 def gguf_info(path: str) -> dict:
@@ -242,16 +273,23 @@ def main(argv=None) -> dict:
         if why:
             missing["vllm"] = why
     gguf = args.gguf or _default_gguf(model_dir)
-    if "llama-cpp" in backends:
-        got, why = measure_llama_cpp(args, gguf, prompts)
-        rows.update(got)
-        if why:
-            missing["llama-cpp"] = why
+    llama = LlamaCpp(args, gguf, prompts) if "llama-cpp" in backends else None
     names = {b.split("-", 1)[1]: JAXPAGED[b.split("-", 1)[1]] for b in backends if b.startswith("jaxpaged-")}
     if args.matmul_compare:  # each engine once per products' backend, in the same rounds
         names = {f"{n} matmul={m}": {**kw, "matmul_backend": m} for n, kw in names.items() for m in args.matmul_compare}
-    if names:
-        rows.update(measure_jaxpaged(model_dir, args, names, prompts))
+    try:
+        if names:  # llama.cpp's repeats interleaved with the engines'
+            rows.update(measure_jaxpaged(model_dir, args, names, prompts, llama.repeat if llama else None))
+        elif llama:
+            for r in range(args.repeats):
+                llama.repeat(r)
+        if llama:
+            rows.update(llama.rows())
+            if llama.why:
+                missing["llama-cpp"] = llama.why
+    finally:
+        if llama:
+            llama.close()
     startup = measure_startup(model_dir, args) if args.startup else {}
     peaks = roofline.machine_peaks("float32")
     peaks["memcpy_bytes_per_s"] = memcpy_bytes_per_s()

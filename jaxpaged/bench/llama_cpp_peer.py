@@ -8,11 +8,12 @@ separate virtual environment built for this CPU; the run is skipped, with a mess
     jaxpaged bench latency --backend llama-cpp --llama-python ~/llama-venv/bin/python
 
 One sequence (llama-cpp-python serves one stream): the prompt's token ids as given (the engine's tokens,
-so both read the same prompt), greedy, `output_len` tokens, `repeats` times; decode ms per token =
+so both read the same prompt), greedy, `output_len` tokens, each time asked; decode ms per token =
 (last token - first token) / (tokens - 1), time to first token from the call.
 
-This file is also the worker: `python llama_cpp_peer.py JOB.json OUT.json` under llama-cpp-python's
-interpreter (it imports only the standard library and llama_cpp).
+This file is also the worker (`Peer` starts it: `python llama_cpp_peer.py` under llama-cpp-python's interpreter,
+a JSON line in and out per request; it imports only the standard library and llama_cpp): the model loaded once and
+warmed up with one short generation, then timed whenever latency.py asks, between its own engines' repeats.
 """
 from __future__ import annotations
 
@@ -45,45 +46,82 @@ def unavailable(args) -> str | None:
             f"--llama-python")
 
 
-def run_llama_cpp(args, path: str, prompt: list[int], output_len: int, repeats: int) -> dict:
-    """The worker's result on GGUF file `path`: ms_per_token_runs, ttft_ms, version, system_info."""
-    job = dict(path=path, prompt=prompt, output_len=output_len, repeats=repeats, n_threads=args.llama_threads,
-               n_ctx=max(256, len(prompt) + output_len + 8))
-    with tempfile.TemporaryDirectory(prefix="jaxpaged-llama-cpp-") as d:
-        job_file, out_file = os.path.join(d, "job.json"), os.path.join(d, "out.json")
-        with open(job_file, "w") as f:
-            json.dump(job, f)
-        p = subprocess.run([args.llama_python, os.path.abspath(__file__), job_file, out_file], capture_output=True,
-                           text=True)
-        if p.returncode or not os.path.isfile(out_file):
-            raise RuntimeError(f"llama-cpp worker failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-        with open(out_file) as f:
-            return json.load(f)
+class Peer:
+    """llama.cpp loaded once, in its worker process under --llama-python, for `run` to time generations whenever
+    the caller asks: latency.py interleaves them with its own engines' repeats, so a change of the machine's
+    memory bandwidth or load between repeats falls on both alike. A context manager; the worker ends with it.
+    RuntimeError (with the worker's stderr) when it fails to start or to answer."""
+
+    def __init__(self, args, path: str, prompt: list[int], output_len: int):
+        job = dict(path=path, prompt=prompt, output_len=output_len, n_threads=args.llama_threads,
+                   n_ctx=max(256, len(prompt) + output_len + 8))
+        self._err = tempfile.TemporaryFile(mode="w+")
+        self._p = subprocess.Popen([args.llama_python, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, stderr=self._err, text=True)
+        self.info = self._ask(job)  # loaded and warmed up: version, system_info, n_threads
+
+    def _ask(self, message: dict) -> dict:
+        try:
+            self._p.stdin.write(json.dumps(message) + "\n")
+            self._p.stdin.flush()
+            line = self._p.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            self._p.wait()
+            self._err.seek(0)
+            raise RuntimeError(f"llama-cpp worker failed (exit {self._p.returncode}):\n{self._err.read()[-3000:]}")
+        return json.loads(line)
+
+    def run(self, repeats: int = 1) -> dict:
+        """`repeats` greedy generations of the prompt: ms_per_token_runs and ttft_ms_runs, one value each."""
+        return self._ask(dict(repeats=repeats))
+
+    def close(self) -> None:
+        if self._p.poll() is None:
+            self._p.stdin.close()
+            try:
+                self._p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._p.kill()
+                self._p.wait()
+        self._err.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
-def _worker(job_file: str, out_file: str) -> None:
+def _generate(llm, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """One greedy generation from a fresh context: (decode ms per token, ms to the first token)."""
+    llm.reset()
+    t0 = time.perf_counter()
+    first, n = None, 0
+    for _tok in llm.generate(prompt, temp=0.0, reset=True):
+        n += 1
+        if first is None:
+            first = time.perf_counter()
+        if n == output_len:
+            break
+    return 1e3 * (time.perf_counter() - first) / (n - 1), 1e3 * (first - t0)
+
+
+def _worker() -> None:
+    """Serve `Peer`: the first line of stdin is the job (load the model, warm it up with one short generation, as
+    latency.py warms its engines up, and answer its identity); each later line {"repeats": r} is answered with
+    that many timed generations; a closed stdin ends it. One JSON line per answer on stdout."""
     import llama_cpp
-    with open(job_file) as f:
-        job = json.load(f)
+    job = json.loads(sys.stdin.readline())
     llm = llama_cpp.Llama(model_path=job["path"], n_ctx=job["n_ctx"], n_threads=job["n_threads"], verbose=False)
-    per_token, ttft = [], []
-    for _ in range(job["repeats"]):
-        llm.reset()
-        t0 = time.perf_counter()
-        first, n = None, 0
-        for _tok in llm.generate(job["prompt"], temp=0.0, reset=True):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-            if n == job["output_len"]:
-                break
-        per_token.append(1e3 * (time.perf_counter() - first) / (n - 1))
-        ttft.append(1e3 * (first - t0))
-    out = dict(ms_per_token_runs=per_token, ttft_ms_runs=ttft, n_threads=job["n_threads"],
-               version=llama_cpp.__version__, system_info=llama_cpp.llama_print_system_info().decode())
-    with open(out_file, "w") as f:
-        json.dump(out, f)
+    _generate(llm, job["prompt"], min(8, job["output_len"]))  # warm-up: the file's pages and the threads
+    print(json.dumps(dict(version=llama_cpp.__version__, n_threads=job["n_threads"],
+                          system_info=llama_cpp.llama_print_system_info().decode())), flush=True)
+    while line := sys.stdin.readline():
+        runs = [_generate(llm, job["prompt"], job["output_len"]) for _ in range(json.loads(line)["repeats"])]
+        print(json.dumps(dict(ms_per_token_runs=[r[0] for r in runs], ttft_ms_runs=[r[1] for r in runs])), flush=True)
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], sys.argv[2])
+    _worker()
