@@ -49,8 +49,8 @@ def unavailable(args) -> str | None:
 class Peer:
     """llama.cpp loaded once, in its worker process under --llama-python, for `run` to time generations whenever
     the caller asks: latency.py interleaves them with its own engines' repeats, so a change of the machine's
-    memory bandwidth or load between repeats falls on both alike. A context manager; the worker ends with it.
-    RuntimeError (with the worker's stderr) when it fails to start or to answer."""
+    memory bandwidth or load between repeats falls on both alike; `close` ends the worker. RuntimeError (with the
+    worker's stderr) when it fails to start or to answer."""
 
     def __init__(self, args, path: str, prompt: list[int], output_len: int):
         job = dict(path=path, prompt=prompt, output_len=output_len, n_threads=args.llama_threads,
@@ -58,7 +58,11 @@ class Peer:
         self._err = tempfile.TemporaryFile(mode="w+")
         self._p = subprocess.Popen([args.llama_python, os.path.abspath(__file__)], stdin=subprocess.PIPE,
                                    stdout=subprocess.PIPE, stderr=self._err, text=True)
-        self.info = self._ask(job)  # loaded and warmed up: version, system_info, n_threads
+        try:
+            self.info = self._ask(job)  # loaded and warmed up: version, system_info, n_threads
+        except RuntimeError:
+            self.close()  # the stderr file too
+            raise
 
     def _ask(self, message: dict) -> dict:
         try:
@@ -86,12 +90,6 @@ class Peer:
                 self._p.kill()
                 self._p.wait()
         self._err.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _generate(llm, prompt: list[int], output_len: int) -> tuple[float, float]:

@@ -72,8 +72,8 @@ def fault_cost_us(mib: int = 64, reps: int = 3) -> float:
     return statistics.median(costs)
 
 
-def read_pass(params):
-    """A jitted pass that reads every leaf of `params` once: a float32 sum of each, but the maximum of a leaf of
+def read_pass():
+    """A jitted pass that reads every leaf of a pytree once: a float32 sum of each, but the maximum of a leaf of
     bytes (packed 4- / 8-bit codes), which XLA reads at the memory's rate where a float32 sum would convert every
     byte (measured: 600 MB of uint8, 25 ms for the maximum, 720 ms for the sum)."""
     import jax
@@ -88,7 +88,7 @@ def read_pass(params):
 
 def read_all_weights_ms(params, repeats: int) -> float:
     """ms of `read_pass` over the parameters (median of `repeats`): the bound a step's weight reads set."""
-    return 1e3 * statistics.median(timing.samples(read_pass(params), params, reps=repeats))
+    return 1e3 * statistics.median(timing.samples(read_pass(), params, reps=repeats))
 
 
 def fill(eng, n: int, context: int, max_tokens: int, seed: int) -> list[str]:
