@@ -384,8 +384,9 @@ def test_constraint_within_the_limit_still_compiled(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_grammar", r.text
 
 
-COSTLY = int_schema(6000)  # ~0.37 MB, under llguidance's lexer limit: held on the loop, a pause of 4-5 s on the quiet
-# 2-core kind, ~100 times the stream's gaps (at 4000 a busy CI run paused 2.3 s: 19.7 times its largest gap, short of 20)
+# ~0.37 MB, under llguidance's lexer limit: held on the loop, a pause of 4-5 s on the quiet 2-core kind, ~100 times
+# the stream's gaps (at 4000 a busy CI run paused 2.3 s: 19.7 times its largest gap, short of 20)
+COSTLY = int_schema(6000)
 
 
 def costly_constraint(url: str) -> httpx.Response:
