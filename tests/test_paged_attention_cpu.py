@@ -54,6 +54,24 @@ def test_decode(dtype, G, D):
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("Hkv", [1, 2, 3, 8])
+def test_lone_decode_split_over_kv_heads(dtype, Hkv):
+    """A lone decode (fewer row tiles than threads) runs as units of KV-head ranges, one a thread (3 heads on
+    2 threads: 1 + 2); each head's sums are those it has in a batch, where a unit spans every head: the lone
+    slot's output equals the reference and, bit for bit, the same slot's output beside 7 others."""
+    rng = np.random.default_rng(Hkv)
+    lens = [300, 17, 40, 1, 90, 16, 33, 200]
+    q, k_pool, v_pool, ids, seq_lens, qsl = _case(rng, [1] * 8, lens, Hkv, 3, 64, 16, dtype)
+    attend = jax.jit(lambda *a: cpu_attention.cpu_ragged_paged_attention(*a, window=250))
+    batch = np.asarray(attend(q, k_pool, v_pool, ids, seq_lens, qsl), np.float32)
+    lone = (q[:1], k_pool, v_pool, ids[:1], seq_lens[:1], qsl[:2])
+    got = np.asarray(attend(*lone), np.float32)
+    want = np.asarray(ragged_paged_attention_reference(*lone, window=250), np.float32)
+    np.testing.assert_allclose(got, want, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_array_equal(got[0], batch[0])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("D,bs", [(40, 8), (16, 32), (96, 16), (24, 4), (32, 256)])
 def test_shapes(dtype, D, bs):
     """Head sizes that are not whole 16-lane vectors and block sizes other than 16 (masked tails); blocks

@@ -14,7 +14,8 @@
 //   vectors (16-lane dots, the dots of 16 keys summed transposed into one vector of logits), then the
 //   softmax over the tile's keys 16 at a time (masking, max, a vector exp) and the values weighted into
 //   float32 accumulators (online softmax merged once a tile); a tile's blocks in order, each block's heads in
-//   turn, the next block's rows of a head prefetched into L2 while the head is worked on.
+//   turn, the next block's rows of a head prefetched into L2 while the head is worked on. With fewer row
+//   tiles than threads (a lone decode) a unit takes a range of the KV heads instead, so no thread idles.
 // - Elsewhere (AVX2 and older): a unit is (slot, KV head, row tile), the block widened to float32 in a
 //   small thread-local buffer, plain loops the compiler vectorizes.
 // The units are shared by the XLA FFI's intra-op thread pool through an atomic counter, longest first; the
@@ -81,6 +82,7 @@ struct Problem {
 
 struct Unit {
   int32_t slot, head, row0, rows;  // rows row0..row0+rows of q, all of `slot`; KV head `head`
+  int32_t heads;                   // the vector path's KV heads head..head+heads (the plain loops': 1)
 };
 
 // One unit: the G x rows query vectors of KV head `u.head` over the slot's keys.
@@ -425,12 +427,12 @@ constexpr int MAX_TILE = std::max(TILE_KEYS, MAX_BLOCK);  // a tile's logits a q
 template <bool BF16>
 void attend_vector(const Problem& P, const Unit& u) {
   const int D = static_cast<int>(P.D), bs = static_cast<int>(P.bs), G = static_cast<int>(P.G);
-  const int Hkv = static_cast<int>(P.Hkv), rows = u.rows, R = G * rows;  // R query vectors a KV head
+  const int Hkv = u.heads, h0 = u.head, rows = u.rows, R = G * rows;  // R query vectors a KV head
   const int nc = (D + L - 1) / L, dv = D - L * (nc - 1);               // chunks of a row, the last one's values
   const int bsp = (bs + L - 1) / L * L;  // a block's logits, padded to whole vectors
   const int64_t row_end = P.qsl[u.slot + 1], len = P.lens[u.slot];
   thread_local std::vector<float> buf;
-  const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head, row, g)
+  const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head - h0, row, g)
   const size_t W = static_cast<size_t>(nc) * L;    // a query vector's floats, zero-padded
 #if JP_DPBF16
   const int nb = (D + BH - 1) / BH, db = D - BH * (nb - 1);  // bfloat16 vectors of a row, the last one's values
@@ -467,15 +469,15 @@ void attend_vector(const Problem& P, const Unit& u) {
   }
   for (int h = 0; h < Hkv; ++h)
     for (int i = 0; i < R; ++i)
-      std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W, P.q + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D,
-                  sizeof(float) * D);
+      std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W,
+                  P.q + ((u.row0 + i / G) * P.Hq + (h0 + h) * G + i % G) * P.D, sizeof(float) * D);
 #if JP_DPBF16
   bool with_lo = false;  // some query is not bfloat16-exact: its logits take the lo halves too
   if constexpr (BF16)
     for (size_t i = 0; i < QV; ++i) with_lo |= split_query(qb + i * W, D, nb, qhi + i * W2, qlo + i * W2);
 #endif
   const size_t elt = BF16 ? 2 : 4;
-  const size_t key_stride = static_cast<size_t>(Hkv) * D * elt;  // bytes between keys of a block
+  const size_t key_stride = static_cast<size_t>(P.Hkv) * D * elt;  // bytes between keys of a block
   const F lane = Lanes::lanes(), scale = Lanes::set1(P.scale);
   const int64_t first = hi < 0 ? 1 : lo / bs, last = hi / bs;  // the blocks the unit reads
   const size_t bytes = static_cast<size_t>(bs) * key_stride;       // a block of one pool
@@ -498,8 +500,8 @@ void attend_vector(const Problem& P, const Unit& u) {
     for (int t = 0; t < nblk; ++t) {
       const size_t next = b0 + t < last ? block_at(b0 + t + 1) : 0;
       for (int h = 0; h < Hkv; ++h) {
-        const char* kh = P.k + off[t] + h * head_bytes;
-        if (b0 + t < last) prefetch_head(P.k + next, P.v + next, h * head_bytes, head_bytes, key_stride, bs);
+        const char* kh = P.k + off[t] + (h0 + h) * head_bytes;
+        if (b0 + t < last) prefetch_head(P.k + next, P.v + next, (h0 + h) * head_bytes, head_bytes, key_stride, bs);
         float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
         for (int i0 = 0; i0 < R; i0 += GROUP) {
 #if JP_DPBF16
@@ -563,7 +565,7 @@ void attend_vector(const Problem& P, const Unit& u) {
     // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
     for (int t = 0; t < nblk; ++t)
       for (int h = 0; h < Hkv; ++h) {
-        const char* vh = P.v + off[t] + h * head_bytes;
+        const char* vh = P.v + off[t] + (h0 + h) * head_bytes;
         const float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
         for (int i0 = 0; i0 < R; i0 += GROUP)
           JP_GROUPS(values_group, BF16, R - i0, sh + static_cast<size_t>(i0) * sp, sp,
@@ -574,7 +576,7 @@ void attend_vector(const Problem& P, const Unit& u) {
   for (int h = 0; h < Hkv; ++h) {
     for (int i = 0; i < R; ++i) {
       const size_t qi = static_cast<size_t>(h) * R + i;
-      float* dst = P.out + ((u.row0 + i / G) * P.Hq + h * G + i % G) * P.D;
+      float* dst = P.out + ((u.row0 + i / G) * P.Hq + (h0 + h) * G + i % G) * P.D;
       const F inv = Lanes::set1(l[qi] > 0.f ? 1.f / l[qi] : 0.f);  // a query that saw nothing: zeros
       for (int c = 0; c < nc; ++c) {
         const F x = Lanes::mul(Lanes::load(acc + qi * W + L * c), inv);
@@ -649,14 +651,23 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, f
   P.scale = scale, P.softcap = softcap, P.window = window;
   std::memset(P.out, 0, sizeof(float) * P.T * P.Hq * P.D);  // padding rows stay zeros
   const bool fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;  // the vector path (cpu.py VECTOR_BLOCK_SIZE)
-  const int64_t heads = fast ? 1 : P.Hkv;  // units a row tile
+  // units a row tile: the plain loops' one a KV head; the vector path's one over every KV head, or, with fewer
+  // row tiles than threads (a lone decode), the KV heads cut into `parts` ranges so every thread has work
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < P.S; ++s)
+    tiles += (std::clamp<int64_t>(P.qsl[s + 1], 0, P.T) - std::clamp<int64_t>(P.qsl[s], 0, P.T) + TILE_ROWS - 1) /
+             TILE_ROWS;
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t parts = !fast ? P.Hkv : tiles >= threads ? 1 : std::min<int64_t>(P.Hkv, (threads + tiles - 1) / tiles);
   std::vector<Unit> units;
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
     for (int64_t r = a; r < e; r += TILE_ROWS)
-      for (int64_t h = 0; h < heads; ++h)
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t h = P.Hkv * p / parts, h1 = P.Hkv * (p + 1) / parts;  // KV heads h..h1
         units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
-                         static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r))});
+                         static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r)), static_cast<int32_t>(h1 - h)});
+      }
   }
   // the long units first (the most keys x rows): the threads then end close together
   auto cost = [&P](const Unit& x) { return static_cast<int64_t>(x.rows) * std::max<int32_t>(P.lens[x.slot], 1); };
