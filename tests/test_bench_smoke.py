@@ -211,7 +211,8 @@ def test_startup(tmp_path):
 
 
 def test_latency(common, out_dir):
-    """bench_latency: every jaxpaged row with its weight-read time; peers not installed are named."""
+    """bench_latency: every jaxpaged row with its weight-read time, its engine without the prefix cache; peers not
+    installed are named."""
     from jaxpaged.bench import latency as bench_latency
     path = str(out_dir / "latency.json")
     out = bench_latency.main([*common, "--backend", "jaxpaged-float32", "--backend", "jaxpaged-int8",
@@ -222,6 +223,7 @@ def test_latency(common, out_dir):
     for r in rows.values():
         assert r["ms_per_token"] > 0 and r["ttft_ms"] > 0 and r["weight_read_ms"] > 0 and r["x_weight_read"] > 0
         assert r["cpu_ms_per_step"] > 0
+        assert r["prefix_caching"] is False  # the repeats reuse the prompts: TTFT stays a whole prefill
     assert rows["jaxpaged int8", 1]["weight_bytes"] < 0.5 * rows["jaxpaged float32", 1]["weight_bytes"]
     assert ("llama-cpp" in out["missing"]) != any(r["backend"].startswith("llama.cpp") for r in out["rows"])
     assert out["peaks"]["memcpy_bytes_per_s"] > 0 and "cpu_flags" in out["machine"]

@@ -21,14 +21,16 @@ read the same file; the JSON names each GGUF's tensor types, and the command and
 `--matmul-compare xla cpu` builds each jaxpaged engine once per weight-product backend (`matmul_backend`),
 timed in the same rounds: an A/B of the products; each row records `stats()["matmul_backend"]`.
 
-Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len`
-greedy tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first
-token) / (output tokens - 1); a row gives the median over the requests and the repeats, with the time to
-first token, and `cpu_ms_per_step`: the process's CPU time (all threads) per engine step, the median over the
-repeats; the machine's other load moves it far less than the wall time (a step that waits for a core costs
-wall time, not CPU time), so it tells an engine's own extra work (e.g. beside the other engines of this
-process) from a busier machine. The jaxpaged engines run interleaved (repeat r: every engine at every N, then
-r + 1), so a change of the machine's load falls on all of them alike; the load average is recorded beside each row.
+Workload: N requests of a short prompt (`--prompt-len` tokens of text, each its own) and `--output-len` greedy
+tokens each, EOS ignored, submitted at once. Per request, decode ms per token = (finish - first token) /
+(output tokens - 1); a row gives the median over the requests and the repeats, with the time to first token (a
+whole prefill: every engine runs without its prefix cache, since the warm-up and the repeats reuse the
+prompts, and llama.cpp's worker resets its context each repeat), and `cpu_ms_per_step`: the process's CPU time
+(all threads) per engine step, the median over the repeats; the machine's other load moves it far less than
+the wall time (a step that waits for a core costs wall time, not CPU time), so it tells an engine's own extra
+work (e.g. beside the other engines of this process) from a busier machine. The jaxpaged engines run
+interleaved (repeat r: every engine at every N, then r + 1), so a change of the machine's load falls on all of
+them alike; the load average is recorded beside each row.
 llama.cpp runs in the same rounds: loaded once in its worker process and warmed up as the engines are, it takes
 its repeat r at the start of round r.
 vLLM (a subprocess per N) is timed by elapsed time only: (t(output-len) - t(1)) / (output-len - 1).
@@ -72,6 +74,11 @@ def weight_bytes(engine, n: int) -> float:
     return roofline.step_model(engine, n, 0)["weight_bytes"]
 
 
+# every jaxpaged engine of this bench: the warm-up and the repeats reuse the prompts, so with the prefix cache a
+# request's first token would come from a cache hit (llama.cpp's worker resets its context each repeat)
+NO_PREFIX_CACHE = {"enable_prefix_caching": False}
+
+
 def process_cpu_s() -> float:
     """CPU seconds this process has run (all its threads, user and system; nanosecond resolution, where
     `os.times` counts 10 ms ticks: a tiny model's whole call can be under one)."""
@@ -101,7 +108,7 @@ def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list
     repeat r, after the engines are built (the llama.cpp peer's repeat, in the same rounds)."""
     llms = {}
     for name, over in names.items():
-        llm = bc.build_llm(model_dir, args, **over)
+        llm = bc.build_llm(model_dir, args, **{**NO_PREFIX_CACHE, **over})
         run_once(llm, prompts[:1], 8)  # warm-up
         llms[name] = llm
     runs = {(name, n): [] for name in names for n in args.concurrency}
@@ -128,7 +135,8 @@ def measure_jaxpaged(model_dir: str, args, names: dict[str, dict], prompts: list
                 cpu_ms_per_step=statistics.median(g["cpu_ms_per_step"] for g in rs),
                 load=[g["load"] for g in rs], weight_bytes=weight_bytes(eng, n),
                 compile_s=llms[name].stats().get("compile_seconds"), num_buckets=len(eng.runner.buckets),
-                matmul_backend=llms[name].stats().get("matmul_backend"))
+                matmul_backend=llms[name].stats().get("matmul_backend"),
+                prefix_caching=eng.config.enable_prefix_caching)
     return out
 
 
@@ -144,7 +152,8 @@ def measure_vllm(model_dir: str, args, prompts: list[list[int]]) -> tuple[dict, 
             t = {}
             for length in (1, args.output_len):
                 wl = bc.Workload([bc.Req(p, length) for p in prompts[:n]])
-                t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root, dtype)["elapsed_s"]
+                t[length] = vllm_peer.run_vllm(model_dir, wl, args, export_root, dtype,
+                                               prefix_caching=False)["elapsed_s"]
             per_token = 1e3 * (t[args.output_len] - t[1]) / (args.output_len - 1)
             out["vllm " + dtype, n] = dict(ms_per_token=per_token, ttft_ms=1e3 * t[1], load=[os.getloadavg()[0]],
                                             weight_bytes=None, note="elapsed time only")
@@ -306,7 +315,7 @@ def main(argv=None) -> dict:
                startup=startup, peaks=peaks, load_at_end=os.getloadavg(),
                workload=dict(prompt_len=args.prompt_len, output_len=args.output_len, repeats=args.repeats,
                              concurrency=args.concurrency, greedy=True, ignore_eos=True),
-               engine={k: v for k, v in bc.engine_kwargs(args).items() if k != "show_progress"},
+               engine={k: v for k, v in bc.engine_kwargs(args, **NO_PREFIX_CACHE).items() if k != "show_progress"},
                machine=bc.machine_info())
     print(report(out))
     bc.write_json(args.json, out)

@@ -152,9 +152,10 @@ def call_worker(args, job: dict, export_root: str, script: str = __file__) -> di
 
 
 def run_vllm(model_dir: str, wl, args, export_root: str, dtype: str | None = None,
-             quantization: str = "none") -> dict:
+             quantization: str = "none", prefix_caching: bool = True) -> dict:
     """Run the workload through vLLM in a subprocess, in `dtype` (default: the first of `dtypes(args)`), its
-    weights as they are or (`quantization` "w8a8") its own int8 W8A8; the summary as the other backends give it."""
+    weights as they are or (`quantization` "w8a8") its own int8 W8A8, its prefix cache on (its default) or off;
+    the summary as the other backends give it."""
     from jaxpaged.bench import common as bc
     dtype = dtype or dtypes(args)[0]
     model = hf_dir_for(model_dir, export_root)
@@ -165,7 +166,8 @@ def run_vllm(model_dir: str, wl, args, export_root: str, dtype: str | None = Non
                max_model_len=args.max_model_len or bc.workload_max_len(args), seed=args.seed,
                max_num_batched_tokens=args.max_num_batched_tokens,
                gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-               prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests])
+               prompts=[r.prompt_ids for r in wl.requests], output_lens=[r.output_len for r in wl.requests],
+               enable_prefix_caching=prefix_caching)
     got = call_worker(args, job, export_root)
     rec = bc.RunRecord(got["elapsed_s"], 0, [len(r.prompt_ids) for r in wl.requests], got["output_tokens"], [], [])
     return dict(bc.summarize(rec), vllm_version=got["version"], vllm_dtype=dtype, vllm_quantization=quantization,
@@ -181,7 +183,8 @@ def _worker(job_path: str, out_path: str) -> None:
         job = json.load(f)
     llm = vllm.LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
                    max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
-                   seed=job["seed"], gpu_memory_utilization=job["gpu_memory_utilization"])
+                   seed=job["seed"], gpu_memory_utilization=job["gpu_memory_utilization"],
+                   enable_prefix_caching=job.get("enable_prefix_caching", True))
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
               for n in job["output_lens"]]
