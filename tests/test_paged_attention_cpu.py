@@ -71,6 +71,16 @@ def test_lone_decode_split_over_kv_heads(dtype, Hkv):
     np.testing.assert_array_equal(got[0], batch[0])
 
 
+@pytest.mark.parametrize("bs", [16, 256])  # the vector path and the plain loops
+def test_no_rows_at_all(bs):
+    """A call whose slots have no query rows (every row padding): no work unit, the output all zeros."""
+    q, k_pool, v_pool, ids, seq_lens, _ = _case(np.random.default_rng(bs), [0, 0], [5, 40], 2, 2, 64, bs,
+                                                jnp.bfloat16)
+    out = jax.jit(cpu_attention.cpu_ragged_paged_attention)(q, k_pool, v_pool, ids, seq_lens,
+                                                             jnp.zeros(3, jnp.int32))
+    assert out.shape == q.shape and not np.asarray(out, np.float32).any()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("D,bs", [(40, 8), (16, 32), (96, 16), (24, 4), (32, 256)])
 def test_shapes(dtype, D, bs):

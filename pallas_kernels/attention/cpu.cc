@@ -658,7 +658,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, f
     tiles += (std::clamp<int64_t>(P.qsl[s + 1], 0, P.T) - std::clamp<int64_t>(P.qsl[s], 0, P.T) + TILE_ROWS - 1) /
              TILE_ROWS;
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t parts = !fast ? P.Hkv : tiles >= threads ? 1 : std::min<int64_t>(P.Hkv, (threads + tiles - 1) / tiles);
+  const int64_t parts = !fast                          ? P.Hkv
+                        : tiles == 0 || tiles >= threads ? 1  // no rows at all: no units either
+                                                         : std::min<int64_t>(P.Hkv, (threads + tiles - 1) / tiles);
   std::vector<Unit> units;
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
