@@ -184,7 +184,7 @@ def _worker(job_path: str, out_path: str) -> None:
     llm = vllm.LLM(model=job["model"], dtype=job["dtype"], max_num_seqs=job["max_num_seqs"],
                    max_model_len=job["max_model_len"], max_num_batched_tokens=job["max_num_batched_tokens"],
                    seed=job["seed"], gpu_memory_utilization=job["gpu_memory_utilization"],
-                   enable_prefix_caching=job.get("enable_prefix_caching", True))
+                   enable_prefix_caching=job["enable_prefix_caching"])
     prompts = [{"prompt_token_ids": p} for p in job["prompts"]]
     params = [vllm.SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
               for n in job["output_lens"]]

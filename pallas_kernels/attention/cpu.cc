@@ -427,12 +427,12 @@ constexpr int MAX_TILE = std::max(TILE_KEYS, MAX_BLOCK);  // a tile's logits a q
 template <bool BF16>
 void attend_vector(const Problem& P, const Unit& u) {
   const int D = static_cast<int>(P.D), bs = static_cast<int>(P.bs), G = static_cast<int>(P.G);
-  const int Hkv = u.heads, h0 = u.head, rows = u.rows, R = G * rows;  // R query vectors a KV head
+  const int H = u.heads, h0 = u.head, rows = u.rows, R = G * rows;  // the unit's KV heads; R query vectors a head
   const int nc = (D + L - 1) / L, dv = D - L * (nc - 1);               // chunks of a row, the last one's values
   const int bsp = (bs + L - 1) / L * L;  // a block's logits, padded to whole vectors
   const int64_t row_end = P.qsl[u.slot + 1], len = P.lens[u.slot];
   thread_local std::vector<float> buf;
-  const size_t QV = static_cast<size_t>(Hkv) * R;  // query vectors of the unit, (head - h0, row, g)
+  const size_t QV = static_cast<size_t>(H) * R;  // query vectors of the unit, (head - h0, row, g)
   const size_t W = static_cast<size_t>(nc) * L;    // a query vector's floats, zero-padded
 #if JP_DPBF16
   const int nb = (D + BH - 1) / BH, db = D - BH * (nb - 1);  // bfloat16 vectors of a row, the last one's values
@@ -467,7 +467,7 @@ void attend_vector(const Problem& P, const Unit& u) {
       lo = std::min(lo, P.window > 0 ? std::max<int64_t>(pos[r] - P.window + 1, 0) : 0);
     }
   }
-  for (int h = 0; h < Hkv; ++h)
+  for (int h = 0; h < H; ++h)
     for (int i = 0; i < R; ++i)
       std::memcpy(qb + (static_cast<size_t>(h) * R + i) * W,
                   P.q + ((u.row0 + i / G) * P.Hq + (h0 + h) * G + i % G) * P.D, sizeof(float) * D);
@@ -499,7 +499,7 @@ void attend_vector(const Problem& P, const Unit& u) {
     // rows are contiguous); the next block's rows of a head prefetched while the head is worked on
     for (int t = 0; t < nblk; ++t) {
       const size_t next = b0 + t < last ? block_at(b0 + t + 1) : 0;
-      for (int h = 0; h < Hkv; ++h) {
+      for (int h = 0; h < H; ++h) {
         const char* kh = P.k + off[t] + (h0 + h) * head_bytes;
         if (b0 + t < last) prefetch_head(P.k + next, P.v + next, (h0 + h) * head_bytes, head_bytes, key_stride, bs);
         float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
@@ -517,7 +517,7 @@ void attend_vector(const Problem& P, const Unit& u) {
         }
       }
     }
-    for (int h = 0; h < Hkv; ++h) {
+    for (int h = 0; h < H; ++h) {
       // the tile's softmax update, L keys at a time; alpha rescales the old sums
       for (int r = 0; r < rows; ++r) {
         const F p_hi = Lanes::set1(static_cast<float>(pos[r]));  // positions as float: exact below 2^24
@@ -564,7 +564,7 @@ void attend_vector(const Problem& P, const Unit& u) {
     }
     // values: acc_i = alpha_i acc_i + sum_j p_ij v_j, alpha applied with the tile's first block
     for (int t = 0; t < nblk; ++t)
-      for (int h = 0; h < Hkv; ++h) {
+      for (int h = 0; h < H; ++h) {
         const char* vh = P.v + off[t] + (h0 + h) * head_bytes;
         const float* sh = s + static_cast<size_t>(h) * R * sp + t * bsp;
         for (int i0 = 0; i0 < R; i0 += GROUP)
@@ -573,7 +573,7 @@ void attend_vector(const Problem& P, const Unit& u) {
                     key_stride, nk[t])
       }
   }
-  for (int h = 0; h < Hkv; ++h) {
+  for (int h = 0; h < H; ++h) {
     for (int i = 0; i < R; ++i) {
       const size_t qi = static_cast<size_t>(h) * R + i;
       float* dst = P.out + ((u.row0 + i / G) * P.Hq + (h0 + h) * G + i % G) * P.D;
@@ -653,24 +653,23 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_pool, f
   const bool fast = (JP_AVX512 || JP_AVX2) && P.bs <= 128;  // the vector path (cpu.py VECTOR_BLOCK_SIZE)
   // units a row tile: the plain loops' one a KV head; the vector path's one over every KV head, or, with fewer
   // row tiles than threads (a lone decode), the KV heads cut into `parts` ranges so every thread has work
-  int64_t tiles = 0;
-  for (int64_t s = 0; s < P.S; ++s)
-    tiles += (std::clamp<int64_t>(P.qsl[s + 1], 0, P.T) - std::clamp<int64_t>(P.qsl[s], 0, P.T) + TILE_ROWS - 1) /
-             TILE_ROWS;
-  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
-  const int64_t parts = !fast                          ? P.Hkv
-                        : tiles == 0 || tiles >= threads ? 1  // no rows at all: no units either
-                                                         : std::min<int64_t>(P.Hkv, (threads + tiles - 1) / tiles);
-  std::vector<Unit> units;
+  std::vector<Unit> tiles;  // the row tiles, KV heads not yet assigned
   for (int64_t s = 0; s < P.S; ++s) {
     const int64_t a = std::clamp<int64_t>(P.qsl[s], 0, P.T), e = std::clamp<int64_t>(P.qsl[s + 1], 0, P.T);
     for (int64_t r = a; r < e; r += TILE_ROWS)
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t h = P.Hkv * p / parts, h1 = P.Hkv * (p + 1) / parts;  // KV heads h..h1
-        units.push_back({static_cast<int32_t>(s), static_cast<int32_t>(h), static_cast<int32_t>(r),
-                         static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r)), static_cast<int32_t>(h1 - h)});
-      }
+      tiles.push_back({static_cast<int32_t>(s), 0, static_cast<int32_t>(r),
+                       static_cast<int32_t>(std::min<int64_t>(TILE_ROWS, e - r)), 0});
   }
+  const int64_t n_tiles = static_cast<int64_t>(tiles.size()), threads = std::max<int64_t>(pool.num_threads(), 1);
+  int64_t parts = 1;
+  if (!fast) parts = P.Hkv;
+  else if (n_tiles > 0 && n_tiles < threads) parts = std::min<int64_t>(P.Hkv, (threads + n_tiles - 1) / n_tiles);
+  std::vector<Unit> units;
+  for (const Unit& t : tiles)
+    for (int64_t p = 0; p < parts; ++p) {
+      const int64_t h = P.Hkv * p / parts, h1 = P.Hkv * (p + 1) / parts;  // KV heads h..h1
+      units.push_back({t.slot, static_cast<int32_t>(h), t.row0, t.rows, static_cast<int32_t>(h1 - h)});
+    }
   // the long units first (the most keys x rows): the threads then end close together
   auto cost = [&P](const Unit& x) { return static_cast<int64_t>(x.rows) * std::max<int32_t>(P.lens[x.slot], 1); };
   std::stable_sort(units.begin(), units.end(), [&](const Unit& x, const Unit& y) { return cost(x) > cost(y); });
